@@ -1,0 +1,17 @@
+"""hotswap: an LLM inference engine that takes new weights live."""
+
+from hotswap.config import EngineConfig, current_config, use_config
+from hotswap.entrypoints.llm import LLM
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "current_config",
+    "use_config",
+]

@@ -1,0 +1,242 @@
+"""Engine configuration and the scoped config context.
+
+`EngineConfig` groups typed dataclasses, each validated at construction. Settings derived at startup (KV block
+count, default `max_model_len`) are written once onto the same instance by the engine.
+
+`use_config(cfg)` scopes the live config over a `contextvars.ContextVar`; `current_config()` reads it and
+raises outside any scope. Worker entry points run inside `use_config`, so layer code can ask for the config
+without it being threaded through constructors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def _supported_architectures() -> tuple[str, ...]:
+    from hotswap.model.registry import supported_architectures
+
+    return supported_architectures()
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to serve and how.
+
+    `model` is a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files). `dtype` is
+    "auto" (the checkpoint's dtype) or one of float32/bfloat16/float16. `max_model_len` None means the model's
+    context length; it may not exceed it.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ValueError(f"model: checkpoint folder {self.model!r} does not exist")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model: {self.model!r} has no config.json; expected a Hugging Face checkpoint folder")
+        self.hf_config = json.loads(cfg_path.read_text())
+        archs = self.hf_config.get("architectures") or []
+        supported = _supported_architectures()
+        if not archs or archs[0] not in supported:
+            raise ValueError(
+                f"model: architecture {archs[0] if archs else None!r} is not supported; "
+                f"supported architectures: {', '.join(supported)}"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}")
+        context = self.max_context_len
+        if self.max_model_len is not None:
+            if self.max_model_len <= 0:
+                raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+            if self.max_model_len > context:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} exceeds the model's context length "
+                    f"(max_position_embeddings={context})"
+                )
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config["architectures"][0]
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings", 2048))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+            return _DTYPES.get(name, torch.float32)
+        return _DTYPES[self.dtype]
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache. The block count is derived at startup from `kv_cache_memory_bytes` when given, else from
+    `memory_fraction` of the host's available memory, capped at what `max_num_seqs` full-length sequences need."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # derived at startup
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits. `max_num_batched_tokens` None means max(8192, max_model_len); it must hold a
+    whole prompt of `max_model_len` tokens (prefills are not chunked)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class ParallelConfig:
+    """Worker layout. Only a single in-process worker exists so far."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+
+
+@dataclass
+class LoadConfig:
+    """How weights are read. `load_format` "safetensors" reads *.safetensors; "dummy" leaves random weights."""
+
+    load_format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+
+
+@dataclass
+class EngineConfig:
+    """The whole engine configuration. Cross-section checks run here; derived fields are filled by the engine."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+
+    def __post_init__(self) -> None:
+        mc, sc = self.model_config, self.scheduler_config
+        if mc.max_model_len is None:
+            mc.max_model_len = mc.max_context_len
+        if sc.max_num_batched_tokens is None:
+            sc.max_num_batched_tokens = max(8192, mc.max_model_len)
+        if sc.max_num_batched_tokens < mc.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than max_model_len="
+                f"{mc.max_model_len}; raise it or lower max_model_len (prefills are not chunked)"
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Builds a config from flat keyword arguments (the `LLM(...)` style). Unknown names raise TypeError."""
+        sections = {
+            "model_config": ModelConfig,
+            "cache_config": CacheConfig,
+            "scheduler_config": SchedulerConfig,
+            "parallel_config": ParallelConfig,
+            "load_config": LoadConfig,
+        }
+        parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in kwargs.items():
+            for name, klass in sections.items():
+                if key in {f.name for f in fields(klass)}:
+                    parts[name][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        return cls(
+            model_config=ModelConfig(model=str(model), **parts["model_config"]),
+            cache_config=CacheConfig(**parts["cache_config"]),
+            scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
+            parallel_config=ParallelConfig(**parts["parallel_config"]),
+            load_config=LoadConfig(**parts["load_config"]),
+        )
+
+
+_CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar("hotswap_config", default=None)
+
+
+@contextlib.contextmanager
+def use_config(config: EngineConfig) -> Iterator[EngineConfig]:
+    """Makes `config` the live config inside the block; the previous one is restored on exit, also on error."""
+    token = _CURRENT.set(config)
+    try:
+        yield config
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_config() -> EngineConfig:
+    """The live engine config. Raises RuntimeError outside any `use_config` scope."""
+    config = _CURRENT.get()
+    if config is None:
+        raise RuntimeError(
+            "current_config() called outside a config scope; wrap the call in `with use_config(config):` "
+            "(worker entry points do this for you)"
+        )
+    return config
+
+
+def available_memory_bytes() -> int:
+    """The host's available memory (MemAvailable), or total physical memory where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,165 @@
+"""Paged KV block allocation with reference counts, copy-on-write and a hash-chained prefix cache.
+
+Invariants:
+- A block with ref_count 0 sits in the free queue (least recently freed first). It may still hold a cached
+  prefix block, found through `cached`, until it is handed out again.
+- A block is only written by a sequence that owns it alone (ref_count 1); a sequence about to write into a
+  shared block first copies it (recorded in `pending_copies`, executed before the next forward pass).
+- Only full blocks whose KV is computed are hashed. The hash of block i covers its tokens and block i-1's hash,
+  so a hit on block i implies the whole prefix matches.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hotswap.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_hit_tokens = 0
+        self.shared_block_refs = 0  # block references handed out by sharing instead of allocating
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _chain_hash(self, prev: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((prev, tokens))
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block id, hash) of the leading cached blocks of `seq`, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[tuple[int, int]] = []
+        prev: int | None = None
+        bs = self.block_size
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = self._chain_hash(prev, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append((block_id, h))
+            prev = h
+        return hits
+
+    def _take_free(self) -> Block:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        revived = sum(1 for b, _ in hits if self.blocks[b].ref_count == 0)
+        return self._blocks_needed(len(seq)) - len(hits) <= len(self.free) - revived
+
+    def allocate(self, seq: Sequence) -> None:
+        """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Call after can_allocate."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hits = self._prefix_hits(seq)
+        for block_id, _ in hits:
+            self._ref(block_id)
+        seq.block_table = [b for b, _ in hits]
+        seq.block_hashes = [h for _, h in hits]
+        for _ in range(self._blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free().block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        self.shared_block_refs += len(hits)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Releases the blocks of `seq` (most recent last, so a prefix outlives its tail in the cache)."""
+        owned = set(seq.block_table)
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in owned]
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether `seq` can get a writable slot for its last token."""
+        pos = len(seq) - 1
+        if pos // self.block_size >= len(seq.block_table):
+            return len(self.free) >= 1
+        return self.blocks[seq.block_table[pos // self.block_size]].ref_count == 1 or len(self.free) >= 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Makes the block holding the last token writable by `seq` alone. Call after can_append."""
+        index = (len(seq) - 1) // self.block_size
+        if index >= len(seq.block_table):
+            seq.block_table.append(self._take_free().block_id)
+            return
+        old = self.blocks[seq.block_table[index]]
+        if old.ref_count > 1:
+            new = self._take_free()
+            old.ref_count -= 1
+            seq.block_table[index] = new.block_id
+            self.pending_copies.append((old.block_id, new.block_id))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent`; writes are separated later by copy-on-write."""
+        for block_id in parent.block_table:
+            self._ref(block_id)
+        child.block_table = list(parent.block_table)
+        self.shared_block_refs += len(parent.block_table)
+
+    def commit(self, seq: Sequence) -> None:
+        """Registers the newly full, computed blocks of `seq` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = self._chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix; blocks in use stay allocated."""
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()

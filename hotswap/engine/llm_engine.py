@@ -1,0 +1,243 @@
+"""The step loop: schedule, execute on the workers, append tokens, finish requests."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from hotswap.config import EngineConfig
+from hotswap.engine.block_manager import BlockManager
+from hotswap.engine.detokenizer import Detokenizer, find_stop
+from hotswap.engine.scheduler import Scheduler, SchedulerOutput
+from hotswap.engine.sequence import Request, Sequence, SequenceStatus
+from hotswap.executor.base import Executor
+from hotswap.executor.uniproc import UniProcExecutor
+from hotswap.model.layers.sampler import SampleResult, SampleSpec
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.sampling_params import SamplingParams
+from hotswap.worker.model_input import ModelInput
+
+
+class LLMEngine:
+    """Owns the scheduler and block manager; drives the workers through the executor."""
+
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+        start = time.perf_counter()
+        self.config = config
+        mc, cc = config.model_config, config.cache_config
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(mc.hf_config, self.tokenizer)
+        self.executor = executor_class(config)
+        self.executor.collective_rpc("load_model")
+        if cc.num_kv_blocks is None:
+            cc.num_kv_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
+        assert mc.max_model_len is not None
+        if cc.num_kv_blocks * cc.block_size < mc.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {cc.num_kv_blocks * cc.block_size} tokens, fewer than max_model_len="
+                f"{mc.max_model_len}; raise kv_cache_memory_bytes / memory_fraction or lower max_model_len"
+            )
+        self.executor.collective_rpc("initialize_cache", (cc.num_kv_blocks,))
+        self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self.startup_seconds = time.perf_counter() - start
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a prompt the engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        max_len = self.config.model_config.max_model_len
+        assert max_len is not None
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len={max_len} leaves no room to generate"
+            )
+        vocab = self.config.model_config.hf_config["vocab_size"]
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
+        if any(t >= vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.validate_prompt(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, prompt, list(prompt_token_ids), params)
+        seq = Sequence(request, 0, prompt_token_ids)
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns the outputs of requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("no sequence can be scheduled although requests are waiting")
+            return []
+        model_input = self._build_input(batch)
+        results = self.executor.collective_rpc("execute_model", (model_input,))[0]
+        return self._process(batch, model_input, results)
+
+    def _build_input(self, batch: SchedulerOutput) -> ModelInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        specs: list[SampleSpec] = []
+        for i, seq in enumerate(batch.seqs):
+            start = seq.num_computed_tokens if batch.is_prefill else len(seq) - 1
+            input_ids.extend(seq.token_ids[start:])
+            positions.extend(range(start, len(seq)))
+            query_lens.append(len(seq) - start)
+            context_lens.append(len(seq))
+            width = seq.request.params.n if not seq.request.forked else 1
+            for index in range(width) if width > 1 else [seq.index]:
+                sample_rows.append(i)
+                specs.append(self._spec(seq, index))
+        return ModelInput(
+            input_ids, positions, query_lens, context_lens, [s.block_table for s in batch.seqs],
+            sample_rows, specs, batch.block_copies,
+        )
+
+    def _spec(self, seq: Sequence, index: int) -> SampleSpec:
+        p = seq.request.params
+        banned: list[int] = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids)))
+        return SampleSpec(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+            sample_index=index, position=seq.num_output_tokens, banned_token_ids=banned, num_logprobs=p.logprobs,
+        )
+
+    def _process(self, batch: SchedulerOutput, model_input: ModelInput, results: list[SampleResult]) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        row = 0
+        for seq in batch.seqs:
+            seq.num_computed_tokens = len(seq)
+            self.block_manager.commit(seq)
+            request = seq.request
+            targets = [seq]
+            if not request.forked:
+                request.forked = True
+                for index in range(1, request.params.n):
+                    child = seq.fork(index)
+                    self.block_manager.fork(seq, child)
+                    request.seqs.append(child)
+                    self.scheduler.add_running(child)
+                targets = list(request.seqs)
+            for target in targets:
+                self._append(target, results[row])
+                row += 1
+            for target in targets:
+                if target.finish_reason is not None and target.status is SequenceStatus.RUNNING:
+                    self.scheduler.finish(target)
+            if request.finished:
+                finished.append(self._output(request))
+                del self.requests[request.request_id]
+        assert row == len(results)
+        return finished
+
+    def _append(self, seq: Sequence, result: SampleResult) -> None:
+        params = seq.request.params
+        token = result.token_id
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += result.logprob
+        if params.logprobs is not None:
+            entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
+            for rank, (tid, lp) in enumerate(zip(result.top_ids or [], result.top_logprobs or []), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, self.detokenizer.token_text(tid))
+            seq.logprobs.append(entry)
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in (params.stop_token_ids or ()):
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if params.stop_strings:
+                old_len = len(seq.text)
+                seq.text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+                hit = find_stop(seq.text, params.stop_strings, max(len(seq.text) - old_len, 1))
+                if hit is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", hit[0]
+                    seq.text = seq.text[: hit[1]]
+                    return
+        max_len = self.config.model_config.max_model_len
+        assert max_len is not None
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= max_len:
+            seq.finish_reason = "length"
+
+    def _output(self, request: Request) -> RequestOutput:
+        params = request.params
+        outputs = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            text = seq.text
+            if not (seq.stop_reason is not None and isinstance(seq.stop_reason, str)):
+                text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs if params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+
+    # ---- maintenance ----------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "shared_block_refs": bm.shared_block_refs,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_kv_blocks": len(bm.blocks),
+        }
+
+
+def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for value in (hf_config.get("eos_token_id"), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,77 @@
+"""Requests and their sequences, with named states."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from hotswap.outputs import Logprob
+from hotswap.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation of its prompt and any output so far
+    RUNNING = "running"  # holds KV blocks; decodes one token per step
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion being generated. `token_ids` holds prompt then output; KV exists for the first
+    `num_computed_tokens` of them."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int]) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the leading full, computed blocks
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits at its latest allocation
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""  # detokenized output, kept current only where stop strings need it
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling with the same tokens and output state; the block manager shares its blocks separately."""
+        child = Sequence(self.request, index, self.token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
+        return child
+
+
+@dataclass
+class Request:
+    """A prompt and its `params.n` sequences. Sequence 0 is prefilled alone; its siblings fork from it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status is SequenceStatus.FINISHED for s in self.seqs)

@@ -1,0 +1,137 @@
+"""The offline `LLM` entry point, with vLLM's names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from hotswap.config import EngineConfig
+from hotswap.engine.llm_engine import LLMEngine
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Loads a Hugging Face checkpoint folder and generates from it.
+
+    Keyword arguments are the fields of the config sections (dtype, max_model_len, block_size,
+    enable_prefix_caching, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, seed, ...); an
+    unknown one raises TypeError and an invalid value ValueError.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (a string or {"prompt_token_ids": [...]}) and returns outputs in prompt
+        order. `sampling_params` is one for all prompts or one per prompt. Every prompt is validated before any
+        is queued, so a bad one raises ValueError and leaves the engine as it was."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per prompt"
+                )
+        engine = self.llm_engine
+        staged = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            engine.validate_prompt(token_ids, params)
+            staged.append((text, token_ids, params))
+        ids = []
+        for text, token_ids, params in staged:
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, text, token_ids, params)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            ids = self.get_tokenizer().apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                tokenize=True, return_dict=False,
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        wanted = set(request_ids)
+        try:
+            while engine.has_unfinished_requests() and not wanted.issubset(done):
+                for out in engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        finally:
+            bar.close()
+        return [done[r] for r in request_ids]
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
+        return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def apply_model(self, func: Callable[[nn.Module], Any]) -> list[Any]:
+        """Calls `func(model)` on every worker's `nn.Module`; one result per worker."""
+        return self.collective_rpc(_ApplyModel(func))
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+
+class _ApplyModel:
+    def __init__(self, func: Callable[[nn.Module], Any]) -> None:
+        self.func = func
+
+    def __call__(self, worker: Any) -> Any:
+        return self.func(worker.model)

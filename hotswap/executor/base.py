@@ -1,0 +1,30 @@
+"""The executor is the engine's only door to its workers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from hotswap.config import EngineConfig
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Runs `method` on every worker and returns one result per worker, rank order.
+
+        `method` is a Worker method name or a callable taking the worker as its first argument. Raises
+        TimeoutError if a worker does not answer within `timeout` seconds (where the executor can tell)."""
+
+    def shutdown(self) -> None:
+        """Releases the workers."""

@@ -1,0 +1,26 @@
+"""A single worker in the engine's own process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hotswap.config import EngineConfig
+from hotswap.executor.base import Executor
+from hotswap.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker = Worker(config, rank=0)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        # In process, a call cannot be interrupted safely, so `timeout` is accepted but not enforced here.
+        return [self.worker.execute_method(method, *args, **(kwargs or {}))]

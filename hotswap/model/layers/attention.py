@@ -1,0 +1,116 @@
+"""Paged attention over a block-structured KV cache.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim]. New keys and
+values are written at `slot_mapping` (block * block_size + offset). Each sequence then attends over the blocks
+listed in its block table. Sequences are padded to a common query and key length only inside attention; the
+linear layers see the flat token batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, shared by every layer of one forward pass.
+
+    `query_lens[i]` new tokens of sequence i follow its `context_lens[i] - query_lens[i]` cached tokens.
+    `pad_index` maps each flat token to its row in the padded [B * max_query_len] layout (None when every
+    sequence has one query token). `mask` [B, 1, max_query_len, key_len] is True where a query may attend.
+    `gather_cache` is False when no sequence has cached tokens, so keys come straight from this step.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    pad_index: torch.Tensor | None
+    mask: torch.Tensor
+    max_query_len: int
+    gather_cache: bool
+
+    @classmethod
+    def build(
+        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+    ) -> AttentionMetadata:
+        max_q = max(query_lens)
+        gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
+        width = max(len(t) for t in block_tables)
+        key_len = width * block_size if gather else max_q
+        slots: list[int] = []
+        pad: list[int] = []
+        for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
+            for pos in range(c - q, c):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            pad.extend(range(i * max_q, i * max_q + q))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        q_len = torch.tensor(query_lens)
+        c_len = torch.tensor(context_lens)
+        # Query row j of sequence i sits at absolute position c - q + j and sees keys at positions <= that.
+        q_pos = (c_len - q_len)[:, None] + torch.arange(max_q)[None, :]
+        k_pos = torch.arange(key_len)
+        if gather:
+            mask = k_pos[None, None, :] <= q_pos[:, :, None]
+        else:
+            mask = k_pos[None, None, :] <= (q_pos - (c_len - q_len)[:, None])[:, :, None]
+        mask &= k_pos[None, None, :] < c_len[:, None, None]
+        mask[:, :, 0] = True  # padding rows attend somewhere; their outputs are dropped
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=tables,
+            pad_index=None if max_q == 1 else torch.tensor(pad, dtype=torch.long),
+            mask=mask.unsqueeze(1),
+            max_query_len=max_q,
+            gather_cache=gather,
+        )
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention with grouped KV heads over the paged cache bound to `k_cache`/`v_cache`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]."""
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        num_seqs = meta.block_tables.shape[0]
+        max_q = meta.max_query_len
+        if meta.gather_cache:
+            keys = self.k_cache[meta.block_tables].flatten(1, 2)
+            values = self.v_cache[meta.block_tables].flatten(1, 2)
+        else:
+            keys, values = _pad(k, meta, num_seqs), _pad(v, meta, num_seqs)
+        query = _pad(q, meta, num_seqs)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads * self.head_dim)
+        return out if meta.pad_index is None else out[meta.pad_index]
+
+
+def _pad(x: torch.Tensor, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
+    """[T, heads, D] -> [B, max_query_len, heads, D], zero-filled."""
+    if meta.pad_index is None:
+        return x.view(num_seqs, 1, *x.shape[1:])
+    out = x.new_zeros(num_seqs * meta.max_query_len, *x.shape[1:])
+    out[meta.pad_index] = x
+    return out.view(num_seqs, meta.max_query_len, *x.shape[1:])

@@ -1,0 +1,104 @@
+"""Batched token sampling with per-row settings.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p. A row with a
+seed draws its noise from a generator keyed by (seed, sample index, output position), so its tokens do not depend
+on what else is in the batch, on batch order, or on preemption. Logprobs are those of the model's raw
+distribution (before temperature and filters), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SampleSpec:
+    """How to sample one row of logits."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    sample_index: int = 0
+    position: int = 0
+    banned_token_ids: list[int] = field(default_factory=list)
+    num_logprobs: int | None = None
+
+
+@dataclass
+class SampleResult:
+    """The sampled token, its raw logprob and rank, and the top-k (ids, logprobs) when requested."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+def _row_seed(seed: int, index: int, position: int) -> int:
+    # SplitMix64 over the three keys: distinct streams per sample and per position.
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    return x & (2**63 - 1)
+
+
+def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Applies top-k, top-p and min-p per row; filtered entries become -inf."""
+    top_k = torch.tensor([s.top_k if s.top_k > 0 else logits.shape[1] for s in specs])
+    top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype)
+    min_p = torch.tensor([s.min_p for s in specs], dtype=logits.dtype)
+    if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1])[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
+    """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
+    logprobs = logits.log_softmax(dim=-1)
+    logits = logits.clone()
+    for row, spec in enumerate(specs):
+        if spec.banned_token_ids:
+            logits[row, spec.banned_token_ids] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        sub_specs = [specs[r] for r in random_rows]
+        temps = torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)
+        probs = _filter(logits[rows] / temps[:, None], sub_specs).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, spec in enumerate(sub_specs):
+            if spec.seed is not None:
+                gen = torch.Generator().manual_seed(_row_seed(spec.seed, spec.sample_index, spec.position))
+                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    token_list, chosen_list = tokens.tolist(), chosen.tolist()
+    results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list, strict=True)]
+    for row, spec in enumerate(specs):
+        if spec.num_logprobs is None:
+            continue
+        res = results[row]
+        res.rank = int((logprobs[row] > chosen[row]).sum().item()) + 1
+        if spec.num_logprobs > 0:
+            top = logprobs[row].topk(spec.num_logprobs)
+            res.top_ids, res.top_logprobs = top.indices.tolist(), top.values.tolist()
+    return results

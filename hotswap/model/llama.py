@@ -1,0 +1,154 @@
+"""Llama-family decoder models: Llama 2/3, Mistral, SmolLM, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm,
+independent head_dim). Module names follow the Hugging Face checkpoints, with q/k/v fused into `qkv_proj` and
+gate/up into `gate_up_proj` (see `packed_modules_mapping`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.model.layers.attention import Attention, AttentionMetadata
+from hotswap.model.layers.embedding import Embedding
+from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from hotswap.model.layers.norm import RMSNorm
+from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        attention_bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias
+        )
+        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias)
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged cache. `forward` returns final hidden states for the flat batch;
+    `compute_logits` projects only the rows that need sampling."""
+
+    qkv_bias = False
+    qk_norm = False
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # checkpoint module name -> (fused module name, shard id)
+    stacked_params_mapping: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.model = LlamaModel(hf_config, self.qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(hf_config["hidden_size"], hf_config["vocab_size"])
+        for name, param in self.named_parameters():
+            param.hotswap_name = name
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = default_weight_loader
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Extra checkpoint names that refer to an existing parameter (tied embeddings accept either name)."""
+        if self.tie_word_embeddings:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    @staticmethod
+    def ignored_checkpoint_names(name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,65 @@
+"""Turns a ModelInput into tensors, runs the model over the paged cache and samples."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hotswap.config import EngineConfig
+from hotswap.model.layers.attention import Attention, AttentionMetadata
+from hotswap.model.layers.sampler import sample
+from hotswap.worker.model_input import ModelInput, ModelOutput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+        self.config = config
+        self.model = model
+        self.block_size = config.cache_config.block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def bytes_per_block(self) -> int:
+        layers = self.attention_layers()
+        itemsize = torch.empty((), dtype=self.config.model_config.torch_dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocates zeroed K and V tensors [num_blocks, block_size, kv_heads, head_dim] per layer and binds them."""
+        dtype = self.config.model_config.torch_dtype
+        self.kv_caches = []
+        for attn in self.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype)
+            attn.v_cache = torch.zeros(shape, dtype=dtype)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    def free_kv_cache(self) -> None:
+        for attn in self.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        self.kv_caches = []
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput) -> ModelOutput:
+        self.copy_blocks(model_input.block_copies)
+        meta = AttentionMetadata.build(
+            model_input.query_lens, model_input.context_lens, model_input.block_tables, self.block_size
+        )
+        input_ids = torch.tensor(model_input.input_ids, dtype=torch.long)
+        positions = torch.tensor(model_input.positions, dtype=torch.long)
+        hidden = self.model(input_ids, positions, meta)
+        last = torch.tensor(model_input.query_lens).cumsum(0) - 1
+        rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
+        logits = self.model.compute_logits(hidden[rows])
+        return sample(logits, model_input.sample_specs)
