@@ -14,6 +14,7 @@ norm weights and biases are non-trivial, and the output depends on context.
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import random
@@ -191,7 +192,8 @@ def make_tokenizer(path: str | pathlib.Path, vocab_size: int = 512) -> None:
         model_max_length=1 << 30,
         chat_template=CHAT_TEMPLATE,
     )
-    tok.save_pretrained(str(path))
+    tok.save_pretrained(str(path), save_jinja_files=False)  # template in tokenizer_config.json
+    (pathlib.Path(path) / "special_tokens_map.json").write_text(json.dumps(tok.special_tokens_map, indent=2) + "\n")
 
 
 def _config_and_class(arch: str, preset: str, dtype: str, overrides: dict[str, Any]) -> tuple[Any, Any]:
@@ -221,7 +223,15 @@ def _config_and_class(arch: str, preset: str, dtype: str, overrides: dict[str, A
 
 @torch.no_grad()
 def _shape_weights(model: Any, n_tokens: int) -> None:
-    """Make random weights useful for exact greedy comparisons (see module docstring)."""
+    """Adjust a freshly initialised model in place for exact greedy comparisons.
+
+    Norm weights become U(0.8, 1.2) and biases N(0, initializer_range), so that
+    neither is a no-op; the final norm is scaled so the logits have a standard
+    deviation of about ``_LOGIT_STD`` (rare top-1/top-2 near-ties); the input
+    rows of special tokens are redrawn (the pad row would otherwise be zero);
+    and the output rows of special tokens and of ids ``>= n_tokens`` are shrunk
+    so they are rarely the argmax.
+    """
     cfg = model.config
     std = cfg.initializer_range
     for name, p in model.named_parameters():
@@ -260,21 +270,32 @@ def make_tiny_model(
     preset or dtype.
     """
     from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     config, model_cls = _config_and_class(arch, preset, dtype, config_overrides)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok_vocab = min(config.vocab_size, _MAX_TOKENIZER_VOCAB)
     make_tokenizer(path, tok_vocab)
-    n_tokens = _tokenizer_size(tok_vocab)
 
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    _shape_weights(model, n_tokens)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state untouched
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+        _shape_weights(model, _tokenizer_size(tok_vocab))
     model.generation_config = GenerationConfig(
         bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
     )
-    model.to(_DTYPES[dtype]).save_pretrained(str(path), max_shard_size="1000GB")
+    progress_bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.to(_DTYPES[dtype]).save_pretrained(str(path), max_shard_size="1000GB")
+    finally:
+        if progress_bar:
+            hf_logging.enable_progress_bar()
     if not (path / "generation_config.json").exists():
         model.generation_config.save_pretrained(str(path))
+    config_file = path / "config.json"  # also record the legacy dtype key for older readers
+    config_json = json.loads(config_file.read_text())
+    config_json["torch_dtype"] = dtype
+    config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     return path

@@ -1,0 +1,83 @@
+"""The `hotswap` command: make-model, generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from hotswap.testing import make_tiny_model
+
+    overrides = {}
+    if args.tie_word_embeddings is not None:
+        overrides["tie_word_embeddings"] = args.tie_word_embeddings
+    path = make_tiny_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype, **overrides)
+    print(f"wrote a random-weight {args.arch} checkpoint ({args.preset}) to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hotswap import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seed=args.seed, n=args.n,
+    )
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outputs:
+        for completion in out.outputs:
+            print(f"{out.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hotswap.demo import run_demo
+
+    return run_demo(out_dir=args.out_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hotswap", description="An LLM inference engine that takes new weights live.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    make = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint with a local tokenizer")
+    make.add_argument("dir")
+    make.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    make.add_argument("--preset", default="tiny", choices=["tiny", "9m", "125m"])
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    make.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    make.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="generate completions from a checkpoint folder")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo", help="build a small model locally and generate from it")
+    demo.add_argument("--out-dir", default="demo_out")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

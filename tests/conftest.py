@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random-weight checkpoints (one per architecture) and Hugging Face references."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotswap.testing import make_tiny_model
+
+# (fixture id, arch, overrides)
+ARCHS = {
+    "llama": ("llama", {"tie_word_embeddings": False}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+
+PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog and then",
+    "a",
+    "one two three four five six seven eight nine ten eleven twelve thirteen",
+    "x y",
+    "I like to eat apples and",
+    "numbers 1 2 3 4",
+    "what is the meaning of this small random model, if any, and why does it talk",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_model(root / name, arch=arch, **kw) for name, (arch, kw) in ARCHS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+@functools.cache
+def hf_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Transformers' greedy continuation of `prompt_ids` (EOS ignored) and its per-step log-softmax rows."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return tokens, [step[0].float().log_softmax(-1) for step in out.logits]

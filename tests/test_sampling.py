@@ -1,0 +1,152 @@
+"""Sampling semantics: seeds, n > 1 with shared KV blocks, stop conditions, filters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from hotswap import LLM, SamplingParams
+from hotswap.model.layers.sampler import SampleSpec, sample
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24)
+
+
+def test_seeded_request_is_reproducible_alone_or_in_a_crowd(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=24 + i, ignore_eos=True) for i in range(16)]
+    crowd = llm.generate(PROMPTS[:8] * 2 + [PROMPTS[1]], [*others, seeded], use_tqdm=False)
+    assert crowd[-1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24, ignore_eos=True)
+    assert llm.generate(PROMPTS[1], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n4_shares_prompt_blocks_and_samples_distinct_completions(llama_dir):
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, block_size=4, enable_prefix_caching=False)
+    prompt = PROMPTS[7]
+    num_prompt_blocks = -(-len(llm.get_tokenizer().encode(prompt)) // 4)
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 16 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # The three siblings took references to every prompt block instead of recomputing them.
+    assert llm.llm_engine.stats()["shared_block_refs"] == 3 * num_prompt_blocks
+    assert llm.llm_engine.stats()["num_free_blocks"] == llm.config.cache_config.num_kv_blocks
+
+
+def test_n_greedy_siblings_equal_single_greedy(llm):
+    single = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    multi = llm.generate(PROMPTS[3], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+    assert all(c.token_ids == single[0].outputs[0].token_ids for c in multi[0].outputs)
+
+
+def test_stop_token_ids_end_with_stop_reason(llm):
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    stop_token = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_token)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_token]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+
+
+def test_stop_string_is_cut_from_text(llm):
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    text = greedy.text
+    stop = text[10:13]
+    assert stop.strip(), "fixture text too short"
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop=[stop, "never-seen-zzz"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert len(out.token_ids) < len(greedy.token_ids)
+
+
+def test_min_tokens_suppresses_stop_tokens(llm):
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, min_tokens=10,
+                                                  stop_token_ids=[greedy.token_ids[0]]), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 10
+    assert greedy.token_ids[0] not in out[0].outputs[0].token_ids[:10]
+
+
+def test_max_tokens_gives_length(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    # min_tokens=0 and a logit bias is not available, so sample heavily: EOS must end a completion when drawn.
+    outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=5.0, max_tokens=200, seed=3, n=8), use_tqdm=False)
+    for c in (c for o in outs for c in o.outputs):
+        if eos in c.token_ids:
+            assert c.token_ids[-1] == eos and c.token_ids.count(eos) == 1 and c.finish_reason == "stop"
+
+
+def test_logprobs_topk_entries(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=0, max_tokens=6, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked][:3] == [1, 2, 3]
+        assert ranked[0].logprob >= ranked[1].logprob >= ranked[2].logprob
+        assert all(lp.decoded_token is not None for lp in entry.values())
+
+
+def test_sampler_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    order = logits[0].argsort(descending=True)
+    for _ in range(50):
+        (res,) = sample(logits, [SampleSpec(temperature=1.0, top_k=3)])
+        assert res.token_id in order[:3].tolist()
+        (res,) = sample(logits, [SampleSpec(temperature=1.0, top_p=1e-6)])
+        assert res.token_id == order[0].item()
+        (res,) = sample(logits, [SampleSpec(temperature=1.0, min_p=0.999)])
+        assert res.token_id == order[0].item()
+    probs = logits[0].softmax(-1)
+    keep = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    seen = {sample(logits, [SampleSpec(temperature=1.0, top_p=0.5)])[0].token_id for _ in range(300)}
+    assert seen <= set(order[:keep].tolist()) and len(seen) > 1
+
+
+def test_sampler_matches_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(logits, [SampleSpec(temperature=1.0)])[0].token_id] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
