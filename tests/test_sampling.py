@@ -29,8 +29,9 @@ def test_n4_shares_prompt_blocks_and_samples_distinct_completions(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, block_size=4, enable_prefix_caching=False)
     prompt = PROMPTS[7]
     num_prompt_blocks = -(-len(llm.get_tokenizer().encode(prompt)) // 4)
-    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 16 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -41,40 +42,47 @@ def test_n4_shares_prompt_blocks_and_samples_distinct_completions(llama_dir):
 
 def test_n_greedy_siblings_equal_single_greedy(llm):
     single = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    multi = llm.generate(PROMPTS[3], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
-                         use_tqdm=False)
+    multi = llm.generate(PROMPTS[3], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert all(c.token_ids == single[0].outputs[0].token_ids for c in multi[0].outputs)
 
 
 def test_stop_token_ids_end_with_stop_reason(llm):
-    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop_token = greedy.token_ids[5]
     first = greedy.token_ids.index(stop_token)
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_token]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_token]), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == greedy.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
 
 
 def test_stop_string_is_cut_from_text(llm):
-    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = greedy.text
     stop = text[10:13]
     assert stop.strip(), "fixture text too short"
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop=[stop, "never-seen-zzz"]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop=[stop, "never-seen-zzz"]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     assert len(out.token_ids) < len(greedy.token_ids)
 
 
 def test_min_tokens_suppresses_stop_tokens(llm):
-    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, min_tokens=10,
-                                                  stop_token_ids=[greedy.token_ids[0]]), use_tqdm=False)
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=32, min_tokens=10, stop_token_ids=[greedy.token_ids[0]]),
+        use_tqdm=False,
+    )
     assert len(out[0].outputs[0].token_ids) >= 10
     assert greedy.token_ids[0] not in out[0].outputs[0].token_ids[:10]
 
@@ -94,8 +102,9 @@ def test_eos_ends_generation_unless_ignored(llm):
 
 
 def test_logprobs_topk_entries(llm):
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=0, max_tokens=6, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=0, max_tokens=6, logprobs=3), use_tqdm=False)[
+        0
+    ].outputs[0]
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert token in entry
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)

@@ -116,8 +116,14 @@ class LLMEngine:
                 sample_rows.append(i)
                 specs.append(self._spec(seq, index))
         return ModelInput(
-            input_ids, positions, query_lens, context_lens, [s.block_table for s in batch.seqs],
-            sample_rows, specs, batch.block_copies,
+            input_ids,
+            positions,
+            query_lens,
+            context_lens,
+            [s.block_table for s in batch.seqs],
+            sample_rows,
+            specs,
+            batch.block_copies,
         )
 
     def _spec(self, seq: Sequence, index: int) -> SampleSpec:
@@ -126,11 +132,20 @@ class LLMEngine:
         if seq.num_output_tokens < p.min_tokens:
             banned = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids)))
         return SampleSpec(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
-            sample_index=index, position=seq.num_output_tokens, banned_token_ids=banned, num_logprobs=p.logprobs,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=p.seed,
+            sample_index=index,
+            position=seq.num_output_tokens,
+            banned_token_ids=banned,
+            num_logprobs=p.logprobs,
         )
 
-    def _process(self, batch: SchedulerOutput, model_input: ModelInput, results: list[SampleResult]) -> list[RequestOutput]:
+    def _process(
+        self, batch: SchedulerOutput, model_input: ModelInput, results: list[SampleResult]
+    ) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         row = 0
         for seq in batch.seqs:
@@ -165,7 +180,9 @@ class LLMEngine:
         seq.cumulative_logprob += result.logprob
         if params.logprobs is not None:
             entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
-            for rank, (tid, lp) in enumerate(zip(result.top_ids or [], result.top_logprobs or []), start=1):
+            for rank, (tid, lp) in enumerate(
+                zip(result.top_ids or [], result.top_logprobs or [], strict=False), start=1
+            ):
                 if tid not in entry:
                     entry[tid] = Logprob(lp, rank, self.detokenizer.token_text(tid))
             seq.logprobs.append(entry)

@@ -22,8 +22,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.seed, n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        n=args.n,
     )
     outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for out in outputs:

@@ -79,8 +79,11 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             ids = self.get_tokenizer().apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                tokenize=True, return_dict=False,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
+                return_dict=False,
             )
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -26,5 +26,5 @@ class Executor(ABC):
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises
         TimeoutError if a worker does not answer within `timeout` seconds (where the executor can tell)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release by default
         """Releases the workers."""

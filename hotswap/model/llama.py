@@ -27,9 +27,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(cfg.get("attention_bias", False))
-        self.qkv_proj = QKVLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias
-        )
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=attention_bias)
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling)
@@ -80,9 +78,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"])
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

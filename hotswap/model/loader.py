@@ -89,12 +89,20 @@ class WeightMap:
             raise ValueError(f"unknown checkpoint tensor {name!r}: the model has no such weight")
         return target
 
-    def check_names(self, names: Iterable[str], require_all: bool) -> None:
-        """Raises ValueError naming unknown tensors and, when `require_all`, the parameters nobody fills."""
-        names = [n for n in names if not self.ignored(n)]
+    def check(self, shapes: dict[str, tuple[int, ...]], require_all: bool) -> None:
+        """Checks declared tensor names and shapes against the model before any data moves. Raises ValueError
+        naming unknown tensors, wrong shapes (with the expected ones) and, when `require_all`, missing ones."""
+        names = [n for n in shapes if not self.ignored(n)]
         unknown = sorted(n for n in names if n not in self.targets)
         if unknown:
             raise ValueError(f"unknown checkpoint tensors (the model has no such weights): {unknown}")
+        wrong = [
+            f"{n}: expected shape {self.targets[n].shape}, got {tuple(shapes[n])}"
+            for n in names
+            if tuple(shapes[n]) != self.targets[n].shape
+        ]
+        if wrong:
+            raise ValueError(f"checkpoint tensors with the wrong shape: {wrong}")
         if require_all:
             filled = {n if n in self.required else self._canonical(n) for n in names}
             missing = sorted(self.required - filled)
@@ -114,12 +122,16 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def safetensors_names(folder: str) -> list[str]:
-    names: list[str] = []
+def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the folder, read from the file headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt") as f:
-            names.extend(f.keys())
-    return names
+            for name in f.keys():
+                if name in shapes:
+                    raise ValueError(f"tensor {name!r} appears in more than one file of {folder!r}")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,5 +161,5 @@ def load_checkpoint(model: nn.Module, folder: str) -> None:
     """Full load from a safetensors folder: every name is checked before any byte is copied."""
     weight_map = WeightMap(model)
     model._hotswap_weight_map = weight_map
-    weight_map.check_names(safetensors_names(folder), require_all=True)
+    weight_map.check(safetensors_shapes(folder), require_all=True)
     load_weights(model, iterate_safetensors(folder))
