@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import nn
 
@@ -32,8 +35,8 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype)
-            attn.v_cache = torch.zeros(shape, dtype=dtype)
+            attn.k_cache = zeroed(shape, dtype)
+            attn.v_cache = zeroed(shape, dtype)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     def free_kv_cache(self) -> None:
@@ -63,3 +66,11 @@ class ModelRunner:
         rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
         logits = self.model.compute_logits(hidden[rows])
         return sample(logits, model_input.sample_specs)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor backed by an anonymous mapping: pages are zero-filled by the OS on first touch, so a large
+    cache costs nothing until used, and its memory returns to the system when the tensor is freed."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)

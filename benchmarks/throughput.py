@@ -1,0 +1,170 @@
+"""Generation throughput of hotswap against transformers on the same random-weight model, in one run.
+
+Workloads: (a) a ~9M llama, 64 prompts x 128 tokens; (b) a 125M llama with SmolLM2-135M's shape, 64 prompts x
+64 tokens. Both fp32, fixed output length (ignore_eos). Also measures this machine's fp32 GEMM peak and reports
+the fraction of the roofline reached, and the time from `LLM(...)` to ready.
+
+    python benchmarks/throughput.py [--workloads 9m,125m] [--skip-hf]
+
+Prints human-readable lines and ends with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hotswap import LLM, SamplingParams
+from hotswap.testing import make_tiny_model
+
+WORKLOADS = {"9m": (64, 128), "125m": (64, 64)}
+
+
+def gemm_peak_gflops(n: int = 1536, reps: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def read_bandwidth_gbs(numel: int = 100_000_000, reps: int = 5) -> float:
+    x = torch.ones(numel)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return numel * 4 / best / 1e9
+
+
+def roofline_seconds(cfg: dict, prompts: list[list[int]], max_tokens: int, peak: float, bw: float) -> float:
+    """Lower bound on generation time: per decode step, the larger of its FLOPs at GEMM peak and its bytes
+    (all weights plus the KV it reads) at memory bandwidth; the prefill is counted at GEMM peak."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv_dim = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
+    weight_bytes = 4 * (flops_per_token(cfg, 0) / 2)
+    total = sum(len(p) for p in prompts) * flops_per_token(cfg, 32) / (peak * 1e9)
+    for step in range(max_tokens):
+        contexts = [len(p) + step for p in prompts]
+        flops = sum(flops_per_token(cfg, c) for c in contexts)
+        kv_bytes = sum(contexts) * layers * 2 * kv_dim * 4
+        total += max(flops / (peak * 1e9), (weight_bytes + kv_bytes) / (bw * 1e9))
+    return total
+
+
+def fresh_process_ready_seconds(path: str) -> float:
+    """`import hotswap` plus `LLM(...)` in a new interpreter, as a user would see it."""
+    code = (
+        f"import time; t = time.perf_counter(); from hotswap import LLM; LLM({path!r}); print(time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = [t for t in range(3, len(tokenizer))]
+    return [[rng.choice(vocab) for _ in range(rng.randint(16, 48))] for _ in range(count)]
+
+
+def flops_per_token(cfg: dict, context: float) -> float:
+    """Forward FLOPs of one decoded token: 2 x matmul parameters + attention over `context` keys."""
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * inter
+    attn = 2 * heads * hd * context
+    return 2 * (layers * per_layer + h * cfg["vocab_size"]) + 2 * layers * attn
+
+
+def run_hotswap(path: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
+    start = time.perf_counter()
+    llm = LLM(path, dtype="float32")
+    ready = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return len(prompts) * max_tokens / elapsed, ready, elapsed
+
+
+def run_transformers(path: str, prompts: list[list[int]], max_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:4], attention_mask=mask[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + max_tokens
+    return len(prompts) * max_tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="9m,125m")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    peak, bw = gemm_peak_gflops(), read_bandwidth_gbs()
+    print(
+        f"this machine: fp32 GEMM peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads), "
+        f"memory read bandwidth {bw:.1f} GB/s"
+    )
+    figures: dict = {"gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bw, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.workloads.split(","):
+            count, max_tokens = WORKLOADS[name]
+            path = str(make_tiny_model(Path(tmp) / name, arch="llama", preset=name))
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            from transformers import AutoTokenizer
+
+            prompts = make_prompts(AutoTokenizer.from_pretrained(path), count)
+            hs_tps, ready, elapsed = run_hotswap(path, prompts, max_tokens)
+            cold = fresh_process_ready_seconds(path)
+            mean_ctx = sum(len(p) for p in prompts) / count + max_tokens / 2
+            achieved = hs_tps * flops_per_token(cfg, mean_ctx) / 1e9
+            roof = roofline_seconds(cfg, prompts, max_tokens, peak, bw) / elapsed
+            line = (
+                f"[{name}] {count} prompts x {max_tokens} tokens: hotswap {hs_tps:.0f} tok/s "
+                f"({achieved:.1f} GFLOP/s = {achieved / peak:.0%} of GEMM peak; {roof:.0%} of the roofline), "
+                f"LLM() ready in {ready:.2f} s ({cold:.2f} s in a fresh process, imports included)"
+            )
+            fig = {
+                "hotswap_tok_s": round(hs_tps, 1),
+                "ready_s": round(ready, 2),
+                "ready_fresh_process_s": round(cold, 2),
+                "gemm_peak_frac": round(achieved / peak, 3),
+                "roofline_frac": round(roof, 3),
+            }
+            if not args.skip_hf:
+                hf_tps = run_transformers(path, prompts, max_tokens)
+                line += f"; transformers {hf_tps:.0f} tok/s; ratio {hs_tps / hf_tps:.2f}x"
+                fig.update({"transformers_tok_s": round(hf_tps, 1), "ratio": round(hs_tps / hf_tps, 2)})
+            print(line)
+            figures[name] = fig
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
