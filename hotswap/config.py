@@ -158,6 +158,42 @@ class LoadConfig:
 
 
 @dataclass
+class QuantConfig:
+    """Weight quantization. "fp8": float8_e4m3fn weights with per-output-channel scales, computed from the
+    high-precision weights whenever they are loaded; the matmul dequantizes."""
+
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+
+
+@dataclass
+class WeightTransferConfig:
+    """Live weight updates. `atomic` keeps a copy of everything an update overwrites until it finishes, so any
+    failure rolls back bit for bit. `check_finite` rejects NaN/Inf tensors. `timeout_s` bounds every wait on a
+    trainer. `bucket_size_bytes` is the packing unit of the torch_dist transport."""
+
+    atomic: bool = True
+    check_finite: bool = True
+    timeout_s: float = 60.0
+    bucket_size_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.atomic, bool):
+            raise ValueError(f"weight_transfer_config.atomic must be a bool, got {self.atomic!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"weight_transfer_config.check_finite must be a bool, got {self.check_finite!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"weight_transfer_config.timeout_s must be positive, got {self.timeout_s}")
+        if not isinstance(self.bucket_size_bytes, int) or self.bucket_size_bytes <= 0:
+            raise ValueError(
+                f"weight_transfer_config.bucket_size_bytes must be a positive integer, got {self.bucket_size_bytes!r}"
+            )
+
+
+@dataclass
 class EngineConfig:
     """The whole engine configuration. Cross-section checks run here; derived fields are filled by the engine."""
 
@@ -166,6 +202,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    quant_config: QuantConfig = field(default_factory=QuantConfig)
+    weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
@@ -181,15 +219,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Builds a config from flat keyword arguments (the `LLM(...)` style). Unknown names raise TypeError."""
-        sections = {
-            "model_config": ModelConfig,
-            "cache_config": CacheConfig,
-            "scheduler_config": SchedulerConfig,
-            "parallel_config": ParallelConfig,
-            "load_config": LoadConfig,
-        }
+        """Builds a config from flat keyword arguments (the `LLM(...)` style); `weight_transfer_config` may be a
+        dict of its fields. Unknown names raise TypeError."""
+        sections = SECTIONS
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        transfer = kwargs.pop("weight_transfer_config", None) or {}
+        if isinstance(transfer, WeightTransferConfig):
+            transfer = {f.name: getattr(transfer, f.name) for f in fields(transfer)}
+        parts["weight_transfer_config"].update(transfer)
         for key, value in kwargs.items():
             for name, klass in sections.items():
                 if key in {f.name for f in fields(klass)}:
@@ -203,8 +240,43 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
             parallel_config=ParallelConfig(**parts["parallel_config"]),
             load_config=LoadConfig(**parts["load_config"]),
+            quant_config=QuantConfig(**parts["quant_config"]),
+            weight_transfer_config=WeightTransferConfig(**parts["weight_transfer_config"]),
         )
 
+    def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Validates `{section: {field: value}}` and returns the new section objects, without touching this config.
+        Raises ValueError for an unknown section or field, or a value its section rejects."""
+        if not isinstance(overrides, dict):
+            raise ValueError(
+                f"overrides must be a dict of {{section: {{field: value}}}}, got {type(overrides).__name__}"
+            )
+        new: dict[str, Any] = {}
+        for section, changes in overrides.items():
+            if section not in SECTIONS:
+                raise ValueError(f"unknown config section {section!r}; expected one of {sorted(SECTIONS)}")
+            if not isinstance(changes, dict):
+                raise ValueError(f"overrides[{section!r}] must be a dict of field values")
+            current = getattr(self, section)
+            names = {f.name for f in fields(current) if f.init}
+            unknown = sorted(set(changes) - names)
+            if unknown:
+                raise ValueError(f"unknown field(s) {unknown} in config section {section!r}; known: {sorted(names)}")
+            values = {name: getattr(current, name) for name in names}
+            values.update(changes)
+            new[section] = type(current)(**values)
+        return new
+
+
+SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "load_config": LoadConfig,
+    "quant_config": QuantConfig,
+    "weight_transfer_config": WeightTransferConfig,
+}
 
 _CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar("hotswap_config", default=None)
 

@@ -46,6 +46,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
+        self.weight_version = 0
         self.startup_seconds = time.perf_counter() - start
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -234,6 +235,32 @@ class LLMEngine:
             num_cached_tokens=request.seqs[0].num_cached_tokens,
         )
 
+    # ---- weights ----------------------------------------------------------------------------------------------
+
+    def weights_rpc(self, method: str, *args: Any, weight_version: int | None = None, **kwargs: Any) -> list[Any]:
+        """Runs a weight-lifecycle method on every worker. Methods that change the served weights (reload,
+        finish) then invalidate the prefix cache and advance the weight version (or set `weight_version`)."""
+        if method in _MUTATING and self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"{method}() while {len(self.requests)} request(s) are being generated; let them finish first"
+            )
+        try:
+            return self.executor.collective_rpc(method, args, kwargs)
+        finally:
+            # Even a failed call may have touched weights (non-atomic mode): never reuse KV across that.
+            if method in _CHANGES_WEIGHTS:
+                self.block_manager.reset_prefix_cache()
+
+    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+        self.weights_rpc("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
+        self.weight_version += 1
+
+    def finish_weight_update(self, weight_version: int | None = None) -> None:
+        if weight_version is not None and not isinstance(weight_version, int):
+            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        self.weights_rpc("finish_weight_update")
+        self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+
     # ---- maintenance ----------------------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> None:
@@ -248,6 +275,11 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
         }
+
+
+# Worker methods that may change the served weights, and those that must not overlap generation.
+_CHANGES_WEIGHTS = {"reload_weights", "finish_weight_update", "update_weights", "abort_weight_update"}
+_MUTATING = _CHANGES_WEIGHTS | {"start_weight_update", "update_config"}
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any) -> set[int]:

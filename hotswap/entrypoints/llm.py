@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -130,6 +131,47 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
+
+    # ---- the weight lifecycle (see Worker for the contracts) ----------------------------------------------------
+
+    def reload_weights(
+        self, weights_path: str | None = None, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> None:
+        """Updates the weights in place from a checkpoint folder, from (name, tensor) pairs (e.g. a trainer's
+        `model.named_parameters()`), or from the current folder. Advances the weight version on success."""
+        self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator)
+
+    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
+        self.llm_engine.weights_rpc("update_config", overrides)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}."""
+        self.llm_engine.weights_rpc("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self, target: str = "model") -> None:
+        self.llm_engine.weights_rpc("start_weight_update", target)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receives one update of the open session (see the transport's sender for how to build update_info)."""
+        self.llm_engine.weights_rpc("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: int | None = None) -> None:
+        """Closes the session; the prefix cache is invalidated and the version advances (or takes the value)."""
+        self.llm_engine.finish_weight_update(weight_version)
+
+    def abort_weight_update(self) -> None:
+        self.llm_engine.weights_rpc("abort_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm_engine.weights_rpc("shutdown_weight_transfer_engine")
+
+    def get_weight_version(self) -> int:
+        return self.llm_engine.weight_version
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of each parameter's bytes (rank 0)."""
+        return self.collective_rpc("weight_checksums")[0]
 
 
 class _ApplyModel:

@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(hf_config["hidden_size"], hf_config["vocab_size"])
+            self.lm_head = Linear(hf_config["hidden_size"], hf_config["vocab_size"], quantizable=False)
         for name, param in self.named_parameters():
             param.hotswap_name = name
             if not hasattr(param, "weight_loader"):

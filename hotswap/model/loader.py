@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +47,19 @@ class Target:
     param: nn.Parameter
     shard_id: object
     shape: tuple[int, ...]
+    module_name: str
+
+    @property
+    def key(self) -> tuple[str, object]:
+        return (self.param_name, self.shard_id)
 
     def load(self, tensor: torch.Tensor) -> None:
         self.param.weight_loader(self.param, tensor, self.shard_id)
 
 
 class WeightMap:
-    """Exact checkpoint-name -> Target map of one model."""
+    """Exact checkpoint-name -> Target map of one model, plus, per module, the loads it needs before its
+    post-processing may run. Parameters marked `hotswap_derived` are computed, never loaded."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -62,21 +68,35 @@ class WeightMap:
         for source, (fused, shard) in stacked.items():
             by_fused.setdefault(fused, []).append((source, shard))
         self.targets: dict[str, Target] = {}
+        self.module_keys: dict[str, set[tuple[str, object]]] = {}
         for name, param in model.named_parameters():
+            if getattr(param, "hotswap_derived", False):
+                continue
             parts = name.split(".")
-            module_name = parts[-2] if len(parts) >= 2 else ""
-            if module_name in by_fused:
-                owner = model.get_submodule(".".join(parts[:-1]))
-                for source, shard in by_fused[module_name]:
+            module_name = ".".join(parts[:-1])
+            if len(parts) >= 2 and parts[-2] in by_fused:
+                owner = model.get_submodule(module_name)
+                for source, shard in by_fused[parts[-2]]:
                     ckpt = ".".join([*parts[:-2], source, parts[-1]])
                     shape = tuple(owner.shard_view(param, shard).shape)
-                    self.targets[ckpt] = Target(name, param, shard, shape)
+                    self.targets[ckpt] = Target(name, param, shard, shape, module_name)
             else:
-                self.targets[name] = Target(name, param, None, tuple(param.shape))
+                self.targets[name] = Target(name, param, None, tuple(param.shape), module_name)
+        for target in self.targets.values():
+            self.module_keys.setdefault(target.module_name, set()).add(target.key)
         self.required = frozenset(self.targets)
         aliases: dict[str, str] = model.checkpoint_aliases() if hasattr(model, "checkpoint_aliases") else {}
         for alias, canonical in aliases.items():
             self.targets[alias] = self.targets[canonical]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WeightMap:
+        """The model's map, built on first use and kept on the model."""
+        weight_map = getattr(model, "_hotswap_weight_map", None)
+        if weight_map is None:
+            weight_map = cls(model)
+            model._hotswap_weight_map = weight_map
+        return weight_map
 
     def ignored(self, name: str) -> bool:
         check = getattr(self.model, "ignored_checkpoint_names", None)
@@ -89,29 +109,38 @@ class WeightMap:
             raise ValueError(f"unknown checkpoint tensor {name!r}: the model has no such weight")
         return target
 
-    def check(self, shapes: dict[str, tuple[int, ...]], require_all: bool) -> None:
-        """Checks declared tensor names and shapes against the model before any data moves. Raises ValueError
-        naming unknown tensors, wrong shapes (with the expected ones) and, when `require_all`, missing ones."""
+    def check(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        require_all: bool,
+        dtypes: dict[str, torch.dtype] | None = None,
+    ) -> None:
+        """Checks declared tensor names, shapes and dtypes against the model before any data moves. Raises
+        ValueError naming unknown tensors, wrong shapes (with the expected ones), dtypes that cannot be cast
+        to a floating-point weight and, when `require_all`, missing ones."""
         names = [n for n in shapes if not self.ignored(n)]
         unknown = sorted(n for n in names if n not in self.targets)
         if unknown:
-            raise ValueError(f"unknown checkpoint tensors (the model has no such weights): {unknown}")
+            raise ValueError(f"unknown tensors (the model has no such weights): {unknown}")
         wrong = [
             f"{n}: expected shape {self.targets[n].shape}, got {tuple(shapes[n])}"
             for n in names
             if tuple(shapes[n]) != self.targets[n].shape
         ]
         if wrong:
-            raise ValueError(f"checkpoint tensors with the wrong shape: {wrong}")
+            raise ValueError(f"tensors with the wrong shape: {wrong}")
+        bad_dtypes = [f"{n}: {dtypes[n]}" for n in names if dtypes and n in dtypes and not _castable(dtypes[n])]
+        if bad_dtypes:
+            raise ValueError(f"tensors whose dtype cannot be cast to a floating-point weight: {bad_dtypes}")
         if require_all:
-            filled = {n if n in self.required else self._canonical(n) for n in names}
-            missing = sorted(self.required - filled)
+            filled = {self.targets[n].key for n in names}
+            missing = sorted(n for n in self.required if self.targets[n].key not in filled)
             if missing:
                 raise ValueError(f"checkpoint is missing tensors: {missing}")
 
-    def _canonical(self, alias: str) -> str:
-        target = self.targets[alias]
-        return next(n for n, t in self.targets.items() if t is target and n in self.required)
+
+def _castable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and not dtype.is_complex
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -142,24 +171,25 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copies each (name, tensor) into the model in place; returns the parameter names that were filled.
-    Raises ValueError on an unknown name or a shape mismatch."""
-    weight_map: WeightMap = getattr(model, "_hotswap_weight_map", None) or WeightMap(model)
-    model._hotswap_weight_map = weight_map
-    filled: set[str] = set()
-    for name, tensor in weights:
-        if weight_map.ignored(name):
-            continue
-        target = weight_map.lookup(name)
-        target.load(tensor)
-        filled.add(target.param_name)
-    return filled
-
-
-def load_checkpoint(model: nn.Module, folder: str) -> None:
-    """Full load from a safetensors folder: every name is checked before any byte is copied."""
-    weight_map = WeightMap(model)
-    model._hotswap_weight_map = weight_map
-    weight_map.check(safetensors_shapes(folder), require_all=True)
-    load_weights(model, iterate_safetensors(folder))
+def safetensors_dtypes(folder: str) -> dict[str, torch.dtype]:
+    """Name -> torch dtype of every tensor in the folder, read from the file headers only."""
+    names = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+    dtypes: dict[str, torch.dtype] = {}
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                dtypes[name] = names.get(f.get_slice(name).get_dtype(), torch.complex64)
+    return dtypes

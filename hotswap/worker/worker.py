@@ -2,23 +2,53 @@
 
 Every public method runs inside `use_config(self.config)`, so code deep in a layer can call
 `current_config()`; the previous context is restored on return and on error.
+
+Weight lifecycle:
+- `load_model()` is always a full load.
+- `reload_weights(...)` and the transfer session update parameters in place (storage never rebound), validate
+  before they mutate, and in atomic mode roll back bit for bit on any failure. With atomic off, a failed update
+  leaves the worker refusing to execute until a successful full reload.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import fields
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from hotswap.config import EngineConfig, available_memory_bytes, use_config
-from hotswap.model.loader import build_model, load_checkpoint
+from hotswap.model.loader import build_model, iterate_safetensors, safetensors_dtypes, safetensors_shapes
+from hotswap.model.reload import WeightUpdate
 from hotswap.worker.model_input import ModelInput, ModelOutput
 from hotswap.worker.model_runner import ModelRunner
+from hotswap.worker.weight_session import SessionState, WeightSession, WeightUpdateFailed
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Config fields that may change on a live worker; everything else needs a new engine.
+LIVE_FIELDS = {
+    "model_config": {"model", "tokenizer", "seed"},
+    "load_config": {"load_format"},
+    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
+}
+# config.json keys that fix parameter shapes: a new checkpoint folder must agree on all of them.
+SHAPE_KEYS = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+)
 
 
 def in_config_scope(method: F) -> F:
@@ -38,15 +68,24 @@ class Worker:
         self.rank = rank
         self.model: nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.session = WeightSession()
+        self.weights_valid = True
+
+    # ---- model and cache ------------------------------------------------------------------------------------
 
     @in_config_scope
     def load_model(self) -> None:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         model = build_model(self.config.model_config)
         if self.config.load_config.load_format == "safetensors":
-            load_checkpoint(model, self.config.model_config.model)
+            folder = self.config.model_config.model
+            update = WeightUpdate(model, atomic=False, check_finite=self.config.weight_transfer_config.check_finite)
+            update.validate(_folder_declared(folder), require_all=True)
+            update.load(iterate_safetensors(folder))
+            update.finish()
         self.model = model
         self.runner = ModelRunner(self.config, model)
+        self.weights_valid = True
 
     @in_config_scope
     def determine_num_kv_blocks(self) -> int:
@@ -68,6 +107,11 @@ class Worker:
 
     @in_config_scope
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        if not self.weights_valid:
+            raise RuntimeError(
+                "the weights are inconsistent after a failed non-atomic update; call reload_weights() to restore "
+                "a full checkpoint before generating"
+            )
         return self._runner().execute(model_input)
 
     @in_config_scope
@@ -79,7 +123,185 @@ class Worker:
             raise ValueError(f"Worker has no public method {method!r}")
         return getattr(self, method)(*args, **kwargs)
 
+    # ---- in-place reload and live config --------------------------------------------------------------------
+
+    @in_config_scope
+    def reload_weights(
+        self, weights_path: str | None = None, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> int:
+        """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
+        success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
+        current folder. Returns the number of tensors loaded. Validates before mutating; see the class doc for
+        failure behaviour."""
+        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
+        if weights_path is not None and weights_iterator is not None:
+            raise ValueError("give weights_path or weights_iterator, not both")
+        model = self._model()
+        wt = self.config.weight_transfer_config
+        update = WeightUpdate(model, atomic=wt.atomic, check_finite=wt.check_finite)
+        if weights_iterator is not None:
+            pairs = [(str(name), t.detach()) for name, t in weights_iterator]
+            update.validate([(n, t.dtype, tuple(t.shape)) for n, t in pairs], require_all=False)
+            stream: Iterable[tuple[str, torch.Tensor]] = pairs
+            full = {update.weight_map.targets[n].key for n in dict(pairs) if n in update.weight_map.targets} >= {
+                update.weight_map.targets[n].key for n in update.weight_map.required
+            }
+        else:
+            folder = str(weights_path or self.config.model_config.model)
+            if weights_path is not None:
+                self._check_same_shapes(folder)
+            update.validate(_folder_declared(folder), require_all=True)
+            stream, full = iterate_safetensors(folder), True
+        self._apply(update, stream)
+        if weights_path is not None:
+            self.config.model_config.model = str(weights_path)
+        if full:
+            self.weights_valid = True
+        return len(update.loaded_names)
+
+    @in_config_scope
+    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        """Applies `{section: {field: value}}` to the live config after validating it like construction.
+        Raises ValueError for unknown sections or fields, invalid values, or fields that cannot change live
+        (those need a new engine)."""
+        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="update_config")
+        new_sections = self.config.with_overrides(overrides)
+        for section, changes in overrides.items():
+            frozen = sorted(set(changes) - LIVE_FIELDS.get(section, set()))
+            if frozen:
+                raise ValueError(
+                    f"{section} field(s) {frozen} cannot change on a live engine; live fields: "
+                    f"{ {k: sorted(v) for k, v in LIVE_FIELDS.items()} }"
+                )
+        if "model_config" in new_sections:
+            self._check_same_shapes(new_sections["model_config"].model)
+        for section, obj in new_sections.items():
+            live = getattr(self.config, section)
+            for f in fields(obj):
+                setattr(live, f.name, getattr(obj, f.name))
+
+    # ---- the weight-transfer session --------------------------------------------------------------------------
+
+    @in_config_scope
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates the receiving engine of `init_info["backend"]` (tensors, shm, torch_dist, disk)."""
+        self.session.init_engine(init_info, self.config.weight_transfer_config)
+
+    @in_config_scope
+    def start_weight_update(self, target: str = "model") -> None:
+        """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback."""
+        if target != "model":
+            raise ValueError(f"start_weight_update target must be 'model', got {target!r}")
+        self.session.start(self._model(), self.config.weight_transfer_config)
+
+    @in_config_scope
+    def update_weights(self, update_info: dict[str, Any]) -> int:
+        """Receives one update of the session: declaration validated first, then data copied in place.
+        Any failure ends the session (rolled back in atomic mode) and re-raises. Returns tensors loaded."""
+        self.session.expect(SessionState.ACTIVE, call="update_weights")
+        engine, update = self.session.engine, self.session.update
+        assert engine is not None and update is not None
+        before = len(update.loaded_names)
+        try:
+            declared = engine.declared(update_info)
+            update.validate(declared)
+            loaded = update.load(engine.receive(update_info))
+            expected = sum(1 for name, _, _ in declared if not update.weight_map.ignored(name))
+            if loaded != expected:
+                raise ValueError(f"the update stream ended after {loaded} of {expected} declared tensors")
+        except BaseException as err:
+            self._fail(self.session.end(), err)
+        return len(update.loaded_names) - before
+
+    @in_config_scope
+    def finish_weight_update(self) -> int:
+        """Completes post-processing of partially updated layers and closes the session; returns the number of
+        tensor names updated in it."""
+        self.session.expect(SessionState.ACTIVE, call="finish_weight_update")
+        update = self.session.end()
+        try:
+            update.finish()
+        except BaseException as err:
+            self._fail(update, err)
+        return len(update.loaded_names)
+
+    @in_config_scope
+    def abort_weight_update(self) -> None:
+        """Ends the session, restoring the weights it changed (atomic mode; otherwise they become invalid)."""
+        self.session.expect(SessionState.ACTIVE, call="abort_weight_update")
+        update = self.session.end()
+        if update.atomic:
+            update.rollback()
+        elif update.loaded_names:
+            self.weights_valid = False
+
+    @in_config_scope
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Aborts an active session, then releases the transfer engine (connections, shared buffers)."""
+        if self.session.state is SessionState.ACTIVE:
+            self.abort_weight_update()
+        self.session.shutdown_engine()
+
+    @in_config_scope
+    def weight_checksums(self) -> dict[str, str]:
+        """A SHA-256 per parameter (over its bytes), to compare against what a trainer sent."""
+        import hashlib
+
+        out = {}
+        for name, param in self._model().named_parameters():
+            data = param.detach().contiguous().view(torch.uint8).numpy()
+            out[name] = hashlib.sha256(data.tobytes()).hexdigest()
+        return out
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _apply(self, update: WeightUpdate, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            update.load(stream)
+            update.finish()
+        except BaseException as err:
+            self._fail(update, err)
+
+    def _fail(self, update: WeightUpdate, err: BaseException) -> None:
+        """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached."""
+        if update.atomic:
+            update.rollback()
+            outcome = "the previous weights were restored"
+        elif update.loaded_names:
+            self.weights_valid = False
+            outcome = "atomic mode is off, so the engine refuses to generate until a successful reload_weights()"
+        else:
+            outcome = "no weight had been changed"
+        if isinstance(err, (ValueError, TimeoutError)):
+            raise type(err)(f"{err} ({outcome})") from err
+        if isinstance(err, Exception):
+            raise WeightUpdateFailed(f"weight update failed: {err!r} ({outcome})") from err
+        raise err
+
+    def _check_same_shapes(self, folder: str) -> None:
+        import json
+        import os
+
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{folder!r} is not a checkpoint folder (no config.json)")
+        new = json.loads(open(path).read())
+        old = self.config.model_config.hf_config
+        differ = [k for k in SHAPE_KEYS if new.get(k) != old.get(k)]
+        if differ:
+            raise ValueError(f"checkpoint {folder!r} has a different model shape ({differ}); start a new engine for it")
+
+    def _model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded; call load_model() first")
+        return self.model
+
     def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("the model is not loaded; call load_model() first")
         return self.runner
+
+
+def _folder_declared(folder: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    shapes, dtypes = safetensors_shapes(folder), safetensors_dtypes(folder)
+    return [(name, dtypes[name], shape) for name, shape in shapes.items()]

@@ -1,0 +1,115 @@
+"""One mechanism for every weight path: validate the declared tensors, then copy them in place, layer by layer.
+
+`WeightUpdate` is used by the startup load, disk reloads and every transfer session:
+- `validate(...)` checks declared names, shapes and dtypes (and duplicates) against the model before any data
+  moves;
+- `load(stream)` copies each (name, tensor) into existing parameter storage through its `weight_loader`; when a
+  module has received every tensor it is made of, its `process_weights_after_loading` runs (e.g. fp8
+  re-quantization), in the caller's config context;
+- `finish()` post-processes modules that received only part of their tensors (the rest stay as they were);
+- in atomic mode, the first write into a module saves a copy of all its parameters, and `rollback()` restores
+  them bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hotswap.model.loader import WeightMap
+
+Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+class WeightUpdate:
+    def __init__(self, model: nn.Module, atomic: bool, check_finite: bool) -> None:
+        self.model = model
+        self.weight_map = WeightMap.of(model)
+        self.atomic = atomic
+        self.check_finite = check_finite
+        self.backups: dict[str, dict[str, torch.Tensor]] = {}
+        self.arrived: dict[str, set[tuple[str, object]]] = {}
+        self.pending: set[str] = set()  # touched modules whose post-processing has not run since
+        self.loaded_names: set[str] = set()
+
+    def validate(self, declared: Declared, require_all: bool = False) -> None:
+        """Raises ValueError for duplicate, unknown, mis-shaped or non-castable tensors, naming them."""
+        counts = Counter(name for name, _, _ in declared)
+        duplicates = sorted(n for n, c in counts.items() if c > 1)
+        if duplicates:
+            raise ValueError(f"duplicate tensor names in one update: {duplicates}")
+        self.weight_map.check(
+            {name: tuple(shape) for name, _, shape in declared},
+            require_all=require_all,
+            dtypes={name: dtype for name, dtype, _ in declared},
+        )
+
+    def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copies every tensor of `stream` into the model; returns the number of tensors loaded. With
+        `check_finite`, tensors holding NaN/Inf are not loaded: the stream is drained and ValueError lists them."""
+        non_finite: list[str] = []
+        count = 0
+        for name, tensor in stream:
+            if self.weight_map.ignored(name):
+                continue
+            target = self.weight_map.lookup(name)
+            if tuple(tensor.shape) != target.shape:
+                raise ValueError(f"{name}: expected shape {target.shape}, got {tuple(tensor.shape)}")
+            if self.check_finite and not bool(torch.isfinite(tensor).all()):
+                non_finite.append(name)
+            if non_finite:
+                continue  # drain the stream to name every bad tensor; load nothing more
+            self._before_write(target.module_name)
+            target.load(tensor)
+            count += 1
+            self.loaded_names.add(name)
+            arrived = self.arrived.setdefault(target.module_name, set())
+            arrived.add(target.key)
+            self.pending.add(target.module_name)
+            if arrived >= self.weight_map.module_keys[target.module_name]:
+                self._post_process(target.module_name)
+                arrived.clear()
+        if non_finite:
+            raise ValueError(
+                f"tensors with NaN or Inf values (rejected; disable with check_finite=False): {non_finite}"
+            )
+        return count
+
+    def _before_write(self, module_name: str) -> None:
+        if self.atomic and module_name not in self.backups:
+            module = self.model.get_submodule(module_name)
+            self.backups[module_name] = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)}
+
+    def _post_process(self, module_name: str) -> None:
+        module = self.model.get_submodule(module_name)
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+        self.pending.discard(module_name)
+
+    def finish(self) -> None:
+        """Post-processes modules that received part of their tensors; drops the saved copies."""
+        for module_name in sorted(self.pending):
+            self._post_process(module_name)
+        self.backups.clear()
+        self.arrived.clear()
+
+    def rollback(self) -> None:
+        """Restores every module written since the start of this update to its saved copy (atomic mode)."""
+        assert self.atomic, "rollback needs atomic mode"
+        with torch.no_grad():
+            for module_name, saved in self.backups.items():
+                module = self.model.get_submodule(module_name)
+                params = dict(module.named_parameters(recurse=False))
+                for name, value in saved.items():
+                    params[name].data.copy_(value)
+        for module_name in self.arrived:
+            discard = getattr(self.model.get_submodule(module_name), "discard_stage", None)
+            if discard is not None:
+                discard()
+        self.backups.clear()
+        self.arrived.clear()
+        self.pending.clear()

@@ -1,0 +1,91 @@
+"""The receiving side of a transport, and the metadata every update declares before data moves.
+
+An update declares `names`, `dtypes` (strings such as "float32") and `shapes`; the worker validates them against
+the model before it reads a byte of data, then `receive` yields (name, tensor) in declared order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hotswap.config import WeightTransferConfig
+
+Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+BACKENDS = {
+    "tensors": "hotswap.transfer.tensors:TensorsEngine",
+    "shm": "hotswap.transfer.shm:ShmEngine",
+    "torch_dist": "hotswap.transfer.torch_dist:TorchDistEngine",
+    "disk": "hotswap.transfer.disk:DiskEngine",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    """torch dtype from its name ("float32", "torch.bfloat16"). Raises ValueError for anything else."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+def declared_from_info(update_info: dict[str, Any]) -> Declared:
+    """Reads `names`, `dtypes`, `shapes` (equal lengths) from an update. Raises ValueError if malformed."""
+    try:
+        names, dtypes, shapes = update_info["names"], update_info["dtypes"], update_info["shapes"]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"update_info must declare 'names', 'dtypes' and 'shapes'; missing {err}") from None
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"update_info declares {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; "
+            "they must have equal lengths"
+        )
+    return [(str(n), parse_dtype(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+
+
+def declare(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:
+    """The `names` / `dtypes` / `shapes` part of an update for these tensors (trainer side)."""
+    return {
+        "names": [n for n, _ in named_tensors],
+        "dtypes": [dtype_name(t.dtype) for _, t in named_tensors],
+        "shapes": [list(t.shape) for _, t in named_tensors],
+    }
+
+
+class TransferEngine(ABC):
+    """Receives weights for one worker. Created by `init_weight_transfer_engine(init_info)`."""
+
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
+        self.init_info = init_info
+        self.config = config
+
+    def declared(self, update_info: dict[str, Any]) -> Declared:
+        """What this update will deliver; checked against the model before any data moves."""
+        return declared_from_info(update_info)
+
+    @abstractmethod
+    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields the declared tensors in order. A tensor may be a view into a transport buffer that is reused
+        once the next one is requested, so the consumer copies it first. Raises on a lost or late trainer."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections and buffers."""
+
+
+def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> TransferEngine:
+    """The engine named by `init_info["backend"]`. Raises ValueError listing the backends for another name."""
+    if not isinstance(init_info, dict):
+        raise ValueError(f"init_info must be a dict with a 'backend' key, got {type(init_info).__name__}")
+    backend = init_info.get("backend")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight transfer backend {backend!r}; expected one of {sorted(BACKENDS)}")
+    module_name, class_name = BACKENDS[backend].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(init_info, config)

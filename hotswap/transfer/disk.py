@@ -1,0 +1,31 @@
+"""Disk transport: a safetensors checkpoint folder, the same path as `reload_weights(weights_path=...)`.
+
+Trainer side: save with `safetensors.torch.save_file` (or `save_pretrained`) and send {"path": folder}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hotswap.model.loader import iterate_safetensors, safetensors_dtypes, safetensors_shapes
+from hotswap.transfer.base import Declared, TransferEngine
+
+
+class DiskEngine(TransferEngine):
+    def declared(self, update_info: dict[str, Any]) -> Declared:
+        path = self._path(update_info)
+        shapes, dtypes = safetensors_shapes(path), safetensors_dtypes(path)
+        return [(name, dtypes[name], shape) for name, shape in shapes.items()]
+
+    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from iterate_safetensors(self._path(update_info))
+
+    @staticmethod
+    def _path(update_info: dict[str, Any]) -> str:
+        path = update_info.get("path") if isinstance(update_info, dict) else None
+        if not isinstance(path, str):
+            raise ValueError("a 'disk' update needs update_info['path']: a safetensors checkpoint folder")
+        return path

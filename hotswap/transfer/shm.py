@@ -1,0 +1,183 @@
+"""Shared-memory transport for a trainer process on the same host.
+
+The trainer writes every tensor once into a shared segment; the worker maps the same segment and copies straight
+from it into the parameters. The segment starts with a 64-byte header: magic, a generation counter (written
+last, after the data, to publish an update) and the trainer's pid. The worker waits, up to the configured
+timeout, for the generation its update names; it fails early if the trainer process has died, and re-checks the
+generation after reading so a trainer that overwrote the buffer mid-read is caught.
+
+Trainer side:
+
+    sender = ShmSender()
+    info = sender.write(model.named_parameters())   # or prepare(...) then publish(...) to write later
+    llm.update_weights(info)
+    sender.close()                                   # unlinks the segment
+
+Segments are reused across updates while they are large enough, and unlinked by `close()` (or by Python's
+resource tracker if the trainer dies).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+
+from hotswap.transfer.base import TransferEngine, declare, declared_from_info
+
+_MAGIC = 0x48535750  # "HSWP"
+_HEADER = struct.Struct("<QQQ")  # magic, generation, trainer pid
+_HEADER_BYTES = 64
+_ALIGN = 64
+
+
+def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    offsets, offset = [], _HEADER_BYTES
+    for shape, dtype in shapes_dtypes:
+        offsets.append(offset)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, offset
+
+
+def _view(buf: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    count = torch.Size(shape).numel()
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+class ShmSender:
+    """Trainer-side writer. Not thread-safe; one sender per trainer process."""
+
+    def __init__(self) -> None:
+        self.segment: shared_memory.SharedMemory | None = None
+        self.generation = 0
+
+    def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, Any], list]:
+        """Makes room for these tensors and returns (update_info, pairs) without publishing them yet."""
+        pairs = [(name, t.detach()) for name, t in named_tensors]
+        offsets, size = _layout([(tuple(t.shape), t.dtype) for _, t in pairs])
+        if self.segment is None or self.segment.size < size:
+            self.close()
+            self.segment = shared_memory.SharedMemory(name=f"hotswap_{uuid.uuid4().hex[:16]}", create=True, size=size)
+        self.generation += 1
+        _HEADER.pack_into(self.segment.buf, 0, _MAGIC, 0, os.getpid())  # unpublished while writing
+        info = {
+            **declare(pairs),
+            "shm_name": self.segment.name,
+            "offsets": offsets,
+            "generation": self.generation,
+            "trainer_pid": os.getpid(),
+        }
+        return info, pairs
+
+    def publish(self, info: dict[str, Any], pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Writes the tensors, then the generation that tells the worker they are complete."""
+        assert self.segment is not None
+        for (_, tensor), offset in zip(pairs, info["offsets"], strict=True):
+            _view(self.segment.buf, offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+        _HEADER.pack_into(self.segment.buf, 0, _MAGIC, info["generation"], os.getpid())
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """prepare + publish: the update_info of a complete update."""
+        info, pairs = self.prepare(named_tensors)
+        self.publish(info, pairs)
+        return info
+
+    def close(self) -> None:
+        """Unlinks the segment. Safe to call twice."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class ShmEngine(TransferEngine):
+    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+        super().__init__(init_info, config)
+        self.segments: dict[str, shared_memory.SharedMemory] = {}
+
+    def _attach(self, name: str) -> shared_memory.SharedMemory:
+        segment = self.segments.get(name)
+        if segment is None:
+            try:
+                segment = shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:
+                raise ValueError(f"shared memory segment {name!r} does not exist (trainer gone?)") from None
+            # The trainer owns the segment; this process must not unlink it at exit.
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+            self.shutdown()
+            self.segments = {name: segment}
+        return segment
+
+    def _wait_published(self, segment: shared_memory.SharedMemory, generation: int, pid: int) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            magic, current, _ = _HEADER.unpack_from(segment.buf, 0)
+            if magic != _MAGIC:
+                raise ValueError(f"shared memory segment {segment.name!r} is not a hotswap weight buffer")
+            if current == generation:
+                return
+            if not _process_alive(pid):
+                raise RuntimeError(f"trainer process {pid} exited before publishing update generation {generation}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"timed out after {self.config.timeout_s:.0f} s waiting for the trainer to publish generation "
+                    f"{generation} in {segment.name!r}"
+                )
+            time.sleep(0.001)
+
+    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        declared = declared_from_info(update_info)
+        try:
+            name, offsets = update_info["shm_name"], update_info["offsets"]
+            generation, pid = int(update_info["generation"]), int(update_info["trainer_pid"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"an 'shm' update needs shm_name, offsets, generation and trainer_pid: {err}") from None
+        if len(offsets) != len(declared):
+            raise ValueError(f"update declares {len(declared)} tensors but {len(offsets)} offsets")
+        segment = self._attach(name)
+        expected_offsets, size = _layout([(shape, dtype) for _, dtype, shape in declared])
+        if list(offsets) != expected_offsets or size > segment.size:
+            raise ValueError("shm update layout does not match its declaration or exceeds the segment")
+        self._wait_published(segment, generation, pid)
+        for (tensor_name, dtype, shape), offset in zip(declared, offsets, strict=True):
+            yield tensor_name, _view(segment.buf, offset, dtype, shape)
+        _, current, _ = _HEADER.unpack_from(segment.buf, 0)
+        if current != generation:
+            raise RuntimeError("the trainer overwrote the shared buffer while the worker was reading it")
+
+    def shutdown(self) -> None:
+        for segment in self.segments.values():
+            try:
+                segment.close()
+            except BufferError:  # a tensor view still references the mapping; it unmaps when collected
+                pass
+        self.segments = {}

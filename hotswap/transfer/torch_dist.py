@@ -1,0 +1,164 @@
+"""torch.distributed transport: the trainer (rank 0) broadcasts packed buckets to the worker (gloo on CPU,
+NCCL on CUDA).
+
+Tensors are packed in declared order into buckets of `bucket_size_bytes` (a larger tensor gets a bucket of its
+own); both sides derive the same layout from the declaration. The worker receives into two alternating buffers,
+so the next bucket arrives while the current one is copied into the parameters. Collectives time out after the
+configured timeout, and a trainer that disconnects surfaces as an error on the worker.
+
+Trainer side (in its own process):
+
+    sender = TorchDistSender("127.0.0.1", port)           # blocks until the engine joins
+    # engine: llm.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1",
+    #                                          "master_port": port})
+    info = sender.update_info(named_tensors)               # send to the engine: llm.update_weights(info)
+    sender.send(named_tensors)                             # while the engine receives
+    sender.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroupGloo, TCPStore
+
+from hotswap.transfer.base import Declared, TransferEngine, declare, declared_from_info
+
+_ALIGN = 64
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+def bucket_layout(declared: Declared, bucket_size: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """[(bucket bytes, [(tensor index, byte offset)])] for the declared tensors, in order."""
+    buckets: list[tuple[int, list[tuple[int, int]]]] = []
+    current: list[tuple[int, int]] = []
+    offset = 0
+    for index, (_, dtype, shape) in enumerate(declared):
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if current and offset + nbytes > bucket_size:
+            buckets.append((offset, current))
+            current, offset = [], 0
+        current.append((index, offset))
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    if current:
+        buckets.append((offset, current))
+    return buckets
+
+
+def _tensor_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _group(address: str, port: int, rank: int, timeout_s: float, device: str) -> tuple[TCPStore, Any]:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(address, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if device == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        return store, ProcessGroupNCCL(store, rank, 2)
+    return store, ProcessGroupGloo(store, rank, 2, timeout)
+
+
+class TorchDistSender:
+    """Trainer side: rank 0 of a two-member group, hosting the rendezvous store at (address, port)."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+    ) -> None:
+        self.bucket_size_bytes = bucket_size_bytes
+        self.device = device
+        self.store, self.group = _group(master_address, master_port, 0, timeout_s, device)
+        self._buffers: list[torch.Tensor] = []
+
+    def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        pairs = [(name, t.detach()) for name, t in named_tensors]
+        return {**declare(pairs), "bucket_size_bytes": self.bucket_size_bytes}
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Broadcasts the tensors bucket by bucket (the engine must be receiving the same update)."""
+        pairs = [(name, t.detach()) for name, t in named_tensors]
+        declared = declared_from_info(declare(pairs))
+        pending = None
+        for i, (size, members) in enumerate(bucket_layout(declared, self.bucket_size_bytes)):
+            buffer = self._buffer(i % 2, size)  # its previous broadcast (bucket i - 2) was waited on below
+            for index, offset in members:
+                _, dtype, shape = declared[index]
+                _tensor_view(buffer, offset, dtype, shape).copy_(pairs[index][1])
+            work = self.group.broadcast([buffer[:size]], _root(0))
+            if pending is not None:
+                pending.wait()
+            pending = work
+        if pending is not None:
+            pending.wait()
+
+    def _buffer(self, slot: int, size: int) -> torch.Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._buffers[slot].numel() < size:
+            self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._buffers[slot]
+
+    def close(self) -> None:
+        self.group = None
+        self.store = None
+        self._buffers = []
+
+
+def _root(rank: int) -> Any:
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = rank
+    opts.rootTensor = 0
+    return opts
+
+
+class TorchDistEngine(TransferEngine):
+    """Worker side: joins the trainer's group as rank 1 (init_info: master_address, master_port)."""
+
+    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+        super().__init__(init_info, config)
+        try:
+            address, port = str(init_info["master_address"]), int(init_info["master_port"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"a 'torch_dist' init_info needs master_address and master_port: {err}") from None
+        self.device = str(init_info.get("device", "cpu"))
+        self.store, self.group = _group(address, port, 1, config.timeout_s, self.device)
+        self._buffers: list[torch.Tensor] = []
+
+    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        declared = declared_from_info(update_info)
+        bucket_size = int(update_info.get("bucket_size_bytes", self.config.bucket_size_bytes))
+        layout = bucket_layout(declared, bucket_size)
+        if not layout:
+            return
+        works = [self._post(0, layout[0][0])]
+        for i, (_, members) in enumerate(layout):
+            works[i].wait()
+            if i + 1 < len(layout):
+                works.append(self._post((i + 1) % 2, layout[i + 1][0]))
+            buffer = self._buffers[i % 2]
+            for index, offset in members:
+                name, dtype, shape = declared[index]
+                yield name, _tensor_view(buffer, offset, dtype, shape)
+
+    def _post(self, slot: int, size: int) -> Any:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._buffers[slot].numel() < size:
+            self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.group.broadcast([self._buffers[slot][:size]], _root(0))
+
+    def shutdown(self) -> None:
+        self.group = None
+        self.store = None
+        self._buffers = []
