@@ -184,10 +184,13 @@ def test_partial_update_of_one_layer_leaves_the_rest(ckpts):
 
 def test_fp8_partial_update_requantizes_only_its_rows(ckpts):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, quantization="fp8")
-    get = lambda m: (
-        m.model.layers[0].mlp.gate_up_proj.weight.clone(),
-        m.model.layers[0].mlp.gate_up_proj.weight_scale.clone(),
-    )  # noqa: E731
+
+    def get(m):
+        return (
+            m.model.layers[0].mlp.gate_up_proj.weight.clone(),
+            m.model.layers[0].mlp.gate_up_proj.weight_scale.clone(),
+        )
+
     w0, s0 = llm.apply_model(get)[0]
     up_b = dict(tensors_of(ckpts["B"]))["model.layers.0.mlp.up_proj.weight"]
     llm.reload_weights(weights_iterator=[("model.layers.0.mlp.up_proj.weight", up_b)])

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from hotswap import LLM, EngineConfig, current_config, use_config
+from hotswap.model.reload import WeightUpdate
+from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
 from hotswap.worker.worker import Worker
 
 
@@ -52,48 +54,128 @@ def public_worker_methods() -> list[str]:
     return [name for name, fn in inspect.getmembers(Worker, inspect.isfunction) if not name.startswith("_")]
 
 
-def test_every_public_worker_method_runs_in_the_config_scope(llm, monkeypatch):
-    """Each public Worker method sees the worker's config through current_config(), on success and on error,
-    and leaves no config active afterwards. The probe replaces what the method calls first."""
-    worker: Worker = llm.llm_engine.executor.worker
-    seen: list[tuple[str, EngineConfig]] = []
+def scope_cases(worker: Worker, probe):
+    """method name -> (setup, patch, call). `patch(m)` swaps in `probe(label, result)` at a point the method
+    reaches inside its body: a collaborator, or a layer's post-processing hook (which reads current_config())."""
+    model, runner = worker.model, worker.runner
+    norm_w = model.model.norm.weight.detach().clone()
+    q_w = model.model.layers[0].self_attn.qkv_proj.weight.detach()[:64].clone()
+    norm_update = tensors_update_info([("model.norm.weight", norm_w)])
+    q_update = tensors_update_info([("model.layers.0.self_attn.q_proj.weight", q_w)])
 
-    def probe(label: str, fail: bool, result: object = 1):
+    def session(update=None):
+        def setup():
+            worker.init_weight_transfer_engine({"backend": "tensors"})
+            if update is not None:
+                worker.start_weight_update()
+                if update:
+                    worker.update_weights(update)
+
+        return setup
+
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    return {
+        "load_model": (None, lambda m, p: m.setattr("hotswap.worker.worker.build_model", p(model)), worker.load_model),
+        "determine_num_kv_blocks": (
+            None,
+            lambda m, p: m.setattr(runner, "bytes_per_block", p(1024)),
+            worker.determine_num_kv_blocks,
+        ),
+        "initialize_cache": (
+            None,
+            lambda m, p: m.setattr(runner, "allocate_kv_cache", p()),
+            lambda: worker.initialize_cache(4),
+        ),
+        "execute_model": (None, lambda m, p: m.setattr(runner, "execute", p()), lambda: worker.execute_model(None)),
+        "execute_method": (
+            None,
+            lambda m, p: m.setattr(worker, "_probe", p(), raising=False),
+            lambda: worker.execute_method(lambda w: w._probe()),
+        ),
+        "reload_weights": (
+            None,
+            lambda m, p: m.setattr(model.model.norm, "process_weights_after_loading", p(), raising=False),
+            lambda: worker.reload_weights(weights_iterator=[("model.norm.weight", norm_w)]),
+        ),
+        "update_config": (
+            None,
+            lambda m, p: m.setattr(worker.config, "with_overrides", p({})),
+            lambda: worker.update_config({}),
+        ),
+        "init_weight_transfer_engine": (
+            None,
+            lambda m, p: m.setattr(
+                "hotswap.worker.weight_session.create_engine",
+                p(TensorsEngine({}, worker.config.weight_transfer_config)),
+            ),
+            lambda: worker.init_weight_transfer_engine({"backend": "tensors"}),
+        ),
+        "start_weight_update": (
+            session(),
+            lambda m, p: m.setattr("hotswap.worker.weight_session.WeightUpdate", p(WeightUpdate(model, True, True))),
+            worker.start_weight_update,
+        ),
+        "update_weights": (
+            session(update={}),
+            lambda m, p: m.setattr(model.model.norm, "process_weights_after_loading", p(), raising=False),
+            lambda: worker.update_weights(norm_update),
+        ),
+        "finish_weight_update": (
+            session(update=q_update),  # q alone leaves qkv_proj pending until finish
+            lambda m, p: m.setattr(qkv, "process_weights_after_loading", p()),
+            worker.finish_weight_update,
+        ),
+        "abort_weight_update": (
+            session(update=q_update),
+            lambda m, p: m.setattr(worker.session.update, "rollback", p()),
+            worker.abort_weight_update,
+        ),
+        "shutdown_weight_transfer_engine": (
+            session(),
+            lambda m, p: m.setattr(worker.session.engine, "shutdown", p()),
+            worker.shutdown_weight_transfer_engine,
+        ),
+        "weight_checksums": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.weight_checksums),
+    }
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["success", "error"])
+def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
+    """Each public Worker method sees the worker's config through current_config() inside its body, on success
+    and when that body raises, and leaves no config active afterwards."""
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
+    worker: Worker = llm.llm_engine.executor.worker
+    model, runner = worker.model, worker.runner
+    seen: dict[str, EngineConfig] = {}
+    label = [""]
+
+    def probe(result=None):
         def fn(*args, **kwargs):
-            seen.append((label, current_config()))
+            seen[label[0]] = current_config()
             if fail:
                 raise RuntimeError("probe failure")
             return result
 
         return fn
 
-    calls = {
-        "load_model": lambda: worker.load_model(),
-        "determine_num_kv_blocks": lambda: worker.determine_num_kv_blocks(),
-        "initialize_cache": lambda: worker.initialize_cache(4),
-        "execute_model": lambda: worker.execute_model(None),
-        "execute_method": lambda: worker.execute_method(lambda w: probe("execute_method", FAIL[0])()),
-    }
-    assert sorted(calls) == sorted(public_worker_methods()), "a public Worker method has no scope check here"
-    runner = worker.runner
-    FAIL = [False]
-    for fail in (False, True):
-        FAIL[0] = fail
-        seen.clear()
-        with monkeypatch.context() as m:
-            m.setattr("hotswap.worker.worker.build_model", probe("load_model", fail, runner.model))
-            m.setattr(runner, "bytes_per_block", probe("determine_num_kv_blocks", fail))
-            m.setattr(runner, "allocate_kv_cache", probe("initialize_cache", fail))
-            m.setattr(runner, "execute", probe("execute_model", fail))
-            for _name, call in calls.items():
-                worker.runner = runner
-                if fail:
-                    with pytest.raises(RuntimeError, match="probe failure"):
-                        call()
-                else:
+    cases = scope_cases(worker, probe)
+    assert sorted(cases) == sorted(public_worker_methods()), "a public Worker method has no scope check here"
+    for name, (setup, patch, call) in cases.items():
+        label[0] = name
+        if setup is not None:
+            setup()
+        with pytest.MonkeyPatch.context() as m:
+            patch(m, probe)
+            if fail:
+                with pytest.raises(RuntimeError, match="probe failure"):
                     call()
-                with pytest.raises(RuntimeError, match="outside a config scope"):
-                    current_config()
-        assert [label for label, _ in seen] == list(calls)
-        assert all(cfg is worker.config for _, cfg in seen)
-    worker.runner = runner
+            else:
+                call()
+        with pytest.raises(RuntimeError, match="outside a config scope"):
+            current_config()
+        if worker.session.state.value == "active":
+            worker.abort_weight_update()
+        worker.shutdown_weight_transfer_engine()
+        worker.model, worker.runner, worker.weights_valid = model, runner, True
+    assert sorted(seen) == sorted(cases)
+    assert all(cfg is worker.config for cfg in seen.values())

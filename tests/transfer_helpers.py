@@ -29,9 +29,10 @@ class Pusher:
     """Drives `llm` through init -> start -> update(s) -> finish for one backend, sending from this process
     (a thread for torch_dist). Keeps the sender between pushes so buffers are reused."""
 
-    def __init__(self, llm: LLM, backend: str, bucket_size_bytes: int = 1 << 16) -> None:
+    def __init__(self, llm: LLM, backend: str, bucket_size_bytes: int = 1 << 16, sender_timeout_s: float = 10) -> None:
         self.llm, self.backend = llm, backend
         self.bucket_size_bytes = bucket_size_bytes
+        self.sender_timeout_s = sender_timeout_s
         self.shm = ShmSender() if backend == "shm" else None
         self.dist: TorchDistSender | None = None
         self.tmp = tempfile.TemporaryDirectory()
@@ -44,7 +45,9 @@ class Pusher:
             port = free_port()
             box: dict = {}
             thread = threading.Thread(
-                target=lambda: box.setdefault("s", TorchDistSender("127.0.0.1", port, self.bucket_size_bytes, 10))
+                target=lambda: box.setdefault(
+                    "s", TorchDistSender("127.0.0.1", port, self.bucket_size_bytes, self.sender_timeout_s)
+                )
             )
             thread.start()
             info.update(master_address="127.0.0.1", master_port=port)
@@ -64,7 +67,14 @@ class Pusher:
             self.count += 1
             folder = Path(self.tmp.name) / f"u{self.count}"
             folder.mkdir()
-            save_file({n: t.contiguous() for n, t in named}, str(folder / "model.safetensors"))
+            files: list[dict[str, torch.Tensor]] = []
+            for n, t in named:  # a repeated name goes to another file, as a malformed checkpoint would have it
+                target = next((f for f in files if n not in f), None)
+                if target is None:
+                    files.append(target := {})
+                target[n] = t.contiguous()
+            for i, f in enumerate(files):
+                save_file(f, str(folder / f"model-{i:05d}.safetensors"))
             self.llm.update_weights({"path": str(folder)})
         else:
             info = self.dist.update_info(named)
@@ -73,7 +83,7 @@ class Pusher:
             def send() -> None:
                 try:
                     self.dist.send(named)
-                except BaseException as err:  # noqa: BLE001 - reported through `errors`
+                except BaseException as err:
                     errors.append(err)
 
             thread = threading.Thread(target=send)
@@ -99,3 +109,45 @@ class Pusher:
 
 def shm_segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("hotswap_")}
+
+
+# ---- trainer processes (spawned) used by the dead-trainer tests ----------------------------------------------
+
+
+SHM_TRAINER = """
+import json, sys, time
+from safetensors.torch import load_file
+from hotswap.transfer.shm import ShmSender
+tensors = list(load_file(sys.argv[1]).items())
+sender = ShmSender()
+print(json.dumps(sender.write(tensors[:10])), flush=True)
+sys.stdin.readline()  # the engine took the first update
+info, _ = sender.prepare(tensors[10:])  # never published: the parent kills this process
+print(json.dumps(info), flush=True)
+time.sleep(600)
+"""
+
+
+def start_shm_trainer(checkpoint_file: str):
+    """A trainer as its own program (with its own resource tracker, as in production)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", SHM_TRAINER, checkpoint_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def torch_dist_trainer_dies_mid_stream(queue, go, port, named, bucket_size, buckets_to_send) -> None:
+    """Declares all of `named` but broadcasts only the first `buckets_to_send` buckets, then exits."""
+    from hotswap.transfer.base import declared_from_info
+    from hotswap.transfer.torch_dist import bucket_layout
+
+    sender = TorchDistSender("127.0.0.1", port, bucket_size, timeout_s=30)
+    info = sender.update_info(named)
+    queue.put(info)
+    layout = bucket_layout(declared_from_info(info), bucket_size)
+    count = sum(len(members) for _, members in layout[:buckets_to_send])
+    go.get()  # the engine is receiving
+    sender.send(named[:count])
+    os._exit(1)

@@ -83,6 +83,14 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request and frees its KV blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self.scheduler.remove(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

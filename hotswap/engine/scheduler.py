@@ -89,6 +89,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def remove(self, seq: Sequence) -> None:
+        """Takes `seq` out of the queues (whatever its state) and frees its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)

@@ -111,6 +111,10 @@ class LLM:
                 for out in engine.step():
                     done[out.request_id] = out
                     bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(done):
+                engine.abort_request(request_id)
+            raise
         finally:
             bar.close()
         return [done[r] for r in request_ids]

@@ -158,7 +158,7 @@ def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if name in shapes:
-                    raise ValueError(f"tensor {name!r} appears in more than one file of {folder!r}")
+                    raise ValueError(f"duplicate tensor {name!r}: it appears in more than one file of {folder!r}")
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
 

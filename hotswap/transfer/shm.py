@@ -14,17 +14,19 @@ Trainer side:
     sender.close()                                   # unlinks the segment
 
 Segments are reused across updates while they are large enough, and unlinked by `close()` (or by Python's
-resource tracker if the trainer dies).
+resource tracker if the trainer dies). A sender prepares its next update only after the engine's
+`update_weights` for the previous one has returned: the buffer is rewritten in place.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -119,25 +121,44 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+class _Mapping:
+    """A read/write mapping of a trainer's segment. Unlike `SharedMemory(name)`, it does not register the
+    segment with this process's resource tracker: the trainer owns it and unlinks it."""
+
+    def __init__(self, name: str) -> None:
+        import _posixshmem
+
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        except FileNotFoundError:
+            raise ValueError(f"shared memory segment {name!r} does not exist (trainer gone?)") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self.map)
+
+    def close(self) -> None:
+        self.buf.release()
+        self.map.close()
+
+
 class ShmEngine(TransferEngine):
     def __init__(self, init_info: dict[str, Any], config: Any) -> None:
         super().__init__(init_info, config)
-        self.segments: dict[str, shared_memory.SharedMemory] = {}
+        self.segments: dict[str, _Mapping] = {}
 
-    def _attach(self, name: str) -> shared_memory.SharedMemory:
+    def _attach(self, name: str) -> _Mapping:
         segment = self.segments.get(name)
         if segment is None:
-            try:
-                segment = shared_memory.SharedMemory(name=name)
-            except FileNotFoundError:
-                raise ValueError(f"shared memory segment {name!r} does not exist (trainer gone?)") from None
-            # The trainer owns the segment; this process must not unlink it at exit.
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+            segment = _Mapping(name)
             self.shutdown()
             self.segments = {name: segment}
         return segment
 
-    def _wait_published(self, segment: shared_memory.SharedMemory, generation: int, pid: int) -> None:
+    def _wait_published(self, segment: _Mapping, generation: int, pid: int) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             magic, current, _ = _HEADER.unpack_from(segment.buf, 0)

@@ -1,0 +1,238 @@
+"""Bad updates get clear errors, leave the weights bit-identical and the engine serving."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import PROMPTS, hf_greedy
+from hotswap import LLM, SamplingParams
+from hotswap.testing import make_tiny_model
+from hotswap.transfer.shm import ShmSender
+from transfer_helpers import (
+    BACKENDS,
+    Pusher,
+    free_port,
+    shm_segments,
+    start_shm_trainer,
+    torch_dist_trainer_dies_mid_stream,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_update_models")
+    return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def b_tensors(ckpts):
+    return list(load_file(str(ckpts["B"] / "model.safetensors")).items())
+
+
+def serves(llm: LLM, path) -> bool:
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    return all(
+        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), 12)[0]
+        for p, o in zip(PROMPTS[:2], outs, strict=True)
+    )
+
+
+def bad_cases(b: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[list, str]]:
+    """name -> (tensors to send, expected message). Each starts with valid tensors so some data moves first."""
+    good = b[:6]
+    norm = dict(b)["model.norm.weight"]
+    nan = dict(b)["model.layers.1.mlp.down_proj.weight"].clone()
+    nan[3, 5] = float("nan")
+    return {
+        "unknown_name": ([*good, ("model.layers.0.mlp.nope.weight", norm)], r"unknown tensors.*mlp\.nope"),
+        "wrong_shape": ([*good, ("model.norm.weight", norm[:7])], r"model\.norm\.weight: expected shape \(64,\)"),
+        "uncastable_dtype": ([*good, ("model.norm.weight", norm.to(torch.int32))], r"cannot be cast.*int32"),
+        "duplicate_name": ([*good, ("model.norm.weight", norm), ("model.norm.weight", norm)], "duplicate.*norm"),
+        "nan": (
+            [(n, nan if n == "model.layers.1.mlp.down_proj.weight" else t) for n, t in b],
+            r"NaN or Inf.*down_proj",
+        ),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_update_matrix(ckpts, b_tensors, backend):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 5})
+    before = llm.weight_checksums()
+    for case, (tensors, message) in bad_cases(b_tensors).items():
+        pusher = Pusher(llm, backend, bucket_size_bytes=1 << 14, sender_timeout_s=2)
+        llm.start_weight_update()
+        with pytest.raises(ValueError, match=message):
+            pusher.update(tensors)
+        assert llm.weight_checksums() == before, f"{backend}/{case}: weights changed"
+        assert llm.get_weight_version() == 0
+        assert serves(llm, ckpts["A"]), f"{backend}/{case}: engine no longer serves A"
+        pusher.close()
+    pusher = Pusher(llm, backend)  # the engine still takes a good update
+    pusher.push(b_tensors)
+    assert serves(llm, ckpts["B"])
+    pusher.close()
+
+
+def test_out_of_order_calls_name_the_expected_call(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):
+        llm.start_weight_update()
+    with pytest.raises(ValueError, match=r"unknown weight transfer backend.*shm"):
+        llm.init_weight_transfer_engine({"backend": "carrier_pigeon"})
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    with pytest.raises(RuntimeError, match="start_weight_update"):
+        llm.update_weights({"named_tensors": b_tensors})
+    with pytest.raises(RuntimeError, match="start_weight_update"):
+        llm.finish_weight_update()
+    llm.start_weight_update()
+    with pytest.raises(RuntimeError, match=r"update_weights.*finish_weight_update.*abort_weight_update"):
+        llm.start_weight_update()
+    with pytest.raises(RuntimeError, match="in progress"):
+        llm.reload_weights()
+    llm.abort_weight_update()
+    assert serves(llm, ckpts["A"])
+
+
+def test_abort_rolls_back_every_update_of_the_session(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, quantization="fp8")
+    before = llm.weight_checksums()
+    pusher = Pusher(llm, "tensors")
+    llm.start_weight_update()
+    pusher.update(b_tensors[:10])
+    pusher.update(b_tensors[10:])
+    assert llm.weight_checksums() != before
+    llm.abort_weight_update()
+    assert llm.weight_checksums() == before and llm.get_weight_version() == 0
+    pusher.close()
+
+
+def test_non_atomic_failure_stops_serving_until_reload(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
+    tensors, _ = bad_cases(b_tensors)["nan"]
+    pusher = Pusher(llm, "tensors")
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match="atomic mode is off"):
+        pusher.update(tensors)
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    llm.reload_weights()
+    assert serves(llm, ckpts["A"])
+    pusher.close()
+
+
+def test_shm_timeout_rolls_back(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 1.0})
+    before = llm.weight_checksums()
+    sender = ShmSender()
+    llm.init_weight_transfer_engine({"backend": "shm"})
+    llm.start_weight_update()
+    llm.update_weights(sender.write(b_tensors[:10]))
+    info, _ = sender.prepare(b_tensors[10:])  # never published
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="previous weights were restored"):
+        llm.update_weights(info)
+    assert time.monotonic() - start < 3
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    llm.shutdown_weight_transfer_engine()
+    sender.close()
+
+
+def test_torch_dist_timeout_rolls_back(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 2.0})
+    before = llm.weight_checksums()
+    pusher = Pusher(llm, "torch_dist", sender_timeout_s=10)
+    llm.start_weight_update()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="previous weights were restored"):
+        llm.update_weights(pusher.dist.update_info(b_tensors))  # the trainer never sends
+    assert time.monotonic() - start < 8
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    llm.shutdown_weight_transfer_engine()
+
+
+@pytest.mark.slow
+def test_shm_trainer_killed_mid_update_is_rolled_back(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 30})
+    before = llm.weight_checksums()
+    segments = shm_segments()
+    trainer = start_shm_trainer(str(ckpts["B"] / "model.safetensors"))
+    llm.init_weight_transfer_engine({"backend": "shm"})
+    llm.start_weight_update()
+    llm.update_weights(json.loads(trainer.stdout.readline()))
+    assert llm.weight_checksums() != before
+    trainer.stdin.write("next\n")  # a sender reuses its buffer only after the engine has taken the previous update
+    trainer.stdin.flush()
+    info = json.loads(trainer.stdout.readline())
+    threading.Timer(0.5, lambda: os.kill(trainer.pid, 9)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited before publishing"):
+        llm.update_weights(info)
+    assert time.monotonic() - start < 10
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    llm.shutdown_weight_transfer_engine()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while shm_segments() - segments and time.monotonic() < deadline:
+        time.sleep(0.1)  # the dead trainer's resource tracker unlinks its segment
+    assert not shm_segments() - segments
+
+
+@pytest.mark.slow
+def test_torch_dist_trainer_killed_mid_stream_is_rolled_back(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 30})
+    before = llm.weight_checksums()
+    ctx = mp.get_context("spawn")
+    queue, go = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    bucket = 1 << 14
+    trainer = ctx.Process(target=torch_dist_trainer_dies_mid_stream, args=(queue, go, port, b_tensors, bucket, 2))
+    trainer.start()
+    llm.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port})
+    llm.start_weight_update()
+    info = queue.get(timeout=60)
+    threading.Timer(0.2, lambda: go.put("send")).start()  # the trainer sends two buckets, then exits
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="previous weights were restored"):
+        llm.update_weights(info)
+    assert time.monotonic() - start < 25
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    llm.shutdown_weight_transfer_engine()
+    trainer.join()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensors", "shm", "torch_dist"])
+def test_fifty_updates_keep_memory_and_shm_flat(ckpts, b_tensors, backend):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    a_tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+    pusher = Pusher(llm, backend)
+    for i in range(5):  # warm-up: buffers and allocator pools reach their steady size
+        pusher.push(b_tensors if i % 2 else a_tensors)
+    rss, segments = rss_bytes(), shm_segments()
+    for i in range(50):
+        pusher.push(b_tensors if i % 2 else a_tensors)
+    growth = rss_bytes() - rss
+    assert growth < 16 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 50 updates"
+    assert shm_segments() == segments
+    assert llm.get_weight_version() == 55
+    pusher.close()
+    assert not {
+        s for s in shm_segments() if s in (pusher.shm.segment.name if pusher.shm and pusher.shm.segment else "")
+    }
