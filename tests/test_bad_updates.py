@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 
@@ -236,3 +237,20 @@ def test_fifty_updates_keep_memory_and_shm_flat(ckpts, b_tensors, backend):
     assert not {
         s for s in shm_segments() if s in (pusher.shm.segment.name if pusher.shm and pusher.shm.segment else "")
     }
+
+
+def test_truncated_checkpoint_is_rejected_before_any_data_moves(ckpts, tmp_path):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    before = llm.weight_checksums()
+    broken = tmp_path / "truncated"
+    shutil.copytree(ckpts["B"], broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match="truncated"):
+        llm.reload_weights(weights_path=str(broken))
+    llm.init_weight_transfer_engine({"backend": "disk"})
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match="truncated"):
+        llm.update_weights({"path": str(broken)})
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    assert llm.config.model_config.model == str(ckpts["A"])

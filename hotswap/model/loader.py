@@ -8,13 +8,10 @@ tensor. Names are never guessed by substring.
 from __future__ import annotations
 
 import contextlib
-import glob
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from hotswap.config import ModelConfig
@@ -85,6 +82,7 @@ class WeightMap:
         for target in self.targets.values():
             self.module_keys.setdefault(target.module_name, set()).add(target.key)
         self.required = frozenset(self.targets)
+        self.backup_buffers: dict[str, torch.Tensor] = {}  # reused by atomic updates (see WeightUpdate)
         aliases: dict[str, str] = model.checkpoint_aliases() if hasattr(model, "checkpoint_aliases") else {}
         for alias, canonical in aliases.items():
             self.targets[alias] = self.targets[canonical]
@@ -97,6 +95,9 @@ class WeightMap:
             weight_map = cls(model)
             model._hotswap_weight_map = weight_map
         return weight_map
+
+    def release_backup_buffers(self) -> None:
+        self.backup_buffers = {}
 
     def ignored(self, name: str) -> bool:
         check = getattr(self.model, "ignored_checkpoint_names", None)
@@ -141,55 +142,3 @@ class WeightMap:
 
 def _castable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and not dtype.is_complex
-
-
-def safetensors_files(folder: str) -> list[str]:
-    """The *.safetensors files of a checkpoint folder, sorted. Raises ValueError if there are none."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {folder!r}")
-    return files
-
-
-def safetensors_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the folder, read from the file headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name in shapes:
-                    raise ValueError(f"duplicate tensor {name!r}: it appears in more than one file of {folder!r}")
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor of the checkpoint folder."""
-    for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def safetensors_dtypes(folder: str) -> dict[str, torch.dtype]:
-    """Name -> torch dtype of every tensor in the folder, read from the file headers only."""
-    names = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-    }
-    dtypes: dict[str, torch.dtype] = {}
-    for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                dtypes[name] = names.get(f.get_slice(name).get_dtype(), torch.complex64)
-    return dtypes

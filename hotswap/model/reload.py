@@ -24,6 +24,14 @@ from hotswap.model.loader import WeightMap
 Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """True if no element is NaN or Inf. A sum is one cheap pass; only a non-finite sum (a bad value, or an
+    overflow of huge finite ones) pays for the exact elementwise check."""
+    if tensor.element_size() == 1:
+        tensor = tensor.float()
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 class WeightUpdate:
     def __init__(self, model: nn.Module, atomic: bool, check_finite: bool) -> None:
         self.model = model
@@ -58,7 +66,7 @@ class WeightUpdate:
             target = self.weight_map.lookup(name)
             if tuple(tensor.shape) != target.shape:
                 raise ValueError(f"{name}: expected shape {target.shape}, got {tuple(tensor.shape)}")
-            if self.check_finite and not bool(torch.isfinite(tensor).all()):
+            if self.check_finite and not _all_finite(tensor):
                 non_finite.append(name)
             if non_finite:
                 continue  # drain the stream to name every bad tensor; load nothing more
@@ -81,7 +89,17 @@ class WeightUpdate:
     def _before_write(self, module_name: str) -> None:
         if self.atomic and module_name not in self.backups:
             module = self.model.get_submodule(module_name)
-            self.backups[module_name] = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)}
+            saved = {}
+            for name, param in module.named_parameters(recurse=False):
+                # Copy buffers persist on the weight map between updates, so steady-state updates do not fault
+                # in fresh memory; release_backup_buffers() frees them.
+                key = f"{module_name}.{name}"
+                buffer = self.weight_map.backup_buffers.get(key)
+                if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                    buffer = self.weight_map.backup_buffers[key] = torch.empty_like(param, requires_grad=False)
+                buffer.copy_(param.detach())
+                saved[name] = buffer
+            self.backups[module_name] = saved
 
     def _post_process(self, module_name: str) -> None:
         module = self.model.get_submodule(module_name)

@@ -10,15 +10,13 @@ from typing import Any
 
 import torch
 
-from hotswap.model.loader import iterate_safetensors, safetensors_dtypes, safetensors_shapes
+from hotswap.model.safetensors_io import iterate_safetensors, read_index
 from hotswap.transfer.base import Declared, TransferEngine
 
 
 class DiskEngine(TransferEngine):
     def declared(self, update_info: dict[str, Any]) -> Declared:
-        path = self._path(update_info)
-        shapes, dtypes = safetensors_shapes(path), safetensors_dtypes(path)
-        return [(name, dtypes[name], shape) for name, shape in shapes.items()]
+        return [(name, e.dtype, e.shape) for name, e in read_index(self._path(update_info)).items()]
 
     def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from iterate_safetensors(self._path(update_info))

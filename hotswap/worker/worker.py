@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from hotswap.config import EngineConfig, available_memory_bytes, use_config
-from hotswap.model.loader import build_model, iterate_safetensors, safetensors_dtypes, safetensors_shapes
+from hotswap.model.loader import WeightMap, build_model
 from hotswap.model.reload import WeightUpdate
+from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.worker.model_input import ModelInput, ModelOutput
 from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.weight_session import SessionState, WeightSession, WeightUpdateFailed
@@ -78,10 +79,10 @@ class Worker:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         model = build_model(self.config.model_config)
         if self.config.load_config.load_format == "safetensors":
-            folder = self.config.model_config.model
+            index = read_index(self.config.model_config.model)
             update = WeightUpdate(model, atomic=False, check_finite=self.config.weight_transfer_config.check_finite)
-            update.validate(_folder_declared(folder), require_all=True)
-            update.load(iterate_safetensors(folder))
+            update.validate(_declared(index), require_all=True)
+            update.load(iterate_index(index))
             update.finish()
         self.model = model
         self.runner = ModelRunner(self.config, model)
@@ -150,8 +151,9 @@ class Worker:
             folder = str(weights_path or self.config.model_config.model)
             if weights_path is not None:
                 self._check_same_shapes(folder)
-            update.validate(_folder_declared(folder), require_all=True)
-            stream, full = iterate_safetensors(folder), True
+            index = read_index(folder)
+            update.validate(_declared(index), require_all=True)
+            stream, full = iterate_index(index), True
         self._apply(update, stream)
         if weights_path is not None:
             self.config.model_config.model = str(weights_path)
@@ -241,6 +243,8 @@ class Worker:
         if self.session.state is SessionState.ACTIVE:
             self.abort_weight_update()
         self.session.shutdown_engine()
+        if self.model is not None:
+            WeightMap.of(self.model).release_backup_buffers()
 
     @in_config_scope
     def weight_checksums(self) -> dict[str, str]:
@@ -302,6 +306,5 @@ class Worker:
         return self.runner
 
 
-def _folder_declared(folder: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    shapes, dtypes = safetensors_shapes(folder), safetensors_dtypes(folder)
-    return [(name, dtypes[name], shape) for name, shape in shapes.items()]
+def _declared(index: dict) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(name, entry.dtype, entry.shape) for name, entry in index.items()]

@@ -1,0 +1,132 @@
+"""Weight-update latency on the 125M model (fp32, ~460 MB), per transport, against the memory-copy floor.
+
+Serves checkpoint A, then repeatedly pushes checkpoint B (full updates: start -> update -> finish) through each
+transport, with the trainer in its own process for shm and torch_dist. Also times a disk reload. The floor is
+torch `copy_` of the same number of bytes, measured in the same run.
+
+    python benchmarks/weight_update.py [--reps 5] [--preset 125m]
+
+Prints human-readable lines and ends with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hotswap import LLM
+from hotswap.testing import make_tiny_model
+from hotswap.transfer.tensors import tensors_update_info
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer(backend: str, checkpoint: str, port: int, commands, replies) -> None:
+    """A trainer process: on each command, writes (shm) or broadcasts (torch_dist) checkpoint B."""
+    named = list(load_file(checkpoint).items())
+    if backend == "shm":
+        from hotswap.transfer.shm import ShmSender
+
+        sender = ShmSender()
+        while commands.get() == "push":
+            replies.put(sender.write(named))
+        sender.close()
+    else:
+        from hotswap.transfer.torch_dist import TorchDistSender
+
+        sender = TorchDistSender("127.0.0.1", port)
+        while commands.get() == "push":
+            replies.put(sender.update_info(named))
+            sender.send(named)
+        sender.close()
+
+
+def median_seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_seconds(nbytes: int, reps: int) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    return median_seconds(lambda: dst.copy_(src), reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--preset", default="125m")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        a = make_tiny_model(Path(tmp) / "A", preset=args.preset, seed=0)
+        b = make_tiny_model(Path(tmp) / "B", preset=args.preset, seed=1)
+        b_file = str(b / "model.safetensors")
+        llm = LLM(str(a), kv_cache_memory_bytes=1 << 28)
+        named = list(load_file(b_file).items())
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        floor = memcpy_seconds(total, args.reps)
+        print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")
+        figures: dict = {"weights_mb": round(total / 1e6, 1), "memcpy_floor_ms": round(floor * 1e3, 1)}
+
+        def report(label: str, seconds: float) -> None:
+            print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / floor:5.1f}x the floor")
+            figures[label] = {"ms": round(seconds * 1e3, 1), "x_floor": round(seconds / floor, 2)}
+
+        def session(info_fn) -> None:
+            llm.start_weight_update()
+            llm.update_weights(info_fn())
+            llm.finish_weight_update()
+
+        llm.init_weight_transfer_engine({"backend": "tensors"})
+        report("tensors (atomic)", median_seconds(lambda: session(lambda: tensors_update_info(named)), args.reps))
+        llm.update_config({"weight_transfer_config": {"atomic": False}})
+        report("tensors (atomic off)", median_seconds(lambda: session(lambda: tensors_update_info(named)), args.reps))
+        llm.update_config({"weight_transfer_config": {"atomic": True}})
+
+        llm.init_weight_transfer_engine({"backend": "disk"})
+        report("disk transport", median_seconds(lambda: session(lambda: {"path": str(b)}), args.reps))
+        llm.shutdown_weight_transfer_engine()
+        report("reload_weights(path)", median_seconds(lambda: llm.reload_weights(weights_path=str(b)), args.reps))
+
+        ctx = mp.get_context("spawn")
+        for backend in ("shm", "torch_dist"):
+            commands, replies = ctx.Queue(), ctx.Queue()
+            port = free_port()
+            proc = ctx.Process(target=trainer, args=(backend, b_file, port, commands, replies))
+            proc.start()
+            init = {"backend": backend}
+            if backend == "torch_dist":
+                init.update(master_address="127.0.0.1", master_port=port)
+            llm.init_weight_transfer_engine(init)
+
+            def push(commands=commands, replies=replies) -> None:
+                commands.put("push")
+                session(lambda: replies.get(timeout=120))
+
+            push()  # warm-up: buffers allocated
+            report(f"{backend} (trainer process)", median_seconds(push, args.reps))
+            commands.put("stop")
+            proc.join()
+            llm.shutdown_weight_transfer_engine()
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
