@@ -103,15 +103,20 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """Paged KV cache. The block count is derived at startup from `kv_cache_memory_bytes` when given, else from
-    `memory_fraction` of the host's available memory, capped at what `max_num_seqs` full-length sequences need."""
+    `memory_fraction` of the host's available memory, capped at what `max_num_seqs` full-length sequences need.
+    On a weight change the prefix cache is either dropped ("reset") or keyed by weight version from then on
+    ("salt": old entries are never hit and age out)."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
+    prefix_cache_policy: str = "reset"
     num_kv_blocks: int | None = None  # derived at startup
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_policy not in ("reset", "salt"):
+            raise ValueError(f"prefix_cache_policy must be 'reset' or 'salt', got {self.prefix_cache_policy!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

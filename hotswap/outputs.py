@@ -14,14 +14,24 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens [start_token, end_token) were produced by weight version `version`."""
+
+    version: int
+    start_token: int
+    end_token: int
+
+
 # One dict per generated token: token id -> Logprob (the sampled token plus the requested top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
 class CompletionOutput:
-    """One sampled completion of a request. `finish_reason` is 'stop', 'length' or None while running;
-    `stop_reason` is the stop string or token id that ended it, None for EOS or length."""
+    """One sampled completion of a request. `finish_reason` is 'stop', 'length', 'abort' or None while running;
+    `stop_reason` is the stop string or token id that ended it, None for EOS or length. `weight_versions` are
+    spans over `token_ids` (over the whole output, also in a delta) naming the weight version of each token."""
 
     index: int
     text: str
@@ -30,6 +40,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -45,3 +56,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    admission_weight_version: int = 0

@@ -13,8 +13,9 @@ class SamplingParams:
     `seed` makes the request reproducible whatever else is batched with it. `stop` strings end generation and
     are cut from the text; `stop_token_ids` end it too (the token is kept in token_ids). EOS ends generation
     unless `ignore_eos`. `min_tokens` suppresses EOS and stop tokens/strings until that many tokens exist.
-    `logprobs` k returns the sampled token's logprob plus the top-k. Invalid values raise ValueError naming the
-    field.
+    `logprobs` k returns the sampled token's logprob plus the top-k. `output_kind` says what a streaming
+    consumer gets after each step: the whole output so far ("cumulative"), only what is new ("delta"), or
+    nothing until it finishes ("final_only"). Invalid values raise ValueError naming the field.
     """
 
     n: int = 1
@@ -30,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: str = "cumulative"
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,6 +63,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            raise ValueError(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
 
     @property
     def stop_strings(self) -> list[str]:

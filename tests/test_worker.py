@@ -136,6 +136,12 @@ def scope_cases(worker: Worker, probe):
             worker.shutdown_weight_transfer_engine,
         ),
         "weight_checksums": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.weight_checksums),
+        "sleep": (None, lambda m, p: m.setattr(runner, "free_kv_cache", p()), lambda: worker.sleep(1)),
+        "wake_up": (
+            lambda: worker.sleep(1),
+            lambda m, p: m.setattr(runner, "allocate_kv_cache", p()),
+            lambda: worker.wake_up(["kv_cache"]),
+        ),
     }
 
 
@@ -177,5 +183,7 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
             worker.abort_weight_update()
         worker.shutdown_weight_transfer_engine()
         worker.model, worker.runner, worker.weights_valid = model, runner, True
+        if not runner.kv_caches:
+            runner.allocate_kv_cache(worker.config.cache_config.num_kv_blocks)
     assert sorted(seen) == sorted(cases)
     assert all(cfg is worker.config for cfg in seen.values())

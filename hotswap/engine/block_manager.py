@@ -34,6 +34,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.pending_copies: list[tuple[int, int]] = []
+        self.salt = 0  # mixed into the first block hash of every chain (the weight version, salt policy)
         self.prefix_hit_tokens = 0
         self.shared_block_refs = 0  # block references handed out by sharing instead of allocating
 
@@ -52,7 +53,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[tuple[int, int]] = []
-        prev: int | None = None
+        prev: int | None = self.salt
         bs = self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -93,6 +94,7 @@ class BlockManager:
             self._ref(block_id)
         seq.block_table = [b for b, _ in hits]
         seq.block_hashes = [h for _, h in hits]
+        seq.cache_salt = self.salt
         for _ in range(self._blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -147,7 +149,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = self._chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = self._chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:

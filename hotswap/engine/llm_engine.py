@@ -16,7 +16,7 @@ from hotswap.engine.sequence import Request, Sequence, SequenceStatus
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
 from hotswap.model.layers.sampler import SampleResult, SampleSpec
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 from hotswap.worker.model_input import ModelInput
 
@@ -47,6 +47,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self.weight_version = 0
+        self.paused = False
+        self.sleeping: set[str] = set()  # what sleep() released: "kv_cache", "weights"
         self.startup_seconds = time.perf_counter() - start
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -72,24 +74,40 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
     ) -> None:
+        """Queues a request (it starts when the engine is running and capacity allows). With `stream`, `step`
+        returns its output after every step that advanced it; otherwise only when it finishes."""
         self.validate_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, list(prompt_token_ids), params)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream)
+        request.admission_weight_version = self.weight_version
         seq = Sequence(request, 0, prompt_token_ids)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drops a request and frees its KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request with finish_reason 'abort', keeping its partial output, and frees its KV blocks.
+        Returns its final output, or None for an unknown id."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return None
         for seq in request.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
             self.scheduler.remove(seq)
+        while len(request.seqs) < request.params.n:  # siblings never forked end empty
+            child = Sequence(request, len(request.seqs), request.prompt_token_ids)
+            child.finish_reason, child.status = "abort", SequenceStatus.FINISHED
+            request.seqs.append(child)
+        return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -97,10 +115,15 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the outputs of requests that finished in it."""
+        """Runs one batch; returns the outputs of requests that finished in it (and of streamed requests that
+        advanced). Does nothing while paused."""
+        if self.sleeping:
+            raise RuntimeError(f"the engine is asleep ({sorted(self.sleeping)} released); call wake_up() first")
+        if self.paused:
+            return []
         batch = self.scheduler.schedule()
         if batch is None:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.running or (self.scheduler.waiting and self.scheduler.admit_new):
                 raise RuntimeError("no sequence can be scheduled although requests are waiting")
             return []
         model_input = self._build_input(batch)
@@ -155,7 +178,7 @@ class LLMEngine:
     def _process(
         self, batch: SchedulerOutput, model_input: ModelInput, results: list[SampleResult]
     ) -> list[RequestOutput]:
-        finished: list[RequestOutput] = []
+        touched: dict[str, Request] = {}
         row = 0
         for seq in batch.seqs:
             seq.num_computed_tokens = len(seq)
@@ -176,16 +199,22 @@ class LLMEngine:
             for target in targets:
                 if target.finish_reason is not None and target.status is SequenceStatus.RUNNING:
                     self.scheduler.finish(target)
-            if request.finished:
-                finished.append(self._output(request))
-                del self.requests[request.request_id]
+            touched[request.request_id] = request
         assert row == len(results)
-        return finished
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                outputs.append(self._output(request))
+                del self.requests[request.request_id]
+            elif request.stream and request.params.output_kind != "final_only":
+                outputs.append(self._output(request))
+        return outputs
 
     def _append(self, seq: Sequence, result: SampleResult) -> None:
         params = seq.request.params
         token = result.token_id
         seq.token_ids.append(token)
+        seq.record_version(self.weight_version)
         seq.cumulative_logprob += result.logprob
         if params.logprobs is not None:
             entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
@@ -217,21 +246,36 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _output(self, request: Request) -> RequestOutput:
+        """The request's output now: everything so far, or for output_kind 'delta' what is new since the last
+        output (text held back while it may still change: a partial character or a possible stop string)."""
         params = request.params
+        delta = params.output_kind == "delta"
         outputs = []
         for seq in sorted(request.seqs, key=lambda s: s.index):
-            text = seq.text
-            if not (seq.stop_reason is not None and isinstance(seq.stop_reason, str)):
+            text = seq.text if isinstance(seq.stop_reason, str) else None
+            if text is None:
                 text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            tokens, logprobs = list(seq.output_token_ids), (seq.logprobs if params.logprobs is not None else None)
+            if delta:
+                ready = len(text)
+                if seq.finish_reason is None:
+                    ready = len(text.rstrip("\ufffd"))
+                    if params.stop_strings:
+                        ready = max(min(ready, len(text) - max(map(len, params.stop_strings)) + 1), seq.streamed_text)
+                text, seq.streamed_text = text[seq.streamed_text : ready], ready
+                start, seq.streamed_tokens = seq.streamed_tokens, len(tokens)
+                tokens = tokens[start:]
+                logprobs = logprobs[start:] if logprobs is not None else None
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=tokens,
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.logprobs if params.logprobs is not None else None,
+                    logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    weight_versions=[WeightVersionSpan(*span) for span in seq.weight_versions],
                 )
             )
         return RequestOutput(
@@ -239,40 +283,112 @@ class LLMEngine:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=True,
+            finished=request.finished,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
+            admission_weight_version=request.admission_weight_version,
         )
 
     # ---- weights ----------------------------------------------------------------------------------------------
 
-    def weights_rpc(self, method: str, *args: Any, weight_version: int | None = None, **kwargs: Any) -> list[Any]:
-        """Runs a weight-lifecycle method on every worker. Methods that change the served weights (reload,
-        finish) then invalidate the prefix cache and advance the weight version (or set `weight_version`)."""
-        if method in _MUTATING and self.scheduler.has_unfinished():
+    def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs a weight-lifecycle method on every worker. Refused while requests are being generated and the
+        engine is not paused. Calls that may change the served weights invalidate the prefix cache."""
+        if method in _MUTATING and not self.paused and self.scheduler.has_unfinished():
             raise RuntimeError(
-                f"{method}() while {len(self.requests)} request(s) are being generated; let them finish first"
+                f"{method}() while {len(self.requests)} request(s) are being generated; call "
+                "pause_generation() first (or let them finish)"
             )
         try:
             return self.executor.collective_rpc(method, args, kwargs)
         finally:
             # Even a failed call may have touched weights (non-atomic mode): never reuse KV across that.
             if method in _CHANGES_WEIGHTS:
-                self.block_manager.reset_prefix_cache()
+                self.reset_prefix_cache()
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
         self.weights_rpc("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
-        self.weight_version += 1
+        self._advance_version(None)
 
     def finish_weight_update(self, weight_version: int | None = None) -> None:
         if weight_version is not None and not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
         self.weights_rpc("finish_weight_update")
+        self._advance_version(weight_version)
+
+    def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+        self.block_manager.salt = self.weight_version
+
+    # ---- pause and resume -----------------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[RequestOutput]:
+        """Starts pausing generation. 'abort': every request ends now with finish_reason 'abort' (their final
+        outputs are returned). 'keep': requests freeze where they are; with `clear_cache` their KV is dropped
+        and recomputed on resume. 'wait': no new request starts; the caller keeps stepping until
+        `num_in_flight()` is 0, then the engine is paused. Requests added while paused wait for resume."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        outputs: list[RequestOutput] = []
+        if mode == "abort":
+            outputs = [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
+        elif mode == "keep" and clear_cache:
+            self.scheduler.preempt_all()
+        self.scheduler.admit_new = False
+        self.paused = mode != "wait"
+        if clear_cache:
+            self.reset_prefix_cache(force=True)
+        return outputs
+
+    def finish_pause(self) -> bool:
+        """For 'wait' mode: marks the engine paused once nothing is in flight; returns whether it is paused."""
+        if not self.paused and not self.scheduler.admit_new and self.scheduler.num_in_flight() == 0:
+            self.paused = True
+        return self.paused
+
+    def resume(self) -> None:
+        self.paused = False
+        self.scheduler.admit_new = True
+
+    def num_in_flight(self) -> int:
+        return self.scheduler.num_in_flight()
+
+    # ---- sleep and wake -------------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Releases memory. Level 1: the KV cache (weights stay in host memory). Level 2: the KV cache and the
+        weights' memory (restore them with wake_up(["weights"]) then a reload or a full update)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
+        self.executor.collective_rpc("sleep", (level,))
+        self.sleeping = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        self.reset_prefix_cache(force=True)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocates what sleep released: "weights" and/or "kv_cache" (default: both)."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; expected 'weights' and/or 'kv_cache'")
+        self.executor.collective_rpc("wake_up", (tags,))
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            cc = self.config.cache_config
+            assert cc.num_kv_blocks is not None
+            self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+            self.block_manager.salt = self.weight_version
+            self.scheduler.block_manager = self.block_manager
+        self.sleeping -= set(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
 
     # ---- maintenance ----------------------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, force: bool = False) -> None:
+        """Drops the prefix cache. Weight changes do this under the 'reset' policy; `force` does it always."""
+        if force or self.config.cache_config.prefix_cache_policy == "reset":
+            self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

@@ -29,6 +29,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admit_new = True  # False while pausing in 'wait' mode: only sequences already in flight run
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -44,6 +45,8 @@ class Scheduler:
         assert self.config.max_num_batched_tokens is not None
         while self.waiting:
             seq = self.waiting[0]
+            if not self.admit_new and not seq.started:
+                break
             # A request with n > 1 forks its siblings after this prefill; they count against max_num_seqs.
             width = 1 if seq.request.forked else seq.request.params.n
             if self.running and len(self.running) + width > self.config.max_num_seqs:
@@ -83,6 +86,15 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def preempt_all(self) -> None:
+        """Sends every running sequence back to be recomputed (its KV is dropped)."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+
+    def num_in_flight(self) -> int:
+        """Sequences that have started generating, running or preempted."""
+        return len(self.running) + sum(1 for s in self.waiting if s.started)
 
     def add_running(self, seq: Sequence) -> None:
         """Adds a forked sequence that already shares its parent's blocks."""

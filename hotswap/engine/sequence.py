@@ -38,6 +38,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""  # detokenized output, kept current only where stop strings need it
+        self.weight_versions: list[list[int]] = []  # [version, start, end) spans over the output tokens
+        self.cache_salt: int | None = None  # prefix-cache salt of its block hash chain (salt policy)
+        self.streamed_tokens = 0  # output tokens already delivered as deltas
+        self.streamed_text = 0  # characters of text already delivered as deltas
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -50,6 +54,19 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def record_version(self, version: int) -> None:
+        """Attributes the newest output token to weight `version`."""
+        end = self.num_output_tokens
+        if self.weight_versions and self.weight_versions[-1][0] == version and self.weight_versions[-1][2] == end - 1:
+            self.weight_versions[-1][2] = end
+        else:
+            self.weight_versions.append([version, end - 1, end])
+
+    @property
+    def started(self) -> bool:
+        """Whether it has produced output (so it is in flight, even if preempted)."""
+        return self.num_output_tokens > 0
+
     def fork(self, index: int) -> Sequence:
         """A sibling with the same tokens and output state; the block manager shares its blocks separately."""
         child = Sequence(self.request, index, self.token_ids)
@@ -58,6 +75,8 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
+        child.weight_versions = [list(span) for span in self.weight_versions]
+        child.cache_salt = self.cache_salt
         return child
 
 
@@ -71,6 +90,8 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
+    admission_weight_version: int = 0
+    stream: bool = False  # deliver an output after every step, not only at the end
 
     @property
     def finished(self) -> bool:

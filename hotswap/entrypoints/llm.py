@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,11 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.config)
+        # generate() may run in one thread while another pauses, updates or resumes: engine state is only
+        # touched under this lock, and a paused generate() waits on the condition (releasing the lock).
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._aborted: dict[str, RequestOutput] = {}
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -61,10 +67,11 @@ class LLM:
             engine.validate_prompt(token_ids, params)
             staged.append((text, token_ids, params))
         ids = []
-        for text, token_ids, params in staged:
-            request_id = engine.next_request_id()
-            engine.add_request(request_id, text, token_ids, params)
-            ids.append(request_id)
+        with self._lock:
+            for text, token_ids, params in staged:
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, text, token_ids, params)
+                ids.append(request_id)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -107,17 +114,64 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         wanted = set(request_ids)
         try:
-            while engine.has_unfinished_requests() and not wanted.issubset(done):
-                for out in engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
+            with self._lock:
+                while not wanted.issubset(done):
+                    for request_id in wanted & set(self._aborted):
+                        done[request_id] = self._aborted.pop(request_id)
+                        bar.update(1)
+                    if wanted.issubset(done):
+                        break
+                    if engine.paused or engine.sleeping:
+                        if engine.sleeping:
+                            raise RuntimeError("the engine is asleep; call wake_up() before generating")
+                        self._changed.wait(0.05)  # paused: wait for resume_generation() from another thread
+                        continue
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+                    engine.finish_pause()
+                    self._changed.notify_all()
         except BaseException:
-            for request_id in wanted - set(done):
-                engine.abort_request(request_id)
+            with self._lock:
+                for request_id in wanted - set(done):
+                    engine.abort_request(request_id)
             raise
         finally:
             bar.close()
         return [done[r] for r in request_ids]
+
+    # ---- pause, resume, sleep -----------------------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pauses generation: 'abort' ends requests now (finish_reason 'abort', partial output kept), 'wait' lets
+        requests in flight finish first (returns when they have), 'keep' freezes them until resume (with
+        `clear_cache`, their KV is recomputed under the weights live at resume)."""
+        with self._lock:
+            for out in self.llm_engine.pause(mode, clear_cache):
+                self._aborted[out.request_id] = out
+            while not self.llm_engine.finish_pause():
+                self._changed.wait(0.05)
+            self._changed.notify_all()
+
+    def resume_generation(self) -> None:
+        with self._lock:
+            self.llm_engine.resume()
+            self._changed.notify_all()
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.paused
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache; level 2 also releases the weights' memory (reload or update after
+        wake_up(["weights"]) to restore them). Generating while asleep raises."""
+        with self._lock:
+            self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        with self._lock:
+            self.llm_engine.wake_up(tags)
+            self._changed.notify_all()
 
     def collective_rpc(
         self,
@@ -134,7 +188,7 @@ class LLM:
         return self.collective_rpc(_ApplyModel(func))
 
     def reset_prefix_cache(self) -> None:
-        self.llm_engine.reset_prefix_cache()
+        self.llm_engine.reset_prefix_cache(force=True)
 
     # ---- the weight lifecycle (see Worker for the contracts) ----------------------------------------------------
 
@@ -143,32 +197,40 @@ class LLM:
     ) -> None:
         """Updates the weights in place from a checkpoint folder, from (name, tensor) pairs (e.g. a trainer's
         `model.named_parameters()`), or from the current folder. Advances the weight version on success."""
-        self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator)
+        with self._lock:
+            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
-        self.llm_engine.weights_rpc("update_config", overrides)
+        with self._lock:
+            self.llm_engine.weights_rpc("update_config", overrides)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}."""
-        self.llm_engine.weights_rpc("init_weight_transfer_engine", init_info)
+        with self._lock:
+            self.llm_engine.weights_rpc("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self, target: str = "model") -> None:
-        self.llm_engine.weights_rpc("start_weight_update", target)
+        with self._lock:
+            self.llm_engine.weights_rpc("start_weight_update", target)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receives one update of the open session (see the transport's sender for how to build update_info)."""
-        self.llm_engine.weights_rpc("update_weights", update_info)
+        with self._lock:
+            self.llm_engine.weights_rpc("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: int | None = None) -> None:
         """Closes the session; the prefix cache is invalidated and the version advances (or takes the value)."""
-        self.llm_engine.finish_weight_update(weight_version)
+        with self._lock:
+            self.llm_engine.finish_weight_update(weight_version)
 
     def abort_weight_update(self) -> None:
-        self.llm_engine.weights_rpc("abort_weight_update")
+        with self._lock:
+            self.llm_engine.weights_rpc("abort_weight_update")
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm_engine.weights_rpc("shutdown_weight_transfer_engine")
+        with self._lock:
+            self.llm_engine.weights_rpc("shutdown_weight_transfer_engine")
 
     def get_weight_version(self) -> int:
         return self.llm_engine.weight_version

@@ -42,6 +42,7 @@ class WeightUpdate:
         self.arrived: dict[str, set[tuple[str, object]]] = {}
         self.pending: set[str] = set()  # touched modules whose post-processing has not run since
         self.loaded_names: set[str] = set()
+        self.loaded_keys: set[tuple[str, object]] = set()
 
     def validate(self, declared: Declared, require_all: bool = False) -> None:
         """Raises ValueError for duplicate, unknown, mis-shaped or non-castable tensors, naming them."""
@@ -74,6 +75,7 @@ class WeightUpdate:
             target.load(tensor)
             count += 1
             self.loaded_names.add(name)
+            self.loaded_keys.add(target.key)
             arrived = self.arrived.setdefault(target.module_name, set())
             arrived.add(target.key)
             self.pending.add(target.module_name)
@@ -107,6 +109,10 @@ class WeightUpdate:
         if hook is not None:
             hook()
         self.pending.discard(module_name)
+
+    def covers_all(self) -> bool:
+        """Whether every weight of the model was loaded by this update."""
+        return len(self.loaded_keys) == len(self.weight_map.required)
 
     def finish(self) -> None:
         """Post-processes modules that received part of their tensors; drops the saved copies."""

@@ -25,6 +25,7 @@ from hotswap.config import EngineConfig, available_memory_bytes, use_config
 from hotswap.model.loader import WeightMap, build_model
 from hotswap.model.reload import WeightUpdate
 from hotswap.model.safetensors_io import iterate_index, read_index
+from hotswap.worker.memory import discard_pages
 from hotswap.worker.model_input import ModelInput, ModelOutput
 from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.weight_session import SessionState, WeightSession, WeightUpdateFailed
@@ -144,20 +145,17 @@ class Worker:
             pairs = [(str(name), t.detach()) for name, t in weights_iterator]
             update.validate([(n, t.dtype, tuple(t.shape)) for n, t in pairs], require_all=False)
             stream: Iterable[tuple[str, torch.Tensor]] = pairs
-            full = {update.weight_map.targets[n].key for n in dict(pairs) if n in update.weight_map.targets} >= {
-                update.weight_map.targets[n].key for n in update.weight_map.required
-            }
         else:
             folder = str(weights_path or self.config.model_config.model)
             if weights_path is not None:
                 self._check_same_shapes(folder)
             index = read_index(folder)
             update.validate(_declared(index), require_all=True)
-            stream, full = iterate_index(index), True
+            stream = iterate_index(index)
         self._apply(update, stream)
         if weights_path is not None:
             self.config.model_config.model = str(weights_path)
-        if full:
+        if update.covers_all():
             self.weights_valid = True
         return len(update.loaded_names)
 
@@ -225,6 +223,8 @@ class Worker:
             update.finish()
         except BaseException as err:
             self._fail(update, err)
+        if update.covers_all():
+            self.weights_valid = True
         return len(update.loaded_names)
 
     @in_config_scope
@@ -245,6 +245,33 @@ class Worker:
         self.session.shutdown_engine()
         if self.model is not None:
             WeightMap.of(self.model).release_backup_buffers()
+
+    # ---- sleep and wake ---------------------------------------------------------------------------------------
+
+    @in_config_scope
+    def sleep(self, level: int = 1) -> int:
+        """Frees the KV cache (level 1), and at level 2 also the weights' memory: parameters keep their storage
+        but its pages go back to the OS and read as zeros, so the worker refuses to execute until a reload or a
+        full update. Rollback buffers are freed too. Returns the bytes released from weights."""
+        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="sleep")
+        self._runner().free_kv_cache()
+        model = self._model()
+        WeightMap.of(model).release_backup_buffers()
+        released = 0
+        if level >= 2:
+            with torch.no_grad():
+                for param in model.parameters():
+                    released += discard_pages(param.data)
+            self.weights_valid = False
+        return released
+
+    @in_config_scope
+    def wake_up(self, tags: list[str]) -> None:
+        """Re-allocates the KV cache ("kv_cache"). Weights released at level 2 come back with a reload or a
+        full update after wake_up(["weights"]); their storage never moved."""
+        if "kv_cache" in tags and not self._runner().kv_caches:
+            assert self.config.cache_config.num_kv_blocks is not None
+            self._runner().allocate_kv_cache(self.config.cache_config.num_kv_blocks)
 
     @in_config_scope
     def weight_checksums(self) -> dict[str, str]:

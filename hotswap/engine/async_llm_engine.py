@@ -1,0 +1,231 @@
+"""Asyncio front end: the step loop runs in the background while callers stream outputs.
+
+All engine state is touched only under one asyncio lock: the step loop holds it while a step runs in a worker
+thread, and every other operation (adding or aborting a request, pausing, weight updates, sleep) takes it
+between steps. Blocking calls (a step, a weight transfer) run in a thread so the event loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from hotswap.config import EngineConfig
+from hotswap.engine.llm_engine import LLMEngine
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    """Background-stepped engine. Create it inside or outside a running loop; the step loop starts with the
+    first request. `generate` streams one request's outputs; pause/resume, weight updates, sleep/wake and
+    `collective_rpc` mirror `LLM`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self._lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._stopped = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._lock is None:
+            self._lock, self._wake = asyncio.Lock(), asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            if self._stopped:
+                raise RuntimeError("the engine has been shut down")
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._lock is not None and self._wake is not None
+        while not self._stopped:
+            await self._wake.wait()
+            async with self._lock:
+                engine = self.engine
+                if engine.paused or engine.sleeping or not engine.has_unfinished_requests():
+                    if not engine.paused:
+                        engine.finish_pause()
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = await asyncio.to_thread(engine.step)
+                except Exception as err:  # a worker failure ends the requests in flight, not the loop
+                    for request_id in list(engine.requests):
+                        engine.abort_request(request_id)
+                        self._deliver_error(request_id, err)
+                    continue
+                engine.finish_pause()
+            for out in outputs:
+                self._deliver(out)
+            await asyncio.sleep(0)  # let callers take the lock between steps
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, err: BaseException) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(err)
+
+    async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs a blocking engine call in a thread, between steps."""
+        self._ensure_loop()
+        assert self._lock is not None
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams outputs of one request until it finishes (the last has `finished` True). A request that
+        arrives while the engine is paused waits for resume. Cancelling the iteration aborts the request."""
+        params = sampling_params or SamplingParams()
+        request_id = request_id or f"async-{next(self._ids)}"
+        text, token_ids = self._tokenize(prompt)
+        self._ensure_loop()
+        assert self._lock is not None and self._wake is not None
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        async with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.engine.add_request(request_id, text, token_ids, params, stream=True)
+            self._queues[request_id] = queue
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                async with self._lock:
+                    self.engine.abort_request(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
+        self._ensure_loop()
+        assert self._lock is not None
+        async with self._lock:
+            out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._deliver(out)
+
+    def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids'")
+
+    # ---- pause and resume -----------------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pauses generation (modes as in `LLMEngine.pause`). Returns once paused: for 'wait', after the
+        requests in flight finished on the current weights."""
+        self._ensure_loop()
+        assert self._lock is not None and self._wake is not None
+        async with self._lock:
+            outputs = self.engine.pause(mode, clear_cache)
+        for out in outputs:
+            self._deliver(out)
+        self._wake.set()
+        while True:
+            async with self._lock:
+                if self.engine.finish_pause():
+                    return
+            await asyncio.sleep(0.001)
+
+    async def resume_generation(self) -> None:
+        self._ensure_loop()
+        assert self._lock is not None and self._wake is not None
+        async with self._lock:
+            self.engine.resume()
+        self._wake.set()
+
+    async def is_paused(self) -> bool:
+        return self.engine.paused
+
+    # ---- weights, memory, workers -----------------------------------------------------------------------------
+
+    async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+        await self._locked(self.engine.reload_weights, weights_path, weights_iterator)
+
+    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        await self._locked(self.engine.weights_rpc, "update_config", overrides)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._locked(self.engine.weights_rpc, "init_weight_transfer_engine", init_info)
+
+    async def start_weight_update(self, target: str = "model") -> None:
+        await self._locked(self.engine.weights_rpc, "start_weight_update", target)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await self._locked(self.engine.weights_rpc, "update_weights", update_info)
+
+    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+        await self._locked(self.engine.finish_weight_update, weight_version)
+
+    async def abort_weight_update(self) -> None:
+        await self._locked(self.engine.weights_rpc, "abort_weight_update")
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._locked(self.engine.weights_rpc, "shutdown_weight_transfer_engine")
+
+    async def get_weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def reset_prefix_cache(self) -> None:
+        await self._locked(self.engine.reset_prefix_cache, True)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._locked(self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._locked(self.engine.wake_up, tags)
+        assert self._wake is not None
+        self._wake.set()
+
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return await self._locked(self.engine.executor.collective_rpc, method, args, kwargs)
+
+    async def shutdown(self) -> None:
+        """Stops the step loop; requests still in flight are aborted."""
+        self._stopped = True
+        if self._lock is not None:
+            async with self._lock:
+                for request_id in list(self.engine.requests):
+                    out = self.engine.abort_request(request_id)
+                    if out is not None:
+                        self._deliver(out)
+        if self._wake is not None:
+            self._wake.set()
+        if self._loop_task is not None:
+            await self._loop_task
