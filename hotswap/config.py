@@ -81,6 +81,12 @@ class ModelConfig:
                     f"max_model_len={self.max_model_len} exceeds the model's context length "
                     f"(max_position_embeddings={context})"
                 )
+        window = self.hf_config.get("sliding_window") if self.hf_config.get("use_sliding_window", True) else None
+        if window and (self.max_model_len or context) > window:
+            raise ValueError(
+                f"max_model_len={self.max_model_len or context} exceeds the model's sliding_window={window}; "
+                f"sliding-window attention is not supported, so set max_model_len <= {window}"
+            )
         if self.tokenizer is None:
             self.tokenizer = self.model
 

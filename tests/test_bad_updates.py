@@ -122,7 +122,7 @@ def test_abort_rolls_back_every_update_of_the_session(ckpts, b_tensors):
 def test_non_atomic_failure_stops_serving_until_reload(ckpts, b_tensors):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
     tensors, _ = bad_cases(b_tensors)["nan"]
-    pusher = Pusher(llm, "tensors")
+    pusher = Pusher(llm, "disk")  # a streamed source: the NaN is found after earlier tensors were written
     llm.start_weight_update()
     with pytest.raises(ValueError, match="atomic mode is off"):
         pusher.update(tensors)
@@ -131,6 +131,37 @@ def test_non_atomic_failure_stops_serving_until_reload(ckpts, b_tensors):
     llm.reload_weights()
     assert serves(llm, ckpts["A"])
     pusher.close()
+
+
+def test_in_memory_sources_are_value_checked_before_any_write(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
+    before = llm.weight_checksums()
+    tensors, _ = bad_cases(b_tensors)["nan"]
+    for backend in ("tensors", "shm"):
+        pusher = Pusher(llm, backend)
+        llm.start_weight_update()
+        with pytest.raises(ValueError, match="no weight had been changed"):
+            pusher.update(tensors)
+        pusher.close()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        llm.reload_weights(weights_iterator=tensors)
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+
+
+def test_values_the_weight_dtype_cannot_hold_are_rejected(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, dtype="float16")
+    norm = dict(b_tensors)["model.norm.weight"].clone()
+    norm[0] = 1e6  # finite in fp32, inf in fp16
+    with pytest.raises(ValueError, match=r"NaN or Inf.*model\.norm\.weight"):
+        llm.reload_weights(weights_iterator=[("model.norm.weight", norm)])
+
+
+def test_tied_weight_sent_twice_is_rejected(tmp_path, b_tensors):
+    tied = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    llm = LLM(str(tied), kv_cache_memory_bytes=1 << 22)
+    emb = dict(b_tensors)["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="same \\(tied\\) weight"):
+        llm.reload_weights(weights_iterator=[("model.embed_tokens.weight", emb), ("lm_head.weight", emb * 2)])
 
 
 def test_shm_timeout_rolls_back(ckpts, b_tensors):
@@ -155,9 +186,11 @@ def test_torch_dist_timeout_rolls_back(ckpts, b_tensors):
     before = llm.weight_checksums()
     pusher = Pusher(llm, "torch_dist", sender_timeout_s=10)
     llm.start_weight_update()
+    pusher.update(b_tensors[:10])  # a first update of the session lands...
+    assert llm.weight_checksums() != before
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="previous weights were restored"):
-        llm.update_weights(pusher.dist.update_info(b_tensors))  # the trainer never sends
+        llm.update_weights(pusher.dist.update_info(b_tensors[10:]))  # ...then the trainer never sends
     assert time.monotonic() - start < 8
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
     llm.shutdown_weight_transfer_engine()
@@ -254,3 +287,20 @@ def test_truncated_checkpoint_is_rejected_before_any_data_moves(ckpts, tmp_path)
         llm.update_weights({"path": str(broken)})
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
     assert llm.config.model_config.model == str(ckpts["A"])
+
+
+def test_torch_dist_channel_is_closed_after_a_failed_update(ckpts, b_tensors):
+    """A failed collective stream may be out of step with the trainer: the engine closes it rather than risk
+    reading a later update's bytes as this one's."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    pusher = Pusher(llm, "torch_dist", sender_timeout_s=2)
+    llm.start_weight_update()
+    tensors, _ = bad_cases(b_tensors)["unknown_name"]
+    with pytest.raises(ValueError, match="init_weight_transfer_engine"):
+        pusher.update(tensors)
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):
+        llm.start_weight_update()
+    pusher = Pusher(llm, "torch_dist")
+    pusher.push(b_tensors)
+    assert serves(llm, ckpts["B"])
+    pusher.close()

@@ -94,11 +94,47 @@ def test_max_tokens_gives_length(llm):
 
 def test_eos_ends_generation_unless_ignored(llm):
     eos = llm.get_tokenizer().eos_token_id
-    # min_tokens=0 and a logit bias is not available, so sample heavily: EOS must end a completion when drawn.
-    outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=5.0, max_tokens=200, seed=3, n=8), use_tqdm=False)
-    for c in (c for o in outs for c in o.outputs):
-        if eos in c.token_ids:
-            assert c.token_ids[-1] == eos and c.token_ids.count(eos) == 1 and c.finish_reason == "stop"
+    # The test models rarely rank EOS first, so sample very hot: across 32 samples EOS is drawn somewhere.
+    outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=50.0, max_tokens=200, seed=3, n=8), use_tqdm=False)
+    completions = [c for o in outs for c in o.outputs]
+    with_eos = [c for c in completions if eos in c.token_ids]
+    assert with_eos, "no sample drew EOS; raise the temperature or the sample count"
+    for c in with_eos:
+        assert c.token_ids[-1] == eos and c.token_ids.count(eos) == 1 and c.finish_reason == "stop"
+    ignoring = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=50.0, max_tokens=200, seed=3, n=8, ignore_eos=True), use_tqdm=False
+    )
+    same_seed = [c for o in ignoring for c in o.outputs]
+    assert all(len(c.token_ids) == 200 and c.finish_reason == "length" for c in same_seed)
+    assert any(eos in c.token_ids[:-1] for c in same_seed)
+
+
+def test_stop_string_inside_min_tokens_is_not_matched(llm):
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
+    first_char = greedy.text.strip()[0]
+    out = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=6, stop=[first_char]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.token_ids) >= 6
+    assert first_char in llm.get_tokenizer().decode(out.token_ids[:6])  # present, but inside min_tokens
+    # A stop may only match text that ends after the first 6 tokens; the text is cut at the match.
+    text6 = llm.get_tokenizer().decode(out.token_ids[:6])
+    assert out.finish_reason == "length" or len(out.text) >= len(text6) - len(first_char) + 1
+
+
+def test_seeded_sampling_survives_preemption(llama_dir):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    roomy = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24)
+    expected = roomy.generate(PROMPTS, params, use_tqdm=False)
+    per_block = 2 * 2 * 8 * 2 * 16 * 4
+    tight = LLM(str(llama_dir), block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block)
+    got = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_logprobs_topk_entries(llm):
@@ -128,6 +164,12 @@ def test_sampler_filters():
     keep = int((probs[order].cumsum(0) < 0.5).sum()) + 1
     seen = {sample(logits, [SampleSpec(temperature=1.0, top_p=0.5)])[0].token_id for _ in range(300)}
     assert seen <= set(order[:keep].tolist()) and len(seen) > 1
+
+
+def test_min_p_applies_before_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    # min_p 0.5 keeps {0: .5, 1: .3}; renormalized, top_p 0.6 keeps only token 0 (vLLM's order)
+    assert {sample(logits, [SampleSpec(temperature=1.0, min_p=0.5, top_p=0.6)])[0].token_id for _ in range(200)} == {0}
 
 
 def test_sampler_matches_distribution():

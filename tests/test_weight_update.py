@@ -168,7 +168,7 @@ def test_partial_update_of_one_layer_leaves_the_rest(ckpts):
     pusher.close()
     after = llm.weight_checksums()
     changed = {n for n in before if before[n] != after[n]}
-    assert changed == {"model.layers.1.self_attn.qkv_proj.weight"}
+    assert changed == {"model.layers.1.self_attn.q_proj.weight"}  # k and v slices of the fused weight unchanged
     q_rows = llm.apply_model(lambda m: m.model.layers[1].self_attn.qkv_proj.weight[: 4 * 16].clone())[0]
     torch.testing.assert_close(q_rows, b["model.layers.1.self_attn.q_proj.weight"], rtol=0, atol=0)
     a = dict(tensors_of(ckpts["A"]))

@@ -92,6 +92,8 @@ class Pusher:
                 self.llm.update_weights(info)
             finally:
                 thread.join()
+            if errors:  # the engine took the update, so the trainer's side must have succeeded too
+                raise errors[0]
 
     def push(self, named: list[tuple[str, torch.Tensor]], weight_version: int | None = None) -> None:
         self.llm.start_weight_update()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import time
 from typing import Any
 
@@ -30,7 +32,7 @@ class LLMEngine:
         mc, cc = config.model_config, config.cache_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = _eos_token_ids(mc.hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(mc.hf_config, self.tokenizer, mc.model)
         self.executor = executor_class(config)
         self.executor.collective_rpc("load_model")
         if cc.num_kv_blocks is None:
@@ -47,6 +49,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self.weight_version = 0
+        self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
+        self.update_in_progress = False  # a weight-update session is open: no step runs
         self.paused = False
         self.sleeping: set[str] = set()  # what sleep() released: "kv_cache", "weights"
         self.startup_seconds = time.perf_counter() - start
@@ -72,6 +76,10 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
         if any(t >= vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
 
     def add_request(
         self,
@@ -119,7 +127,7 @@ class LLMEngine:
         advanced). Does nothing while paused."""
         if self.sleeping:
             raise RuntimeError(f"the engine is asleep ({sorted(self.sleeping)} released); call wake_up() first")
-        if self.paused:
+        if self.paused or self.update_in_progress:
             return []
         batch = self.scheduler.schedule()
         if batch is None:
@@ -225,6 +233,11 @@ class LLMEngine:
                     entry[tid] = Logprob(lp, rank, self.detokenizer.token_text(tid))
             seq.logprobs.append(entry)
         num_out = seq.num_output_tokens
+        new_chars = 0
+        if params.stop_strings:  # text is kept current so only newly added characters are searched
+            old_len = len(seq.text)
+            seq.text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            new_chars = len(seq.text) - old_len
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -232,10 +245,8 @@ class LLMEngine:
             if token in (params.stop_token_ids or ()):
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
-            if params.stop_strings:
-                old_len = len(seq.text)
-                seq.text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
-                hit = find_stop(seq.text, params.stop_strings, max(len(seq.text) - old_len, 1))
+            if params.stop_strings and new_chars > 0:
+                hit = find_stop(seq.text, params.stop_strings, new_chars)
                 if hit is not None:
                     seq.finish_reason, seq.stop_reason = "stop", hit[0]
                     seq.text = seq.text[: hit[1]]
@@ -291,19 +302,38 @@ class LLMEngine:
     # ---- weights ----------------------------------------------------------------------------------------------
 
     def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs a weight-lifecycle method on every worker. Refused while requests are being generated and the
-        engine is not paused. Calls that may change the served weights invalidate the prefix cache."""
-        if method in _MUTATING and not self.paused and self.scheduler.has_unfinished():
+        """Runs a weight-lifecycle method on every worker. Starting a change (a session, a reload, a config
+        change) is refused while requests are in flight and the engine is not paused; no step runs while a
+        session is open. Calls that may change the served weights invalidate the prefix cache."""
+        if (
+            method in _STARTS_CHANGE
+            and not self.paused
+            and self.scheduler.num_in_flight() + len(self.scheduler.running)
+        ):
             raise RuntimeError(
                 f"{method}() while {len(self.requests)} request(s) are being generated; call "
                 "pause_generation() first (or let them finish)"
             )
         try:
-            return self.executor.collective_rpc(method, args, kwargs)
+            result = self.executor.collective_rpc(method, args, kwargs)
+            if method == "start_weight_update":
+                self.update_in_progress = True
+            return result
+        except BaseException:
+            if method in ("update_weights", "finish_weight_update"):
+                self.update_in_progress = False  # a failed update ends the session on the workers
+            raise
         finally:
-            # Even a failed call may have touched weights (non-atomic mode): never reuse KV across that.
+            if method in ("finish_weight_update", "abort_weight_update", "shutdown_weight_transfer_engine"):
+                self.update_in_progress = False
             if method in _CHANGES_WEIGHTS:
-                self.reset_prefix_cache()
+                self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """After anything that may have changed the served weights, even a failed or aborted update: KV computed
+        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt)."""
+        self.reset_prefix_cache()
+        self.block_manager.salt = next(self._salts)
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
         self.weights_rpc("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
@@ -317,7 +347,6 @@ class LLMEngine:
 
     def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
-        self.block_manager.salt = self.weight_version
 
     # ---- pause and resume -----------------------------------------------------------------------------------
 
@@ -376,7 +405,7 @@ class LLMEngine:
             cc = self.config.cache_config
             assert cc.num_kv_blocks is not None
             self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
-            self.block_manager.salt = self.weight_version
+            self.block_manager.salt = next(self._salts)
             self.scheduler.block_manager = self.block_manager
         self.sleeping -= set(tags)
 
@@ -403,12 +432,18 @@ class LLMEngine:
 
 # Worker methods that may change the served weights, and those that must not overlap generation.
 _CHANGES_WEIGHTS = {"reload_weights", "finish_weight_update", "update_weights", "abort_weight_update"}
-_MUTATING = _CHANGES_WEIGHTS | {"start_weight_update", "update_config"}
+_STARTS_CHANGE = {"reload_weights", "start_weight_update", "update_config"}
 
 
-def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any) -> set[int]:
+def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:
+    """EOS ids from config.json, generation_config.json (e.g. Llama 3's end-of-turn) and the tokenizer."""
+    generation: dict[str, Any] = {}
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            generation = json.load(f)
     ids: set[int] = set()
-    for value in (hf_config.get("eos_token_id"), tokenizer.eos_token_id):
+    for value in (hf_config.get("eos_token_id"), generation.get("eos_token_id"), tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):

@@ -33,7 +33,7 @@ class LLM:
         # touched under this lock, and a paused generate() waits on the condition (releasing the lock).
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._aborted: dict[str, RequestOutput] = {}
+        self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -109,33 +109,36 @@ class LLM:
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps the engine until these requests finish. The lock is held for one step at a time, so other
+        threads (another generate, pause, an update) interleave between steps; finished outputs go to a shared
+        table from which each caller takes its own."""
         engine = self.llm_engine
+        wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        wanted = set(request_ids)
         try:
-            with self._lock:
-                while not wanted.issubset(done):
-                    for request_id in wanted & set(self._aborted):
-                        done[request_id] = self._aborted.pop(request_id)
+            while len(done) < len(wanted):
+                with self._lock:
+                    for request_id in wanted & self._finished.keys():
+                        done[request_id] = self._finished.pop(request_id)
                         bar.update(1)
-                    if wanted.issubset(done):
+                    if len(done) == len(wanted):
                         break
-                    if engine.paused or engine.sleeping:
-                        if engine.sleeping:
-                            raise RuntimeError("the engine is asleep; call wake_up() before generating")
-                        self._changed.wait(0.05)  # paused: wait for resume_generation() from another thread
+                    if engine.sleeping:
+                        raise RuntimeError("the engine is asleep; call wake_up() before generating")
+                    if engine.paused or engine.update_in_progress:
+                        self._changed.wait(0.05)  # until resume_generation() / the update, from another thread
                         continue
                     for out in engine.step():
                         if out.finished:
-                            done[out.request_id] = out
-                            bar.update(1)
+                            self._finished[out.request_id] = out
                     engine.finish_pause()
                     self._changed.notify_all()
         except BaseException:
             with self._lock:
-                for request_id in wanted - set(done):
+                for request_id in wanted - done.keys():
                     engine.abort_request(request_id)
+                    self._finished.pop(request_id, None)
             raise
         finally:
             bar.close()
@@ -149,7 +152,7 @@ class LLM:
         `clear_cache`, their KV is recomputed under the weights live at resume)."""
         with self._lock:
             for out in self.llm_engine.pause(mode, clear_cache):
-                self._aborted[out.request_id] = out
+                self._finished[out.request_id] = out
             while not self.llm_engine.finish_pause():
                 self._changed.wait(0.05)
             self._changed.notify_all()

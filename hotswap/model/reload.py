@@ -24,12 +24,17 @@ from hotswap.model.loader import WeightMap
 Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """True if no element is NaN or Inf. A sum is one cheap pass; only a non-finite sum (a bad value, or an
-    overflow of huge finite ones) pays for the exact elementwise check."""
+def _all_finite(tensor: torch.Tensor, target_dtype: torch.dtype) -> bool:
+    """True if no element is NaN or Inf, nor becomes Inf when cast to `target_dtype` (e.g. fp32 above 65504
+    into fp16). A sum is one cheap pass; only a non-finite sum (a bad value, or an overflow of huge finite ones)
+    pays for the exact elementwise check."""
     if tensor.element_size() == 1:
         tensor = tensor.float()
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    finite = bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    limit_dtype = torch.bfloat16 if target_dtype.itemsize == 1 else target_dtype  # fp8 rows get a scale
+    if finite and limit_dtype.is_floating_point and torch.finfo(limit_dtype).max < torch.finfo(tensor.dtype).max:
+        finite = tensor.numel() == 0 or bool(tensor.abs().amax() <= torch.finfo(limit_dtype).max)
+    return finite
 
 
 class WeightUpdate:
@@ -50,11 +55,32 @@ class WeightUpdate:
         duplicates = sorted(n for n, c in counts.items() if c > 1)
         if duplicates:
             raise ValueError(f"duplicate tensor names in one update: {duplicates}")
+        by_key: dict[tuple[str, object], list[str]] = {}
+        for name, _, _ in declared:
+            target = self.weight_map.targets.get(name)
+            if target is not None:
+                by_key.setdefault(target.key, []).append(name)
+        shared = sorted(names for names in by_key.values() if len(names) > 1)
+        if shared:
+            raise ValueError(f"duplicate tensors for the same (tied) weight in one update: {shared}; send one")
         self.weight_map.check(
             {name: tuple(shape) for name, _, shape in declared},
             require_all=require_all,
             dtypes={name: dtype for name, dtype, _ in declared},
         )
+
+    def check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """For data already in memory: raises ValueError listing tensors with NaN/Inf (or values the weight's
+        dtype cannot hold) before anything is loaded."""
+        if not self.check_finite:
+            return
+        bad = [
+            name
+            for name, tensor in pairs
+            if name in self.weight_map.targets and not _all_finite(tensor, self.weight_map.targets[name].param.dtype)
+        ]
+        if bad:
+            raise ValueError(f"tensors with NaN or Inf values (rejected; disable with check_finite=False): {bad}")
 
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copies every tensor of `stream` into the model; returns the number of tensors loaded. With
@@ -67,7 +93,7 @@ class WeightUpdate:
             target = self.weight_map.lookup(name)
             if tuple(tensor.shape) != target.shape:
                 raise ValueError(f"{name}: expected shape {target.shape}, got {tuple(tensor.shape)}")
-            if self.check_finite and not _all_finite(tensor):
+            if self.check_finite and not _all_finite(tensor, target.param.dtype):
                 non_finite.append(name)
             if non_finite:
                 continue  # drain the stream to name every bad tensor; load nothing more

@@ -65,11 +65,17 @@ def read_index(folder: str) -> dict[str, TensorEntry]:
             if info["dtype"] not in _DTYPES:
                 raise ValueError(f"{path!r}: tensor {name!r} has unsupported dtype {info['dtype']}")
             start, end = (base + int(x) for x in info["data_offsets"])
+            dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+            if start < base or end - start != torch.Size(shape).numel() * dtype.itemsize:
+                raise ValueError(
+                    f"{path!r}: tensor {name!r} has data_offsets {info['data_offsets']} that do not match its "
+                    f"dtype and shape {shape}"
+                )
             if end > size:
                 raise ValueError(f"{path!r} is truncated: tensor {name!r} ends at byte {end} of {size}")
             if name in index:
                 raise ValueError(f"duplicate tensor {name!r}: it appears in more than one file of {folder!r}")
-            index[name] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+            index[name] = TensorEntry(path, dtype, shape, start, end)
     return index
 
 

@@ -61,7 +61,14 @@ def declare(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any
 
 
 class TransferEngine(ABC):
-    """Receives weights for one worker. Created by `init_weight_transfer_engine(init_info)`."""
+    """Receives weights for one worker. Created by `init_weight_transfer_engine(init_info)`.
+
+    `in_memory`: every tensor of an update is readable at once (so values are checked before any is loaded).
+    `survives_failure`: the channel stays usable after a failed update; if not (a collective stream that may be
+    out of step), the worker shuts the engine down and a new `init_weight_transfer_engine` is needed."""
+
+    in_memory = False
+    survives_failure = True
 
     def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         self.init_info = init_info

@@ -146,6 +146,8 @@ class _Mapping:
 
 
 class ShmEngine(TransferEngine):
+    in_memory = True
+
     def __init__(self, init_info: dict[str, Any], config: Any) -> None:
         super().__init__(init_info, config)
         self.segments: dict[str, _Mapping] = {}

@@ -20,6 +20,8 @@ def tensors_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> di
 
 
 class TensorsEngine(TransferEngine):
+    in_memory = True
+
     def declared(self, update_info: dict[str, Any]) -> Declared:
         pairs = self._pairs(update_info)
         return [(name, t.dtype, tuple(t.shape)) for name, t in pairs]

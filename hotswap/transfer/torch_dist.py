@@ -125,6 +125,8 @@ def _root(rank: int) -> Any:
 class TorchDistEngine(TransferEngine):
     """Worker side: joins the trainer's group as rank 1 (init_info: master_address, master_port)."""
 
+    survives_failure = False
+
     def __init__(self, init_info: dict[str, Any], config: Any) -> None:
         super().__init__(init_info, config)
         try:

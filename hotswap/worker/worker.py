@@ -25,6 +25,7 @@ from hotswap.config import EngineConfig, available_memory_bytes, use_config
 from hotswap.model.loader import WeightMap, build_model
 from hotswap.model.reload import WeightUpdate
 from hotswap.model.safetensors_io import iterate_index, read_index
+from hotswap.transfer.checksum import tensor_sha256
 from hotswap.worker.memory import discard_pages
 from hotswap.worker.model_input import ModelInput, ModelOutput
 from hotswap.worker.model_runner import ModelRunner
@@ -34,23 +35,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Config fields that may change on a live worker; everything else needs a new engine.
 LIVE_FIELDS = {
-    "model_config": {"model", "tokenizer", "seed"},
+    "model_config": {"model"},
     "load_config": {"load_format"},
     "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
 }
-# config.json keys that fix parameter shapes: a new checkpoint folder must agree on all of them.
-SHAPE_KEYS = (
-    "architectures",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "tie_word_embeddings",
-    "attention_bias",
-)
+# config.json keys that fix the model's shapes or forward pass: a new checkpoint folder must agree on all.
+MODEL_KEYS = (
+    "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings", "sliding_window",
+    "use_sliding_window", "hidden_act", "eos_token_id",
+)  # fmt: skip
 
 
 def in_config_scope(method: F) -> F:
@@ -78,7 +73,17 @@ class Worker:
     @in_config_scope
     def load_model(self) -> None:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
+        torch.manual_seed(self.config.model_config.seed)  # unseeded sampling draws from this process's generator
         model = build_model(self.config.model_config)
+        if self.config.load_config.load_format == "dummy":
+            update = WeightUpdate(model, atomic=False, check_finite=False)
+            with torch.no_grad():
+                update.load(
+                    (name, torch.randn(t.shape) * 0.02)
+                    for name, t in WeightMap.of(model).targets.items()
+                    if name in WeightMap.of(model).required
+                )
+            update.finish()
         if self.config.load_config.load_format == "safetensors":
             index = read_index(self.config.model_config.model)
             update = WeightUpdate(model, atomic=False, check_finite=self.config.weight_transfer_config.check_finite)
@@ -144,6 +149,7 @@ class Worker:
         if weights_iterator is not None:
             pairs = [(str(name), t.detach()) for name, t in weights_iterator]
             update.validate([(n, t.dtype, tuple(t.shape)) for n, t in pairs], require_all=False)
+            update.check_values(pairs)
             stream: Iterable[tuple[str, torch.Tensor]] = pairs
         else:
             folder = str(weights_path or self.config.model_config.model)
@@ -205,12 +211,27 @@ class Worker:
         try:
             declared = engine.declared(update_info)
             update.validate(declared)
-            loaded = update.load(engine.receive(update_info))
+            stream: Iterable[tuple[str, torch.Tensor]] = engine.receive(update_info)
+            if engine.in_memory:
+                stream = list(stream)  # views, no copies: every value is checked before any is loaded
+                update.check_values(stream)
+            loaded = update.load(stream)
             expected = sum(1 for name, _, _ in declared if not update.weight_map.ignored(name))
             if loaded != expected:
                 raise ValueError(f"the update stream ended after {loaded} of {expected} declared tensors")
         except BaseException as err:
-            self._fail(self.session.end(), err)
+            self.session.end()
+            if not engine.survives_failure:
+                self.session.shutdown_engine()
+                err = (
+                    type(err)(
+                        f"{err}; the {type(engine).__name__} channel was closed, call "
+                        "init_weight_transfer_engine() again"
+                    )
+                    if isinstance(err, (ValueError, RuntimeError))
+                    else err
+                )
+            self._fail(update, err)
         return len(update.loaded_names) - before
 
     @in_config_scope
@@ -275,13 +296,16 @@ class Worker:
 
     @in_config_scope
     def weight_checksums(self) -> dict[str, str]:
-        """A SHA-256 per parameter (over its bytes), to compare against what a trainer sent."""
-        import hashlib
-
+        """SHA-256 per checkpoint tensor name, over the bytes the engine holds for it (a fused layer's slice),
+        so a trainer can compare with `tensor_sha256` of what it sent, cast to the engine's dtype. fp8 layers
+        report their quantized bytes."""
+        weight_map = WeightMap.of(self._model())
         out = {}
-        for name, param in self._model().named_parameters():
-            data = param.detach().contiguous().view(torch.uint8).numpy()
-            out[name] = hashlib.sha256(data.tobytes()).hexdigest()
+        for name in sorted(weight_map.required):
+            target = weight_map.targets[name]
+            owner = self._model().get_submodule(target.module_name)
+            view = owner.shard_view(target.param, target.shard_id) if hasattr(owner, "shard_view") else target.param
+            out[name] = tensor_sha256(view)
         return out
 
     # ---- helpers --------------------------------------------------------------------------------------------
@@ -318,9 +342,11 @@ class Worker:
             raise ValueError(f"{folder!r} is not a checkpoint folder (no config.json)")
         new = json.loads(open(path).read())
         old = self.config.model_config.hf_config
-        differ = [k for k in SHAPE_KEYS if new.get(k) != old.get(k)]
+        differ = [k for k in MODEL_KEYS if new.get(k) != old.get(k)]
         if differ:
-            raise ValueError(f"checkpoint {folder!r} has a different model shape ({differ}); start a new engine for it")
+            raise ValueError(
+                f"checkpoint {folder!r} has a different model shape or configuration ({differ}); start a new engine"
+            )
 
     def _model(self) -> nn.Module:
         if self.model is None:

@@ -49,10 +49,14 @@ def _row_seed(seed: int, index: int, position: int) -> int:
 
 
 def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-    """Applies top-k, top-p and min-p per row; filtered entries become -inf."""
+    """Applies min-p, then top-k and top-p, per row (vLLM's order); filtered entries become -inf."""
     top_k = torch.tensor([s.top_k if s.top_k > 0 else logits.shape[1] for s in specs])
     top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype)
     min_p = torch.tensor([s.min_p for s in specs], dtype=logits.dtype)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1])[None, :]
@@ -63,10 +67,6 @@ def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if (min_p > 0).any():
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
