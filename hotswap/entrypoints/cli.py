@@ -36,6 +36,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from hotswap.entrypoints.server import serve
+
+    return serve(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from hotswap.demo import run_demo
 
@@ -67,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the RL admin API")
+    from hotswap.entrypoints.server import add_serve_arguments
+
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="build a small model locally and generate from it")
     demo.add_argument("--out-dir", default="demo_out")

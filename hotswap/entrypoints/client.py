@@ -1,0 +1,193 @@
+"""The trainer's client for the server's admin API.
+
+    client = AdminClient("http://127.0.0.1:8000", admin_key="...")
+    version = client.push_weights(model.named_parameters(), backend="shm")   # pause, update, resume
+    assert client.verify(model.named_parameters())                           # engine holds exactly these
+    client.close()
+
+`push_weights` runs a whole update session: it pauses generation (mode 'keep' by default, so requests in flight
+continue on the new weights), sends the tensors over shared memory or torch.distributed, finishes (the server
+advances the weight version) and resumes. On failure it aborts the session and resumes before re-raising.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import torch
+
+from hotswap.transfer.checksum import tensor_sha256
+from hotswap.transfer.shm import ShmSender
+from hotswap.transfer.torch_dist import DEFAULT_BUCKET_BYTES, TorchDistSender
+
+
+class AdminError(RuntimeError):
+    """The server refused an admin call; `status` is the HTTP status, the message is the server's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class AdminClient:
+    def __init__(self, base_url: str, admin_key: str | None = None, timeout_s: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self._backend: str | None = None
+        self._shm: ShmSender | None = None
+        self._dist: TorchDistSender | None = None
+
+    # ---- plain calls ----------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self.http.request(method, path, json=body)
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise AdminError(response.status_code, message)
+        return response.json()
+
+    def reload_weights(self, weights_path: str | None = None) -> int:
+        return self._call("POST", "/reload_weights", {"weights_path": weights_path})["weight_version"]
+
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._call("POST", "/pause", {"mode": mode, "clear_cache": clear_cache})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return self._call("GET", "/is_paused")["is_paused"]
+
+    def get_weight_version(self) -> int:
+        return self._call("GET", "/get_weight_version")["weight_version"]
+
+    def checksums(self) -> dict[str, str]:
+        """SHA-256 per checkpoint tensor name, as the engine holds it."""
+        return self._call("GET", "/weight_checksums")["checksums"]
+
+    def sleep(self, level: int = 1) -> None:
+        self._call("POST", "/sleep", {"level": level})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call("POST", "/wake_up", {"tags": tags})
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    # ---- a whole update session ------------------------------------------------------------------------------
+
+    def push_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        backend: str = "shm",
+        pause_mode: str | None = "keep",
+        weight_version: int | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Sends the tensors to the engine in one session and returns the new weight version. `backend` is
+        "shm" (same host) or "torch_dist" (give `master_port` on first use; this process hosts the rendezvous).
+        `pause_mode` None skips pausing (the server refuses if requests are in flight)."""
+        named = [(name, t.detach().cpu()) for name, t in named_tensors]
+        self._connect(backend, master_address, master_port, bucket_size_bytes)
+        if pause_mode is not None:
+            self.pause(pause_mode)
+        try:
+            self._call("POST", "/start_weight_update", {"target": "model"})
+            try:
+                self._send(backend, named)
+                return self._call("POST", "/finish_weight_update", {"weight_version": weight_version})["weight_version"]
+            except BaseException:
+                try:
+                    self._call("POST", "/abort_weight_update")
+                except AdminError:
+                    pass  # the failed update already ended the session
+                if backend == "torch_dist":
+                    self._backend, self._dist = None, None  # the server closed the channel; reconnect next time
+                raise
+        finally:
+            if pause_mode is not None:
+                self.resume()
+
+    def _connect(self, backend: str, address: str, port: int | None, bucket_size: int) -> None:
+        if backend not in ("shm", "torch_dist"):
+            raise ValueError(f"backend must be 'shm' or 'torch_dist', got {backend!r}")
+        if self._backend == backend:
+            return
+        if backend == "shm":
+            self._shm = self._shm or ShmSender()
+            self._call("POST", "/init_weight_transfer_engine", {"init_info": {"backend": "shm"}})
+        else:
+            if port is None:
+                raise ValueError("torch_dist needs master_port (a free port on this host)")
+            init = {"backend": "torch_dist", "master_address": address, "master_port": port}
+            errors: list[BaseException] = []
+
+            def post() -> None:
+                try:
+                    self._call("POST", "/init_weight_transfer_engine", {"init_info": init})
+                except BaseException as err:
+                    errors.append(err)
+
+            thread = threading.Thread(target=post)
+            thread.start()
+            try:
+                self._dist = TorchDistSender(address, port, bucket_size)  # blocks until the engine joins
+            finally:
+                thread.join()
+            if errors:
+                raise errors[0]
+        self._backend = backend
+
+    def _send(self, backend: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        if backend == "shm":
+            assert self._shm is not None
+            self._call("POST", "/update_weights", {"update_info": self._shm.write(named)})
+            return
+        assert self._dist is not None
+        info = self._dist.update_info(named)
+        errors: list[BaseException] = []
+
+        def post() -> None:
+            try:
+                self._call("POST", "/update_weights", {"update_info": info})
+            except BaseException as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        try:
+            self._dist.send(named)
+        finally:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def verify(self, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> list[str]:
+        """Names whose engine checksum differs from the trainer's tensor (cast to `dtype`, the engine's weight
+        dtype, when given). An empty list means the engine holds exactly these tensors."""
+        remote = self.checksums()
+        return [name for name, t in named_tensors if name in remote and remote[name] != tensor_sha256(t, dtype)] + [
+            name for name, _ in named_tensors if name not in remote
+        ]
+
+    def close(self) -> None:
+        """Releases the transport (server side and this process's shared memory) and the HTTP connection."""
+        if self._backend is not None:
+            try:
+                self._call("POST", "/shutdown_weight_transfer_engine")
+            except (AdminError, httpx.HTTPError):
+                pass  # the server may be gone already
+        if self._shm is not None:
+            self._shm.close()
+        if self._dist is not None:
+            self._dist.close()
+        self._backend = None
+        self.http.close()
