@@ -148,13 +148,17 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Worker layout. Only a single in-process worker exists so far."""
+    """Worker layout: `tensor_parallel_size` worker processes (one in-process worker when 1). `rpc_timeout_s`
+    bounds every call to worker processes."""
 
     tensor_parallel_size: int = 1
+    rpc_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not self.rpc_timeout_s > 0:
+            raise ValueError(f"rpc_timeout_s must be positive, got {self.rpc_timeout_s}")
 
 
 @dataclass
@@ -218,6 +222,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
+        tp = self.parallel_config.tensor_parallel_size
+        heads = mc.hf_config.get("num_attention_heads", 1)
+        if heads % tp or mc.hf_config.get("intermediate_size", 0) % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_attention_heads={heads} and "
+                f"intermediate_size={mc.hf_config.get('intermediate_size')}"
+            )
         if mc.max_model_len is None:
             mc.max_model_len = mc.max_context_len
         if sc.max_num_batched_tokens is None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.model.layers.attention import Attention, AttentionMetadata
-from hotswap.model.layers.embedding import Embedding
+from hotswap.model.layers.embedding import VocabEmbedding
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
@@ -24,17 +24,19 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(cfg.get("attention_bias", False))
         self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row")
+        # this rank's heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_proj.kv_of_q)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -51,9 +53,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.intermediate = self.gate_up_proj.out_local // 2  # this rank's share
+        self.down_proj = Linear(intermediate, hidden, bias=bias, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -77,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
@@ -115,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(hf_config["hidden_size"], hf_config["vocab_size"], quantizable=False)
+            self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
         for name, param in self.named_parameters():
             param.hotswap_name = name
             if not hasattr(param, "weight_loader"):
@@ -129,7 +131,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        """Float32 logits over the whole vocabulary (gathered across tensor-parallel ranks)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def checkpoint_aliases(self) -> dict[str, str]:
         """Extra checkpoint names that refer to an existing parameter (tied embeddings accept either name)."""

@@ -71,14 +71,14 @@ class WeightMap:
                 continue
             parts = name.split(".")
             module_name = ".".join(parts[:-1])
+            owner = model.get_submodule(module_name)
+            shards = [(name, None)]
             if len(parts) >= 2 and parts[-2] in by_fused:
-                owner = model.get_submodule(module_name)
-                for source, shard in by_fused[parts[-2]]:
-                    ckpt = ".".join([*parts[:-2], source, parts[-1]])
-                    shape = tuple(owner.shard_view(param, shard).shape)
-                    self.targets[ckpt] = Target(name, param, shard, shape, module_name)
-            else:
-                self.targets[name] = Target(name, param, None, tuple(param.shape), module_name)
+                shards = [(".".join([*parts[:-2], source, parts[-1]]), shard) for source, shard in by_fused[parts[-2]]]
+            for ckpt, shard in shards:
+                # shapes are those of the full checkpoint tensors; each rank's loader takes its part
+                shape = owner.checkpoint_shape(param, shard) if hasattr(owner, "checkpoint_shape") else param.shape
+                self.targets[ckpt] = Target(name, param, shard, tuple(shape), module_name)
         for target in self.targets.values():
             self.module_keys.setdefault(target.module_name, set()).add(target.key)
         self.required = frozenset(self.targets)

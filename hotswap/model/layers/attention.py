@@ -71,12 +71,16 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Scaled dot-product attention with grouped KV heads over the paged cache bound to `k_cache`/`v_cache`."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_of_q: list[int] | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Uneven grouping (KV heads replicated across tensor-parallel ranks) expands KV to one head per q head.
+        group = num_heads // num_kv_heads if num_heads % num_kv_heads == 0 else 0
+        uniform = kv_of_q is None or (group > 0 and kv_of_q == [i // group for i in range(num_heads)])
+        self.expand_index = None if uniform else torch.tensor(kv_of_q, dtype=torch.long)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -95,13 +99,15 @@ class Attention(nn.Module):
         else:
             keys, values = _pad(k, meta, num_seqs), _pad(v, meta, num_seqs)
         query = _pad(q, meta, num_seqs)
+        if self.expand_index is not None:
+            keys, values = keys.index_select(2, self.expand_index), values.index_select(2, self.expand_index)
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=meta.mask,
             scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            enable_gqa=self.expand_index is None and self.num_kv_heads != self.num_heads,
         )
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads * self.head_dim)
         return out if meta.pad_index is None else out[meta.pad_index]

@@ -1,4 +1,8 @@
-"""Token embedding table (also the LM head when embeddings are tied)."""
+"""Vocab-parallel token embedding, also the LM head (tied or not).
+
+Each rank holds a contiguous block of ceil(V / ranks) rows (the last block zero-padded). A lookup zeroes ids
+outside the block and all-reduces; the LM head computes this block's logits and all-gathers them.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.distributed import current_parallel
 
-class Embedding(nn.Module):
+
+class VocabEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        self.tp = current_parallel()
+        self.num_embeddings = num_embeddings
+        self.rows = -(-num_embeddings // self.tp.size)
+        self.start = self.tp.rank * self.rows
+        self.valid = max(0, min(num_embeddings - self.start, self.rows))  # real (unpadded) rows on this rank
+        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
+        if self.valid < self.rows:
+            self.weight.data[self.valid :].zero_()
+        self.weight.weight_loader = self.weight_loader
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
+        return (self.num_embeddings, self.weight.shape[1])
+
+    def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        return param.data[: self.valid]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copies this rank's rows of the full [vocab, dim] table in place. Raises ValueError on a bad shape."""
+        expected = self.checkpoint_shape(param)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{getattr(param, 'hotswap_name', 'embedding')}: expected shape {expected}, got "
+                             f"{tuple(loaded.shape)}")  # fmt: skip
+        with torch.no_grad():
+            param.data[: self.valid].copy_(loaded.narrow(0, self.start, self.valid))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.start) & (ids < self.start + self.valid)
+        out = F.embedding((ids - self.start).clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary for `hidden` [T, dim] (gathered from every rank)."""
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last_dim(local)[..., : self.num_embeddings]

@@ -1,8 +1,10 @@
-"""Linear layers whose parameters load themselves.
+"""Linear layers whose parameters load themselves, replicated or tensor-parallel.
 
-Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies a checkpoint tensor into the
-parameter's existing storage (never rebinding it). Packed layers (q/k/v, gate/up) expose `shard_slices`, mapping
-a shard id to the (offset, size) of its rows, so a tensor arriving for one shard lands in its slice.
+Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes a full checkpoint tensor and
+copies this rank's part of it into the parameter's existing storage (never rebinding it). Packed layers (q/k/v,
+gate/up) describe each shard by a `ShardSpec`: which rows of that shard's checkpoint tensor this rank keeps and
+where they go in the fused parameter. Tensor parallelism: "column" splits output rows across ranks; "row" splits
+input columns and all-reduces the output (the bias is added once, after the reduction).
 
 With `quantization="fp8"` in the live config at construction, the weight is stored as float8 with a per-row
 scale. Incoming high-precision rows are staged, and `process_weights_after_loading` quantizes the staged rows
@@ -11,12 +13,25 @@ into the existing fp8 and scale storage, then frees the stage.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hotswap.config import current_config
+from hotswap.distributed import current_parallel, split
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
+
+
+class ShardSpec(NamedTuple):
+    """Rows [ckpt_start, ckpt_start + size) of a checkpoint tensor with `ckpt_rows` rows go to local rows
+    [local_offset, local_offset + size) of the parameter."""
+
+    local_offset: int
+    size: int
+    ckpt_rows: int
+    ckpt_start: int
 
 
 def copy_into(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -28,7 +43,7 @@ def copy_into(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    """Copies a whole tensor into `param`. Raises ValueError on a shape mismatch."""
+    """Copies a whole tensor into `param` (a replicated parameter). Raises ValueError on a shape mismatch."""
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
     copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
@@ -39,53 +54,88 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Param
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `shard_slices` is empty for an unpacked layer. `quantizable` False keeps the weight in
-    high precision whatever the config says (the LM head)."""
+    """y = x W^T (+ b). `parallel` is None (replicated), "column" or "row"; ignored on a single rank.
+    `quantizable` False keeps the weight in high precision whatever the config says."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantizable: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        quantizable: bool = True,
+        parallel: str | None = None,
+        shard_specs: dict[object, ShardSpec] | None = None,
+    ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.shard_slices: dict[object, tuple[int, int]] = {}
+        self.tp = current_parallel()
+        self.parallel = parallel if self.tp.size > 1 else None
+        self.in_features, self.out_features = in_features, out_features
+        if shard_specs is None:
+            start, size = (0, out_features)
+            if self.parallel == "column":
+                start, size = split(out_features, self.tp.rank, self.tp.size)
+            shard_specs = {None: ShardSpec(0, size, out_features, start)}
+        self.shard_specs = shard_specs
+        self.shard_slices = {k: (s.local_offset, s.size) for k, s in shard_specs.items() if k is not None}
+        self.out_local = sum(s.size for s in shard_specs.values())
+        self.in_start, self.in_local = 0, in_features
+        if self.parallel == "row":
+            self.in_start, self.in_local = split(in_features, self.tp.rank, self.tp.size)
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
-        self.weight = _param((out_features, in_features), FP8_DTYPE if self.fp8 else None)
+        self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
         self.weight.weight_loader = self.weight_loader
         if self.fp8:
-            self.weight_scale = _param((out_features,), torch.float32)
+            self.weight_scale = _param((self.out_local,), torch.float32)
             self.weight_scale.hotswap_derived = True  # computed by post-processing, never loaded
             self._stage: torch.Tensor | None = None
             self._staged_rows: torch.Tensor | None = None
         if bias:
-            self.bias = _param((out_features,))
+            self.bias = _param((self.out_features if self.parallel == "row" else self.out_local,))
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
-    def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
-        """The slice of `param` that shard `shard_id` (None: the whole tensor) occupies."""
-        offset, size = self._rows(shard_id, param.shape[0])
-        return param.data.narrow(0, offset, size)
+    def _spec(self, shard_id: object) -> ShardSpec:
+        if shard_id not in self.shard_specs:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_specs)}")
+        return self.shard_specs[shard_id]
 
-    def _rows(self, shard_id: object, total: int) -> tuple[int, int]:
-        if shard_id is None:
-            return 0, total
-        if shard_id not in self.shard_slices:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_slices)}")
-        return self.shard_slices[shard_id]
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
+        """The full checkpoint tensor's shape for `param`'s shard `shard_id`."""
+        if param is self.bias and self.parallel == "row":
+            return (self.out_features,)
+        rows = self._spec(shard_id).ckpt_rows
+        return (rows, self.in_features) if param is self.weight else (rows,)
+
+    def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        """This rank's slice of `param` that shard `shard_id` occupies."""
+        if param is self.bias and self.parallel == "row":
+            return param.data
+        spec = self._spec(shard_id)
+        return param.data.narrow(0, spec.local_offset, spec.size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copies `loaded` into shard `shard_id` of `param` in place (for an fp8 weight: into the stage).
-        Raises ValueError on a shape mismatch."""
+        """Copies this rank's part of the full checkpoint tensor `loaded` into shard `shard_id` of `param` in
+        place (for an fp8 weight: into the stage). Raises ValueError on a shape mismatch."""
         name = getattr(param, "hotswap_name", "parameter")
+        expected = self.checkpoint_shape(param, shard_id)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected}, got {tuple(loaded.shape)}")
+        if param is self.bias and self.parallel == "row":
+            copy_into(param.data, loaded, name)
+            return
+        spec = self._spec(shard_id)
+        part = loaded.narrow(0, spec.ckpt_start, spec.size)
+        if param is self.weight and self.parallel == "row":
+            part = part.narrow(1, self.in_start, self.in_local)
         if not (self.fp8 and param is self.weight):
-            copy_into(self.shard_view(param, shard_id), loaded, name)
+            copy_into(self.shard_view(param, shard_id), part, name)
             return
         if self._stage is None:
             self._stage = torch.empty(self.weight.shape, dtype=current_config().model_config.torch_dtype)
-            self._staged_rows = torch.zeros(self.out_features, dtype=torch.bool)
-        offset, size = self._rows(shard_id, self.out_features)
-        copy_into(self._stage.narrow(0, offset, size), loaded, name)
-        self._staged_rows[offset : offset + size] = True
+            self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
+        copy_into(self._stage.narrow(0, spec.local_offset, spec.size), part, name)
+        self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
 
     def process_weights_after_loading(self) -> None:
         """Quantizes the staged high-precision rows into the fp8 weight and its scales (in place)."""
@@ -103,24 +153,46 @@ class Linear(nn.Module):
             self._stage = self._staged_rows = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = dequantize(self.weight, self.weight_scale, x.dtype) if self.fp8 else self.weight
+        if self.parallel != "row":
+            return F.linear(x, weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, weight))
+        return out if self.bias is None else out + self.bias
 
 
 class QKVLinear(Linear):
-    """Fused q/k/v projection; shards 'q', 'k', 'v' are consecutive row blocks."""
+    """Fused q/k/v projection; shards 'q', 'k', 'v'. Column-parallel by heads: a rank keeps its q heads and the
+    KV heads they use (KV heads are replicated where ranks outnumber them)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, q + 2 * kv, bias)
-        self.shard_slices = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        tp = current_parallel()
+        q_start, q_heads = split(num_heads, tp.rank, tp.size)
+        group = num_heads // num_kv_heads
+        self.kv_start = q_start // group
+        kv_end = (q_start + q_heads - 1) // group + 1
+        kv_heads = kv_end - self.kv_start
+        self.num_local_heads, self.num_local_kv_heads = q_heads, kv_heads
+        # the local KV head each local q head attends with
+        self.kv_of_q = [(q_start + i) // group - self.kv_start for i in range(q_heads)]
+        q, kv = q_heads * head_dim, kv_heads * head_dim
+        specs = {
+            "q": ShardSpec(0, q, num_heads * head_dim, q_start * head_dim),
+            "k": ShardSpec(q, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
+            "v": ShardSpec(q + kv, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
+        }
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel="column",
+                         shard_specs=specs)  # fmt: skip
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input concatenated by rows; shard i is the i-th block."""
+    """Several projections of the same input concatenated by rows (shard i is the i-th); column-parallel: each
+    rank keeps its share of every projection."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(out_sizes), bias)
-        offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-        self.shard_slices = {i: (off, size) for i, (off, size) in enumerate(zip(offsets, out_sizes, strict=True))}
+        tp = current_parallel()
+        specs, offset = {}, 0
+        for i, size in enumerate(out_sizes):
+            start, local = split(size, tp.rank, tp.size)
+            specs[i] = ShardSpec(offset, local, size, start)
+            offset += local
+        super().__init__(in_features, sum(out_sizes), bias, parallel="column", shard_specs=specs)

@@ -1,0 +1,62 @@
+"""Tensor-parallel context of the current worker: its rank, the group size and the process group.
+
+Like the config, it is scoped: a Worker enters `use_parallel(...)` with its config, and layers read
+`current_parallel()` at construction to size their shards and keep the group for their collectives. Outside any
+scope the context is the single-process one (rank 0 of 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` across ranks in place (a no-op on one rank)."""
+        if self.size > 1:
+            self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenates every rank's `tensor` along the last dimension, in rank order."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = ParallelContext()
+_CURRENT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar("hotswap_parallel", default=SINGLE)
+
+
+@contextlib.contextmanager
+def use_parallel(context: ParallelContext) -> Iterator[ParallelContext]:
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_parallel() -> ParallelContext:
+    return _CURRENT.get()
+
+
+def split(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, length) of rank's contiguous share of `total` items; raises ValueError if not divisible."""
+    if total % size:
+        raise ValueError(f"{total} is not divisible by tensor_parallel_size={size}")
+    length = total // size
+    return rank * length, length
