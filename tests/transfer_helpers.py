@@ -46,7 +46,14 @@ class Pusher:
             box: dict = {}
             thread = threading.Thread(
                 target=lambda: box.setdefault(
-                    "s", TorchDistSender("127.0.0.1", port, self.bucket_size_bytes, self.sender_timeout_s)
+                    "s",
+                    TorchDistSender(
+                        "127.0.0.1",
+                        port,
+                        self.bucket_size_bytes,
+                        self.sender_timeout_s,
+                        num_workers=self.llm.config.parallel_config.tensor_parallel_size,
+                    ),
                 )
             )
             thread.start()

@@ -26,9 +26,15 @@ from hotswap.worker.model_input import ModelInput
 class LLMEngine:
     """Owns the scheduler and block manager; drives the workers through the executor."""
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         start = time.perf_counter()
         self.config = config
+        if executor_class is None:
+            executor_class = UniProcExecutor
+            if config.parallel_config.tensor_parallel_size > 1:
+                from hotswap.executor.multiproc import MultiprocExecutor
+
+                executor_class = MultiprocExecutor
         mc, cc = config.model_config, config.cache_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -418,6 +424,10 @@ class LLMEngine:
         """Drops the prefix cache. Weight changes do this under the 'reset' policy; `force` does it always."""
         if force or self.config.cache_config.prefix_cache_policy == "reset":
             self.block_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the workers (worker processes under tensor parallelism)."""
+        self.executor.shutdown()
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager

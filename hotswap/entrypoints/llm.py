@@ -35,6 +35,10 @@ class LLM:
         self._changed = threading.Condition(self._lock)
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
 
+    def shutdown(self) -> None:
+        """Stops worker processes (tensor parallelism); also happens when the LLM is garbage-collected."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

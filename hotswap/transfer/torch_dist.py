@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
+from hotswap.distributed import current_parallel
 from hotswap.transfer.base import Declared, TransferEngine, declare, declared_from_info
 
 _ALIGN = 64
@@ -53,18 +54,19 @@ def _tensor_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: t
     return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _group(address: str, port: int, rank: int, timeout_s: float, device: str) -> tuple[TCPStore, Any]:
+def _group(address: str, port: int, rank: int, world: int, timeout_s: float, device: str) -> tuple[TCPStore, Any]:
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(address, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = TCPStore(address, port, world_size=world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if device == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
-        return store, ProcessGroupNCCL(store, rank, 2)
-    return store, ProcessGroupGloo(store, rank, 2, timeout)
+        return store, ProcessGroupNCCL(store, rank, world)
+    return store, ProcessGroupGloo(store, rank, world, timeout)
 
 
 class TorchDistSender:
-    """Trainer side: rank 0 of a two-member group, hosting the rendezvous store at (address, port)."""
+    """Trainer side: rank 0 of a group with the engine's `num_workers` workers (its tensor_parallel_size),
+    hosting the rendezvous store at (address, port)."""
 
     def __init__(
         self,
@@ -73,10 +75,11 @@ class TorchDistSender:
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
         device: str = "cpu",
+        num_workers: int = 1,
     ) -> None:
         self.bucket_size_bytes = bucket_size_bytes
         self.device = device
-        self.store, self.group = _group(master_address, master_port, 0, timeout_s, device)
+        self.store, self.group = _group(master_address, master_port, 0, 1 + num_workers, timeout_s, device)
         self._buffers: list[torch.Tensor] = []
 
     def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -123,7 +126,8 @@ def _root(rank: int) -> Any:
 
 
 class TorchDistEngine(TransferEngine):
-    """Worker side: joins the trainer's group as rank 1 (init_info: master_address, master_port)."""
+    """Worker side: joins the trainer's group as rank 1 + its tensor-parallel rank (init_info: master_address,
+    master_port; the group has 1 + tensor_parallel_size members)."""
 
     survives_failure = False
 
@@ -134,7 +138,8 @@ class TorchDistEngine(TransferEngine):
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"a 'torch_dist' init_info needs master_address and master_port: {err}") from None
         self.device = str(init_info.get("device", "cpu"))
-        self.store, self.group = _group(address, port, 1, config.timeout_s, self.device)
+        tp = current_parallel()
+        self.store, self.group = _group(address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
         self._buffers: list[torch.Tensor] = []
 
     def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

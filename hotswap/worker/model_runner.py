@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hotswap.config import EngineConfig
+from hotswap.distributed import current_parallel
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
 from hotswap.worker.model_input import ModelInput, ModelOutput
@@ -64,7 +65,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         last = torch.tensor(model_input.query_lens).cumsum(0) - 1
         rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows])  # every rank takes part in gathering the vocab
+        if current_parallel().rank != 0:
+            return []  # the engine reads rank 0's samples
         return sample(logits, model_input.sample_specs)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hotswap.config import EngineConfig, available_memory_bytes, use_config
+from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.model.loader import WeightMap, build_model
 from hotswap.model.reload import WeightUpdate
 from hotswap.model.safetensors_io import iterate_index, read_index
@@ -53,16 +54,17 @@ def in_config_scope(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: Worker, *args: Any, **kwargs: Any) -> Any:
-        with use_config(self.config):
+        with use_config(self.config), use_parallel(self.parallel):
             return method(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, parallel: ParallelContext = SINGLE) -> None:
         self.config = config
         self.rank = rank
+        self.parallel = parallel
         self.model: nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.session = WeightSession()

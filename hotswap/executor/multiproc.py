@@ -1,0 +1,173 @@
+"""Tensor-parallel workers in their own processes, forming a torch.distributed group (gloo on CPU).
+
+Workers are started as `python -m hotswap.executor.multiproc` (so the caller's script is never re-imported and
+needs no `__main__` guard) and connect back over an authenticated local socket. Each runs a loop: receive
+(method, args, kwargs), run it on its Worker, send the result or the exception back. Every call goes to all
+workers; results come back in rank order.
+- A worker that dies, or a call that outlives `timeout`, makes that call raise; the executor is then broken (the
+  group may be out of step) and every later call raises at once. Shutting down stops the remaining workers.
+- Workers exit when the parent's end of their pipe closes, so no worker outlives the engine's process, even if
+  that process is killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import cloudpickle
+
+from hotswap.config import EngineConfig
+from hotswap.executor.base import Executor
+
+_POLL_S = 0.05
+
+
+def _worker_main(conn: Connection) -> None:
+    import torch
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    from hotswap.distributed import ParallelContext
+    from hotswap.worker.worker import Worker
+
+    config, rank, size, port = cloudpickle.loads(conn.recv_bytes())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    timeout = datetime.timedelta(seconds=config.parallel_config.rpc_timeout_s)
+    store = TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=timeout)
+    group = ProcessGroupGloo(store, rank, size, timeout)
+    worker = Worker(config, rank, ParallelContext(rank, size, group))
+    conn.send_bytes(cloudpickle.dumps(("ok", os.getpid())))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the engine is gone
+        call = cloudpickle.loads(message)
+        if call is None:
+            break
+        method, args, kwargs = call
+        try:
+            reply = ("ok", worker.execute_method(method, *args, **kwargs))
+        except BaseException as err:  # sent to the engine, which re-raises it
+            reply = ("error", err)
+        try:
+            conn.send_bytes(cloudpickle.dumps(reply))
+        except Exception as err:  # an unpicklable result or exception
+            conn.send_bytes(cloudpickle.dumps(("error", RuntimeError(f"worker {rank}: {reply[1]!r} ({err})"))))
+    conn.close()
+    os._exit(0)  # skip interpreter teardown: the process group's threads must not be destroyed while running
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        size = config.parallel_config.tensor_parallel_size
+        port = _free_port()
+        authkey = os.urandom(32)
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        self.broken: str | None = None
+        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+            host, listen_port = listener.address
+            env = {**os.environ, "HOTSWAP_WORKER_AUTHKEY": authkey.hex()}
+            for _ in range(size):
+                self.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "hotswap.executor.multiproc", host, str(listen_port)], env=env
+                    )
+                )
+            self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns)
+            listener._listener._socket.settimeout(config.parallel_config.rpc_timeout_s)  # type: ignore[attr-defined]
+            for rank in range(size):
+                conn = listener.accept()
+                conn.send_bytes(cloudpickle.dumps((config, rank, size, port)))
+                self.conns.append(conn)
+        self._gather(config.parallel_config.rpc_timeout_s, "start")
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        if self.broken:
+            raise RuntimeError(f"the tensor-parallel workers are unusable ({self.broken}); create a new LLM")
+        payload = cloudpickle.dumps((method, args, kwargs or {}))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._break(f"worker {rank} is gone")
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        return self._gather(timeout or self.config.parallel_config.rpc_timeout_s, name)
+
+    def _gather(self, timeout: float, name: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * len(self.conns)
+        errors: list[BaseException] = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.processes, strict=True)):
+            while not conn.poll(_POLL_S):
+                if proc.poll() is not None:
+                    self._break(f"worker {rank} (pid {proc.pid}) died with exit code {proc.returncode} during {name}()")
+                if time.monotonic() > deadline:
+                    self._break(f"{name}() timed out after {timeout:.0f} s waiting for worker {rank}")
+            try:
+                status, value = cloudpickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._break(f"worker {rank} (pid {proc.pid}) died during {name}()")
+            if status == "error":
+                errors.append(value)
+            else:
+                results[rank] = value
+        if errors:
+            raise errors[0]
+        return results
+
+    def _break(self, reason: str) -> None:
+        self.broken = reason
+        _stop(self.processes, self.conns)
+        raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
+    """Asks workers to exit, then terminates the ones that do not."""
+    for conn in conns:
+        try:
+            conn.send_bytes(cloudpickle.dumps(None))
+        except OSError:
+            pass
+    for proc in processes:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    for conn in conns:
+        conn.close()
+
+
+if __name__ == "__main__":
+    _worker_main(Client((sys.argv[1], int(sys.argv[2])), authkey=bytes.fromhex(os.environ["HOTSWAP_WORKER_AUTHKEY"])))

@@ -1,0 +1,146 @@
+"""Tensor parallelism across worker processes: outputs, every weight path, failures, no orphans."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import PROMPTS, hf_greedy
+from hotswap import LLM, SamplingParams
+from hotswap.testing import make_tiny_model
+from transfer_helpers import BACKENDS, Pusher
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+pytestmark = pytest.mark.slow
+
+
+def outputs(llm: LLM, prompts=PROMPTS[:6]):
+    return llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def assert_matches(path, llm: LLM, prompts=PROMPTS[:6]) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    got = [o.outputs[0].token_ids for o in outputs(llm, prompts)]
+    assert got == [hf_greedy(str(path), tuple(tok.encode(p)), 16)[0] for p in prompts]
+    return got
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.llm_engine.executor.processes]
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {"num_key_value_heads": 1}),  # one KV head, replicated on both ranks
+        ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),  # 3 KV heads: uneven
+        ("qwen2", {}),  # 2 KV heads split, q/k/v bias
+        ("qwen3", {"tie_word_embeddings": True}),  # q/k norm, tied vocab-parallel head
+    ],
+    ids=["llama-kv1", "llama-kv3", "qwen2", "qwen3-tied"],
+)
+def test_tp2_matches_tp1_and_transformers(tmp_path, arch, overrides):
+    path = make_tiny_model(tmp_path / arch, arch=arch, **overrides)
+    tp1 = LLM(str(path), kv_cache_memory_bytes=1 << 22)
+    expected = assert_matches(path, tp1)
+    tp2 = LLM(str(path), kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2)
+    assert assert_matches(path, tp2) == expected
+    lp1 = [o.outputs[0].logprobs for o in outputs(tp1)]
+    lp2 = [o.outputs[0].logprobs for o in outputs(tp2)]
+    for a, b in zip(lp1, lp2, strict=True):
+        for ea, eb in zip(a, b, strict=True):
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
+    tp2.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_models")
+    kw = {"num_key_value_heads": 1}
+    return {"A": make_tiny_model(root / "A", seed=0, **kw), "B": make_tiny_model(root / "B", seed=1, **kw)}
+
+
+@pytest.fixture(scope="module")
+def tp2(ckpts):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2, rpc_timeout_s=60)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_updates_through_every_transport_at_tp2(tp2, ckpts, backend):
+    b = list(load_file(str(ckpts["B"] / "model.safetensors")).items())
+    a = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+    pusher = Pusher(tp2, backend)
+    pusher.push(b)
+    assert_matches(ckpts["B"], tp2)
+    pusher.push(a)
+    assert_matches(ckpts["A"], tp2)
+    pusher.close()
+
+
+def test_reload_and_bad_update_at_tp2(tp2, ckpts):
+    tp2.reload_weights(weights_path=str(ckpts["B"]))
+    assert_matches(ckpts["B"], tp2)
+    with pytest.raises(ValueError, match="expected shape"):
+        tp2.reload_weights(weights_iterator=[("model.norm.weight", load_file(str(ckpts["A"] / "model.safetensors"))[
+            "model.norm.weight"][:5])])  # fmt: skip
+    assert_matches(ckpts["B"], tp2)
+    tp2.reload_weights(weights_path=str(ckpts["A"]))
+    assert_matches(ckpts["A"], tp2)
+
+
+def test_killed_worker_gives_a_clear_error_quickly(ckpts):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2, rpc_timeout_s=30)
+    pids = worker_pids(llm)
+    os.kill(pids[1], 9)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="died"):
+        outputs(llm)
+    assert time.monotonic() - start < 15
+    with pytest.raises(RuntimeError, match="unusable"):
+        outputs(llm)
+    assert not any(alive(p) for p in pids)
+
+
+def test_no_orphans_after_del_or_parent_exit(ckpts):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2)
+    pids = worker_pids(llm)
+    assert all(alive(p) for p in pids)
+    del llm
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+    script = (
+        "import os, sys\n"
+        "from hotswap import LLM\n"
+        f"llm = LLM({str(ckpts['A'])!r}, kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2)\n"
+        "print(' '.join(str(p.pid) for p in llm.llm_engine.executor.processes), flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"  # the parent dies without any cleanup
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    child_pids = [int(p) for p in out.stdout.split()]
+    assert len(child_pids) == 2
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in child_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in child_pids)
