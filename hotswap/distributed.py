@@ -55,8 +55,7 @@ def current_parallel() -> ParallelContext:
 
 
 def split(total: int, rank: int, size: int) -> tuple[int, int]:
-    """(start, length) of rank's contiguous share of `total` items; raises ValueError if not divisible."""
-    if total % size:
-        raise ValueError(f"{total} is not divisible by tensor_parallel_size={size}")
-    length = total // size
-    return rank * length, length
+    """(start, length) of rank's contiguous share of `total` items; the first `total % size` ranks get one
+    more (e.g. 9 heads over 2 ranks: 5 and 4)."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)

@@ -48,10 +48,11 @@ def worker_pids(llm: LLM) -> list[int]:
     [
         ("llama", {"num_key_value_heads": 1}),  # one KV head, replicated on both ranks
         ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),  # 3 KV heads: uneven
+        ("llama", {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3}),  # 5 + 4 heads
         ("qwen2", {}),  # 2 KV heads split, q/k/v bias
         ("qwen3", {"tie_word_embeddings": True}),  # q/k norm, tied vocab-parallel head
     ],
-    ids=["llama-kv1", "llama-kv3", "qwen2", "qwen3-tied"],
+    ids=["llama-kv1", "llama-kv3", "llama-9-heads", "qwen2", "qwen3-tied"],
 )
 def test_tp2_matches_tp1_and_transformers(tmp_path, arch, overrides):
     path = make_tiny_model(tmp_path / arch, arch=arch, **overrides)

@@ -26,9 +26,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         attention_bias = bool(cfg.get("attention_bias", False))
         self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row")
-        # this rank's heads
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        # this rank's heads; o_proj's input split follows them
+        local_heads = self.qkv_proj.num_local_heads
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row",
+            in_split=(self.qkv_proj.q_start * self.head_dim, local_heads * self.head_dim),
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads = local_heads, self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         theta, scaling = rope_settings(cfg)

@@ -54,8 +54,8 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Param
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `parallel` is None (replicated), "column" or "row"; ignored on a single rank.
-    `quantizable` False keeps the weight in high precision whatever the config says."""
+    """y = x W^T (+ b). `parallel` is None (replicated), "column" or "row"; ignored on a single rank. Shares
+    may be uneven (the first ranks take one more). `quantizable` False keeps the weight in high precision."""
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class Linear(nn.Module):
         quantizable: bool = True,
         parallel: str | None = None,
         shard_specs: dict[object, ShardSpec] | None = None,
+        in_split: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.tp = current_parallel()
@@ -79,8 +80,8 @@ class Linear(nn.Module):
         self.shard_slices = {k: (s.local_offset, s.size) for k, s in shard_specs.items() if k is not None}
         self.out_local = sum(s.size for s in shard_specs.values())
         self.in_start, self.in_local = 0, in_features
-        if self.parallel == "row":
-            self.in_start, self.in_local = split(in_features, self.tp.rank, self.tp.size)
+        if self.parallel == "row":  # `in_split` aligns the split with the producer's (e.g. whole heads)
+            self.in_start, self.in_local = in_split or split(in_features, self.tp.rank, self.tp.size)
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
         self.weight.weight_loader = self.weight_loader
@@ -167,6 +168,7 @@ class QKVLinear(Linear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         tp = current_parallel()
         q_start, q_heads = split(num_heads, tp.rank, tp.size)
+        self.q_start = q_start
         group = num_heads // num_kv_heads
         self.kv_start = q_start // group
         kv_end = (q_start + q_heads - 1) // group + 1
