@@ -176,7 +176,11 @@ def test_trainer_pushes_over_shm_and_torch_dist_while_a_client_streams(server, c
             model="A", prompt=PROMPTS[2], max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
         first = next(iter(chunks))
-        go.put("push")  # the trainer pushes while this stream is in flight
+        # Freeze the stream where it is so the push lands mid-stream however slow the trainer starts; the
+        # trainer's own pause (keep) then finds the engine paused, and its resume continues the stream.
+        paused = httpx.post(f"{server}/pause", json={"mode": "keep"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert paused.status_code == 200
+        go.put("push")
         rest = list(chunks)
         report = result.get(timeout=120)
         trainer.join(timeout=60)
