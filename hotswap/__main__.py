@@ -2,4 +2,5 @@ import sys
 
 from hotswap.entrypoints.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # worker processes started with spawn re-import this module
+    sys.exit(main())

@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,8 @@ class TrainerSettings:
     warmup_lr: float
     warmup_batch: int = 64
     clip: float = 0.2  # PPO/GRPO ratio clip
-    num_threads: int = 2
+    entropy_coef: float = 0.02  # entropy bonus: keeps a digit's output from collapsing onto a wrong token early
+    num_threads: int = 2  # the model is tiny: more threads do not help
 
 
 @dataclass
@@ -138,13 +140,15 @@ class _Trainer:
         self.task = settings.task
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
         self.model.train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)  # the RL steps'
         self.sender = ShmSender()
 
-    def _completion_logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
-        """log pi(token) for each completion token of `sequences` [B, prompt_len + K] -> [B, K]."""
+    def _completion_log_softmax(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For `sequences` [B, prompt_len + K]: the log-softmax at each completion position [B, K, V] and the
+        logprob of each completion token [B, K]."""
         p = self.task.prompt_len
-        logits = self.model(sequences).logits[:, p - 1 : -1].float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, sequences[:, p:, None]).squeeze(-1)
+        log_probs = torch.log_softmax(self.model(sequences).logits[:, p - 1 : -1].float(), dim=-1)
+        return log_probs, log_probs.gather(-1, sequences[:, p:, None]).squeeze(-1)
 
     def warmup(self) -> dict[str, float]:
         """Supervised steps on `prompt -> K random digits`: teaches the output alphabet, not the task (the targets
@@ -159,16 +163,16 @@ class _Trainer:
                 task.prompt_ids(task.sample(rng)) + [task.digit_ids[d] for d in task.sample(rng)]
                 for _ in range(s.warmup_batch)
             ]
-            loss = -self._completion_logprobs(torch.tensor(rows)).mean()
+            loss = -self._completion_log_softmax(torch.tensor(rows))[1].mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=s.lr)
         return {"loss": loss.item(), "train_ms": (time.perf_counter() - start) * 1e3}
 
     def train(self, batch: RolloutBatch) -> dict[str, float]:
         """One GRPO step on the engine's rollouts: advantages are rewards normalized within each prompt's group,
-        the loss is the clipped surrogate with ratio exp(logp_trainer - logp_engine), one Adam step."""
+        the loss is the clipped surrogate with ratio exp(logp_trainer - logp_engine) minus an entropy bonus, one
+        Adam step."""
         start = time.perf_counter()
         rows: list[list[int]] = []
         advantages: list[float] = []
@@ -183,15 +187,18 @@ class _Trainer:
         sequences = torch.tensor(rows)
         old = torch.tensor(behaviour, dtype=torch.float32)
         adv = torch.tensor(advantages)[:, None]
-        logp = self._completion_logprobs(sequences)
+        log_probs, logp = self._completion_log_softmax(sequences)
         ratio = torch.exp(logp - old)
         clip = self.settings.clip
-        loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+        entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+        loss = -surrogate - self.settings.entropy_coef * entropy
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         return {
             "loss": loss.item(),
+            "entropy": entropy.item(),
             "logprob_gap": float((logp.detach() - old).abs().max()),  # trainer vs engine, same weights
             "train_ms": (time.perf_counter() - start) * 1e3,
         }
@@ -218,7 +225,7 @@ def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> Non
         torch.set_num_threads(settings.num_threads)
         torch.manual_seed(settings.seed)
         trainer = _Trainer(settings)
-        replies.put(("ready", sum(p.numel() for p in trainer.model.parameters())))
+        replies.put(("ready",))
         while True:
             request = requests.get()
             if request[0] == "stop":
@@ -319,35 +326,37 @@ class _TrainerHandle:
             self.process.terminate()
             self.process.join(timeout=10)
         for q in (self.requests, self.replies):
+            q.cancel_join_thread()  # never block on data nobody will read
             q.close()
-            q.join_thread()
 
 
-def _build_checkpoint(model_dir: Path, seed: int) -> Path:
-    """A random-weight 'tiny' llama checkpoint (vocab 512, 2 layers, hidden 64). `make_tiny_model` scales the final
-    norm so random logits are sharply peaked (what exact greedy comparisons in tests want); here it is reset to 1,
-    so the random policy starts broad, as a freshly initialized language model does."""
+def _build_checkpoint(model_dir: Path, seed: int) -> tuple[Path, int]:
+    """A random-weight 'tiny' llama checkpoint (vocab 512, 2 layers, hidden 64) with tied embeddings, so that copying
+    a token mostly means attending to the right position. `make_tiny_model` scales the final norm so random logits
+    are sharply peaked (what exact greedy comparisons in tests want); here it is reset to 1, so the random policy
+    starts broad, as a freshly initialized language model does. Returns (folder, number of parameters)."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_model(model_dir, arch="llama", preset="tiny", seed=seed)
+    path = make_tiny_model(model_dir, arch="llama", preset="tiny", seed=seed, tie_word_embeddings=True)
     weights_file = str(path / "model.safetensors")
     tensors = load_file(weights_file)
     tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])
     save_file(tensors, weights_file, metadata={"format": "pt"})
-    return path
+    return path, sum(t.numel() for t in tensors.values())
 
 
 def _sample(
-    llm: LLM, task: CopyTask, rng: random.Random, prompts: int, group_size: int, temperature: float
+    llm: LLM, task: CopyTask, rng: random.Random, prompts: int, group_size: int
 ) -> tuple[RolloutBatch, list[Any], float]:
-    """Samples `group_size` completions for each of `prompts` fresh prompts from the engine and scores them.
-    Returns the batch, the engine's outputs and the rollout throughput in tokens/s."""
+    """Samples `group_size` completions for each of `prompts` fresh prompts from the engine at temperature 1 (the
+    distribution whose logprobs the engine reports, so the rollouts are on-policy) and scores them. Returns the
+    batch, the engine's outputs and the rollout throughput in tokens/s."""
     digits = [task.sample(rng) for _ in range(prompts)]
     prompt_ids = [task.prompt_ids(d) for d in digits]
     params = [
         SamplingParams(
             n=group_size,
-            temperature=temperature,
+            temperature=1.0,
             max_tokens=task.num_digits,
             ignore_eos=True,
             logprobs=0,
@@ -409,24 +418,24 @@ def _plot(result: DemoResult, path: Path, title: str) -> None:
     ax.set_ylabel("reward")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
 
 
 def run_demo(
     out_dir: str = "demo_out",
-    steps: int = 120,
+    steps: int = 250,
     *,
     seed: int = 0,
     num_digits: int = 3,
-    prompts_per_step: int = 16,
+    prompts_per_step: int = 32,
     group_size: int = 8,
     lr: float = 1e-3,
     warmup_steps: int = 200,
     warmup_lr: float = 3e-3,
-    temperature: float = 1.0,
-    log_every: int = 10,
+    entropy_coef: float = 0.02,
+    log_every: int = 25,
     quiet: bool = False,
 ) -> DemoResult:
     """Runs the live-training demo and returns what it measured; writes the checkpoint (`out_dir/model`), the
@@ -444,8 +453,8 @@ def run_demo(
         raise ValueError(f"group_size must be at least 2 (advantages are normalized within a group), got {group_size}")
     if not 1 <= num_digits <= 16:
         raise ValueError(f"num_digits must be between 1 and 16, got {num_digits}")
-    if not (lr > 0 and warmup_lr > 0 and temperature > 0):
-        raise ValueError("lr, warmup_lr and temperature must be positive")
+    if not (lr > 0 and warmup_lr > 0 and entropy_coef >= 0):
+        raise ValueError("lr and warmup_lr must be positive, entropy_coef non-negative")
 
     def say(line: str) -> None:
         tqdm.write(line, file=sys.stdout)
@@ -455,30 +464,28 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     result = DemoResult()
     say("hotswap demo: live RL training; a trainer process pushes new weights into the running engine every step")
-    model_dir = _build_checkpoint(out / "model", seed)
+    model_dir, result.num_params = _build_checkpoint(out / "model", seed)
+    say(f"model: random-weight llama ('tiny' preset), {result.num_params / 1e3:.0f}k parameters, fp32, at {model_dir}")
 
     llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=seed)
     task = CopyTask.from_tokenizer(llm.get_tokenizer(), num_digits)
-    settings = TrainerSettings(str(model_dir), task, seed, lr, warmup_steps, warmup_lr)
+    settings = TrainerSettings(str(model_dir), task, seed, lr, warmup_steps, warmup_lr, entropy_coef=entropy_coef)
     trainer = _TrainerHandle(settings)  # its start-up (imports, model load) overlaps the engine's work below
     rng = random.Random(seed)
     bar = None
     try:
         llm.init_weight_transfer_engine({"backend": "shm"})
-        example = task.sample(random.Random(seed + 2))
-        say(
-            f"task: copy the {num_digits} digits of the prompt, e.g. {task.render(task.prompt_ids(example))} -> "
-            f"{task.render([task.digit_ids[d] for d in example])}; reward = fraction of digits right "
-            f"(max 1.00, chance {CHANCE_REWARD:.2f})"
-        )
-        batch, _, _ = _sample(llm, task, rng, prompts_per_step, group_size, temperature)
-        result.random_init_reward = _mean_reward(batch)
-        (result.num_params,) = trainer.receive("ready")
-        say(
-            f"model: random-weight llama, {result.num_params / 1e3:.0f}k parameters, fp32, at {model_dir}; "
-            f"reward at random init {result.random_init_reward:.2f}"
-        )
         say(f"engine: in-process LLM; trainer: separate process (pid {trainer.process.pid}), pushing weights over shm")
+        example = task.sample(random.Random(seed + 2))
+        batch, _, _ = _sample(llm, task, rng, prompts_per_step, group_size)
+        result.random_init_reward = _mean_reward(batch)
+        say(
+            f"task: copy the {num_digits} digit{'s' if num_digits > 1 else ''} of the prompt, e.g. "
+            f"'{task.render(task.prompt_ids(example))}' -> '{task.render([task.digit_ids[d] for d in example])}'; "
+            f"reward = fraction of digits right "
+            f"(max 1.00, chance {CHANCE_REWARD:.2f}, random init {result.random_init_reward:.2f})"
+        )
+        trainer.receive("ready")
 
         trainer.requests.put(("warmup",))
         info, sums, stats = trainer.receive("pushed")
@@ -487,15 +494,18 @@ def run_demo(
             result.checksums_ok, result.mismatched = False, bad
         else:
             say(
-                f"warm-up: {warmup_steps} supervised steps on random digits (the output format, not the task) in "
-                f"{stats['train_ms'] / 1e3:.1f} s -> pushed as v{llm.get_weight_version()} in {update_ms:.1f} ms; "
+                f"warm-up: {warmup_steps} supervised step{'s' if warmup_steps != 1 else ''} on random digits (the "
+                f"output format, not the task) in {stats['train_ms'] / 1e3:.1f} s -> pushed as "
+                f"v{llm.get_weight_version()} in {update_ms:.1f} ms; "
                 f"checksums match ({len(sums)} tensors)"
             )
             say(f"RL: {steps} GRPO steps x {prompts_per_step} prompts x {group_size} samples, Adam lr {lr:g}")
-        bar = tqdm(total=steps, desc="GRPO", unit="step", disable=quiet, dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(  # disable=None: no bar when stdout is not a terminal
+            total=steps, desc="GRPO", unit="step", disable=True if quiet else None, dynamic_ncols=True, file=sys.stdout
+        )
         for step in range(steps if result.checksums_ok else 0):
             version = llm.get_weight_version()
-            batch, outputs, tokens_per_s = _sample(llm, task, rng, prompts_per_step, group_size, temperature)
+            batch, outputs, tokens_per_s = _sample(llm, task, rng, prompts_per_step, group_size)
             _check_versions(outputs, version)
             trainer.requests.put(("train", batch))
             info, sums, stats = trainer.receive("pushed")
@@ -561,7 +571,7 @@ def _greedy_exact_match(llm: LLM, task: CopyTask, rng: random.Random, count: int
     )
 
 
-def _report(result: DemoResult, out: Path, steps: int, say: Any) -> None:
+def _report(result: DemoResult, out: Path, steps: int, say: Callable[[str], None]) -> None:
     """Prints the summary, writes metrics.json and the plot (`result.plot_path` stays None without matplotlib)."""
     if result.rewards:
         title = (
@@ -574,6 +584,7 @@ def _report(result: DemoResult, out: Path, steps: int, say: Any) -> None:
         except ImportError:
             say("matplotlib is not installed: no plot (pip install matplotlib)")
     metrics = {**asdict(result), "initial_reward": result.initial_reward, "final_reward": result.final_reward}
+    metrics = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if not result.rewards:
         return
@@ -604,18 +615,18 @@ def _report(result: DemoResult, out: Path, steps: int, say: Any) -> None:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the demo's flags (defaults are the full demo, about a minute on two CPU cores)."""
+    """Adds the demo's flags (the defaults are the full demo: under a minute on two CPU cores)."""
     parser.add_argument("--out-dir", default="demo_out", help="checkpoint, reward.png and metrics.json go here")
-    parser.add_argument("--steps", type=int, default=120, help="RL steps, one weight push each (default 120)")
+    parser.add_argument("--steps", type=int, default=250, help="RL steps, one weight push each (default 250)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits", type=int, default=3, help="digits to copy per prompt (default 3)")
-    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts sampled per step (default 16)")
+    parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts sampled per step (default 32)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the RL steps (default 1e-3)")
     parser.add_argument("--warmup-steps", type=int, default=200, help="supervised format warm-up steps (default 200)")
     parser.add_argument("--warmup-lr", type=float, default=3e-3, help="Adam learning rate of the warm-up")
-    parser.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature (default 1)")
-    parser.add_argument("--log-every", type=int, default=10, help="print a line every N steps (default 10)")
+    parser.add_argument("--entropy-coef", type=float, default=0.02, help="entropy bonus in the RL loss (default 0.02)")
+    parser.add_argument("--log-every", type=int, default=25, help="print a line every N steps (default 25)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -632,7 +643,7 @@ def run_demo_from_args(args: argparse.Namespace) -> int:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         warmup_lr=args.warmup_lr,
-        temperature=args.temperature,
+        entropy_coef=args.entropy_coef,
         log_every=args.log_every,
         quiet=args.quiet,
     )

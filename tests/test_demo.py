@@ -9,11 +9,12 @@ import multiprocessing
 import pytest
 
 from hotswap import LLM
-from hotswap.demo import DemoResult, add_demo_arguments, run_demo
+from hotswap.demo import CopyTask, DemoResult, TrainerSettings, _TrainerHandle, add_demo_arguments, run_demo
 from transfer_helpers import shm_segments
 
-# A shortened demo: copy one digit, a short warm-up, 40 RL steps (chance 0.1, reaches ~0.7+ by the last steps).
-SHORT = {"num_digits": 1, "prompts_per_step": 32, "group_size": 8, "lr": 2e-3, "warmup_steps": 100, "steps": 40}
+# A shortened demo: copy one digit, a short warm-up, 60 RL steps. The reward starts at chance (0.1); over seeds 0-5
+# the mean of the last 10 steps reaches 0.80-0.96 and greedy copies 89-100% of fresh prompts.
+SHORT = {"num_digits": 1, "prompts_per_step": 32, "group_size": 8, "lr": 2e-3, "warmup_steps": 100, "steps": 60}
 
 
 def _no_leaks(segments_before: set[str]) -> None:
@@ -21,7 +22,6 @@ def _no_leaks(segments_before: set[str]) -> None:
     assert multiprocessing.active_children() == [], "the demo left child processes behind"
 
 
-@pytest.mark.slow
 def test_short_demo_learns_through_verified_pushes(tmp_path, capsys):
     before = shm_segments()
     result = run_demo(out_dir=str(tmp_path), quiet=True, log_every=10, seed=0, **SHORT)
@@ -36,9 +36,9 @@ def test_short_demo_learns_through_verified_pushes(tmp_path, capsys):
     assert all(0.0 <= r <= 1.0 for r in result.rewards)
     # The warm-up teaches the output format only, so RL starts at chance (0.1); the gain comes from the pushes.
     assert result.initial_reward < 0.25
-    assert result.final_reward > result.initial_reward + 0.3
+    assert result.final_reward > max(0.6, result.initial_reward + 0.4)
     assert result.improved and result.ok
-    assert result.greedy_exact_match > 0.5
+    assert result.greedy_exact_match > 0.7
     # The trainer recomputes the engine's logprobs of the sampled tokens with the same weights.
     assert result.max_logprob_gap < 1e-3
 
@@ -72,6 +72,22 @@ def test_checksum_mismatch_stops_the_demo_loudly(tmp_path, capsys, monkeypatch):
     assert "CHECKSUM MISMATCH" in capsys.readouterr().err
 
 
+def test_a_failing_trainer_is_reported_and_reaped():
+    """The trainer's traceback reaches the engine side, and closing leaves no process or segment behind."""
+    before = shm_segments()
+    task = CopyTask(digit_ids=tuple(range(3, 13)), sep_id=13, bos_id=0, num_digits=2)
+    handle = _TrainerHandle(
+        TrainerSettings("no/such/checkpoint", task, seed=0, lr=1e-3, warmup_steps=1, warmup_lr=1e-3)
+    )
+    try:
+        with pytest.raises(RuntimeError, match="the trainer failed"):
+            handle.receive("ready")
+    finally:
+        handle.close()
+    assert handle.process.exitcode == 0  # it reported the error and returned
+    _no_leaks(before)
+
+
 def test_arguments_and_validation(tmp_path):
     parser = argparse.ArgumentParser()
     add_demo_arguments(parser)
@@ -79,7 +95,7 @@ def test_arguments_and_validation(tmp_path):
     assert args.out_dir == "demo_out" and args.steps > 0 and args.group_size >= 2 and not args.quiet
     args = parser.parse_args(["--steps", "5", "--group-size", "4", "--lr", "0.01", "--quiet", "--out-dir", "x"])
     assert (args.steps, args.group_size, args.lr, args.quiet, args.out_dir) == (5, 4, 0.01, True, "x")
-    for bad in ({"group_size": 1}, {"steps": 0}, {"num_digits": 0}, {"lr": 0.0}, {"temperature": 0.0}):
+    for bad in ({"group_size": 1}, {"steps": 0}, {"num_digits": 0}, {"lr": 0.0}, {"entropy_coef": -1.0}):
         with pytest.raises(ValueError):
             run_demo(out_dir=str(tmp_path / "never"), **bad)
     assert not (tmp_path / "never").exists()  # settings are checked before anything is built or spawned

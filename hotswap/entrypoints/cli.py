@@ -42,12 +42,6 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from hotswap.demo import run_demo
-
-    return run_demo(out_dir=args.out_dir)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hotswap", description="An LLM inference engine that takes new weights live.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    demo = sub.add_parser("demo", help="build a small model locally and generate from it")
-    demo.add_argument("--out-dir", default="demo_out")
-    demo.set_defaults(func=_demo)
+    from hotswap.demo import add_demo_arguments, run_demo_from_args
+
+    demo = sub.add_parser("demo", help="live RL: a trainer process pushes weights into the running engine every step")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=run_demo_from_args)
     return parser
 
 
