@@ -120,6 +120,34 @@ def test_client_errors_are_4xx_in_openai_shape(server, client):
     assert httpx.post(f"{server}/v1/completions", json={"model": "A", "prompt": "x"}).status_code == 401
 
 
+def running_requests(server: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith("hotswap_requests_running "):
+            return float(line.split()[1])
+    raise AssertionError("no hotswap_requests_running metric")
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server):
+    import time
+
+    body = {"model": "A", "prompt": PROMPTS[0], "max_tokens": 500, "stream": True, "ignore_eos": True}
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        # frozen: the request cannot finish on its own while paused
+        assert httpx.post(f"{server}/pause", json={"mode": "keep"}, headers=admin).status_code == 200
+        assert running_requests(server) == 1
+    try:
+        deadline = time.monotonic() + 10  # the client is gone: the server must drop its request
+        while running_requests(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running_requests(server) == 0
+    finally:
+        httpx.post(f"{server}/resume", headers=admin)
+
+
 @pytest.mark.parametrize("key", [None, "wrong", API_KEY])
 def test_admin_routes_need_the_admin_key(server, key):
     headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -32,6 +32,8 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._stopped = False
+        # Requests whose consumer went away; aborted by the loop (a cancelled caller cannot await the lock).
+        self._pending_aborts: set[str] = set()
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
@@ -57,6 +59,8 @@ class AsyncLLMEngine:
             await self._wake.wait()
             async with self._lock:
                 engine = self.engine
+                while self._pending_aborts:
+                    engine.abort_request(self._pending_aborts.pop())
                 if engine.paused or engine.sleeping or not engine.has_unfinished_requests():
                     if not engine.paused:
                         engine.finish_pause()
@@ -123,9 +127,9 @@ class AsyncLLMEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
-                async with self._lock:
-                    self.engine.abort_request(request_id)
+            if not finished:  # the consumer stopped early (cancelled, disconnected): abort without awaiting
+                self._pending_aborts.add(request_id)
+                self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""

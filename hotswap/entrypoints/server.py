@@ -9,6 +9,7 @@ routes on a non-loopback host without an admin key. Client mistakes get 4xx in O
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import secrets
@@ -110,6 +111,7 @@ def create_app(
     metrics.describe("hotswap_generation_tokens", "counter", "Tokens generated")
     metrics.describe("hotswap_request_latency_seconds", "summary", "End-to-end latency of generation requests")
     metrics.describe("hotswap_weight_version", "gauge", "Weight version being served")
+    metrics.describe("hotswap_requests_running", "gauge", "Requests queued or being generated")
     metrics.describe("hotswap_weight_update_seconds", "summary", "Duration of weight updates (start to finish)")
     metrics.set("hotswap_weight_version", 0)
     update_started: list[float] = []
@@ -142,11 +144,25 @@ def create_app(
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(oai.error_body(str(err.detail), "invalid_request_error", err.status_code), err.status_code)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
-        metrics.inc("hotswap_requests", route=request.url.path, status=str(response.status_code))
-        return response
+    class CountRequests:
+        """Pure ASGI middleware (unlike @app.middleware, it keeps disconnect detection working for streams)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await self.inner(scope, receive, send)
+                return
+
+            async def counting_send(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    metrics.inc("hotswap_requests", route=scope["path"], status=str(message["status"]))
+                await send(message)
+
+            await self.inner(scope, receive, counting_send)
+
+    app.add_middleware(CountRequests)
 
     async def guarded(coro: Any) -> Any:
         """Maps engine errors to client errors: bad values 400, wrong state 409, timeouts 504."""
@@ -173,13 +189,16 @@ def create_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
+        metrics.set("hotswap_requests_running", len(engine.engine.requests))
         return metrics.render()
 
     @app.get("/v1/models", dependencies=[Depends(user_auth)])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "hotswap"}]}
 
-    async def run(prompt: Any, params: Any, request_id: str, make_chunk: Any, make_full: Any, stream: bool) -> Any:
+    async def run(
+        prompt: Any, params: Any, request_id: str, make_chunk: Any, make_full: Any, stream: bool, http: Request
+    ) -> Any:
         start = time.perf_counter()
         generator = engine.generate(prompt, params, request_id)
         try:
@@ -202,6 +221,7 @@ def create_app(
 
         async def sse() -> AsyncIterator[str]:
             out = first
+            pending = None
             try:
                 while True:
                     metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
@@ -209,15 +229,24 @@ def create_app(
                     account(out)
                     if out.finished:
                         break
-                    out = await generator.__anext__()
+                    pending = asyncio.ensure_future(generator.__anext__())
+                    while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                        # No output (e.g. generation paused): an SSE comment lets a closed connection show up,
+                        # since a disconnect is only seen when sending.
+                        if await http.is_disconnected():
+                            return
+                        yield ": keep-alive\n\n"
+                    out, pending = pending.result(), None
                 yield "data: [DONE]\n\n"
             finally:
+                if pending is not None:
+                    pending.cancel()
                 await generator.aclose()  # a client that disconnected aborts its request
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=[Depends(user_auth)])
-    async def completions(body: oai.CompletionRequest) -> Any:
+    async def completions(body: oai.CompletionRequest, http: Request) -> Any:
         check_model(body.model)
         try:
             params = oai.sampling_params(body, body.logprobs, body.max_tokens)
@@ -252,10 +281,11 @@ def create_app(
             chunk,
             lambda o: oai.completion_response(o, served_model_name, request_id),
             body.stream,
+            http,
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(user_auth)])
-    async def chat_completions(body: oai.ChatCompletionRequest) -> Any:
+    async def chat_completions(body: oai.ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
         top_n = body.top_logprobs or 0
         try:
@@ -294,7 +324,7 @@ def create_app(
 
         return await run(
             {"prompt_token_ids": list(ids)}, params, request_id, chunk,
-            lambda o: oai.chat_response(o, served_model_name, request_id, top_n), body.stream,
+            lambda o: oai.chat_response(o, served_model_name, request_id, top_n), body.stream, http,
         )  # fmt: skip
 
     if not enable_admin:
