@@ -135,7 +135,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
     with httpx.stream(
         "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
     ) as response:
-        assert next(response.iter_lines()).startswith("data: ")
+        lines = response.iter_lines()  # kept: dropping the iterator would close the stream
+        assert next(lines).startswith("data: ")
         # frozen: the request cannot finish on its own while paused
         assert httpx.post(f"{server}/pause", json={"mode": "keep"}, headers=admin).status_code == 200
         assert running_requests(server) == 1

@@ -92,7 +92,11 @@ def test_async_abort_and_cancellation(ckpts):
                 await engine.abort("r1")
         gen = engine.generate(PROMPTS[0], params, "r2")
         await gen.__anext__()
-        await gen.aclose()  # a client that goes away
+        await gen.aclose()  # a client that goes away: the step loop aborts its request
+        for _ in range(200):
+            if "r2" not in engine.engine.requests:
+                break
+            await asyncio.sleep(0.01)
         assert "r2" not in engine.engine.requests
         await engine.shutdown()
         return outs
