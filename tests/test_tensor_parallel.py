@@ -145,3 +145,49 @@ def test_no_orphans_after_del_or_parent_exit(ckpts):
     while any(alive(p) for p in child_pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in child_pids)
+
+
+@pytest.mark.parametrize("backend", ["tensors", "shm"])
+def test_pre_sliced_tensors_from_the_trainer(tp2, ckpts, backend):
+    """A trainer that already holds sharded weights sends each rank only its part (tp_ranks names the rank)."""
+    from hotswap.transfer.shm import ShmSender
+    from hotswap.transfer.tensors import tensors_update_info
+
+    plans = tp2.collective_rpc("shard_plan")
+    assert plans[0] != plans[1]
+    pairs, ranks = [], []
+    for name, tensor in load_file(str(ckpts["B"] / "model.safetensors")).items():
+        for rank, plan in enumerate(plans):
+            if not plan[name]:
+                if rank == 0:
+                    pairs.append((name, tensor))
+                    ranks.append(None)  # held whole by every rank: sent once
+                continue
+            part = tensor
+            for dim, start, length in plan[name]:
+                part = part.narrow(dim, start, length)
+            pairs.append((name, part.contiguous()))
+            ranks.append(rank)
+    sender = ShmSender() if backend == "shm" else None
+    info = sender.write(pairs) if sender else tensors_update_info(pairs)
+    tp2.init_weight_transfer_engine({"backend": backend})
+    tp2.start_weight_update()
+    tp2.update_weights({**info, "tp_ranks": ranks})
+    tp2.finish_weight_update()
+    assert_matches(ckpts["B"], tp2)
+    tp2.start_weight_update()
+    a = load_file(str(ckpts["A"] / "model.safetensors"))
+    good_for_rank1 = [(n, t) for (n, t), r in zip(pairs, ranks, strict=True) if r == 1]
+    whole = [("model.layers.0.mlp.down_proj.weight", a["model.layers.0.mlp.down_proj.weight"])]
+    bad_pairs = good_for_rank1 + whole  # rank 1 would load its part; rank 0 gets a whole tensor marked as its slice
+    bad = tensors_update_info(bad_pairs) if backend == "tensors" else sender.write(bad_pairs)
+    with pytest.raises(ValueError, match="pre-sliced"):
+        tp2.update_weights({**bad, "tp_ranks": [1] * len(good_for_rank1) + [0]})
+    assert_matches(ckpts["B"], tp2)  # both ranks rolled back, nothing half-applied
+    tp2.start_weight_update()  # and every rank is ready for a new session
+    tp2.abort_weight_update()
+    tp2.reload_weights(weights_path=str(ckpts["A"]))
+    assert_matches(ckpts["A"], tp2)
+    tp2.shutdown_weight_transfer_engine()
+    if sender:
+        sender.close()

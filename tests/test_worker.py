@@ -137,6 +137,7 @@ def scope_cases(worker: Worker, probe):
         ),
         "weight_checksums": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.weight_checksums),
         "sleep": (None, lambda m, p: m.setattr(runner, "free_kv_cache", p()), lambda: worker.sleep(1)),
+        "shard_plan": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.shard_plan),
         "wake_up": (
             lambda: worker.sleep(1),
             lambda m, p: m.setattr(runner, "allocate_kv_cache", p()),

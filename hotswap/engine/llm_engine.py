@@ -328,6 +328,9 @@ class LLMEngine:
         except BaseException:
             if method in ("update_weights", "finish_weight_update"):
                 self.update_in_progress = False  # a failed update ends the session on the workers
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    # a rank that did not fail still has the session open: roll it back too
+                    self.executor.collective_rpc(_abort_if_active)
             raise
         finally:
             if method in ("finish_weight_update", "abort_weight_update", "shutdown_weight_transfer_engine"):
@@ -438,6 +441,12 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
         }
+
+
+def _abort_if_active(worker: Any) -> None:
+    """Ends a worker's open weight-update session (rolling it back), if it has one."""
+    if worker.session.state.value == "active":
+        worker.abort_weight_update()
 
 
 # Worker methods that may change the served weights, and those that must not overlap generation.

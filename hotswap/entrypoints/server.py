@@ -29,7 +29,7 @@ from hotswap.entrypoints.metrics import Metrics
 from hotswap.worker.weight_session import WeightUpdateFailed
 
 # Worker methods `/collective_rpc` may call: read-only inspection.
-RPC_ALLOWLIST = frozenset({"weight_checksums", "determine_num_kv_blocks"})
+RPC_ALLOWLIST = frozenset({"weight_checksums", "determine_num_kv_blocks", "shard_plan"})
 
 
 class ApiError(Exception):

@@ -45,13 +45,17 @@ class Target:
     shard_id: object
     shape: tuple[int, ...]
     module_name: str
+    local_shape: tuple[int, ...] = ()  # this rank's part (what a pre-sliced tensor must have)
 
     @property
     def key(self) -> tuple[str, object]:
         return (self.param_name, self.shard_id)
 
-    def load(self, tensor: torch.Tensor) -> None:
-        self.param.weight_loader(self.param, tensor, self.shard_id)
+    def load(self, tensor: torch.Tensor, pre_sliced: bool = False) -> None:
+        if pre_sliced:
+            self.param.weight_loader(self.param, tensor, self.shard_id, pre_sliced=True)
+        else:
+            self.param.weight_loader(self.param, tensor, self.shard_id)
 
 
 class WeightMap:
@@ -78,7 +82,8 @@ class WeightMap:
             for ckpt, shard in shards:
                 # shapes are those of the full checkpoint tensors; each rank's loader takes its part
                 shape = owner.checkpoint_shape(param, shard) if hasattr(owner, "checkpoint_shape") else param.shape
-                self.targets[ckpt] = Target(name, param, shard, tuple(shape), module_name)
+                local = owner.shard_view(param, shard).shape if hasattr(owner, "shard_view") else param.shape
+                self.targets[ckpt] = Target(name, param, shard, tuple(shape), module_name, tuple(local))
         for target in self.targets.values():
             self.module_keys.setdefault(target.module_name, set()).add(target.key)
         self.required = frozenset(self.targets)
@@ -115,6 +120,7 @@ class WeightMap:
         shapes: dict[str, tuple[int, ...]],
         require_all: bool,
         dtypes: dict[str, torch.dtype] | None = None,
+        pre_sliced: frozenset[str] = frozenset(),
     ) -> None:
         """Checks declared tensor names, shapes and dtypes against the model before any data moves. Raises
         ValueError naming unknown tensors, wrong shapes (with the expected ones), dtypes that cannot be cast
@@ -123,10 +129,14 @@ class WeightMap:
         unknown = sorted(n for n in names if n not in self.targets)
         if unknown:
             raise ValueError(f"unknown tensors (the model has no such weights): {unknown}")
+
+        def expected(n: str) -> tuple[int, ...]:
+            return self.targets[n].local_shape if n in pre_sliced else self.targets[n].shape
+
         wrong = [
-            f"{n}: expected shape {self.targets[n].shape}, got {tuple(shapes[n])}"
+            f"{n}: expected shape {expected(n)}{' (pre-sliced)' if n in pre_sliced else ''}, got {tuple(shapes[n])}"
             for n in names
-            if tuple(shapes[n]) != self.targets[n].shape
+            if tuple(shapes[n]) != expected(n)
         ]
         if wrong:
             raise ValueError(f"tensors with the wrong shape: {wrong}")

@@ -49,7 +49,7 @@ class WeightUpdate:
         self.loaded_names: set[str] = set()
         self.loaded_keys: set[tuple[str, object]] = set()
 
-    def validate(self, declared: Declared, require_all: bool = False) -> None:
+    def validate(self, declared: Declared, require_all: bool = False, pre_sliced: frozenset[str] = frozenset()) -> None:
         """Raises ValueError for duplicate, unknown, mis-shaped or non-castable tensors, naming them."""
         counts = Counter(name for name, _, _ in declared)
         duplicates = sorted(n for n, c in counts.items() if c > 1)
@@ -67,6 +67,7 @@ class WeightUpdate:
             {name: tuple(shape) for name, _, shape in declared},
             require_all=require_all,
             dtypes={name: dtype for name, dtype, _ in declared},
+            pre_sliced=pre_sliced,
         )
 
     def check_values(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
@@ -82,7 +83,7 @@ class WeightUpdate:
         if bad:
             raise ValueError(f"tensors with NaN or Inf values (rejected; disable with check_finite=False): {bad}")
 
-    def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str] = frozenset()) -> int:
         """Copies every tensor of `stream` into the model; returns the number of tensors loaded. With
         `check_finite`, tensors holding NaN/Inf are not loaded: the stream is drained and ValueError lists them."""
         non_finite: list[str] = []
@@ -91,14 +92,15 @@ class WeightUpdate:
             if self.weight_map.ignored(name):
                 continue
             target = self.weight_map.lookup(name)
-            if tuple(tensor.shape) != target.shape:
-                raise ValueError(f"{name}: expected shape {target.shape}, got {tuple(tensor.shape)}")
+            expected = target.local_shape if name in pre_sliced else target.shape
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
             if self.check_finite and not _all_finite(tensor, target.param.dtype):
                 non_finite.append(name)
             if non_finite:
                 continue  # drain the stream to name every bad tensor; load nothing more
             self._before_write(target.module_name)
-            target.load(tensor)
+            target.load(tensor, pre_sliced=name in pre_sliced)
             count += 1
             self.loaded_names.add(name)
             self.loaded_keys.add(target.key)

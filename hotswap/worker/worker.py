@@ -212,12 +212,18 @@ class Worker:
         before = len(update.loaded_names)
         try:
             declared = engine.declared(update_info)
-            update.validate(declared)
-            stream: Iterable[tuple[str, torch.Tensor]] = engine.receive(update_info)
+            mine = self._own_entries(update_info, len(declared))
+            pre_sliced = frozenset(declared[i][0] for i, own in enumerate(mine) if own == "pre_sliced")
+            declared = [d for d, own in zip(declared, mine, strict=True) if own]
+            update.validate(declared, pre_sliced=pre_sliced)
+            # every entry is received (a collective stream must be drained); other ranks' slices are skipped
+            stream: Iterable[tuple[str, torch.Tensor]] = (
+                item for item, own in zip(engine.receive(update_info), mine, strict=False) if own
+            )
             if engine.in_memory:
                 stream = list(stream)  # views, no copies: every value is checked before any is loaded
                 update.check_values(stream)
-            loaded = update.load(stream)
+            loaded = update.load(stream, pre_sliced=pre_sliced)
             expected = sum(1 for name, _, _ in declared if not update.weight_map.ignored(name))
             if loaded != expected:
                 raise ValueError(f"the update stream ended after {loaded} of {expected} declared tensors")
@@ -310,7 +316,33 @@ class Worker:
             out[name] = tensor_sha256(view)
         return out
 
+    @in_config_scope
+    def shard_plan(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Per checkpoint tensor name, the (dim, start, length) narrowings that cut this rank's part out of the
+        full tensor (empty: the rank holds it whole). A trainer uses it to send pre-sliced tensors."""
+        weight_map = WeightMap.of(self._model())
+        plan = {}
+        for name in sorted(weight_map.required):
+            target = weight_map.targets[name]
+            owner = self._model().get_submodule(target.module_name)
+            plan[name] = owner.shard_plan(target.param, target.shard_id) if hasattr(owner, "shard_plan") else []
+        return plan
+
     # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _own_entries(self, update_info: dict[str, Any], count: int) -> list[str | None]:
+        """For each declared tensor: "full" (a whole tensor, this rank takes its part), "pre_sliced" (already
+        this rank's part) or None (another rank's part). `update_info["tp_ranks"]`, when given, names the rank
+        each tensor was sliced for (None: whole)."""
+        ranks = update_info.get("tp_ranks") if isinstance(update_info, dict) else None
+        if ranks is None:
+            return ["full"] * count
+        if not isinstance(ranks, list) or len(ranks) != count:
+            raise ValueError(f"tp_ranks must list one rank (or None) per declared tensor ({count})")
+        size = self.parallel.size
+        if any(r is not None and not (isinstance(r, int) and 0 <= r < size) for r in ranks):
+            raise ValueError(f"tp_ranks entries must be None or ranks in [0, {size})")
+        return ["full" if r is None else "pre_sliced" if r == self.parallel.rank else None for r in ranks]
 
     def _apply(self, update: WeightUpdate, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         try:

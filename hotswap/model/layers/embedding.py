@@ -32,8 +32,22 @@ class VocabEmbedding(nn.Module):
     def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
         return param.data[: self.valid]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copies this rank's rows of the full [vocab, dim] table in place. Raises ValueError on a bad shape."""
+    def shard_plan(self, param: nn.Parameter, shard_id: object = None) -> list[tuple[int, int, int]]:
+        return [(0, self.start, self.valid)]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
+    ) -> None:
+        """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place.
+        Raises ValueError on a bad shape."""
+        if pre_sliced:
+            copy_rows = loaded
+            if tuple(loaded.shape) != (self.valid, self.weight.shape[1]):
+                raise ValueError(f"{getattr(param, 'hotswap_name', 'embedding')}: expected shape "
+                                 f"{(self.valid, self.weight.shape[1])}, got {tuple(loaded.shape)}")  # fmt: skip
+            with torch.no_grad():
+                param.data[: self.valid].copy_(copy_rows)
+            return
         expected = self.checkpoint_shape(param)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"{getattr(param, 'hotswap_name', 'embedding')}: expected shape {expected}, got "

@@ -42,8 +42,11 @@ def copy_into(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
         target.copy_(loaded)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    """Copies a whole tensor into `param` (a replicated parameter). Raises ValueError on a shape mismatch."""
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
+) -> None:
+    """Copies a whole tensor into `param` (a replicated parameter, so pre-sliced is the same as whole). Raises
+    ValueError on a shape mismatch."""
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
     copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
@@ -115,20 +118,27 @@ class Linear(nn.Module):
         spec = self._spec(shard_id)
         return param.data.narrow(0, spec.local_offset, spec.size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copies this rank's part of the full checkpoint tensor `loaded` into shard `shard_id` of `param` in
-        place (for an fp8 weight: into the stage). Raises ValueError on a shape mismatch."""
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
+    ) -> None:
+        """Copies this rank's part of the full checkpoint tensor `loaded` (or, `pre_sliced`, the part itself)
+        into shard `shard_id` of `param` in place (for an fp8 weight: into the stage). Raises ValueError on a
+        shape mismatch."""
         name = getattr(param, "hotswap_name", "parameter")
-        expected = self.checkpoint_shape(param, shard_id)
+        expected = (
+            tuple(self.shard_view(param, shard_id).shape) if pre_sliced else self.checkpoint_shape(param, shard_id)
+        )
         if tuple(loaded.shape) != expected:
             raise ValueError(f"{name}: expected shape {expected}, got {tuple(loaded.shape)}")
         if param is self.bias and self.parallel == "row":
             copy_into(param.data, loaded, name)
             return
         spec = self._spec(shard_id)
-        part = loaded.narrow(0, spec.ckpt_start, spec.size)
-        if param is self.weight and self.parallel == "row":
-            part = part.narrow(1, self.in_start, self.in_local)
+        part = loaded
+        if not pre_sliced:
+            part = loaded.narrow(0, spec.ckpt_start, spec.size)
+            if param is self.weight and self.parallel == "row":
+                part = part.narrow(1, self.in_start, self.in_local)
         if not (self.fp8 and param is self.weight):
             copy_into(self.shard_view(param, shard_id), part, name)
             return
@@ -137,6 +147,16 @@ class Linear(nn.Module):
             self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
         copy_into(self._stage.narrow(0, spec.local_offset, spec.size), part, name)
         self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
+
+    def shard_plan(self, param: nn.Parameter, shard_id: object = None) -> list[tuple[int, int, int]]:
+        """(dim, start, length) narrowings that cut this rank's part out of the full checkpoint tensor."""
+        if param is self.bias and self.parallel == "row":
+            return []
+        spec = self._spec(shard_id)
+        plan = [(0, spec.ckpt_start, spec.size)]
+        if param is self.weight and self.parallel == "row":
+            plan.append((1, self.in_start, self.in_local))
+        return plan
 
     def process_weights_after_loading(self) -> None:
         """Quantizes the staged high-precision rows into the fp8 weight and its scales (in place)."""
