@@ -166,6 +166,7 @@ def test_admin_routes_need_the_admin_key(server, key):
 
 def test_collective_rpc_is_allow_listed(server):
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(f"{server}/get_world_size", headers=headers).json() == {"world_size": 1}
     ok = httpx.post(f"{server}/collective_rpc", headers=headers, json={"method": "determine_num_kv_blocks"})
     assert ok.status_code == 200 and isinstance(ok.json()["results"][0], int)
     denied = httpx.post(f"{server}/collective_rpc", headers=headers, json={"method": "load_model"})
@@ -267,3 +268,26 @@ def test_schemathesis_finds_no_server_error(ckpts):
 
             call()
         assert not failures, failures
+
+
+@pytest.mark.slow
+def test_admin_client_pushes_to_a_tensor_parallel_server(ckpts, tokenizer):
+    from hotswap.entrypoints.client import AdminClient
+
+    with running_server(
+        str(ckpts["A"]), "--admin-key", ADMIN_KEY, "--tensor-parallel-size", "2", "--kv-cache-memory-bytes",
+        str(1 << 22),
+    ) as base:  # fmt: skip
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        admin = AdminClient(base, admin_key=ADMIN_KEY)
+        try:
+            assert completion_text(client, PROMPTS[0]) == reference_text(ckpts["A"], tokenizer, PROMPTS[0])
+            b = list(load_file(str(ckpts["B"] / "model.safetensors")).items())
+            assert admin.push_weights(b, backend="torch_dist", master_port=free_port()) == 1
+            for prompt in PROMPTS:
+                assert completion_text(client, prompt) == reference_text(ckpts["B"], tokenizer, prompt)
+            a = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+            assert admin.push_weights(a, backend="torch_dist") == 2  # the channel is reused
+            assert completion_text(client, PROMPTS[1]) == reference_text(ckpts["A"], tokenizer, PROMPTS[1])
+        finally:
+            admin.close()

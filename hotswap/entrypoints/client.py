@@ -129,6 +129,7 @@ class AdminClient:
                 raise ValueError("torch_dist needs master_port (a free port on this host)")
             init = {"backend": "torch_dist", "master_address": address, "master_port": port}
             errors: list[BaseException] = []
+            workers = self._call("GET", "/get_world_size")["world_size"]
 
             def post() -> None:
                 try:
@@ -139,7 +140,8 @@ class AdminClient:
             thread = threading.Thread(target=post)
             thread.start()
             try:
-                self._dist = TorchDistSender(address, port, bucket_size)  # blocks until the engine joins
+                # blocks until every engine worker has joined
+                self._dist = TorchDistSender(address, port, bucket_size, num_workers=workers)
             finally:
                 thread.join()
             if errors:

@@ -415,6 +415,11 @@ def create_app(
     async def get_weight_version() -> dict[str, int]:
         return {"weight_version": await engine.get_weight_version()}
 
+    @app.get("/get_world_size", dependencies=admin)
+    async def get_world_size() -> dict[str, int]:
+        """Worker processes a torch_dist trainer broadcasts to (the engine's tensor_parallel_size)."""
+        return {"world_size": engine.config.parallel_config.tensor_parallel_size}
+
     @app.get("/weight_checksums", dependencies=admin)
     async def weight_checksums() -> dict[str, Any]:
         (checksums,) = await guarded(engine.collective_rpc("weight_checksums"))
@@ -441,6 +446,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
@@ -466,6 +472,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         quantization=args.quantization,
         prefix_cache_policy=args.prefix_cache_policy,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin)
