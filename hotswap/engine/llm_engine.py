@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import time
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -27,7 +26,6 @@ class LLMEngine:
     """Owns the scheduler and block manager; drives the workers through the executor."""
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
-        start = time.perf_counter()
         self.config = config
         if executor_class is None:
             executor_class = UniProcExecutor
@@ -59,7 +57,6 @@ class LLMEngine:
         self.update_in_progress = False  # a weight-update session is open: no step runs
         self.paused = False
         self.sleeping: set[str] = set()  # what sleep() released: "kv_cache", "weights"
-        self.startup_seconds = time.perf_counter() - start
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -387,9 +384,6 @@ class LLMEngine:
         self.paused = False
         self.scheduler.admit_new = True
 
-    def num_in_flight(self) -> int:
-        return self.scheduler.num_in_flight()
-
     # ---- sleep and wake -------------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
@@ -417,9 +411,6 @@ class LLMEngine:
             self.block_manager.salt = next(self._salts)
             self.scheduler.block_manager = self.block_manager
         self.sleeping -= set(tags)
-
-    def is_sleeping(self) -> bool:
-        return bool(self.sleeping)
 
     # ---- maintenance ----------------------------------------------------------------------------------------
 

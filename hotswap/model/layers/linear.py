@@ -80,7 +80,6 @@ class Linear(nn.Module):
                 start, size = split(out_features, self.tp.rank, self.tp.size)
             shard_specs = {None: ShardSpec(0, size, out_features, start)}
         self.shard_specs = shard_specs
-        self.shard_slices = {k: (s.local_offset, s.size) for k, s in shard_specs.items() if k is not None}
         self.out_local = sum(s.size for s in shard_specs.values())
         self.in_start, self.in_local = 0, in_features
         if self.parallel == "row":  # `in_split` aligns the split with the producer's (e.g. whole heads)
