@@ -37,6 +37,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def ab_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two llama checkpoints of the same shape with different weights: A (served first) and B (pushed)."""
+    root = tmp_path_factory.mktemp("ab_models")
+    return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
 

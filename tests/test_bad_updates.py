@@ -29,10 +29,9 @@ from transfer_helpers import (
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_update_models")
-    return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
+@pytest.fixture(scope="session")
+def ckpts(ab_ckpts):
+    return ab_ckpts
 
 
 @pytest.fixture(scope="module")

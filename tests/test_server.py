@@ -11,7 +11,6 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
-from hotswap.testing import make_tiny_model
 from server_helpers import running_server
 from transfer_helpers import free_port, shm_segments
 
@@ -19,10 +18,9 @@ API_KEY, ADMIN_KEY = "sk-user", "sk-admin"
 PROMPTS = ["hello world", "the quick brown fox jumps over", "numbers 1 2 3 4"]
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server_models")
-    return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
+@pytest.fixture(scope="session")
+def ckpts(ab_ckpts):
+    return ab_ckpts
 
 
 @pytest.fixture(scope="module")

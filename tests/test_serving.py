@@ -23,10 +23,9 @@ from hotswap.transfer.tensors import tensors_update_info
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving_models")
-    return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
+@pytest.fixture(scope="session")
+def ckpts(ab_ckpts):
+    return ab_ckpts
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def ckpts(tmp_path_factory, ab_ckpts):
     root = tmp_path_factory.mktemp("update_models")
     return {
-        "A": make_tiny_model(root / "A", arch="llama", seed=0),
-        "B": make_tiny_model(root / "B", arch="llama", seed=1),
+        **ab_ckpts,
         "A_tied": make_tiny_model(root / "A_tied", arch="qwen3", seed=0, tie_word_embeddings=True),
         "B_tied": make_tiny_model(root / "B_tied", arch="qwen3", seed=1, tie_word_embeddings=True),
     }
@@ -158,7 +157,7 @@ def test_update_config_validates_and_applies(ckpts):
     assert greedy_tokens(llm) == hf_tokens(ckpts["B"], llm)
 
 
-def test_partial_update_of_one_layer_leaves_the_rest(ckpts):
+def test_partial_update_of_one_layer_leaves_the_rest(ckpts, tmp_path):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
     before = llm.weight_checksums()
     b = dict(tensors_of(ckpts["B"]))
@@ -176,7 +175,7 @@ def test_partial_update_of_one_layer_leaves_the_rest(ckpts):
     expected = torch.cat([a["model.layers.1.self_attn.k_proj.weight"], a["model.layers.1.self_attn.v_proj.weight"]])
     torch.testing.assert_close(kv_rows, expected, rtol=0, atol=0)
     # the reference: A with B's q_proj in layer 1
-    mixed = ckpts["A"].parent / "mixed"
+    mixed = tmp_path / "mixed"
     shutil.copytree(ckpts["A"], mixed)
     save_file({**a, **dict(only_q)}, str(mixed / "model.safetensors"))
     assert greedy_tokens(llm) == hf_tokens(mixed, llm)

@@ -52,10 +52,7 @@ class Target:
         return (self.param_name, self.shard_id)
 
     def load(self, tensor: torch.Tensor, pre_sliced: bool = False) -> None:
-        if pre_sliced:
-            self.param.weight_loader(self.param, tensor, self.shard_id, pre_sliced=True)
-        else:
-            self.param.weight_loader(self.param, tensor, self.shard_id)
+        self.param.weight_loader(self.param, tensor, self.shard_id, pre_sliced=pre_sliced)
 
 
 class WeightMap:

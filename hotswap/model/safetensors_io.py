@@ -79,6 +79,11 @@ def read_index(folder: str) -> dict[str, TensorEntry]:
     return index
 
 
+def declared(index: dict[str, TensorEntry]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of an index: what a load declares before data moves."""
+    return [(name, entry.dtype, entry.shape) for name, entry in index.items()]
+
+
 def iterate_index(index: dict[str, TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor view) in file order; views are valid until the next item is requested."""
     by_file: dict[str, list[tuple[str, TensorEntry]]] = {}

@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
+from hotswap.model.safetensors_io import declared as index_declared
 from hotswap.model.safetensors_io import iterate_safetensors, read_index
 from hotswap.transfer.base import Declared, TransferEngine
 
 
 class DiskEngine(TransferEngine):
     def declared(self, update_info: dict[str, Any]) -> Declared:
-        return [(name, e.dtype, e.shape) for name, e in read_index(self._path(update_info)).items()]
+        return index_declared(read_index(self._path(update_info)))
 
     def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from iterate_safetensors(self._path(update_info))

@@ -25,6 +25,7 @@ from hotswap.config import EngineConfig, available_memory_bytes, use_config
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.model.loader import WeightMap, build_model
 from hotswap.model.reload import WeightUpdate
+from hotswap.model.safetensors_io import declared as index_declared
 from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.worker.memory import discard_pages
@@ -89,7 +90,7 @@ class Worker:
         if self.config.load_config.load_format == "safetensors":
             index = read_index(self.config.model_config.model)
             update = WeightUpdate(model, atomic=False, check_finite=self.config.weight_transfer_config.check_finite)
-            update.validate(_declared(index), require_all=True)
+            update.validate(index_declared(index), require_all=True)
             update.load(iterate_index(index))
             update.finish()
         self.model = model
@@ -158,7 +159,7 @@ class Worker:
             if weights_path is not None:
                 self._check_same_shapes(folder)
             index = read_index(folder)
-            update.validate(_declared(index), require_all=True)
+            update.validate(index_declared(index), require_all=True)
             stream = iterate_index(index)
         self._apply(update, stream)
         if weights_path is not None:
@@ -391,7 +392,3 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("the model is not loaded; call load_model() first")
         return self.runner
-
-
-def _declared(index: dict) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    return [(name, entry.dtype, entry.shape) for name, entry in index.items()]
