@@ -14,5 +14,7 @@ if [ ! -f "$STAMP" ]; then
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi
+# Compile the native CPU kernels now rather than on first use (cached; the engine falls back to torch without them).
+"$VENV/bin/python" -m hotswap.kernels
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"

@@ -10,6 +10,7 @@ from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
+from hotswap.kernels import native
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
 from hotswap.worker.model_input import ModelInput, ModelOutput
@@ -21,6 +22,8 @@ class ModelRunner:
         self.model = model
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kernels = native.ops()
+        self.decode_kernel = None if kernels is None else kernels.paged_decode_attention
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -58,7 +61,11 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> ModelOutput:
         self.copy_blocks(model_input.block_copies)
         meta = AttentionMetadata.build(
-            model_input.query_lens, model_input.context_lens, model_input.block_tables, self.block_size
+            model_input.query_lens,
+            model_input.context_lens,
+            model_input.block_tables,
+            self.block_size,
+            self.decode_kernel,
         )
         input_ids = torch.tensor(model_input.input_ids, dtype=torch.long)
         positions = torch.tensor(model_input.positions, dtype=torch.long)

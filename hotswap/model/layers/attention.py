@@ -8,6 +8,7 @@ linear layers see the flat token batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,18 +24,27 @@ class AttentionMetadata:
     `pad_index` maps each flat token to its row in the padded [B * max_query_len] layout (None when every
     sequence has one query token). `mask` [B, 1, max_query_len, key_len] is True where a query may attend.
     `gather_cache` is False when no sequence has cached tokens, so keys come straight from this step.
+    `decode_kernel` (the native `paged_decode_attention`, see hotswap/kernels) is set when every sequence has one
+    query token and the kernel is available: attention then reads the paged cache in place.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
+    context_lens: torch.Tensor
     pad_index: torch.Tensor | None
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     max_query_len: int
     gather_cache: bool
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
     @classmethod
     def build(
-        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        decode_kernel: Callable[..., torch.Tensor] | None = None,
     ) -> AttentionMetadata:
         max_q = max(query_lens)
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
@@ -49,6 +59,8 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         q_len = torch.tensor(query_lens)
         c_len = torch.tensor(context_lens)
+        if max_q == 1 and decode_kernel is not None:
+            return cls(torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, 1, gather, decode_kernel)
         # Query row j of sequence i sits at absolute position c - q + j and sees keys at positions <= that.
         q_pos = (c_len - q_len)[:, None] + torch.arange(max_q)[None, :]
         k_pos = torch.arange(key_len)
@@ -61,6 +73,7 @@ class AttentionMetadata:
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=tables,
+            context_lens=c_len,
             pad_index=None if max_q == 1 else torch.tensor(pad, dtype=torch.long),
             mask=mask.unsqueeze(1),
             max_query_len=max_q,
@@ -91,6 +104,11 @@ class Attention(nn.Module):
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_kernel is not None:
+            return meta.decode_kernel(
+                q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                self.expand_index, self.scale,
+            )  # fmt: skip
         num_seqs = meta.block_tables.shape[0]
         max_q = meta.max_query_len
         if meta.gather_cache:

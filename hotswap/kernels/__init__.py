@@ -1,0 +1,1 @@
+"""Native CPU kernels, compiled on first use (see `native.py`); every caller has a pure-torch fallback."""

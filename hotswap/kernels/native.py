@@ -1,0 +1,84 @@
+"""Builds and loads hotswap's C++ kernels (`*.cpp` beside this file) as torch operators under `torch.ops.hotswap`.
+
+The library is compiled once per machine with the system C++ compiler and `-march=native`, cached in torch's
+extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that hashes the
+sources, the flags, torch's version and the CPU's feature flags, so a changed source or a different CPU gets its
+own build. `scripts/_venv.sh` builds it at install time (`python -m hotswap.kernels`).
+
+`ops()` returns `torch.ops.hotswap`, or None when the kernels are disabled (`HOTSWAP_NATIVE_KERNELS=0`) or cannot
+be built (no compiler): callers then take their pure-torch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("HOTSWAP_NATIVE_KERNELS", "1") not in ("0", "false", "False", "")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    for part in (*CFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    return f"hotswap_kernels_{digest.hexdigest()[:16]}"
+
+
+def ops() -> Any | None:
+    """`torch.ops.hotswap` with the kernels registered, or None (see the module docstring). Thread-safe; builds
+    at most once per process and remembers a failure."""
+    if not enabled():
+        return None
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load()
+        return _state["ops"]
+
+
+def _load() -> Any | None:
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=build_name(),
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, or a failed build: the torch fallback computes the same thing
+        detail = str(exc).strip().splitlines()
+        logger.warning(
+            "hotswap native kernels unavailable (%s); using the pure-torch path", " / ".join(detail[-3:])[-500:]
+        )
+        return None
+    return torch.ops.hotswap

@@ -1,0 +1,208 @@
+// Paged attention for decode batches (one query token per sequence), reading keys and values straight from the
+// block-structured cache instead of gathering them into a padded copy first.
+//
+// Layouts (all contiguous):
+//   q            [B, H, D]                 query of the single new token of each sequence
+//   k/v_cache    [num_blocks, bs, KVH, D]  the paged cache of one layer (the new token already written)
+//   block_tables [B, W] int64              block ids of each sequence, in order; only the first
+//                                          ceil(context_lens[b] / bs) entries are read
+//   context_lens [B] int64                 keys per sequence, the new token included (>= 1)
+//   kv_of_q      [H] int64 or None         KV head of each query head; None means h / (H / KVH)
+// Returns [B, H * D] in q's dtype. Scores and accumulation are float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// A tile of 16 floats; GCC lowers it to one AVX-512 register or two AVX2 registers.
+typedef float f16x __attribute__((vector_size(64)));
+constexpr int kWidth = 16;
+
+inline f16x load(const float* p) {
+  f16x v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef float f8x __attribute__((vector_size(32)));
+typedef float f4x __attribute__((vector_size(16)));
+
+// Tree reduction: a serial sum would chain 16 dependent adds per score.
+inline float hsum(f16x v) {
+  const f8x a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4x b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+struct Problem {
+  int64_t B, H, KVH, D, bs, W;
+  const int64_t* tables;
+  const int64_t* lens;
+  std::vector<std::vector<int64_t>> heads_of;  // query heads of each KV head
+  float scale;
+};
+
+// Calls fn(t, slot) for each key position t < len of sequence b, in order, walking its block table once.
+template <typename Fn>
+inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
+  const int64_t len = P.lens[b];
+  const int64_t* table = P.tables + b * P.W;
+  for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
+    const int64_t n = std::min(P.bs, len - start);
+    const int64_t base = table[blk] * P.bs;
+    for (int64_t o = 0; o < n; ++o) fn(start + o, base + o);
+  }
+}
+
+// Softmax of scores[0, len) in place; returns the normaliser.
+inline float exp_normaliser(float* scores, int64_t len, float max_score) {
+  float denom = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    scores[t] = std::exp(scores[t] - max_score);
+    denom += scores[t];
+  }
+  return denom;
+}
+
+// float32 fast path: head_dim = C * 16, with the query and accumulator tiles held in registers.
+template <int C>
+void decode_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t b,
+                     int64_t kvh, std::vector<float>& scores) {
+  const int64_t len = P.lens[b], row = P.KVH * P.D;
+  const float* kbase = kc + kvh * P.D;
+  const float* vbase = vc + kvh * P.D;
+  scores.resize(len);
+  for (int64_t h : P.heads_of[kvh]) {
+    f16x qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = load(q + (b * P.H + h) * P.D + c * kWidth) * P.scale;
+    float max_score = -INFINITY;
+    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+      const float* k = kbase + slot * row;
+      f16x acc = qv[0] * load(k);
+      for (int c = 1; c < C; ++c) acc += qv[c] * load(k + c * kWidth);
+      const float s = hsum(acc);
+      scores[t] = s;
+      max_score = std::max(max_score, s);
+    });
+    const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
+    f16x acc[C] = {};
+    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+      const float* v = vbase + slot * row;
+      const float p = scores[t];
+      for (int c = 0; c < C; ++c) acc[c] += p * load(v + c * kWidth);
+    });
+    float* dst = out + (b * P.H + h) * P.D;
+    for (int c = 0; c < C; ++c) {
+      const f16x r = acc[c] * inv;
+      __builtin_memcpy(dst + c * kWidth, &r, sizeof(r));
+    }
+  }
+}
+
+// Any dtype and head_dim: the same computation, elementwise.
+template <typename T>
+void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t kvh,
+                         std::vector<float>& scores) {
+  const int64_t len = P.lens[b], row = P.KVH * P.D, D = P.D;
+  std::vector<float> qf(D), acc(D);
+  scores.resize(len);
+  for (int64_t h : P.heads_of[kvh]) {
+    for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[(b * P.H + h) * D + d]) * P.scale;
+    float max_score = -INFINITY;
+    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+      const T* k = kc + slot * row + kvh * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
+      scores[t] = s;
+      max_score = std::max(max_score, s);
+    });
+    const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+      const T* v = vc + slot * row + kvh * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += scores[t] * static_cast<float>(v[d]);
+    });
+    for (int64_t d = 0; d < D; ++d) out[(b * P.H + h) * D + d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+template <typename T>
+void decode_attention(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
+  // Tasks are (sequence, KV head): the query heads of one group reuse its keys and values from cache.
+  at::parallel_for(0, P.B * P.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / P.KVH, kvh = task % P.KVH;
+      if constexpr (std::is_same_v<T, float>) {
+        switch (P.D) {
+          case 16: decode_task_f32<1>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 32: decode_task_f32<2>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 48: decode_task_f32<3>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 64: decode_task_f32<4>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 80: decode_task_f32<5>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 96: decode_task_f32<6>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 128: decode_task_f32<8>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 256: decode_task_f32<16>(P, q, kc, vc, out, b, kvh, scores); continue;
+          default: break;
+        }
+      }
+      decode_task_generic<T>(P, q, kc, vc, out, b, kvh, scores);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  const std::optional<at::Tensor>& kv_of_q, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0),
+              "block_tables must be int64 [B, W]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "context_lens must be int64 [B]");
+  Problem P{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), {}, static_cast<float>(scale)};
+  for (int64_t b = 0; b < P.B; ++b) {
+    TORCH_CHECK(P.lens[b] >= 1 && P.lens[b] <= P.W * P.bs, "context_lens out of range of block_tables");
+  }
+  P.heads_of.resize(P.KVH);
+  if (kv_of_q.has_value()) {
+    TORCH_CHECK(kv_of_q->scalar_type() == at::kLong && kv_of_q->numel() == P.H && kv_of_q->is_contiguous(),
+                "kv_of_q must be int64 [H]");
+  } else {
+    TORCH_CHECK(P.H % P.KVH == 0, "query heads must be a multiple of KV heads");
+  }
+  const int64_t* heads = kv_of_q.has_value() ? kv_of_q->data_ptr<int64_t>() : nullptr;
+  for (int64_t h = 0; h < P.H; ++h) {
+    const int64_t kvh = heads ? heads[h] : h / (P.H / P.KVH);
+    TORCH_CHECK(kvh >= 0 && kvh < P.KVH, "kv_of_q out of range");
+    P.heads_of[kvh].push_back(h);
+  }
+  at::Tensor out = at::empty({P.B, P.H * P.D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                               out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hotswap, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "Tensor? kv_of_q, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
