@@ -1,4 +1,5 @@
-"""The native paged decode-attention kernel against a pure-torch reference, and the engine with and without it."""
+"""The native kernels (paged decode attention, KV write, fused norm and rotary) against pure-torch references,
+and the engine with and without them."""
 
 from __future__ import annotations
 
@@ -115,3 +116,51 @@ def test_decode_attention_fallback_matches_kernel(ops):
         meta = AttentionMetadata.build([1, 1, 1], contexts, tables, 4, kernel)
         outs.append(attn(q, k, v, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_ops_match_torch_paths(ops, dtype):
+    """Fused norm, residual-add norm and rotary against the modules' own torch paths (same rounding steps)."""
+    from hotswap.model.layers.norm import RMSNorm
+    from hotswap.model.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(2)
+    exact = dtype != torch.float32  # fp32 may differ in summation order only
+    tol = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 2e-6, "rtol": 2e-6}
+    norm = RMSNorm(80, 1e-6)
+    norm.weight.data = (torch.rand(80, generator=gen) + 0.5).to(dtype)
+    x, residual = torch.randn(37, 80, generator=gen).to(dtype), torch.randn(37, 80, generator=gen).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm._norm(x), **tol)
+    summed = residual.clone()
+    out = ops.add_rms_norm(x, summed, norm.weight, 1e-6)
+    torch.testing.assert_close(summed, residual + x, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(out, norm._norm(residual + x), **tol)
+
+    rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    rotary.kernels = None  # the module's torch path as the reference
+    qkv = torch.randn(9, 6 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    q, k, _ = qkv.split([96, 32, 32], dim=-1)  # row-strided views, as in the model
+    q, k = q.view(9, 6, 16), k.view(9, 2, 16)
+    positions = torch.randint(0, 64, (9,), generator=gen)
+    got_q, got_k = ops.rotary(q, k, positions, rotary.cos, rotary.sin)
+    want_q, want_k = rotary(positions, q, k)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        ops.rotary(q, k, positions + 64, rotary.cos, rotary.sin)
+
+
+def test_write_kv_cache(ops):
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    kv = torch.randn(5, 2, 2, 8, generator=gen)
+    k, v = kv[:, 0], kv[:, 1]  # token-strided views
+    slots = torch.tensor([0, 7, 8, 23, 13])
+    ops.write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[slots], k, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(v_cache.view(-1, 2, 8)[slots], v, atol=0.0, rtol=0.0)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))

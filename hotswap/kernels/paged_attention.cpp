@@ -9,12 +9,16 @@
 //   context_lens [B] int64                 keys per sequence, the new token included (>= 1)
 //   kv_of_q      [H] int64 or None         KV head of each query head; None means h / (H / KVH)
 // Returns [B, H * D] in q's dtype. Scores and accumulation are float32.
+//
+// write_kv_cache(k, v [T, KVH, D], rows contiguous, any token stride; k/v_cache, slot_mapping [T] int64) copies each token's keys and values to
+// its slot (block * bs + offset) of the cache, checking every slot is in range.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -197,12 +201,44 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous(), "caches must be contiguous [num_blocks, bs, KVH, D]");
+  const int64_t row = k_cache.size(2) * k_cache.size(3), slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) * k.size(2) == row, "k and v must be [T, KVH, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v must have contiguous rows (any token stride)");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of range");
+  const int64_t bytes = row * k.element_size();
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * bytes, kp + t * k_stride, bytes);
+      std::memcpy(vc + slot[t] * bytes, vp + t * v_stride, bytes);
+    }
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY(hotswap, m) {
+TORCH_LIBRARY_FRAGMENT(hotswap, m) {
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "Tensor? kv_of_q, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.kernels import native
+
 
 @dataclass
 class AttentionMetadata:
@@ -96,14 +98,16 @@ class Attention(nn.Module):
         self.expand_index = None if uniform else torch.tensor(kv_of_q, dtype=torch.long)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kernels = native.ops()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if self.kernels is not None and k.device.type == "cpu":
+            self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if meta.decode_kernel is not None:
             return meta.decode_kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,

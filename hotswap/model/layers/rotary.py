@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.kernels import native
+
 
 def rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either config style; scaling is None for plain RoPE."""
@@ -53,9 +55,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.kernels = native.ops()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]."""
+        """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]; returns new contiguous tensors."""
+        if self.kernels is not None and q.device.type == "cpu" and positions.dtype == torch.long:
+            return self.kernels.rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
