@@ -70,6 +70,8 @@ def test_decode_kernel_rejects_bad_input(ops):
     tables = torch.zeros(2, 2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="context_lens out of range"):
         ops.paged_decode_attention(q, cache, cache, tables, torch.tensor([3, 9]), None, 0.25)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_decode_attention(q, cache, cache, tables + 8, torch.tensor([3, 4]), None, 0.25)
     with pytest.raises(RuntimeError, match="int64"):
         ops.paged_decode_attention(q, cache, cache, tables.int(), torch.tensor([3, 4]), None, 0.25)
     with pytest.raises(RuntimeError, match="dtype mismatch"):

@@ -177,8 +177,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "context_lens must be int64 [B]");
   Problem P{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), {}, static_cast<float>(scale)};
+  const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < P.B; ++b) {
     TORCH_CHECK(P.lens[b] >= 1 && P.lens[b] <= P.W * P.bs, "context_lens out of range of block_tables");
+    for (int64_t i = 0; i < (P.lens[b] + P.bs - 1) / P.bs; ++i) {
+      const int64_t block = P.tables[b * P.W + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range of the cache");
+    }
   }
   P.heads_of.resize(P.KVH);
   if (kv_of_q.has_value()) {
