@@ -14,7 +14,8 @@ if [ ! -f "$STAMP" ]; then
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi
-# Compile the native CPU kernels now rather than on first use (cached; the engine falls back to torch without them).
+# Compile the native CPU kernels now rather than at the first engine start (a no-op once cached; without a
+# compiler the engine uses its pure-torch path).
 "$VENV/bin/python" -m hotswap.kernels
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"

@@ -3,7 +3,11 @@ and the engine with and without them."""
 
 from __future__ import annotations
 
+import logging
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +34,10 @@ def reference(q, k_cache, v_cache, tables, lens, kv_of_q, scale):
 
 @pytest.fixture(scope="module")
 def ops():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler: the engine uses its pure-torch path")
+    if not native.enabled():
+        pytest.skip("native kernels disabled (HOTSWAP_NATIVE_KERNELS)")
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja: the engine uses its pure-torch path")
     result = native.ops()
     assert result is not None, "a C++ compiler is present but the native kernels failed to build (see the log)"
     return result
@@ -92,7 +98,7 @@ def test_engine_same_outputs_with_and_without_kernel(ops, llama_dir, monkeypatch
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             token = next(iter(step_a))
-            assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-5)
+            assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-4)
 
 
 def test_decode_attention_fallback_matches_kernel(ops):
@@ -127,8 +133,8 @@ def test_layer_ops_match_torch_paths(ops, dtype):
     from hotswap.model.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(2)
-    exact = dtype != torch.float32  # fp32 may differ in summation order only
-    tol = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 2e-6, "rtol": 2e-6}
+    exact = {"atol": 0.0, "rtol": 0.0}  # same rounding steps as torch (no fused multiply-adds)
+    tol = exact if dtype != torch.float32 else {"atol": 2e-6, "rtol": 2e-6}  # fp32 norms: summation order
     norm = RMSNorm(80, 1e-6)
     norm.weight.data = (torch.rand(80, generator=gen) + 0.5).to(dtype)
     x, residual = torch.randn(37, 80, generator=gen).to(dtype), torch.randn(37, 80, generator=gen).to(dtype)
@@ -146,8 +152,8 @@ def test_layer_ops_match_torch_paths(ops, dtype):
     positions = torch.randint(0, 64, (9,), generator=gen)
     got_q, got_k = ops.rotary(q, k, positions, rotary.cos, rotary.sin)
     want_q, want_k = rotary(positions, q, k)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(got_k, want_k, **tol)
+    torch.testing.assert_close(got_q, want_q, **exact)
+    torch.testing.assert_close(got_k, want_k, **exact)
     with pytest.raises(RuntimeError, match="position out of range"):
         ops.rotary(q, k, positions + 64, rotary.cos, rotary.sin)
 
@@ -166,3 +172,30 @@ def test_write_kv_cache(ops):
     assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(**_kwargs):
+        raise RuntimeError("c++: fatal error: no input files\nninja: build stopped: subcommand failed.")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(native, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="hotswap.kernels.native"):
+        assert native.ops() is None
+    assert "pure-torch path" in caplog.text and "subcommand failed" in caplog.text
+    monkeypatch.setenv("HOTSWAP_NATIVE_KERNELS", "off")
+    assert not native.enabled() and native.ops() is None
+
+
+def test_stale_build_lock_does_not_hang(ops):
+    """A `lock` file left by a build that was killed must not make the next process wait forever."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(native.build_name(), verbose=False)) / "lock"
+    lock.touch()
+    code = "from hotswap.kernels import native; print(native.ops() is not None)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr
+    assert not lock.exists()

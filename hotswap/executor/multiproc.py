@@ -26,6 +26,7 @@ import cloudpickle
 
 from hotswap.config import EngineConfig
 from hotswap.executor.base import Executor
+from hotswap.kernels import native
 
 _POLL_S = 0.05
 
@@ -76,6 +77,7 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        native.ops()  # build the kernels (if not cached) once here, before the workers would each wait for it
         size = config.parallel_config.tensor_parallel_size
         port = _free_port()
         authkey = os.urandom(32)

@@ -37,7 +37,8 @@ template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * inv)));
+    const T normed = static_cast<T>(static_cast<float>(x[i]) * inv);  // rounded to T before the weight, as in HF
+    out[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
   }
 }
 
@@ -76,7 +77,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* res = rp + r * n;
-        for (int64_t i = 0; i < n; ++i) res[i] = static_cast<scalar_t>(static_cast<float>(res[i]) + static_cast<float>(xp[r * n + i]));
+        for (int64_t i = 0; i < n; ++i) {
+          res[i] = static_cast<scalar_t>(static_cast<float>(res[i]) + static_cast<float>(xp[r * n + i]));
+        }
         norm_row(res, wp, op + r * n, n, static_cast<float>(eps));
       }
     });

@@ -11,12 +11,15 @@ be built (no compiler): callers then take their pure-torch path, which computes 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +28,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+# -ffp-contract=off: no fused multiply-adds where torch rounds the product first (the ops match torch's rounding)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # use AVX-512 registers where the CPU has them
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("HOTSWAP_NATIVE_KERNELS", "1") not in ("0", "false", "False", "")
+    """False when `HOTSWAP_NATIVE_KERNELS` is set to 0, false, off or no (any case)."""
+    return os.environ.get("HOTSWAP_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _cpu_flags() -> str:
@@ -45,6 +52,7 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
+    """The build's folder name in the extension cache: changes with the sources, flags, torch, Python and CPU."""
     digest = hashlib.sha256()
     for path in SOURCES:
         digest.update(path.read_bytes())
@@ -67,18 +75,40 @@ def ops() -> Any | None:
 def _load() -> Any | None:
     from torch.utils import cpp_extension
 
+    name = build_name()
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     try:
-        cpp_extension.load(
-            name=build_name(),
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=CFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=CFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, or a failed build: the torch fallback computes the same thing
         detail = str(exc).strip().splitlines()
         logger.warning(
-            "hotswap native kernels unavailable (%s); using the pure-torch path", " / ".join(detail[-3:])[-500:]
+            "hotswap native kernels unavailable (%s; build folder %s); using the pure-torch path",
+            " / ".join(detail[-3:])[-500:],
+            build_dir,
         )
+        logger.debug("native kernel build output:\n%s", exc)
         return None
     return torch.ops.hotswap
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialises builds across processes with an flock, which the OS releases if its holder dies. Holding it,
+    a `lock` file from torch's own file baton can only be a leftover of a killed build, and would make torch
+    wait forever: it is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "hotswap.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

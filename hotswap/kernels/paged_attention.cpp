@@ -10,8 +10,8 @@
 //   kv_of_q      [H] int64 or None         KV head of each query head; None means h / (H / KVH)
 // Returns [B, H * D] in q's dtype. Scores and accumulation are float32.
 //
-// write_kv_cache(k, v [T, KVH, D], rows contiguous, any token stride; k/v_cache, slot_mapping [T] int64) copies each token's keys and values to
-// its slot (block * bs + offset) of the cache, checking every slot is in range.
+// write_kv_cache(k, v [T, KVH, D] with contiguous rows and any token stride, k/v_cache, slot_mapping [T] int64)
+// copies each token's keys and values to its slot (block * bs + offset) of the cache; every slot is range-checked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -169,6 +169,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim mismatch");
+  TORCH_CHECK(k_cache.size(2) > 0 && k_cache.size(1) > 0, "the cache needs at least one KV head and block slot");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == q.size(0),
               "block_tables must be int64 [B, W]");
@@ -211,7 +212,8 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(), "caches must be contiguous [num_blocks, bs, KVH, D]");
   const int64_t row = k_cache.size(2) * k_cache.size(3), slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) * k.size(2) == row, "k and v must be [T, KVH, D]");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "k and v must be [T, KVH, D] matching the cache");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k and v must have contiguous rows (any token stride)");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&

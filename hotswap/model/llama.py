@@ -83,9 +83,9 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
 
@@ -100,7 +100,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -108,7 +108,7 @@ class Attention(nn.Module):
         else:
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        if meta.decode_kernel is not None:
+        if meta.decode_kernel is not None and q.device.type == "cpu":
             return meta.decode_kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                 self.expand_index, self.scale,

@@ -15,18 +15,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.kernels = native.ops()
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); or, given `residual`, (norm(residual + x), residual + x) where the sum may be written into
-        `residual` in place (the caller owns it)."""
-        fused = self.kernels is not None and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
-        if residual is None:
-            return self.kernels.rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
-        if fused and residual.is_contiguous():
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). The sum may be written into `residual` in place: the caller owns
+        it and must not need its old value."""
+        if self._fused(x) and residual.is_contiguous():
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self._norm(residual), residual
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.kernels is not None and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
