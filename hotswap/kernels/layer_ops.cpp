@@ -12,6 +12,9 @@
 #include <cmath>
 #include <tuple>
 
+// No fused multiply-adds: torch rounds each product before the add, and these ops reproduce its rounding.
+#pragma GCC optimize("fp-contract=off")
+
 namespace {
 
 constexpr int kLanes = 16;
