@@ -84,14 +84,15 @@ def test_decode_kernel_rejects_bad_input(ops):
         ops.paged_decode_attention(q.double(), cache, cache, tables, torch.tensor([3, 4]), None, 0.25)
 
 
-def test_engine_same_outputs_with_and_without_kernel(ops, llama_dir, monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # qwen3: q/k norms and head_dim != hidden / heads
+def test_engine_same_outputs_with_and_without_kernel(ops, model_dirs, name, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
-    fast = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24)
+    fast = LLM(str(model_dirs[name]), kv_cache_memory_bytes=1 << 24)
     assert fast.collective_rpc(lambda worker: worker.runner.decode_kernel is not None) == [True]
     with_kernel = fast.generate(PROMPTS, params, use_tqdm=False)
     fast.shutdown()
     monkeypatch.setenv("HOTSWAP_NATIVE_KERNELS", "0")
-    slow = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24)
+    slow = LLM(str(model_dirs[name]), kv_cache_memory_bytes=1 << 24)
     assert slow.collective_rpc(lambda worker: worker.runner.decode_kernel is None) == [True]
     without = slow.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(with_kernel, without, strict=True):
