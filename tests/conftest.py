@@ -37,8 +37,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def ab_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two llama checkpoints of the same shape with different weights: A (served first) and B (pushed)."""
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two llama checkpoints of the same shape with different weights: A (served first) and B (pushed).
+    Modules that need other pairs override this fixture."""
     root = tmp_path_factory.mktemp("ab_models")
     return {"A": make_tiny_model(root / "A", seed=0), "B": make_tiny_model(root / "B", seed=1)}
 

@@ -29,11 +29,6 @@ from transfer_helpers import (
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def ckpts(ab_ckpts):
-    return ab_ckpts
-
-
 @pytest.fixture(scope="module")
 def b_tensors(ckpts):
     return list(load_file(str(ckpts["B"] / "model.safetensors")).items())

@@ -18,11 +18,6 @@ API_KEY, ADMIN_KEY = "sk-user", "sk-admin"
 PROMPTS = ["hello world", "the quick brown fox jumps over", "numbers 1 2 3 4"]
 
 
-@pytest.fixture(scope="session")
-def ckpts(ab_ckpts):
-    return ab_ckpts
-
-
 @pytest.fixture(scope="module")
 def server(ckpts):
     with running_server(

@@ -23,11 +23,6 @@ from hotswap.transfer.tensors import tensors_update_info
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def ckpts(ab_ckpts):
-    return ab_ckpts
-
-
 @pytest.fixture(scope="module")
 def tensors(ckpts):
     return {k: list(load_file(str(v / "model.safetensors")).items()) for k, v in ckpts.items()}

@@ -18,10 +18,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, ab_ckpts):
+def ckpts(tmp_path_factory, ckpts):
+    """The shared A/B pair plus a tied-embedding qwen3 pair."""
     root = tmp_path_factory.mktemp("update_models")
     return {
-        **ab_ckpts,
+        **ckpts,
         "A_tied": make_tiny_model(root / "A_tied", arch="qwen3", seed=0, tie_word_embeddings=True),
         "B_tied": make_tiny_model(root / "B_tied", arch="qwen3", seed=1, tie_word_embeddings=True),
     }
