@@ -1,5 +1,5 @@
-"""The native kernels (paged decode attention, KV write, fused norm and rotary) against pure-torch references,
-and the engine with and without them."""
+"""The native kernels (paged decode attention, KV write, small-batch linear, fused norm and rotary) against
+pure-torch references, and the engine with and without them."""
 
 from __future__ import annotations
 
@@ -173,6 +173,53 @@ def test_write_kv_cache(ops):
     assert k_cache.view(-1, 2, 8)[untouched].abs().sum() == 0
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 37, 64, 65, 130])  # one to four vectors per block, several blocks
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 3), (48, 16), (49, 17), (100, 64), (211, 150)])
+def test_small_batch_linear_matches_reference(ops, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 5, generator=gen)[:, 2 : 2 + k]  # rows with a stride, not contiguous overall
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    expected = x.double() @ w.double().T
+    torch.testing.assert_close(ops.small_batch_linear(x, w, None).double(), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.small_batch_linear(x, w, b).double(), expected + b.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_small_batch_linear_edges_and_bad_input(ops):
+    w, b = torch.randn(5, 8), torch.randn(5)
+    assert ops.small_batch_linear(torch.randn(0, 8), w, b).shape == (0, 5)
+    torch.testing.assert_close(ops.small_batch_linear(torch.randn(3, 0), torch.randn(5, 0), b), b.expand(3, 5))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.small_batch_linear(torch.randn(2, 8).double(), w, None)
+    with pytest.raises(RuntimeError, match="matching x's K"):
+        ops.small_batch_linear(torch.randn(2, 9), w, None)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.small_batch_linear(torch.randn(2, 8), torch.randn(8, 5).T, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.small_batch_linear(torch.randn(2, 8), w, torch.randn(4))
+
+
+def test_linear_dispatch(ops, monkeypatch):
+    """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
+    from hotswap.model.layers import linear as linear_module
+
+    calls = []
+    real = ops.small_batch_linear
+
+    class Spy:
+        def small_batch_linear(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    w, b = torch.randn(24, 32), torch.randn(24)
+    for rows, dtype, used in [(64, torch.float32, True), (65, torch.float32, False), (8, torch.bfloat16, False)]:
+        calls.clear()
+        x = torch.randn(rows, 32).to(dtype)
+        out = linear_module.linear(x, w.to(dtype), b.to(dtype), Spy())
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)))
+        assert calls == ([rows] if used else [])
+    assert linear_module.SMALL_BATCH_ROWS == 64
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):

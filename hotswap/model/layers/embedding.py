@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.distributed import current_parallel
+from hotswap.kernels import native
+from hotswap.model.layers.linear import linear
 
 
 class VocabEmbedding(nn.Module):
@@ -25,6 +27,7 @@ class VocabEmbedding(nn.Module):
         if self.valid < self.rows:
             self.weight.data[self.valid :].zero_()
         self.weight.weight_loader = self.weight_loader
+        self.kernels = native.ops()
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
         return (self.num_embeddings, self.weight.shape[1])
@@ -64,5 +67,5 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for `hidden` [T, dim] (gathered from every rank)."""
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight, None, self.kernels).float()
         return self.tp.all_gather_last_dim(local)[..., : self.num_embeddings]

@@ -21,6 +21,7 @@ from torch import nn
 
 from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
+from hotswap.kernels import native
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
 
 
@@ -50,6 +51,29 @@ def default_weight_loader(
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
     copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
+
+
+# Up to this many rows (tokens: decode batches, short prefills), float32 products on CPU take the native
+# small-batch kernel, which streams the weight once instead of re-packing it (see hotswap/kernels/linear.cpp).
+# Above it a BLAS GEMM is faster.
+SMALL_BATCH_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, computed by the native small-batch kernel where it applies (`kernels` from
+    `native.ops()`, a 2-D float32 CPU `x` of at most SMALL_BATCH_ROWS rows): equal up to float32 rounding."""
+    if (
+        kernels is not None
+        and x.dim() == 2
+        and x.shape[0] <= SMALL_BATCH_ROWS
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    ):
+        return kernels.small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -84,6 +108,7 @@ class Linear(nn.Module):
         self.in_start, self.in_local = 0, in_features
         if self.parallel == "row":  # `in_split` aligns the split with the producer's (e.g. whole heads)
             self.in_start, self.in_local = in_split or split(in_features, self.tp.rank, self.tp.size)
+        self.kernels = native.ops()
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
         self.weight.weight_loader = self.weight_loader
@@ -175,8 +200,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dequantize(self.weight, self.weight_scale, x.dtype) if self.fp8 else self.weight
         if self.parallel != "row":
-            return F.linear(x, weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, weight))
+            return linear(x, weight, self.bias, self.kernels)
+        out = self.tp.all_reduce(linear(x, weight, None, self.kernels))
         return out if self.bias is None else out + self.bias
 
 
