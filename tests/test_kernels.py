@@ -1,5 +1,5 @@
-"""The native kernels (paged decode attention, KV write, small-batch linear, fused norm and rotary) against
-pure-torch references, and the engine with and without them."""
+"""The native kernels (paged decode attention, KV write, small-batch linear, SwiGLU gate, fused norm and rotary)
+against pure-torch references, and the engine with and without them."""
 
 from __future__ import annotations
 
@@ -220,6 +220,26 @@ def test_linear_dispatch(ops, monkeypatch):
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)))
         assert calls == ([rows] if used else [])
     assert linear_module.SMALL_BATCH_ROWS == 64
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-7), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)])
+def test_silu_and_mul_matches_torch(ops, dtype, tol):
+    from hotswap.model.layers.activation import SiluAndMul
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 2 * 37 + 6, generator=gen) * 6)[:, 3:-3]  # row-strided, halves of 37 (a vector tail)
+    x[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-4, 0.0, 1e-4, 30.0, 95.0])  # saturating and tiny gates
+    x = x.to(dtype)
+    expected = torch.nn.functional.silu(x[:, :37]) * x[:, 37:]
+    got = ops.silu_and_mul(x)
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    layer = SiluAndMul()
+    assert layer.kernels is not None
+    torch.testing.assert_close(layer(x), got, atol=0.0, rtol=0.0)
+    layer.kernels = None  # the torch path
+    torch.testing.assert_close(layer(x), expected, atol=0.0, rtol=0.0)
+    with pytest.raises(RuntimeError, match=r"\[T, 2 \* I\]"):
+        ops.silu_and_mul(torch.randn(3, 5))
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):

@@ -20,18 +20,13 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float f16x __attribute__((vector_size(64)));
+using namespace hotswap_simd;
+
 constexpr int64_t kBlockRows = 64;  // rows of x per block: MV <= 4
-
-inline f16x load(const float* p) {
-  f16x v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, f16x v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 // In-place transpose of a 16 x 16 block held as 16 vectors: four rounds, each swapping the off-diagonal
 // sub-blocks of size s (8, 4, 2, 1) between row pairs (i, i + s).

@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # use AVX-512 registers where the CPU has them
@@ -53,7 +54,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The build's folder name in the extension cache: changes with the sources, flags, torch, Python and CPU."""
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
         digest.update(part.encode())

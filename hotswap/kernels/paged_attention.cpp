@@ -22,28 +22,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-// A tile of 16 floats; GCC lowers it to one AVX-512 register or two AVX2 registers.
-typedef float f16x __attribute__((vector_size(64)));
-constexpr int kWidth = 16;
-
-inline f16x load(const float* p) {
-  f16x v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-typedef float f8x __attribute__((vector_size(32)));
-typedef float f4x __attribute__((vector_size(16)));
-
-// Tree reduction: a serial sum would chain 16 dependent adds per score.
-inline float hsum(f16x v) {
-  const f8x a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f4x b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using namespace hotswap_simd;
 
 struct Problem {
   int64_t B, H, KVH, D, bs, W;
@@ -54,15 +37,32 @@ struct Problem {
 };
 
 // Calls fn(t, slot) for each key position t < len of sequence b, in order, walking its block table once.
-template <typename Fn>
-inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
+// on_block(i) runs before the slots of the sequence's i-th block.
+template <typename Fn, typename OnBlock>
+inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn, OnBlock&& on_block) {
   const int64_t len = P.lens[b];
   const int64_t* table = P.tables + b * P.W;
   for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
+    on_block(blk);
     const int64_t n = std::min(P.bs, len - start);
     const int64_t base = table[blk] * P.bs;
     for (int64_t o = 0; o < n; ++o) fn(start + o, base + o);
   }
+}
+
+template <typename Fn>
+inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
+  for_each_slot(P, b, fn, [](int64_t) {});
+}
+
+// Prefetches, into L1, the D floats at `base` of each used slot of sequence b's i-th block (if it has one).
+inline void prefetch_block(const Problem& P, int64_t b, int64_t i, const float* base) {
+  const int64_t start = i * P.bs;
+  if (start >= P.lens[b]) return;
+  const int64_t n = std::min(P.bs, P.lens[b] - start), row = P.KVH * P.D;
+  const float* first = base + P.tables[b * P.W + i] * P.bs * row;
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t d = 0; d < P.D; d += kWidth) __builtin_prefetch(first + o * row + d, 0, 3);
 }
 
 // Softmax of scores[0, len) in place; returns the normaliser.
@@ -75,37 +75,92 @@ inline float exp_normaliser(float* scores, int64_t len, float max_score) {
   return denom;
 }
 
-// float32 fast path: head_dim = C * 16, with the query and accumulator tiles held in registers.
+// exp_normaliser, vectorised.
+inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
+  f16x sum = f16x{};
+  int64_t t = 0;
+  for (; t + kWidth <= len; t += kWidth) {
+    const f16x e = exp_clamped(load(scores + t) - max_score);
+    __builtin_memcpy(scores + t, &e, sizeof(e));
+    sum += e;
+  }
+  float denom = hsum(sum);
+  if (t < len) {
+    alignas(64) float tail[kWidth] = {};
+    std::memcpy(tail, scores + t, (len - t) * sizeof(float));
+    const f16x e = exp_clamped(load(tail) - max_score);
+    __builtin_memcpy(tail, &e, sizeof(e));
+    for (int64_t i = 0; i < len - t; ++i) denom += tail[i];
+    std::memcpy(scores + t, tail, (len - t) * sizeof(float));
+  }
+  return denom;
+}
+
+// float32 fast path for head_dim = C * 16 and G query heads sharing one KV head: each key and value row is loaded
+// once for all G heads; query and accumulator tiles stay in registers.
+template <int C, int G>
+void decode_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
+                      int64_t b, const int64_t* heads, float* scores) {
+  const int64_t len = P.lens[b], row = P.KVH * P.D;
+  f16x qv[G][C];
+  float max_score[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (b * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
+    max_score[g] = -INFINITY;
+  }
+  // While a block's keys are scored, the next block's keys and this block's values are on their way.
+  const auto prefetch_k = [&](int64_t i) {
+    prefetch_block(P, b, i + 1, kbase);
+    prefetch_block(P, b, i, vbase);
+  };
+  for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+    const float* k = kbase + slot * row;
+    f16x kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load(k + c * kWidth);
+    for (int g = 0; g < G; ++g) {
+      f16x acc = qv[g][0] * kv[0];
+      for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
+      const float s = hsum(acc);
+      scores[g * len + t] = s;
+      max_score[g] = std::max(max_score[g], s);
+    }
+  }, prefetch_k);
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
+  f16x acc[G][C] = {};
+  for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+    const float* v = vbase + slot * row;
+    f16x vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(v + c * kWidth);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
+    }
+  }, [&](int64_t i) { prefetch_block(P, b, i + 1, vbase); });
+  for (int g = 0; g < G; ++g) {
+    float* dst = out + (b * P.H + heads[g]) * P.D;
+    for (int c = 0; c < C; ++c) {
+      const f16x r = acc[g][c] * inv[g];
+      __builtin_memcpy(dst + c * kWidth, &r, sizeof(r));
+    }
+  }
+}
+
+// One (sequence, KV head) task: its query heads in groups of up to 4.
 template <int C>
 void decode_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t b,
                      int64_t kvh, std::vector<float>& scores) {
-  const int64_t len = P.lens[b], row = P.KVH * P.D;
+  const std::vector<int64_t>& heads = P.heads_of[kvh];
   const float* kbase = kc + kvh * P.D;
   const float* vbase = vc + kvh * P.D;
-  scores.resize(len);
-  for (int64_t h : P.heads_of[kvh]) {
-    f16x qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = load(q + (b * P.H + h) * P.D + c * kWidth) * P.scale;
-    float max_score = -INFINITY;
-    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
-      const float* k = kbase + slot * row;
-      f16x acc = qv[0] * load(k);
-      for (int c = 1; c < C; ++c) acc += qv[c] * load(k + c * kWidth);
-      const float s = hsum(acc);
-      scores[t] = s;
-      max_score = std::max(max_score, s);
-    });
-    const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
-    f16x acc[C] = {};
-    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
-      const float* v = vbase + slot * row;
-      const float p = scores[t];
-      for (int c = 0; c < C; ++c) acc[c] += p * load(v + c * kWidth);
-    });
-    float* dst = out + (b * P.H + h) * P.D;
-    for (int c = 0; c < C; ++c) {
-      const f16x r = acc[c] * inv;
-      __builtin_memcpy(dst + c * kWidth, &r, sizeof(r));
+  scores.resize(4 * P.lens[b]);
+  for (size_t i = 0; i < heads.size(); i += 4) {
+    const int64_t* group = heads.data() + i;
+    switch (std::min<size_t>(4, heads.size() - i)) {
+      case 4: decode_group_f32<C, 4>(P, q, kbase, vbase, out, b, group, scores.data()); break;
+      case 3: decode_group_f32<C, 3>(P, q, kbase, vbase, out, b, group, scores.data()); break;
+      case 2: decode_group_f32<C, 2>(P, q, kbase, vbase, out, b, group, scores.data()); break;
+      default: decode_group_f32<C, 1>(P, q, kbase, vbase, out, b, group, scores.data()); break;
     }
   }
 }

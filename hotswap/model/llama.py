@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hotswap.model.layers.activation import SiluAndMul
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.embedding import VocabEmbedding
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
@@ -60,10 +60,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.intermediate = self.gate_up_proj.out_local // 2  # this rank's share
         self.down_proj = Linear(intermediate, hidden, bias=bias, parallel="row")
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,51 @@
+// Portable 16-lane float vectors (GCC/Clang vector extensions) shared by the kernels: one AVX-512 register, two
+// AVX2 registers, or whatever the target offers.
+#pragma once
+
+#include <cstdint>
+
+namespace hotswap_simd {
+
+typedef float f16x __attribute__((vector_size(64)));
+typedef int32_t i16x __attribute__((vector_size(64)));
+typedef float f8x __attribute__((vector_size(32)));
+typedef float f4x __attribute__((vector_size(16)));
+constexpr int kWidth = 16;
+
+inline f16x load(const float* p) {
+  f16x v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, f16x v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// Tree reduction: a serial sum would chain 16 dependent adds.
+inline float hsum(f16x v) {
+  const f8x a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f4x b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x), within 2 ulp of std::exp for x in [-87.3, 88.3]; x is clamped to that range first (below it the
+// result is about 1e-38 instead of 0, above it about 2e38 instead of inf). x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
+inline f16x exp_clamped(f16x x) {
+  x = x < -87.3f ? f16x{} - 87.3f : x;
+  x = x > 88.3f ? f16x{} + 88.3f : x;
+  const f16x n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest via 1.5 * 2^23
+  const f16x r = (x - n * 0.693359375f) - n * -2.12194440e-4f;            // ln 2 split in two (Cody-Waite)
+  f16x p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16x bits = (__builtin_convertvector(n, i16x) + 127) << 23;
+  f16x scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace hotswap_simd
