@@ -83,20 +83,25 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
   f16x acc[R][MV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = f16x{};
-  // R lines of the next tile per 16 k: the whole next tile (R * K floats) by the end of the loop.
-  for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr && (k & 15) == 0) {
+  const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
+  for (int r = 0; r < R; ++r) rows_of[r] = w + r * K;
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    // R lines of the next tile per 16 k: the whole next tile (R * K floats) by the end of the loop.
+    if (next != nullptr) {
       for (int j = 0; j < R; ++j) {
-        const int64_t off = k * R + j * 16;
+        const int64_t off = k0 * R + j * 16;
         if (off < next_len) __builtin_prefetch(next + off, 0, 2);
       }
     }
-    f16x xv[MV];
-    for (int v = 0; v < MV; ++v) xv[v] = load(xt + k * 16 * MV + 16 * v);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float a = w[r * K + k];
-      for (int v = 0; v < MV; ++v) acc[r][v] += a * xv[v];
+    const int64_t k1 = std::min<int64_t>(k0 + 16, K);
+    for (int64_t k = k0; k < k1; ++k) {
+      f16x xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = load(xt + k * 16 * MV + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float a = rows_of[r][k];
+        for (int v = 0; v < MV; ++v) acc[r][v] += a * xv[v];
+      }
     }
   }
   // acc[r][v] holds y[16 v .. 16 v + 15][r]: transpose 16 x 16 blocks so each output row is one short copy.
@@ -111,8 +116,9 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
 template <int MV>
 void row_range(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy, int64_t rows,
                int64_t n0, int64_t n1) {
-  // R x MV accumulators + MV operands + a broadcast fit the 32 vector registers of AVX-512.
-  constexpr int R = MV == 4 ? 6 : MV == 3 ? 8 : MV == 2 ? 12 : 16;
+  // R x MV accumulators + MV operands + a broadcast fit the 32 vector registers of AVX-512, and R row pointers
+  // the general-purpose registers.
+  constexpr int R = MV == 4 ? 6 : 8;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const int64_t next_rows = std::min<int64_t>(R, n1 - n - R);
