@@ -75,24 +75,19 @@ void transpose_block(const float* x, int64_t ldx, int64_t rows, int64_t K, int M
   }
 }
 
-// Rows [0, R) of w (row stride K) against xt; writes y[m][0, R) for m < rows. Prefetches `next_len` floats at
-// `next` (the following tile) along the way.
+// Rows [0, R) of w (row stride K) against xt; writes y[m][0, R) for m < rows. Prefetches the `next_rows` rows
+// at `next` (the following tile) along the way, in the order that tile will read them.
 template <int R, int MV>
 inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, const float* bias,
-                 float* __restrict y, int64_t ldy, int64_t rows, const float* next, int64_t next_len) {
+                 float* __restrict y, int64_t ldy, int64_t rows, const float* next, int64_t next_rows) {
   f16x acc[R][MV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = f16x{};
   const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
   for (int r = 0; r < R; ++r) rows_of[r] = w + r * K;
   for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    // R lines of the next tile per 16 k: the whole next tile (R * K floats) by the end of the loop.
-    if (next != nullptr) {
-      for (int j = 0; j < R; ++j) {
-        const int64_t off = k0 * R + j * 16;
-        if (off < next_len) __builtin_prefetch(next + off, 0, 2);
-      }
-    }
+    // The lines the next tile reads at this k: each arrives about one tile ahead of its use.
+    for (int64_t r = 0; r < next_rows; ++r) __builtin_prefetch(next + r * K + k0, 0, 2);
     const int64_t k1 = std::min<int64_t>(k0 + 16, K);
     for (int64_t k = k0; k < k1; ++k) {
       f16x xv[MV];
@@ -123,7 +118,7 @@ void row_range(const float* w, const float* xt, int64_t K, const float* bias, fl
   for (; n + R <= n1; n += R) {
     const int64_t next_rows = std::min<int64_t>(R, n1 - n - R);
     tile<R, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows,
-                next_rows > 0 ? w + (n + R) * K : nullptr, next_rows * K);
+                w + (n + R) * K, std::max<int64_t>(next_rows, 0));
   }
   for (; n < n1; ++n) tile<1, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows, nullptr, 0);
 }
