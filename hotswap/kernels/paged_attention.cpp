@@ -36,33 +36,24 @@ struct Problem {
   float scale;
 };
 
-// Calls fn(t, slot) for each key position t < len of sequence b, in order, walking its block table once.
-// on_block(i) runs before the slots of the sequence's i-th block.
-template <typename Fn, typename OnBlock>
-inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn, OnBlock&& on_block) {
+// Calls fn(t, slot, ahead) for each key position t < len of sequence b, in order, walking its block table once.
+// `ahead` is the slot one block further on (position t + bs), or -1 past the end: the slot to prefetch now.
+template <typename Fn>
+inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
   const int64_t len = P.lens[b];
   const int64_t* table = P.tables + b * P.W;
   for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
-    on_block(blk);
     const int64_t n = std::min(P.bs, len - start);
     const int64_t base = table[blk] * P.bs;
-    for (int64_t o = 0; o < n; ++o) fn(start + o, base + o);
+    const int64_t ahead_n = std::min(P.bs, len - start - P.bs);  // used slots of the next block (<= 0: none)
+    const int64_t ahead_base = ahead_n > 0 ? table[blk + 1] * P.bs : 0;
+    for (int64_t o = 0; o < n; ++o) fn(start + o, base + o, o < ahead_n ? ahead_base + o : -1);
   }
 }
 
-template <typename Fn>
-inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
-  for_each_slot(P, b, fn, [](int64_t) {});
-}
-
-// Prefetches, into L1, the D floats at `base` of each used slot of sequence b's i-th block (if it has one).
-inline void prefetch_block(const Problem& P, int64_t b, int64_t i, const float* base) {
-  const int64_t start = i * P.bs;
-  if (start >= P.lens[b]) return;
-  const int64_t n = std::min(P.bs, P.lens[b] - start), row = P.KVH * P.D;
-  const float* first = base + P.tables[b * P.W + i] * P.bs * row;
-  for (int64_t o = 0; o < n; ++o)
-    for (int64_t d = 0; d < P.D; d += kWidth) __builtin_prefetch(first + o * row + d, 0, 3);
+// Requests the D floats at `row` (one key or value of one KV head), a line at a time.
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += kWidth) __builtin_prefetch(row + d, 0, 3);
 }
 
 // Softmax of scores[0, len) in place; returns the normaliser.
@@ -108,12 +99,11 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + (b * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
     max_score[g] = -INFINITY;
   }
-  // While a block's keys are scored, the next block's keys and this block's values are on their way.
-  const auto prefetch_k = [&](int64_t i) {
-    prefetch_block(P, b, i + 1, kbase);
-    prefetch_block(P, b, i, vbase);
-  };
-  for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+  // Blocks are scattered, so the hardware cannot guess the next one: scoring a key requests the key one block
+  // ahead and this key's values, a row at a time so the outstanding misses stay few.
+  for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
+    prefetch_row(vbase + slot * row, P.D);
     const float* k = kbase + slot * row;
     f16x kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load(k + c * kWidth);
@@ -124,11 +114,12 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
       scores[g * len + t] = s;
       max_score[g] = std::max(max_score[g], s);
     }
-  }, prefetch_k);
+  });
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
   f16x acc[G][C] = {};
-  for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+  for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
     const float* v = vbase + slot * row;
     f16x vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load(v + c * kWidth);
@@ -136,7 +127,7 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
       const float p = scores[g * len + t];
       for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
     }
-  }, [&](int64_t i) { prefetch_block(P, b, i + 1, vbase); });
+  });
   for (int g = 0; g < G; ++g) {
     float* dst = out + (b * P.H + heads[g]) * P.D;
     for (int c = 0; c < C; ++c) {
@@ -175,7 +166,7 @@ void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
   for (int64_t h : P.heads_of[kvh]) {
     for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[(b * P.H + h) * D + d]) * P.scale;
     float max_score = -INFINITY;
-    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+    for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t) {
       const T* k = kc + slot * row + kvh * D;
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
@@ -184,7 +175,7 @@ void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
     });
     const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
     std::fill(acc.begin(), acc.end(), 0.f);
-    for_each_slot(P, b, [&](int64_t t, int64_t slot) {
+    for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t) {
       const T* v = vc + slot * row + kvh * D;
       for (int64_t d = 0; d < D; ++d) acc[d] += scores[t] * static_cast<float>(v[d]);
     });
