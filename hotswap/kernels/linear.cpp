@@ -92,6 +92,8 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
     for (int64_t k = k0; k < k1; ++k) {
       f16x xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = load(xt + k * 16 * MV + 16 * v);
+      // xt (K x 16 MV floats) outgrows L1, so every tile re-reads it from L2: ask for it a few k ahead.
+      for (int v = 0; v < MV; ++v) __builtin_prefetch(xt + (k + 8) * 16 * MV + 16 * v, 0, 3);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float a = rows_of[r][k];
