@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -18,7 +19,10 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kRowGrain = 16;  // rows per parallel task: the ops are cheap per row
+constexpr int64_t kRowGrain = 16;  // rows per parallel task for rotary: the ops are cheap per row
+// Norm rows per parallel task: about 64 Ki elements, below which waking a second thread costs more than it saves
+// (a decode batch's norm runs on the calling thread).
+inline int64_t norm_grain(int64_t n) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)); }
 
 template <typename T>
 float sum_squares(const T* x, int64_t n) {
@@ -59,7 +63,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, norm_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
     });
   });
@@ -77,7 +81,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, norm_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* res = rp + r * n;
         for (int64_t i = 0; i < n; ++i) {
