@@ -54,7 +54,8 @@ def ops():
     ],
 )
 @pytest.mark.parametrize("uneven", [False, True], ids=["grouped", "kv_of_q"])
-def test_decode_kernel_matches_reference(ops, dtype, head_dim, tol, uneven):
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, uneven, prefill):
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, heads, kv_heads, width = 40, 4, 6, 2, 5
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -62,38 +63,49 @@ def test_decode_kernel_matches_reference(ops, dtype, head_dim, tol, uneven):
     # lengths from a single key to a full table, with ragged last blocks; tables reuse blocks across sequences
     lens = torch.tensor([1, 4, 5, 13, 20, 7])
     tables = torch.randint(0, num_blocks, (len(lens), width), generator=gen)
-    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    # prefill: whole prompts, prompts after a cached prefix, single tokens; decode: one new token each
+    query_lens = torch.tensor([1, 4, 2, 13, 9, 1]) if prefill else None
+    per_seq = query_lens if prefill else torch.ones_like(lens)
+    # new token j of sequence b sees the keys up to its position: one reference "sequence" per token
+    token_seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)
+    pairs = zip(lens.tolist(), per_seq.tolist(), strict=True)
+    token_keys = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in pairs])
+    q = torch.randn(len(token_seq), heads, head_dim, generator=gen).to(dtype)
     kv_of_q = torch.tensor([1, 0, 0, 1, 1, 0]) if uneven else None
-    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, kv_of_q, head_dim**-0.5)
-    assert out.dtype == dtype and out.shape == (len(lens), heads * head_dim)
-    expected = reference(q, k_cache, v_cache, tables, lens, kv_of_q, head_dim**-0.5)
+    out = ops.paged_attention(q, k_cache, v_cache, tables, lens, query_lens, kv_of_q, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == (len(token_seq), heads * head_dim)
+    expected = reference(q, k_cache, v_cache, tables[token_seq], token_keys, kv_of_q, head_dim**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-def test_decode_kernel_rejects_bad_input(ops):
+def test_attention_kernel_rejects_bad_input(ops):
     q = torch.randn(2, 4, 16)
     cache = torch.randn(8, 4, 2, 16)
     tables = torch.zeros(2, 2, dtype=torch.long)
     with pytest.raises(RuntimeError, match="context_lens out of range"):
-        ops.paged_decode_attention(q, cache, cache, tables, torch.tensor([3, 9]), None, 0.25)
+        ops.paged_attention(q, cache, cache, tables, torch.tensor([3, 9]), None, None, 0.25)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        ops.paged_decode_attention(q, cache, cache, tables + 8, torch.tensor([3, 4]), None, 0.25)
+        ops.paged_attention(q, cache, cache, tables + 8, torch.tensor([3, 4]), None, None, 0.25)
     with pytest.raises(RuntimeError, match="int64"):
-        ops.paged_decode_attention(q, cache, cache, tables.int(), torch.tensor([3, 4]), None, 0.25)
+        ops.paged_attention(q, cache, cache, tables.int(), torch.tensor([3, 4]), None, None, 0.25)
+    with pytest.raises(RuntimeError, match="query_lens out of range"):
+        ops.paged_attention(q, cache, cache, tables, torch.tensor([3, 4]), torch.tensor([1, 5]), None, 0.25)
+    with pytest.raises(RuntimeError, match="one row per new token"):
+        ops.paged_attention(q, cache, cache, tables, torch.tensor([3, 4]), torch.tensor([2, 1]), None, 0.25)
     with pytest.raises(RuntimeError, match="dtype mismatch"):
-        ops.paged_decode_attention(q.double(), cache, cache, tables, torch.tensor([3, 4]), None, 0.25)
+        ops.paged_attention(q.double(), cache, cache, tables, torch.tensor([3, 4]), None, None, 0.25)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])  # qwen3: q/k norms and head_dim != hidden / heads
 def test_engine_same_outputs_with_and_without_kernel(ops, model_dirs, name, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     fast = LLM(str(model_dirs[name]), kv_cache_memory_bytes=1 << 24)
-    assert fast.collective_rpc(lambda worker: worker.runner.decode_kernel is not None) == [True]
+    assert fast.collective_rpc(lambda worker: worker.runner.attention_kernel is not None) == [True]
     with_kernel = fast.generate(PROMPTS, params, use_tqdm=False)
     fast.shutdown()
     monkeypatch.setenv("HOTSWAP_NATIVE_KERNELS", "0")
     slow = LLM(str(model_dirs[name]), kv_cache_memory_bytes=1 << 24)
-    assert slow.collective_rpc(lambda worker: worker.runner.decode_kernel is None) == [True]
+    assert slow.collective_rpc(lambda worker: worker.runner.attention_kernel is None) == [True]
     without = slow.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(with_kernel, without, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -102,27 +114,30 @@ def test_engine_same_outputs_with_and_without_kernel(ops, model_dirs, name, monk
             assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-4)
 
 
-def test_decode_attention_fallback_matches_kernel(ops):
-    """The torch path in Attention (gather + SDPA) and the kernel agree on the same cache."""
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [10, 3, 8], [4, 1, 2]], ids=["decode", "prompts", "after_prefix"])
+def test_attention_fallback_matches_kernel(ops, query_lens):
+    """The torch path in Attention (padding + SDPA) and the kernel agree on the same cache and step."""
     from hotswap.model.layers.attention import Attention, AttentionMetadata
 
     gen = torch.Generator().manual_seed(1)
     attn = Attention(num_heads=4, num_kv_heads=2, head_dim=16)
-    attn.k_cache = torch.zeros(16, 4, 2, 16)
-    attn.v_cache = torch.zeros(16, 4, 2, 16)
     tables = [[3, 5, 7], [2], [9, 1]]
     contexts = [10, 3, 8]
-    # fill the cache with history, then run one decode step both ways
-    for table, length in zip(tables, contexts, strict=True):
-        for pos in range(length - 1):
+    # fill the cache with the history before this step, then run the step both ways on copies of it
+    k_cache, v_cache = torch.zeros(16, 4, 2, 16), torch.zeros(16, 4, 2, 16)
+    for table, length, new in zip(tables, contexts, query_lens, strict=True):
+        for pos in range(length - new):
             slot = table[pos // 4] * 4 + pos % 4
-            attn.k_cache.view(-1, 2, 16)[slot] = torch.randn(2, 16, generator=gen)
-            attn.v_cache.view(-1, 2, 16)[slot] = torch.randn(2, 16, generator=gen)
-    q = torch.randn(3, 4, 16, generator=gen)
-    k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+            k_cache.view(-1, 2, 16)[slot] = torch.randn(2, 16, generator=gen)
+            v_cache.view(-1, 2, 16)[slot] = torch.randn(2, 16, generator=gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, 4, 16, generator=gen)
+    k, v = torch.randn(tokens, 2, 16, generator=gen), torch.randn(tokens, 2, 16, generator=gen)
     outs = []
-    for kernel in (None, ops.paged_decode_attention):
-        meta = AttentionMetadata.build([1, 1, 1], contexts, tables, 4, kernel)
+    for kernel in (None, ops.paged_attention):
+        attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
+        meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
+        assert (meta.kernel is None) == (kernel is None)
         outs.append(attn(q, k, v, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 

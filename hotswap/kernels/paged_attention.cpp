@@ -1,14 +1,17 @@
-// Paged attention for decode batches (one query token per sequence), reading keys and values straight from the
-// block-structured cache instead of gathering them into a padded copy first.
+// Causal paged attention over the block-structured cache, reading keys and values in place instead of gathering
+// them into a padded copy first. Serves decode batches (one query token per sequence) and short prefills alike.
 //
-// Layouts (all contiguous):
-//   q            [B, H, D]                 query of the single new token of each sequence
-//   k/v_cache    [num_blocks, bs, KVH, D]  the paged cache of one layer (the new token already written)
+// paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale), all contiguous:
+//   q            [T, H, D]                 the new tokens' queries, sequence by sequence
+//   k/v_cache    [num_blocks, bs, KVH, D]  the paged cache of one layer (the new tokens already written)
 //   block_tables [B, W] int64              block ids of each sequence, in order; only the first
 //                                          ceil(context_lens[b] / bs) entries are read
-//   context_lens [B] int64                 keys per sequence, the new token included (>= 1)
+//   context_lens [B] int64                 keys per sequence, the new tokens included (>= 1)
+//   query_lens   [B] int64 or None         new tokens per sequence (1 <= query_lens[b] <= context_lens[b], summing
+//                                          to T); None means one each (T = B). New token j of sequence b sits at
+//                                          position context_lens[b] - query_lens[b] + j and sees the keys up to it.
 //   kv_of_q      [H] int64 or None         KV head of each query head; None means h / (H / KVH)
-// Returns [B, H * D] in q's dtype. Scores and accumulation are float32.
+// Returns [T, H * D] in q's dtype. Scores and accumulation are float32.
 //
 // write_kv_cache(k, v [T, KVH, D] with contiguous rows and any token stride, k/v_cache, slot_mapping [T] int64)
 // copies each token's keys and values to its slot (block * bs + offset) of the cache; every slot is range-checked.
@@ -34,13 +37,13 @@ struct Problem {
   const int64_t* lens;
   std::vector<std::vector<int64_t>> heads_of;  // query heads of each KV head
   float scale;
+  std::vector<int64_t> seq_of, keys_of;  // per query token: its sequence and how many keys it sees
 };
 
 // Calls fn(t, slot, ahead) for each key position t < len of sequence b, in order, walking its block table once.
 // `ahead` is the slot one block further on (position t + bs), or -1 past the end: the slot to prefetch now.
 template <typename Fn>
-inline void for_each_slot(const Problem& P, int64_t b, Fn&& fn) {
-  const int64_t len = P.lens[b];
+inline void for_each_slot(const Problem& P, int64_t b, int64_t len, Fn&& fn) {
   const int64_t* table = P.tables + b * P.W;
   for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
     const int64_t n = std::min(P.bs, len - start);
@@ -91,17 +94,17 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
 // once for all G heads; query and accumulator tiles stay in registers.
 template <int C, int G>
 void decode_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
-                      int64_t b, const int64_t* heads, float* scores) {
-  const int64_t len = P.lens[b], row = P.KVH * P.D;
+                      int64_t tok, const int64_t* heads, float* scores) {
+  const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
   f16x qv[G][C];
   float max_score[G];
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (b * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (tok * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
     max_score[g] = -INFINITY;
   }
   // Blocks are scattered, so the hardware cannot guess the next one: scoring a key requests the key one block
   // ahead and this key's values, a row at a time so the outstanding misses stay few.
-  for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t ahead) {
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
     if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
     prefetch_row(vbase + slot * row, P.D);
     const float* k = kbase + slot * row;
@@ -118,7 +121,7 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
   f16x acc[G][C] = {};
-  for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t ahead) {
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
     if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
     const float* v = vbase + slot * row;
     f16x vv[C];
@@ -129,7 +132,7 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
     }
   });
   for (int g = 0; g < G; ++g) {
-    float* dst = out + (b * P.H + heads[g]) * P.D;
+    float* dst = out + (tok * P.H + heads[g]) * P.D;
     for (int c = 0; c < C; ++c) {
       const f16x r = acc[g][c] * inv[g];
       __builtin_memcpy(dst + c * kWidth, &r, sizeof(r));
@@ -137,36 +140,36 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
   }
 }
 
-// One (sequence, KV head) task: its query heads in groups of up to 4.
+// One (query token, KV head) task: its query heads in groups of up to 4.
 template <int C>
-void decode_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t b,
+void decode_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
                      int64_t kvh, std::vector<float>& scores) {
   const std::vector<int64_t>& heads = P.heads_of[kvh];
   const float* kbase = kc + kvh * P.D;
   const float* vbase = vc + kvh * P.D;
-  scores.resize(4 * P.lens[b]);
+  scores.resize(4 * P.keys_of[tok]);
   for (size_t i = 0; i < heads.size(); i += 4) {
     const int64_t* group = heads.data() + i;
     switch (std::min<size_t>(4, heads.size() - i)) {
-      case 4: decode_group_f32<C, 4>(P, q, kbase, vbase, out, b, group, scores.data()); break;
-      case 3: decode_group_f32<C, 3>(P, q, kbase, vbase, out, b, group, scores.data()); break;
-      case 2: decode_group_f32<C, 2>(P, q, kbase, vbase, out, b, group, scores.data()); break;
-      default: decode_group_f32<C, 1>(P, q, kbase, vbase, out, b, group, scores.data()); break;
+      case 4: decode_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 3: decode_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 2: decode_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      default: decode_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
     }
   }
 }
 
 // Any dtype and head_dim: the same computation, elementwise.
 template <typename T>
-void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t kvh,
+void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc, T* out, int64_t tok, int64_t kvh,
                          std::vector<float>& scores) {
-  const int64_t len = P.lens[b], row = P.KVH * P.D, D = P.D;
+  const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D, D = P.D;
   std::vector<float> qf(D), acc(D);
   scores.resize(len);
   for (int64_t h : P.heads_of[kvh]) {
-    for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[(b * P.H + h) * D + d]) * P.scale;
+    for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[(tok * P.H + h) * D + d]) * P.scale;
     float max_score = -INFINITY;
-    for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t) {
+    for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t) {
       const T* k = kc + slot * row + kvh * D;
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
@@ -175,55 +178,57 @@ void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
     });
     const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
     std::fill(acc.begin(), acc.end(), 0.f);
-    for_each_slot(P, b, [&](int64_t t, int64_t slot, int64_t) {
+    for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t) {
       const T* v = vc + slot * row + kvh * D;
       for (int64_t d = 0; d < D; ++d) acc[d] += scores[t] * static_cast<float>(v[d]);
     });
-    for (int64_t d = 0; d < D; ++d) out[(b * P.H + h) * D + d] = static_cast<T>(acc[d] * inv);
+    for (int64_t d = 0; d < D; ++d) out[(tok * P.H + h) * D + d] = static_cast<T>(acc[d] * inv);
   }
 }
 
 template <typename T>
 void decode_attention(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
-  // Tasks are (sequence, KV head): the query heads of one group reuse its keys and values from cache.
-  at::parallel_for(0, P.B * P.KVH, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
+  // consecutive tasks (the tokens of one sequence) reuse the same keys.
+  const int64_t tokens = static_cast<int64_t>(P.seq_of.size());
+  at::parallel_for(0, tokens * P.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / P.KVH, kvh = task % P.KVH;
+      const int64_t tok = task / P.KVH, kvh = task % P.KVH;
       if constexpr (std::is_same_v<T, float>) {
         switch (P.D) {
-          case 16: decode_task_f32<1>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 32: decode_task_f32<2>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 48: decode_task_f32<3>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 64: decode_task_f32<4>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 80: decode_task_f32<5>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 96: decode_task_f32<6>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 128: decode_task_f32<8>(P, q, kc, vc, out, b, kvh, scores); continue;
-          case 256: decode_task_f32<16>(P, q, kc, vc, out, b, kvh, scores); continue;
+          case 16: decode_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 32: decode_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 48: decode_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 64: decode_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 80: decode_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 96: decode_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 128: decode_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 256: decode_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
           default: break;
         }
       }
-      decode_task_generic<T>(P, q, kc, vc, out, b, kvh, scores);
+      decode_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  const std::optional<at::Tensor>& kv_of_q, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const std::optional<at::Tensor>& query_lens, const std::optional<at::Tensor>& kv_of_q,
+                           double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim mismatch");
   TORCH_CHECK(k_cache.size(2) > 0 && k_cache.size(1) > 0, "the cache needs at least one KV head and block slot");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) == q.size(0),
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
               "block_tables must be int64 [B, W]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
-                  context_lens.numel() == q.size(0),
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() && context_lens.numel() == B,
               "context_lens must be int64 [B]");
-  Problem P{q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), {}, static_cast<float>(scale)};
+  Problem P{B, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
+            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), {}, static_cast<float>(scale), {}, {}};
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < P.B; ++b) {
     TORCH_CHECK(P.lens[b] >= 1 && P.lens[b] <= P.W * P.bs, "context_lens out of range of block_tables");
@@ -232,6 +237,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range of the cache");
     }
   }
+  if (query_lens.has_value()) {
+    TORCH_CHECK(query_lens->scalar_type() == at::kLong && query_lens->is_contiguous() && query_lens->numel() == B,
+                "query_lens must be int64 [B]");
+    const int64_t* ql = query_lens->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ql[b] >= 1 && ql[b] <= P.lens[b], "query_lens out of range of context_lens");
+      for (int64_t j = 0; j < ql[b]; ++j) {
+        P.seq_of.push_back(b);
+        P.keys_of.push_back(P.lens[b] - ql[b] + j + 1);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < B; ++b) {
+      P.seq_of.push_back(b);
+      P.keys_of.push_back(P.lens[b]);
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(P.seq_of.size()) == q.size(0), "q must have one row per new token");
   P.heads_of.resize(P.KVH);
   if (kv_of_q.has_value()) {
     TORCH_CHECK(kv_of_q->scalar_type() == at::kLong && kv_of_q->numel() == P.H && kv_of_q->is_contiguous(),
@@ -245,8 +268,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(kvh >= 0 && kvh < P.KVH, "kv_of_q out of range");
     P.heads_of[kvh].push_back(h);
   }
-  at::Tensor out = at::empty({P.B, P.H * P.D}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+  at::Tensor out = at::empty({q.size(0), P.H * P.D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     decode_attention<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                out.data_ptr<scalar_t>());
   });
@@ -287,11 +310,11 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
-      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "Tensor? kv_of_q, float scale) -> Tensor");
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "Tensor? query_lens, Tensor? kv_of_q, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("write_kv_cache", &write_kv_cache);
 }

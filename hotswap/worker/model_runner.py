@@ -23,7 +23,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         kernels = native.ops()
-        self.decode_kernel = None if kernels is None else kernels.paged_decode_attention
+        self.attention_kernel = None if kernels is None else kernels.paged_attention
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -65,7 +65,7 @@ class ModelRunner:
             model_input.context_lens,
             model_input.block_tables,
             self.block_size,
-            self.decode_kernel,
+            self.attention_kernel,
         )
         input_ids = torch.tensor(model_input.input_ids, dtype=torch.long)
         positions = torch.tensor(model_input.positions, dtype=torch.long)

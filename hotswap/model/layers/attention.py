@@ -17,6 +17,11 @@ from torch import nn
 
 from hotswap.kernels import native
 
+# Up to this many new tokens per sequence (decode steps, prompts, prefill chunks), attention runs in the native
+# kernel, one query token at a time over its causal context. Its cost grows with the square of the prompt; SDPA's
+# blocked kernel (on a padded copy) catches up near 1024 tokens on one sequence, so longer prefills go there.
+KERNEL_MAX_QUERY_LEN = 512
+
 
 @dataclass
 class AttentionMetadata:
@@ -26,8 +31,9 @@ class AttentionMetadata:
     `pad_index` maps each flat token to its row in the padded [B * max_query_len] layout (None when every
     sequence has one query token). `mask` [B, 1, max_query_len, key_len] is True where a query may attend.
     `gather_cache` is False when no sequence has cached tokens, so keys come straight from this step.
-    `decode_kernel` (the native `paged_decode_attention`, see hotswap/kernels) is set when every sequence has one
-    query token and the kernel is available: attention then reads the paged cache in place.
+    `kernel` (the native `paged_attention`, see hotswap/kernels) is set when it is available and no sequence has
+    more than KERNEL_MAX_QUERY_LEN new tokens: attention then reads the paged cache in place, with `query_lens`
+    (None when every sequence has one new token) and none of the padded layout.
     """
 
     slot_mapping: torch.Tensor
@@ -37,7 +43,8 @@ class AttentionMetadata:
     mask: torch.Tensor | None
     max_query_len: int
     gather_cache: bool
-    decode_kernel: Callable[..., torch.Tensor] | None = None
+    kernel: Callable[..., torch.Tensor] | None = None
+    query_lens: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -46,7 +53,7 @@ class AttentionMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        decode_kernel: Callable[..., torch.Tensor] | None = None,
+        kernel: Callable[..., torch.Tensor] | None = None,
     ) -> AttentionMetadata:
         max_q = max(query_lens)
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
@@ -61,8 +68,11 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         q_len = torch.tensor(query_lens)
         c_len = torch.tensor(context_lens)
-        if max_q == 1 and decode_kernel is not None:
-            return cls(torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, 1, gather, decode_kernel)
+        if kernel is not None and max_q <= KERNEL_MAX_QUERY_LEN:
+            return cls(
+                torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, max_q, gather, kernel,
+                None if max_q == 1 else q_len,
+            )  # fmt: skip
         # Query row j of sequence i sits at absolute position c - q + j and sees keys at positions <= that.
         q_pos = (c_len - q_len)[:, None] + torch.arange(max_q)[None, :]
         k_pos = torch.arange(key_len)
@@ -108,9 +118,9 @@ class Attention(nn.Module):
         else:
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        if meta.decode_kernel is not None and q.device.type == "cpu":
-            return meta.decode_kernel(
-                q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+        if meta.kernel is not None and q.device.type == "cpu":
+            return meta.kernel(
+                q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                 self.expand_index, self.scale,
             )  # fmt: skip
         num_seqs = meta.block_tables.shape[0]
