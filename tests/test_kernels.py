@@ -48,16 +48,19 @@ def ops():
     [
         (torch.float32, 64, 1e-5),  # vectorised path
         (torch.float32, 16, 1e-5),
+        (torch.float32, 128, 1e-5),
         (torch.float32, 40, 1e-5),  # elementwise path
         (torch.bfloat16, 64, 2e-2),
         (torch.float16, 32, 3e-3),
     ],
 )
-@pytest.mark.parametrize("uneven", [False, True], ids=["grouped", "kv_of_q"])
+# query heads per KV head: 3 (and an uneven map), 4, 7 (a group of 4 then 3), 1
+@pytest.mark.parametrize("layout", ["6/2", "6/2-kv_of_q", "8/2", "14/2", "5/5"])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
-def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, uneven, prefill):
+def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, layout, prefill):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, heads, kv_heads, width = 40, 4, 6, 2, 5
+    heads, kv_heads = (int(n) for n in layout.split("-")[0].split("/"))
+    num_blocks, block_size, width = 40, 4, 5
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     # lengths from a single key to a full table, with ragged last blocks; tables reuse blocks across sequences
@@ -71,7 +74,7 @@ def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, uneven, p
     pairs = zip(lens.tolist(), per_seq.tolist(), strict=True)
     token_keys = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in pairs])
     q = torch.randn(len(token_seq), heads, head_dim, generator=gen).to(dtype)
-    kv_of_q = torch.tensor([1, 0, 0, 1, 1, 0]) if uneven else None
+    kv_of_q = torch.tensor([1, 0, 0, 1, 1, 0]) if layout.endswith("kv_of_q") else None
     out = ops.paged_attention(q, k_cache, v_cache, tables, lens, query_lens, kv_of_q, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == (len(token_seq), heads * head_dim)
     expected = reference(q, k_cache, v_cache, tables[token_seq], token_keys, kv_of_q, head_dim**-0.5)
@@ -234,6 +237,9 @@ def test_linear_dispatch(ops, monkeypatch):
         out = linear_module.linear(x, w.to(dtype), b.to(dtype), Spy())
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)))
         assert calls == ([rows] if used else [])
+    calls.clear()
+    out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None, Spy())
+    assert calls == [] and out.requires_grad  # autograd stays on F.linear: the kernel has no backward
     assert linear_module.SMALL_BATCH_ROWS == 64
 
 
@@ -255,6 +261,11 @@ def test_silu_and_mul_matches_torch(ops, dtype, tol):
     torch.testing.assert_close(layer(x), expected, atol=0.0, rtol=0.0)
     with pytest.raises(RuntimeError, match=r"\[T, 2 \* I\]"):
         ops.silu_and_mul(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.silu_and_mul(torch.randn(3, 4).double())
+    layer.kernels = ops
+    wide = torch.randn(3, 4).double()  # float64 computes in float64 on the torch path
+    torch.testing.assert_close(layer(wide), torch.nn.functional.silu(wide[:, :2]) * wide[:, 2:], atol=0.0, rtol=0.0)
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):

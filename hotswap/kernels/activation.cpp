@@ -43,6 +43,8 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [T, 2 * I] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "silu_and_mul: x must be float32, bfloat16 or float16");
   const int64_t T_ = x.size(0), n = x.size(1) / 2, ld = x.stride(0);
   at::Tensor out = at::empty({T_, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {

@@ -93,7 +93,8 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
       f16x xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = load(xt + k * 16 * MV + 16 * v);
       // xt (K x 16 MV floats) outgrows L1, so every tile re-reads it from L2: ask for it a few k ahead.
-      for (int v = 0; v < MV; ++v) __builtin_prefetch(xt + (k + 8) * 16 * MV + 16 * v, 0, 3);
+      const int64_t ahead = std::min<int64_t>(k + 8, K - 1);
+      for (int v = 0; v < MV; ++v) __builtin_prefetch(xt + ahead * 16 * MV + 16 * v, 0, 3);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float a = rows_of[r][k];
@@ -144,8 +145,10 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c1
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Chunks of 48 rows (a multiple of every tile height but 16) keep tails short.
-  at::parallel_for(0, N, 48, [&](int64_t n0, int64_t n1) {
+  // Threads take whole units of 48 rows (a multiple of every tile height), so only the end of w has a tail.
+  constexpr int64_t kUnit = 48;
+  at::parallel_for(0, (N + kUnit - 1) / kUnit, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * kUnit, n1 = std::min(N, u1 * kUnit);
     thread_local std::vector<float> xt;
     for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
       const int64_t rows = std::min(kBlockRows, M - m0);

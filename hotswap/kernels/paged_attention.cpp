@@ -241,8 +241,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(query_lens->scalar_type() == at::kLong && query_lens->is_contiguous() && query_lens->numel() == B,
                 "query_lens must be int64 [B]");
     const int64_t* ql = query_lens->data_ptr<int64_t>();
+    int64_t total = 0;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(ql[b] >= 1 && ql[b] <= P.lens[b], "query_lens out of range of context_lens");
+      total += ql[b];
+    }
+    TORCH_CHECK(total == q.size(0), "q must have one row per new token");
+    P.seq_of.reserve(total);
+    P.keys_of.reserve(total);
+    for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < ql[b]; ++j) {
         P.seq_of.push_back(b);
         P.keys_of.push_back(P.lens[b] - ql[b] + j + 1);

@@ -71,10 +71,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
         and x.stride(-1) == 1
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # the kernel has no backward
+        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))  # the kernel has no backward
     ):
         return kernels.small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Parameter:
