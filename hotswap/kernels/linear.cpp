@@ -27,6 +27,7 @@ namespace {
 using namespace hotswap_simd;
 
 constexpr int64_t kBlockRows = 64;  // rows of x per block: MV <= 4
+constexpr int64_t kXtAhead = 8;     // k distance of the prefetches into xt
 
 // In-place transpose of a 16 x 16 block held as 16 vectors: four rounds, each swapping the off-diagonal
 // sub-blocks of size s (8, 4, 2, 1) between row pairs (i, i + s).
@@ -93,8 +94,8 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
       f16x xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = load(xt + k * 16 * MV + 16 * v);
       // xt (K x 16 MV floats) outgrows L1, so every tile re-reads it from L2: ask for it a few k ahead.
-      const int64_t ahead = std::min<int64_t>(k + 8, K - 1);
-      for (int v = 0; v < MV; ++v) __builtin_prefetch(xt + ahead * 16 * MV + 16 * v, 0, 3);
+      // (xt has kXtAhead rows of slack past K for these addresses)
+      for (int v = 0; v < MV; ++v) __builtin_prefetch(xt + (k + kXtAhead) * 16 * MV + 16 * v, 0, 3);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float a = rows_of[r][k];
@@ -153,7 +154,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c1
     for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
       const int64_t rows = std::min(kBlockRows, M - m0);
       const int MV = static_cast<int>((rows + 15) / 16);
-      xt.resize(std::max<size_t>(xt.size(), static_cast<size_t>(K * 16 * MV)));
+      xt.resize(std::max<size_t>(xt.size(), static_cast<size_t>((K + kXtAhead) * 16 * MV)));
       transpose_block(xp + m0 * ldx, ldx, rows, K, MV, xt.data());
       float* yb = yp + m0 * N;
       switch (MV) {
