@@ -231,7 +231,8 @@ def test_linear_dispatch(ops, monkeypatch):
             return real(*args)
 
     w, b = torch.randn(24, 32), torch.randn(24)
-    for rows, dtype, used in [(64, torch.float32, True), (65, torch.float32, False), (8, torch.bfloat16, False)]:
+    cases = [(64, torch.float32, True), (4, torch.float32, True), (65, torch.float32, False), (3, torch.float32, False)]
+    for rows, dtype, used in [*cases, (8, torch.bfloat16, False)]:
         calls.clear()
         x = torch.randn(rows, 32).to(dtype)
         out = linear_module.linear(x, w.to(dtype), b.to(dtype), Spy())
@@ -240,7 +241,7 @@ def test_linear_dispatch(ops, monkeypatch):
     calls.clear()
     out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None, Spy())
     assert calls == [] and out.requires_grad  # autograd stays on F.linear: the kernel has no backward
-    assert linear_module.SMALL_BATCH_ROWS == 64
+    assert (linear_module.SMALL_BATCH_MIN_ROWS, linear_module.SMALL_BATCH_ROWS) == (4, 64)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-7), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)])

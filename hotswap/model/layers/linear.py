@@ -53,19 +53,21 @@ def default_weight_loader(
     copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
 
 
-# Up to this many rows (tokens: decode batches, short prefills), float32 products on CPU take the native
-# small-batch kernel, which streams the weight once instead of re-packing it (see hotswap/kernels/linear.cpp).
-# Above it a BLAS GEMM is faster.
+# From SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows (tokens: decode batches, short prefills), float32 products on
+# CPU take the native small-batch kernel, which streams the weight once instead of re-packing it (see
+# hotswap/kernels/linear.cpp). Above that range a BLAS GEMM is faster, and below it the BLAS's matrix-vector path.
+SMALL_BATCH_MIN_ROWS = 4
 SMALL_BATCH_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed by the native small-batch kernel where it applies (`kernels` from
-    `native.ops()`, a 2-D float32 CPU `x` of at most SMALL_BATCH_ROWS rows): equal up to float32 rounding."""
+    `native.ops()`, a 2-D float32 CPU `x` of SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows): equal up to float32
+    rounding."""
     if (
         kernels is not None
         and x.dim() == 2
-        and x.shape[0] <= SMALL_BATCH_ROWS
+        and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and x.stride(-1) == 1
