@@ -7,8 +7,8 @@
 //     zero), which every weight row then meets as MV vector loads per k;
 //   - a tile of R consecutive weight rows (one contiguous R * K run of memory) accumulates R x MV vectors of
 //     output, each weight element broadcast into MV fused multiply-adds;
-//   - while a tile computes, the next tile of the same thread is prefetched, spread evenly over the k loop, so
-//     the DRAM stream overlaps the arithmetic.
+//   - while a tile computes, the next tile of the same thread is prefetched in the order it will be read (and xt
+//     a few k ahead), so the DRAM stream overlaps the arithmetic.
 // Threads split the rows of w; each transposes x for itself, so one parallel region does the whole call.
 // Per output element the sum runs over k in order, with fused multiply-adds (results differ from a BLAS in the
 // last bits, as two BLAS builds do).

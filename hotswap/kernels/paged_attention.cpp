@@ -75,7 +75,7 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
   int64_t t = 0;
   for (; t + kWidth <= len; t += kWidth) {
     const f16x e = exp_clamped(load(scores + t) - max_score);
-    __builtin_memcpy(scores + t, &e, sizeof(e));
+    store(scores + t, e);
     sum += e;
   }
   float denom = hsum(sum);
@@ -83,7 +83,7 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
     alignas(64) float tail[kWidth] = {};
     std::memcpy(tail, scores + t, (len - t) * sizeof(float));
     const f16x e = exp_clamped(load(tail) - max_score);
-    __builtin_memcpy(tail, &e, sizeof(e));
+    store(tail, e);
     for (int64_t i = 0; i < len - t; ++i) denom += tail[i];
     std::memcpy(scores + t, tail, (len - t) * sizeof(float));
   }
@@ -93,7 +93,7 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
 // float32 fast path for head_dim = C * 16 and G query heads sharing one KV head: each key and value row is loaded
 // once for all G heads; query and accumulator tiles stay in registers.
 template <int C, int G>
-void decode_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
+void attend_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
                       int64_t tok, const int64_t* heads, float* scores) {
   const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
   f16x qv[G][C];
@@ -134,15 +134,14 @@ void decode_group_f32(const Problem& P, const float* q, const float* kbase, cons
   for (int g = 0; g < G; ++g) {
     float* dst = out + (tok * P.H + heads[g]) * P.D;
     for (int c = 0; c < C; ++c) {
-      const f16x r = acc[g][c] * inv[g];
-      __builtin_memcpy(dst + c * kWidth, &r, sizeof(r));
+      store(dst + c * kWidth, acc[g][c] * inv[g]);
     }
   }
 }
 
 // One (query token, KV head) task: its query heads in groups of up to 4.
 template <int C>
-void decode_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
+void attend_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
                      int64_t kvh, std::vector<float>& scores) {
   const std::vector<int64_t>& heads = P.heads_of[kvh];
   const float* kbase = kc + kvh * P.D;
@@ -151,17 +150,17 @@ void decode_task_f32(const Problem& P, const float* q, const float* kc, const fl
   for (size_t i = 0; i < heads.size(); i += 4) {
     const int64_t* group = heads.data() + i;
     switch (std::min<size_t>(4, heads.size() - i)) {
-      case 4: decode_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      case 3: decode_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      case 2: decode_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      default: decode_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 4: attend_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 3: attend_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 2: attend_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      default: attend_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
     }
   }
 }
 
 // Any dtype and head_dim: the same computation, elementwise.
 template <typename T>
-void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc, T* out, int64_t tok, int64_t kvh,
+void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc, T* out, int64_t tok, int64_t kvh,
                          std::vector<float>& scores) {
   const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D, D = P.D;
   std::vector<float> qf(D), acc(D);
@@ -187,7 +186,7 @@ void decode_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
 }
 
 template <typename T>
-void decode_attention(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
+void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
   // consecutive tasks (the tokens of one sequence) reuse the same keys.
   const int64_t tokens = static_cast<int64_t>(P.seq_of.size());
@@ -197,18 +196,18 @@ void decode_attention(const Problem& P, const T* q, const T* kc, const T* vc, T*
       const int64_t tok = task / P.KVH, kvh = task % P.KVH;
       if constexpr (std::is_same_v<T, float>) {
         switch (P.D) {
-          case 16: decode_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 32: decode_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 48: decode_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 64: decode_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 80: decode_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 96: decode_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 128: decode_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 256: decode_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
           default: break;
         }
       }
-      decode_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
+      attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
     }
   });
 }
@@ -277,7 +276,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   at::Tensor out = at::empty({q.size(0), P.H * P.D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    decode_attention<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    attend<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                out.data_ptr<scalar_t>());
   });
   return out;

@@ -58,7 +58,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.intermediate = self.gate_up_proj.out_local // 2  # this rank's share
         self.down_proj = Linear(intermediate, hidden, bias=bias, parallel="row")
         self.act_fn = SiluAndMul()
 

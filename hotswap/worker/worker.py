@@ -321,11 +321,12 @@ class Worker:
     def shard_plan(self) -> dict[str, list[tuple[int, int, int]]]:
         """Per checkpoint tensor name, the (dim, start, length) narrowings that cut this rank's part out of the
         full tensor (empty: the rank holds it whole). A trainer uses it to send pre-sliced tensors."""
-        weight_map = WeightMap.of(self._model())
+        model = self._model()
+        weight_map = WeightMap.of(model)
         plan = {}
         for name in sorted(weight_map.required):
             target = weight_map.targets[name]
-            owner = self._model().get_submodule(target.module_name)
+            owner = model.get_submodule(target.module_name)
             plan[name] = owner.shard_plan(target.param, target.shard_id) if hasattr(owner, "shard_plan") else []
         return plan
 

@@ -59,12 +59,11 @@ class AttentionMetadata:
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
         width = max(len(t) for t in block_tables)
         key_len = width * block_size if gather else max_q
-        slots: list[int] = []
-        pad: list[int] = []
-        for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
-            for pos in range(c - q, c):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            pad.extend(range(i * max_q, i * max_q + q))
+        slots = [
+            table[pos // block_size] * block_size + pos % block_size
+            for q, c, table in zip(query_lens, context_lens, block_tables, strict=True)
+            for pos in range(c - q, c)
+        ]
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         q_len = torch.tensor(query_lens)
         c_len = torch.tensor(context_lens)
@@ -73,6 +72,7 @@ class AttentionMetadata:
                 torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, max_q, gather, kernel,
                 None if max_q == 1 else q_len,
             )  # fmt: skip
+        pad = [i * max_q + j for i, q in enumerate(query_lens) for j in range(q)]
         # Query row j of sequence i sits at absolute position c - q + j and sees keys at positions <= that.
         q_pos = (c_len - q_len)[:, None] + torch.arange(max_q)[None, :]
         k_pos = torch.arange(key_len)

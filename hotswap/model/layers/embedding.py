@@ -12,7 +12,7 @@ from torch import nn
 
 from hotswap.distributed import current_parallel
 from hotswap.kernels import native
-from hotswap.model.layers.linear import linear
+from hotswap.model.layers.linear import copy_into, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -43,20 +43,13 @@ class VocabEmbedding(nn.Module):
     ) -> None:
         """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place.
         Raises ValueError on a bad shape."""
-        if pre_sliced:
-            copy_rows = loaded
-            if tuple(loaded.shape) != (self.valid, self.weight.shape[1]):
-                raise ValueError(f"{getattr(param, 'hotswap_name', 'embedding')}: expected shape "
-                                 f"{(self.valid, self.weight.shape[1])}, got {tuple(loaded.shape)}")  # fmt: skip
-            with torch.no_grad():
-                param.data[: self.valid].copy_(copy_rows)
-            return
-        expected = self.checkpoint_shape(param)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"{getattr(param, 'hotswap_name', 'embedding')}: expected shape {expected}, got "
-                             f"{tuple(loaded.shape)}")  # fmt: skip
-        with torch.no_grad():
-            param.data[: self.valid].copy_(loaded.narrow(0, self.start, self.valid))
+        name = getattr(param, "hotswap_name", "embedding")
+        if not pre_sliced:
+            expected = self.checkpoint_shape(param)
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected}, got {tuple(loaded.shape)}")
+            loaded = loaded.narrow(0, self.start, self.valid)
+        copy_into(self.shard_view(param), loaded, name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
