@@ -218,6 +218,64 @@ def test_small_batch_linear_edges_and_bad_input(ops):
         ops.small_batch_linear(torch.randn(2, 8), w, torch.randn(4))
 
 
+@pytest.mark.parametrize("m", [4, 17, 64])
+@pytest.mark.parametrize(("i", "k"), [(1, 1), (7, 3), (50, 33), (97, 64)])  # tile tails: 7 % 6, 50 % 8, 97 % 48
+def test_small_batch_gated_linear_matches_reference(ops, m, i, k):
+    gen = torch.Generator().manual_seed(m * 1000 + i + k)
+    x = torch.randn(m, k + 3, generator=gen)[:, 1 : 1 + k]
+    w, b = torch.randn(2 * i, k, generator=gen), torch.randn(2 * i, generator=gen)
+    for bias in (None, b):
+        full = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        expected = torch.nn.functional.silu(full[:, :i]) * full[:, i:]
+        got = ops.small_batch_gated_linear(x, w, bias)
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+        # the same bits as the projection followed by the separate gate kernel
+        unfused = ops.silu_and_mul(ops.small_batch_linear(x, w, bias))
+        torch.testing.assert_close(got, unfused, atol=0.0, rtol=0.0)
+
+
+def test_small_batch_gated_linear_edges_and_bad_input(ops):
+    w, b = torch.randn(6, 8), torch.randn(6)
+    assert ops.small_batch_gated_linear(torch.randn(0, 8), w, b).shape == (0, 3)
+    no_k = ops.small_batch_gated_linear(torch.randn(2, 0), torch.randn(6, 0), b)
+    torch.testing.assert_close(no_k, (torch.nn.functional.silu(b[:3]) * b[3:]).expand(2, 3))
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.small_batch_gated_linear(torch.randn(2, 8), torch.randn(5, 8), None)
+    with pytest.raises(RuntimeError, match="one entry per row of w"):
+        ops.small_batch_gated_linear(torch.randn(2, 8), w, torch.randn(3))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.small_batch_gated_linear(torch.randn(2, 8).double(), w, None)
+
+
+def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir):
+    """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
+    projection followed by SiluAndMul."""
+    from hotswap.config import EngineConfig, use_config
+    from hotswap.model.layers import linear as linear_module
+    from hotswap.model.llama import LlamaMLP
+
+    with use_config(EngineConfig.from_kwargs(str(llama_dir))):
+        mlp = LlamaMLP(32, 24, bias=True)
+    for param in mlp.parameters():
+        param.data.normal_()
+    calls = []
+    monkeypatch.setattr(
+        linear_module.MergedLinear, "silu_and_mul",
+        lambda self, x, real=linear_module.MergedLinear.silu_and_mul: calls.append(out := real(self, x)) or out,
+    )  # fmt: skip
+    for rows, dtype, fused in [(4, torch.float32, True), (64, torch.float32, True), (3, torch.float32, False),
+                               (65, torch.float32, False), (8, torch.bfloat16, False)]:  # fmt: skip
+        calls.clear()
+        x = torch.randn(rows, 32).to(dtype)
+        mlp.to(dtype)
+        with torch.inference_mode():
+            got = mlp(x)
+            h = mlp.gate_up_proj(x)
+            expected = mlp.down_proj(mlp.act_fn(h))
+        assert (calls[0] is not None) == fused
+        torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+
+
 def test_linear_dispatch(ops, monkeypatch):
     """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
     from hotswap.model.layers import linear as linear_module

@@ -18,15 +18,13 @@ using namespace hotswap_simd;
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + kWidth <= n; i += kWidth) {
-    const f16x g = load(gate + i);
-    store(out + i, g / (1.f + exp_clamped(-g)) * load(up + i));
+    store(out + i, silu_mul(load(gate + i), load(up + i)));
   }
   if (i < n) {
     alignas(64) float g[kWidth] = {}, u[kWidth] = {}, o[kWidth];
     std::memcpy(g, gate + i, (n - i) * sizeof(float));
     std::memcpy(u, up + i, (n - i) * sizeof(float));
-    const f16x gv = load(g);
-    store(o, gv / (1.f + exp_clamped(-gv)) * load(u));
+    store(o, silu_mul(load(g), load(u)));
     std::memcpy(out + i, o, (n - i) * sizeof(float));
   }
 }

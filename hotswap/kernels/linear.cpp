@@ -1,4 +1,7 @@
 // Float32 linear layer for small batches (decode steps): y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]).
+// small_batch_gated_linear(x, w [2I, K], bias [2I]?) is a SwiGLU MLP's fused gate/up projection with its gate
+// applied on the way out: silu(x · gateᵀ + b_gate) * (x · upᵀ + b_up), [M, I], where gate = w[:I] and up = w[I:].
+// Each thread computes matching gate and up tiles back to back, so the [M, 2I] projection never reaches memory.
 //
 // At decode batch sizes a linear layer streams its whole weight from DRAM for a few dozen FLOPs per element, and
 // a BLAS spends much of the step re-packing that weight. This kernel reads the weight once, in its natural
@@ -127,26 +130,65 @@ void row_range(const float* w, const float* xt, int64_t K, const float* bias, fl
   for (; n < n1; ++n) tile<1, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows, nullptr, 0);
 }
 
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "small_batch_linear: x must be a float32 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "small_batch_linear: w must be a contiguous float32 [N, K] tensor matching x's K");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+// Gated rows [n0, n1) of the output: gate rows n of w and up rows I + n, tile by tile, combined through silu_mul.
+template <int MV>
+void gated_row_range(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+                     int64_t rows, int64_t n0, int64_t n1, int64_t I) {
+  constexpr int R = MV == 4 ? 6 : 8;
+  // One tile's gate and up outputs, [m][r] with a row stride of 16 (lanes past the tile's rows are ignored).
+  alignas(64) float gate[kBlockRows * 16] = {};
+  alignas(64) float up[kBlockRows * 16] = {};
+  auto combine = [&](int64_t n, int64_t width) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const f16x out = silu_mul(load(gate + m * 16), load(up + m * 16));
+      __builtin_memcpy(y + m * ldy + n, &out, width * sizeof(float));
+    }
+  };
+  const float* up_bias = bias != nullptr ? bias + I : nullptr;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>(R, n1 - n - R));
+    tile<R, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows, w + (I + n) * K, R);
+    tile<R, MV>(w + (I + n) * K, xt, K, up_bias != nullptr ? up_bias + n : nullptr, up, 16, rows, w + (n + R) * K,
+                next_rows);
+    combine(n, R);
+  }
+  for (; n < n1; ++n) {
+    tile<1, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows, nullptr, 0);
+    tile<1, MV>(w + (I + n) * K, xt, K, up_bias != nullptr ? up_bias + n : nullptr, up, 16, rows, nullptr, 0);
+    combine(n, 1);
+  }
+}
+
+// y = x · wᵀ (+ bias), or with `gated` the SwiGLU gate over w's two halves (see the top of the file).
+at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool gated) {
+  const char* name = gated ? "small_batch_gated_linear" : "small_batch_linear";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
+              ": x must be a float32 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1), name,
+              ": w must be a contiguous float32 [N, K] tensor matching x's K");
+  TORCH_CHECK(!gated || w.size(0) % 2 == 0, name, ": w must have an even number of rows (gate, then up)");
+  const int64_t M = x.size(0), K = x.size(1), N = gated ? w.size(0) / 2 : w.size(0);
   const float* bp = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == N,
-                "small_batch_linear: bias must be a contiguous float32 [N] tensor");
+    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->size(0) == w.size(0),
+                name, ": bias must be a contiguous float32 tensor with one entry per row of w");
     bp = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (K == 0) return bias.has_value() ? y.copy_(bias->expand({M, N})) : y.zero_();
+  if (K == 0) {
+    if (!bias.has_value()) return y.zero_();
+    if (!gated) return y.copy_(bias->expand({M, N}));
+    const at::Tensor b = bias->view({2, N});
+    return y.copy_((at::silu(b[0]) * b[1]).expand({M, N}));
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  // Threads take whole units of 48 rows (a multiple of every tile height), so only the end of w has a tail.
+  // Threads take whole units of 48 output columns (a multiple of every tile height), so only the end has a tail.
   constexpr int64_t kUnit = 48;
   at::parallel_for(0, (N + kUnit - 1) / kUnit, 1, [&](int64_t u0, int64_t u1) {
     const int64_t n0 = u0 * kUnit, n1 = std::min(N, u1 * kUnit);
@@ -157,6 +199,15 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c1
       xt.resize(std::max<size_t>(xt.size(), static_cast<size_t>((K + kXtAhead) * 16 * MV)));
       transpose_block(xp + m0 * ldx, ldx, rows, K, MV, xt.data());
       float* yb = yp + m0 * N;
+      if (gated) {
+        switch (MV) {
+          case 4: gated_row_range<4>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
+          case 3: gated_row_range<3>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
+          case 2: gated_row_range<2>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
+          default: gated_row_range<1>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
+        }
+        continue;
+      }
       switch (MV) {
         case 4: row_range<4>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
         case 3: row_range<3>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
@@ -168,8 +219,23 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c1
   return y;
 }
 
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return run(x, w, bias, false);
+}
+
+at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w,
+                                    const c10::optional<at::Tensor>& bias) {
+  return run(x, w, bias, true);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hotswap, m) { m.def("small_batch_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(hotswap, m) {
+  m.def("small_batch_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_batch_gated_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("small_batch_linear", &small_batch_linear); }
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
+  m.impl("small_batch_linear", &small_batch_linear);
+  m.impl("small_batch_gated_linear", &small_batch_gated_linear);
+}

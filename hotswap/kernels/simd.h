@@ -48,4 +48,7 @@ inline f16x exp_clamped(f16x x) {
   return p * scale;
 }
 
+// The SwiGLU gate: silu(g) * u = g / (1 + exp(-g)) * u.
+inline f16x silu_mul(f16x g, f16x u) { return g / (1.f + exp_clamped(-g)) * u; }
+
 }  // namespace hotswap_simd

@@ -62,9 +62,18 @@ SMALL_BATCH_ROWS = 64
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed by the native small-batch kernel where it applies (`kernels` from
-    `native.ops()`, a 2-D float32 CPU `x` of SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows): equal up to float32
-    rounding."""
-    if (
+    `native.ops()`, see `small_batch_applies`): equal up to float32 rounding."""
+    if small_batch_applies(x, weight, bias, kernels):
+        return kernels.small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def small_batch_applies(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None
+) -> bool:
+    """Whether the native small-batch kernels take this product: kernels available, a 2-D float32 CPU `x` of
+    SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a contiguous weight, no autograd."""
+    return (
         kernels is not None
         and x.dim() == 2
         and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
@@ -73,10 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
         and x.stride(-1) == 1
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))  # the kernel has no backward
-    ):
-        return kernels.small_batch_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))  # the kernels have no backward
+    )
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -204,8 +211,12 @@ class Linear(nn.Module):
         if self.fp8:
             self._stage = self._staged_rows = None
 
+    def effective_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to multiply by: the parameter itself, or for fp8 its dequantized copy in `dtype`."""
+        return dequantize(self.weight, self.weight_scale, dtype) if self.fp8 else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.weight, self.weight_scale, x.dtype) if self.fp8 else self.weight
+        weight = self.effective_weight(x.dtype)
         if self.parallel != "row":
             return linear(x, weight, self.bias, self.kernels)
         out = self.tp.all_reduce(linear(x, weight, None, self.kernels))
@@ -249,3 +260,15 @@ class MergedLinear(Linear):
             specs[i] = ShardSpec(offset, local, size, start)
             offset += local
         super().__init__(in_features, sum(out_sizes), bias, parallel="column", shard_specs=specs)
+        self.gate_and_up = len(out_sizes) == 2 and out_sizes[0] == out_sizes[1]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a [gate; up] projection: `silu(gate) * up` of this rank's columns, computed in one native pass with
+        the gate applied as the kernel writes its output (see hotswap/kernels/linear.cpp). None where that kernel
+        does not apply: the caller then runs `forward` and the activation."""
+        if not self.gate_and_up:
+            return None
+        weight = self.effective_weight(x.dtype)
+        if not small_batch_applies(x, weight, self.bias, self.kernels):
+            return None
+        return self.kernels.small_batch_gated_linear(x, weight, self.bias)
