@@ -121,6 +121,7 @@ def test_engine_same_outputs_with_and_without_kernel(ops, model_dirs, name, monk
 def test_attention_fallback_matches_kernel(ops, query_lens):
     """The torch path in Attention (padding + SDPA) and the kernel agree on the same cache and step."""
     from hotswap.model.layers.attention import Attention, AttentionMetadata
+    from hotswap.model.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
     attn = Attention(num_heads=4, num_kv_heads=2, head_dim=16)
@@ -136,13 +137,18 @@ def test_attention_fallback_matches_kernel(ops, query_lens):
     tokens = sum(query_lens)
     q = torch.randn(tokens, 4, 16, generator=gen)
     k, v = torch.randn(tokens, 2, 16, generator=gen), torch.randn(tokens, 2, 16, generator=gen)
-    outs = []
-    for kernel in (None, ops.paged_attention):
-        attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
-        meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
-        assert (meta.kernel is None) == (kernel is None)
-        outs.append(attn(q, k, v, meta))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, query_lens, strict=True)])
+    rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    for rope in (None, rotary):  # with a rotary embedding, the kernel path rotates inside rope_paged_attention
+        outs, caches = [], []
+        for kernel in (None, ops.paged_attention):
+            attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
+            meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
+            assert (meta.kernel is None) == (kernel is None)
+            outs.append(attn(q, k, v, meta, positions, rope))
+            caches.append(attn.k_cache)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0], caches[1], atol=0.0, rtol=0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -175,6 +181,45 @@ def test_layer_ops_match_torch_paths(ops, dtype):
     torch.testing.assert_close(got_k, want_k, **exact)
     with pytest.raises(RuntimeError, match="position out of range"):
         ops.rotary(q, k, positions + 64, rotary.cos, rotary.sin)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.float32, 40), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_rope_paged_attention_equals_the_separate_ops(ops, dtype, head_dim, prefill):
+    """rotary + write_kv_cache + paged_attention in one call: the same output and cache bits as the three ops."""
+    from hotswap.model.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, block_size, num_blocks = 6, 2, 4, 32
+    lens = torch.tensor([3, 9, 1, 14])
+    query_lens = torch.tensor([3, 2, 1, 5]) if prefill else None
+    per_seq = query_lens if prefill else torch.ones_like(lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in lens])
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(lens.tolist(), per_seq.tolist(), strict=True)])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k1, v1, k2, v2 = cache[0].clone(), cache[1].clone(), cache[0].clone(), cache[1].clone()
+    rq, rk = ops.rotary(q, k, positions, rotary.cos, rotary.sin)
+    ops.write_kv_cache(rk, v, k1, v1, slots)
+    expected = ops.paged_attention(rq, k1, v1, tables, lens, query_lens, None, 0.3)
+    args = (positions, rotary.cos, rotary.sin, k2, v2, slots, tables, lens, query_lens, None, 0.3)
+    got = ops.rope_paged_attention(q, k, v, *args)
+    exact = {"atol": 0.0, "rtol": 0.0}
+    torch.testing.assert_close(got, expected, **exact)
+    torch.testing.assert_close(k2, k1, **exact)
+    torch.testing.assert_close(v2, v1, **exact)
+    # bad slots or positions raise before the cache is touched
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_paged_attention(q, k, v, positions, *args[1:5], slots + num_blocks * block_size, *args[6:])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        ops.rope_paged_attention(q, k, v, positions + 64, *args[1:])
+    torch.testing.assert_close(k2, k1, **exact)
+    torch.testing.assert_close(v2, v1, **exact)
 
 
 def test_write_kv_cache(ops):

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "layer_ops.h"
+
 // No fused multiply-adds: torch rounds each product before the add, and these ops reproduce its rounding.
 #pragma GCC optimize("fp-contract=off")
 
@@ -113,6 +115,19 @@ void rotate_rows(const T* src, int64_t heads, int64_t D, const float* cos, const
 
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                           const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "bad q/k shapes");
+  at::Tensor q_out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor k_out = at::empty({k.size(0), k.size(1), k.size(2)}, k.options());
+  hotswap_ops::rotate_qk(q, k, positions, cos, sin, q_out, k_out.data_ptr(), nullptr);
+  return {q_out, k_out};
+}
+
+}  // namespace
+
+namespace hotswap_ops {
+
+void rotate_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+               const at::Tensor& sin, at::Tensor& q_out, void* k_out, const int64_t* k_rows) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "bad q/k shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
               "q and k must have contiguous heads");
@@ -126,13 +141,13 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
               "positions must be int64 [T]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of range");
-  at::Tensor q_out = at::empty({T_, H, D}, q.options());
-  at::Tensor k_out = at::empty({T_, KVH, D}, k.options());
+  TORCH_CHECK(q_out.is_contiguous() && q_out.sizes() == q.sizes() && q_out.scalar_type() == q.scalar_type(),
+              "q_out must be a contiguous tensor like q");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     scalar_t* qo = q_out.data_ptr<scalar_t>();
-    scalar_t* ko = k_out.data_ptr<scalar_t>();
+    scalar_t* ko = static_cast<scalar_t*>(k_out);
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -140,14 +155,13 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
         const float* c = cp + pos[t] * D;
         const float* s = sp + pos[t] * D;
         rotate_rows(qp + t * q.stride(0), H, D, c, s, qo + t * H * D);
-        rotate_rows(kp + t * k.stride(0), KVH, D, c, s, ko + t * KVH * D);
+        rotate_rows(kp + t * k.stride(0), KVH, D, c, s, ko + (k_rows != nullptr ? k_rows[t] : t) * KVH * D);
       }
     });
   });
-  return {q_out, k_out};
 }
 
-}  // namespace
+}  // namespace hotswap_ops
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -15,6 +15,10 @@
 //
 // write_kv_cache(k, v [T, KVH, D] with contiguous rows and any token stride, k/v_cache, slot_mapping [T] int64)
 // copies each token's keys and values to its slot (block * bs + offset) of the cache; every slot is range-checked.
+//
+// rope_paged_attention(q, k, v, positions, cos, sin, k/v_cache, slot_mapping, block_tables, context_lens,
+// query_lens, kv_of_q, scale) is `rotary` (layer_ops.cpp), write_kv_cache and paged_attention in one call, with the
+// rotated keys written straight into the cache; q [T, H, D] needs contiguous heads only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "layer_ops.h"
 #include "simd.h"
 
 namespace {
@@ -282,11 +287,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slot_mapping) {
+// Checks write_kv_cache's arguments (see the top of the file); returns the slot of each token.
+const int64_t* check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(), "caches must be contiguous [num_blocks, bs, KVH, D]");
-  const int64_t row = k_cache.size(2) * k_cache.size(3), slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
               "k and v must be [T, KVH, D] matching the cache");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
@@ -297,18 +303,41 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
                   slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of range");
-  const int64_t bytes = row * k.element_size();
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slot[t] * bytes, kp + t * k_stride, bytes);
-      std::memcpy(vc + slot[t] * bytes, vp + t * v_stride, bytes);
-    }
+  return slot;
+}
+
+// Copies token row t of `x` [T, KVH, D] (checked by check_kv_write) to slot[t] of `cache`.
+void copy_to_slots(const at::Tensor& x, at::Tensor& cache, const int64_t* slot) {
+  const int64_t bytes = cache.size(2) * cache.size(3) * cache.element_size();
+  const int64_t stride = x.stride(0) * x.element_size();
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  at::parallel_for(0, x.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) std::memcpy(dst + slot[t] * bytes, src + t * stride, bytes);
   });
+}
+
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  const int64_t* slot = check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  copy_to_slots(k, k_cache, slot);
+  copy_to_slots(v, v_cache, slot);
+}
+
+// rotary + write_kv_cache + paged_attention in one call: q and k are rotated at `positions`, the rotated keys
+// go straight to their cache slots (never to a separate tensor), then the new tokens attend.
+at::Tensor rope_paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                const std::optional<at::Tensor>& query_lens,
+                                const std::optional<at::Tensor>& kv_of_q, double scale) {
+  const int64_t* slot = check_kv_write(k, v, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
+  at::Tensor q_rot = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  hotswap_ops::rotate_qk(q, k, positions, cos, sin, q_rot, k_cache.data_ptr(), slot);
+  copy_to_slots(v, v_cache, slot);
+  return paged_attention(q_rot, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale);
 }
 
 }  // namespace
@@ -318,9 +347,14 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "Tensor? query_lens, Tensor? kv_of_q, float scale) -> Tensor");
+  m.def(
+      "rope_paged_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+      "Tensor? query_lens, Tensor? kv_of_q, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("rope_paged_attention", &rope_paged_attention);
 }

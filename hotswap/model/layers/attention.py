@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.kernels import native
+from hotswap.model.layers.rotary import RotaryEmbedding
 
 # Up to this many new tokens per sequence (decode steps, prompts, prefill chunks), attention runs in the native
 # kernel, one query token at a time over its causal context. Its cost grows with the square of the prompt; SDPA's
@@ -110,9 +111,26 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.kernels = native.ops()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]. With `rotary`, q and k are first
+        rotated for the tokens' `positions`: on the native path in the same call that caches and attends."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        if rotary is not None:
+            assert positions is not None, "rotary needs the token positions"
+            if meta.kernel is not None and self.kernels is not None and rotary.native_applies(positions, q):
+                return self.kernels.rope_paged_attention(
+                    q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                    meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
+                )  # fmt: skip
+            q, k = rotary(positions, q, k)
         if self.kernels is not None and k.device.type == "cpu":
             self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:

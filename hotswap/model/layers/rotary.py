@@ -57,9 +57,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.kernels = native.ops()
 
+    def native_applies(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
+        """Whether the native kernels rotate these tokens (`rotary`, or inside `rope_paged_attention`)."""
+        return self.kernels is not None and q.device.type == "cpu" and positions.dtype == torch.long
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]; returns new contiguous tensors."""
-        if self.kernels is not None and q.device.type == "cpu" and positions.dtype == torch.long:
+        if self.native_applies(positions, q):
             return self.kernels.rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
