@@ -138,17 +138,19 @@ def test_attention_fallback_matches_kernel(ops, query_lens):
     q = torch.randn(tokens, 4, 16, generator=gen)
     k, v = torch.randn(tokens, 2, 16, generator=gen), torch.randn(tokens, 2, 16, generator=gen)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, query_lens, strict=True)])
-    rotary = RotaryEmbedding(16, 64, 10000.0, None)
-    for rope in (None, rotary):  # with a rotary embedding, the kernel path rotates inside rope_paged_attention
+    torch_rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    torch_rotary.kernels = None
+    # with a rotary embedding, the kernel path rotates inside rope_paged_attention; the torch path, with torch ops
+    for ropes in ((None, None), (torch_rotary, RotaryEmbedding(16, 64, 10000.0, None))):
         outs, caches = [], []
-        for kernel in (None, ops.paged_attention):
+        for kernel, rope in zip((None, ops.paged_attention), ropes, strict=True):
             attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
             meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
             assert (meta.kernel is None) == (kernel is None)
             outs.append(attn(q, k, v, meta, positions, rope))
             caches.append(attn.k_cache)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(caches[0], caches[1], atol=0.0, rtol=0.0)
+        torch.testing.assert_close(caches[0], caches[1], atol=0.0, rtol=0.0)  # torch rounds rotary as the kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -194,7 +196,7 @@ def test_rope_paged_attention_equals_the_separate_ops(ops, dtype, head_dim, pref
     lens = torch.tensor([3, 9, 1, 14])
     query_lens = torch.tensor([3, 2, 1, 5]) if prefill else None
     per_seq = query_lens if prefill else torch.ones_like(lens)
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in lens])
+    tables = torch.randperm(num_blocks, generator=gen)[: 4 * len(lens)].view(len(lens), 4)  # no shared blocks
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(lens.tolist(), per_seq.tolist(), strict=True)])
     seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
@@ -263,7 +265,7 @@ def test_small_batch_linear_edges_and_bad_input(ops):
         ops.small_batch_linear(torch.randn(2, 8), w, torch.randn(4))
 
 
-@pytest.mark.parametrize("m", [4, 17, 64])
+@pytest.mark.parametrize("m", [4, 17, 40, 64])  # one to four vectors of rows
 @pytest.mark.parametrize(("i", "k"), [(1, 1), (7, 3), (50, 33), (97, 64)])  # tile tails: 7 % 6, 50 % 8, 97 % 48
 def test_small_batch_gated_linear_matches_reference(ops, m, i, k):
     gen = torch.Generator().manual_seed(m * 1000 + i + k)
@@ -292,32 +294,55 @@ def test_small_batch_gated_linear_edges_and_bad_input(ops):
         ops.small_batch_gated_linear(torch.randn(2, 8).double(), w, None)
 
 
-def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quantization):
     """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
-    projection followed by SiluAndMul."""
+    projection followed by SiluAndMul; an fp8 weight is dequantized once per projection either way."""
     from hotswap.config import EngineConfig, use_config
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
 
-    with use_config(EngineConfig.from_kwargs(str(llama_dir))):
-        mlp = LlamaMLP(32, 24, bias=True)
-    for param in mlp.parameters():
-        param.data.normal_()
-    calls = []
-    monkeypatch.setattr(
-        linear_module.MergedLinear, "silu_and_mul",
-        lambda self, x, real=linear_module.MergedLinear.silu_and_mul: calls.append(out := real(self, x)) or out,
-    )  # fmt: skip
-    for rows, dtype, fused in [(4, torch.float32, True), (64, torch.float32, True), (3, torch.float32, False),
-                               (65, torch.float32, False), (8, torch.bfloat16, False)]:  # fmt: skip
-        calls.clear()
-        x = torch.randn(rows, 32).to(dtype)
-        mlp.to(dtype)
+    gen = torch.Generator().manual_seed(6)
+    with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
+        mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
+        for layer, shards in ((mlp.gate_up_proj, [0, 1]), (mlp.down_proj, [None])):
+            for shard in shards:
+                rows = 25 if shard is not None else 32
+                cols = layer.in_features
+                layer.weight.weight_loader(layer.weight, torch.randn(rows, cols, generator=gen), shard)
+                layer.bias.weight_loader(layer.bias, torch.randn(rows, generator=gen), shard)
+            layer.process_weights_after_loading()
+
+    class Spy:
+        def __init__(self) -> None:
+            self.gated = 0
+
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def small_batch_gated_linear(self, *args):
+            self.gated += 1
+            return ops.small_batch_gated_linear(*args)
+
+    dequantized = []
+    real_dequantize = linear_module.dequantize
+    monkeypatch.setattr(linear_module, "dequantize", lambda *a: dequantized.append(1) or real_dequantize(*a))
+    mlp.gate_up_proj.kernels = spy = Spy()
+    cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
+             (3, torch.float32, False), (65, torch.float32, False)]  # fmt: skip
+    if quantization is None:
+        cases.append((8, torch.bfloat16, False))
+    for rows, dtype, fused in cases:
+        x = torch.randn(rows, 32, generator=gen).to(dtype)
+        if quantization is None:
+            mlp.to(dtype)
+        spy.gated, dequantized[:] = 0, []
         with torch.inference_mode():
             got = mlp(x)
-            h = mlp.gate_up_proj(x)
-            expected = mlp.down_proj(mlp.act_fn(h))
-        assert (calls[0] is not None) == fused
+        assert spy.gated == int(fused)
+        assert len(dequantized) == (2 if quantization else 0)
+        with torch.inference_mode():
+            expected = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
         torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
 
 

@@ -12,7 +12,8 @@
 //     output, each weight element broadcast into MV fused multiply-adds;
 //   - while a tile computes, the next tile of the same thread is prefetched in the order it will be read (and xt
 //     a few k ahead), so the DRAM stream overlaps the arithmetic.
-// Threads split the rows of w; each transposes x for itself, so one parallel region does the whole call.
+// Threads split the output columns (rows of w; gated, a gate row and its up row each); each transposes x for
+// itself, so one parallel region does the whole call.
 // Per output element the sum runs over k in order, with fused multiply-adds (results differ from a BLAS in the
 // last bits, as two BLAS builds do).
 #include <ATen/ATen.h>
@@ -115,48 +116,50 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
   }
 }
 
-template <int MV>
-void row_range(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy, int64_t rows,
-               int64_t n0, int64_t n1) {
+// Output columns [n, n + T): rows n of w, or with kGated the silu_mul of gate rows n and up rows I + n (computed
+// back to back into the gate/up scratch, [m][t] with a row stride of 16). `next` (next_rows rows) is what the
+// following call reads first, for the prefetches.
+template <int T, int MV, bool kGated>
+inline void columns(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+                    int64_t rows, int64_t n, int64_t I, float* gate, float* up, const float* next, int64_t next_rows) {
+  if constexpr (!kGated) {
+    tile<T, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows, next, next_rows);
+  } else {
+    tile<T, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows, w + (I + n) * K, T);
+    tile<T, MV>(w + (I + n) * K, xt, K, bias != nullptr ? bias + I + n : nullptr, up, 16, rows, next, next_rows);
+    for (int64_t m = 0; m < rows; ++m) {
+      const f16x out = silu_mul(load(gate + m * 16), load(up + m * 16));  // lanes past T are ignored
+      __builtin_memcpy(y + m * ldy + n, &out, T * sizeof(float));
+    }
+  }
+}
+
+// Output columns [n0, n1) of one block of x: tiles of R, then single rows for the tail.
+template <int MV, bool kGated>
+void column_range(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+                  int64_t rows, int64_t n0, int64_t n1, int64_t I) {
   // R x MV accumulators + MV operands + a broadcast fit the 32 vector registers of AVX-512, and R row pointers
   // the general-purpose registers.
   constexpr int R = MV == 4 ? 6 : 8;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    const int64_t next_rows = std::min<int64_t>(R, n1 - n - R);
-    tile<R, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows,
-                w + (n + R) * K, std::max<int64_t>(next_rows, 0));
-  }
-  for (; n < n1; ++n) tile<1, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, y + n, ldy, rows, nullptr, 0);
-}
-
-// Gated rows [n0, n1) of the output: gate rows n of w and up rows I + n, tile by tile, combined through silu_mul.
-template <int MV>
-void gated_row_range(const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
-                     int64_t rows, int64_t n0, int64_t n1, int64_t I) {
-  constexpr int R = MV == 4 ? 6 : 8;
-  // One tile's gate and up outputs, [m][r] with a row stride of 16 (lanes past the tile's rows are ignored).
-  alignas(64) float gate[kBlockRows * 16] = {};
-  alignas(64) float up[kBlockRows * 16] = {};
-  auto combine = [&](int64_t n, int64_t width) {
-    for (int64_t m = 0; m < rows; ++m) {
-      const f16x out = silu_mul(load(gate + m * 16), load(up + m * 16));
-      __builtin_memcpy(y + m * ldy + n, &out, width * sizeof(float));
-    }
-  };
-  const float* up_bias = bias != nullptr ? bias + I : nullptr;
+  constexpr int64_t kScratch = kGated ? kBlockRows * 16 : 1;
+  alignas(64) float gate[kScratch] = {};
+  alignas(64) float up[kScratch] = {};
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>(R, n1 - n - R));
-    tile<R, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows, w + (I + n) * K, R);
-    tile<R, MV>(w + (I + n) * K, xt, K, up_bias != nullptr ? up_bias + n : nullptr, up, 16, rows, w + (n + R) * K,
-                next_rows);
-    combine(n, R);
+    columns<R, MV, kGated>(w, xt, K, bias, y, ldy, rows, n, I, gate, up, w + (n + R) * K, next_rows);
   }
-  for (; n < n1; ++n) {
-    tile<1, MV>(w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows, nullptr, 0);
-    tile<1, MV>(w + (I + n) * K, xt, K, up_bias != nullptr ? up_bias + n : nullptr, up, 16, rows, nullptr, 0);
-    combine(n, 1);
+  for (; n < n1; ++n) columns<1, MV, kGated>(w, xt, K, bias, y, ldy, rows, n, I, gate, up, nullptr, 0);
+}
+
+template <bool kGated>
+void column_range(int MV, const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+                  int64_t rows, int64_t n0, int64_t n1, int64_t I) {
+  switch (MV) {
+    case 4: column_range<4, kGated>(w, xt, K, bias, y, ldy, rows, n0, n1, I); break;
+    case 3: column_range<3, kGated>(w, xt, K, bias, y, ldy, rows, n0, n1, I); break;
+    case 2: column_range<2, kGated>(w, xt, K, bias, y, ldy, rows, n0, n1, I); break;
+    default: column_range<1, kGated>(w, xt, K, bias, y, ldy, rows, n0, n1, I); break;
   }
 }
 
@@ -200,19 +203,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
       transpose_block(xp + m0 * ldx, ldx, rows, K, MV, xt.data());
       float* yb = yp + m0 * N;
       if (gated) {
-        switch (MV) {
-          case 4: gated_row_range<4>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
-          case 3: gated_row_range<3>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
-          case 2: gated_row_range<2>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
-          default: gated_row_range<1>(wp, xt.data(), K, bp, yb, N, rows, n0, n1, N); break;
-        }
-        continue;
-      }
-      switch (MV) {
-        case 4: row_range<4>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
-        case 3: row_range<3>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
-        case 2: row_range<2>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
-        default: row_range<1>(wp, xt.data(), K, bp, yb, N, rows, n0, n1); break;
+        column_range<true>(MV, wp, xt.data(), K, bp, yb, N, rows, n0, n1, N);
+      } else {
+        column_range<false>(MV, wp, xt.data(), K, bp, yb, N, rows, n0, n1, N);
       }
     }
   });

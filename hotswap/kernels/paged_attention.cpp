@@ -217,12 +217,12 @@ void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           const std::optional<at::Tensor>& query_lens, const std::optional<at::Tensor>& kv_of_q,
-                           double scale) {
+// Checks paged_attention's arguments (of q, only its shape and dtype) and lays out the work.
+Problem prepare(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                const std::optional<at::Tensor>& query_lens, const std::optional<at::Tensor>& kv_of_q, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim mismatch");
   TORCH_CHECK(k_cache.size(2) > 0 && k_cache.size(1) > 0, "the cache needs at least one KV head and block slot");
@@ -279,12 +279,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(kvh >= 0 && kvh < P.KVH, "kv_of_q out of range");
     P.heads_of[kvh].push_back(h);
   }
+  return P;
+}
+
+// Attention of the prepared problem; q contiguous, shaped and typed as `prepare` checked.
+at::Tensor attend_all(const Problem& P, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   at::Tensor out = at::empty({q.size(0), P.H * P.D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                               out.data_ptr<scalar_t>());
+                     out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const std::optional<at::Tensor>& query_lens, const std::optional<at::Tensor>& kv_of_q,
+                           double scale) {
+  TORCH_CHECK(q.is_contiguous(), "inputs must be contiguous");
+  const Problem P = prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale);
+  return attend_all(P, q, k_cache, v_cache);
 }
 
 // Checks write_kv_cache's arguments (see the top of the file); returns the slot of each token.
@@ -332,12 +346,13 @@ at::Tensor rope_paged_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
                                 const std::optional<at::Tensor>& query_lens,
                                 const std::optional<at::Tensor>& kv_of_q, double scale) {
+  // Every check runs before the cache is written: bad input leaves it as it was.
   const int64_t* slot = check_kv_write(k, v, k_cache, v_cache, slot_mapping);
-  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
+  const Problem P = prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale);
   at::Tensor q_rot = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  hotswap_ops::rotate_qk(q, k, positions, cos, sin, q_rot, k_cache.data_ptr(), slot);
+  hotswap_ops::rotate_qk(q, k, positions, cos, sin, q_rot, k_cache.data_ptr(), slot);  // checks, then writes
   copy_to_slots(v, v_cache, slot);
-  return paged_attention(q_rot, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale);
+  return attend_all(P, q_rot, k_cache, v_cache);
 }
 
 }  // namespace

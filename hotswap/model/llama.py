@@ -61,10 +61,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj.silu_and_mul(x)  # decode batches: the gate fused into the projection
-        if h is None:
-            h = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -262,13 +262,11 @@ class MergedLinear(Linear):
         super().__init__(in_features, sum(out_sizes), bias, parallel="column", shard_specs=specs)
         self.gate_and_up = len(out_sizes) == 2 and out_sizes[0] == out_sizes[1]
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a [gate; up] projection: `silu(gate) * up` of this rank's columns, computed in one native pass with
-        the gate applied as the kernel writes its output (see hotswap/kernels/linear.cpp). None where that kernel
-        does not apply: the caller then runs `forward` and the activation."""
-        if not self.gate_and_up:
-            return None
-        weight = self.effective_weight(x.dtype)
-        if not small_batch_applies(x, weight, self.bias, self.kernels):
-            return None
-        return self.kernels.small_batch_gated_linear(x, weight, self.bias)
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul). Where the
+        native small-batch kernel applies, the gate is applied as the kernel writes its output (see
+        hotswap/kernels/linear.cpp), so the [tokens, 2 x intermediate] projection never reaches memory."""
+        weight = self.effective_weight(x.dtype)  # dequantized once either way
+        if self.gate_and_up and small_batch_applies(x, weight, self.bias, self.kernels):
+            return self.kernels.small_batch_gated_linear(x, weight, self.bias)
+        return act(linear(x, weight, self.bias, self.kernels))  # column-parallel: forward() is this product
