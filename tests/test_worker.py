@@ -7,7 +7,8 @@ import inspect
 import pytest
 import torch
 
-from hotswap import LLM, EngineConfig, current_config, use_config
+from conftest import PROMPTS
+from hotswap import LLM, EngineConfig, SamplingParams, current_config, use_config
 from hotswap.model.reload import WeightUpdate
 from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
 from hotswap.worker.worker import Worker
@@ -188,3 +189,37 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
             runner.allocate_kv_cache(worker.config.cache_config.num_kv_blocks)
     assert sorted(seen) == sorted(cases)
     assert all(cfg is worker.config for cfg in seen.values())
+
+
+def test_place_in_huge_pages_rebinds_parameters_into_one_mapping():
+    from hotswap.worker.memory import place_in_huge_pages
+
+    module = torch.nn.Module()
+    module.a = torch.nn.Parameter(torch.empty(5, 3), requires_grad=False)
+    module.b = torch.nn.Parameter(torch.empty(7, dtype=torch.bfloat16), requires_grad=False)
+    module.tied = torch.nn.Linear(3, 5, bias=False)
+    module.tied.weight = module.a  # shared: placed once
+    module.a.hotswap_name = "a"
+    placed = place_in_huge_pages(module)
+    params = list(module.parameters())
+    assert placed == 64 + 64 and len(params) == 2
+    assert module.a.shape == (5, 3) and module.a.dtype == torch.float32 and module.a.hotswap_name == "a"
+    assert module.b.shape == (7,) and module.b.dtype == torch.bfloat16
+    assert module.tied.weight is module.a
+    assert module.b.data_ptr() - module.a.data_ptr() == 64 and module.a.data_ptr() % 64 == 0
+    assert module.a.abs().sum() == 0  # fresh zero pages, before any weight is loaded
+    module.a.data.copy_(torch.arange(15.0).view(5, 3))
+    torch.testing.assert_close(module.tied(torch.eye(3)), torch.arange(15.0).view(5, 3).T)
+
+
+def test_huge_pages_off_loads_the_same_model(llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for huge_pages in (True, False):
+        llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, huge_pages=huge_pages)
+        assert llm.config.load_config.huge_pages is huge_pages
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="huge_pages must be True or False"):
+        EngineConfig.from_kwargs(str(llama_dir), huge_pages="yes")

@@ -28,7 +28,7 @@ from hotswap.model.reload import WeightUpdate
 from hotswap.model.safetensors_io import declared as index_declared
 from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.transfer.checksum import tensor_sha256
-from hotswap.worker.memory import discard_pages
+from hotswap.worker.memory import discard_pages, place_in_huge_pages
 from hotswap.worker.model_input import ModelInput, ModelOutput
 from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.weight_session import SessionState, WeightSession, WeightUpdateFailed
@@ -78,6 +78,8 @@ class Worker:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         torch.manual_seed(self.config.model_config.seed)  # unseeded sampling draws from this process's generator
         model = build_model(self.config.model_config)
+        if self.config.load_config.huge_pages:
+            place_in_huge_pages(model)
         if self.config.load_config.load_format == "dummy":
             update = WeightUpdate(model, atomic=False, check_finite=False)
             with torch.no_grad():
