@@ -165,7 +165,7 @@ class ParallelConfig:
 class LoadConfig:
     """How weights are read. `load_format` "safetensors" reads *.safetensors; "dummy" leaves random weights.
     `huge_pages` places the weights in transparent huge pages (Linux) before loading them: faster decode steps
-    (fewer TLB misses while streaming the weights) for about 0.5 s more at load on a 125M model."""
+    (fewer TLB misses while streaming the weights) for 0.5-1 s more at load on a 125M model."""
 
     load_format: str = "safetensors"
     huge_pages: bool = True

@@ -1,4 +1,5 @@
-"""Returning memory to the operating system without moving tensors."""
+"""Where tensors' memory lives: returning it to the operating system without moving tensors, and placing the
+weights in transparent huge pages."""
 
 from __future__ import annotations
 
