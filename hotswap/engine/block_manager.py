@@ -1,8 +1,10 @@
 """Paged KV block allocation with reference counts, copy-on-write and a hash-chained prefix cache.
 
 Invariants:
-- A block with ref_count 0 sits in the free queue (least recently freed first). It may still hold a cached
-  prefix block, found through `cached`, until it is handed out again.
+- A block with ref_count 0 is free. Free blocks holding a cached prefix block (found through `cached`) sit in
+  `evictable`, least recently freed first; the others sit in `empty`, a stack. Allocation takes the top of
+  `empty` before it evicts anything, so cached prefixes live as long as possible, and the most recently used
+  memory is reused first: blocks never used (their pages not yet mapped by the OS) come last.
 - A block is only written by a sequence that owns it alone (ref_count 1); a sequence about to write into a
   shared block first copies it (recorded in `pending_copies`, executed before the next forward pass).
 - Only full blocks whose KV is computed are hashed. The hash of block i covers its tokens and block i-1's hash,
@@ -31,7 +33,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.empty: list[int] = list(reversed(range(num_blocks)))  # popped from the end: block 0 first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.pending_copies: list[tuple[int, int]] = []
         self.salt = 0  # mixed into the first block hash of every chain (the weight version, salt policy)
@@ -40,7 +43,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.empty) + len(self.evictable)
 
     def _blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -66,10 +69,11 @@ class BlockManager:
         return hits
 
     def _take_free(self) -> Block:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            if self.cached.get(block.hash) == block_id:
+        if self.empty:
+            block = self.blocks[self.empty.pop()]
+        else:
+            block = self.blocks[self.evictable.popitem(last=False)[0]]
+            if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
@@ -78,13 +82,13 @@ class BlockManager:
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free[block_id]
+            del self.evictable[block_id]  # only a cached prefix block is referenced again while free
         block.ref_count += 1
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
         revived = sum(1 for b, _ in hits if self.blocks[b].ref_count == 0)
-        return self._blocks_needed(len(seq)) - len(hits) <= len(self.free) - revived
+        return self._blocks_needed(len(seq)) - len(hits) <= self.num_free_blocks - revived
 
     def allocate(self, seq: Sequence) -> None:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Call after can_allocate."""
@@ -111,7 +115,10 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                self.free[block_id] = None
+                if block.hash is None:
+                    self.empty.append(block_id)
+                else:
+                    self.evictable[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
 
@@ -119,8 +126,8 @@ class BlockManager:
         """Whether `seq` can get a writable slot for its last token."""
         pos = len(seq) - 1
         if pos // self.block_size >= len(seq.block_table):
-            return len(self.free) >= 1
-        return self.blocks[seq.block_table[pos // self.block_size]].ref_count == 1 or len(self.free) >= 1
+            return self.num_free_blocks >= 1
+        return self.blocks[seq.block_table[pos // self.block_size]].ref_count == 1 or self.num_free_blocks >= 1
 
     def append_slot(self, seq: Sequence) -> None:
         """Makes the block holding the last token writable by `seq` alone. Call after can_append."""
@@ -165,3 +172,5 @@ class BlockManager:
         self.cached.clear()
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
+        self.empty.extend(self.evictable)  # least recently freed deepest in the stack
+        self.evictable.clear()
