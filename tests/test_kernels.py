@@ -81,6 +81,29 @@ def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, layout, p
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_attention_kernel_long_contexts_across_block_sizes(ops, block_size, prefill):
+    """float32 path over many scattered blocks: full and partial 16-key chunks, blocks of several chunks, and
+    sequences long enough that the block prefetcher runs ahead across sequence boundaries on both threads."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, num_blocks = 9, 3, 64, 160
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    lens = torch.tensor([1, 16, 17, 33, 64, 97, 150, 40, 8, 120])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    query_lens = torch.minimum(lens, torch.tensor([1, 16, 5, 33, 2, 20, 7, 40, 8, 3])) if prefill else None
+    per_seq = query_lens if prefill else torch.ones_like(lens)
+    token_seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)
+    pairs = zip(lens.tolist(), per_seq.tolist(), strict=True)
+    token_keys = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in pairs])
+    q = torch.randn(len(token_seq), heads, head_dim, generator=gen) * 3  # peaked softmaxes: the rescaling matters
+    out = ops.paged_attention(q, k_cache, v_cache, tables, lens, query_lens, None, head_dim**-0.5)
+    expected = reference(q, k_cache, v_cache, tables[token_seq], token_keys, None, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_kernel_rejects_bad_input(ops):
     q = torch.randn(2, 4, 16)
     cache = torch.randn(8, 4, 2, 16)
