@@ -395,6 +395,31 @@ def test_linear_dispatch(ops, monkeypatch):
     assert (linear_module.SMALL_BATCH_MIN_ROWS, linear_module.SMALL_BATCH_ROWS) == (4, 64)
 
 
+@pytest.mark.parametrize("vocab", [16384, 1000, 7])
+def test_greedy_sample_matches_max_and_log_softmax(ops, vocab):
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(12, vocab + 5, generator=gen) * 4
+    logits = wide[:, :vocab]  # strided rows
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2, -1] = logits[2].max() + 1  # the maximum in the scalar tail
+    tokens, logprobs = ops.greedy_sample(logits)
+    assert torch.equal(tokens, logits.max(dim=-1).indices)
+    expected = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-6)
+
+
+def test_greedy_sample_non_finite_rows_follow_torch(ops):
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 3.0, 3.0, nan, 2.0], [-inf] * 5, [0.0, inf, 1.0, inf, 0.0], [1.0, 2.0, nan, nan, 7.0]]
+    logits = torch.tensor([*rows, [0, -inf, 2, 2, 1]])
+    tokens, logprobs = ops.greedy_sample(logits)
+    assert torch.equal(tokens, logits.max(dim=-1).indices)
+    expected = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, equal_nan=True)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.greedy_sample(logits.double())
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 3e-7), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)])
 def test_silu_and_mul_matches_torch(ops, dtype, tol):
     from hotswap.model.layers.activation import SiluAndMul

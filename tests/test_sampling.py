@@ -166,6 +166,17 @@ def test_sampler_filters():
     assert seen <= set(order[:keep].tolist()) and len(seen) > 1
 
 
+def test_plain_greedy_fast_path_equals_the_general_path():
+    """All-greedy rows without logprobs take the one-pass kernel; asking for logprobs takes the general path."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 3000, generator=gen) * 3
+    fast = sample(logits, [SampleSpec() for _ in range(16)])
+    general = sample(logits, [SampleSpec(num_logprobs=0) for _ in range(16)])
+    assert [r.token_id for r in fast] == [r.token_id for r in general] == logits.argmax(-1).tolist()
+    for f, g in zip(fast, general, strict=True):
+        assert abs(f.logprob - g.logprob) < 1e-5
+
+
 def test_min_p_applies_before_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     # min_p 0.5 keeps {0: .5, 1: .3}; renormalized, top_p 0.6 keeps only token 0 (vLLM's order)

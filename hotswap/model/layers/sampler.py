@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hotswap.kernels import native
+
 
 @dataclass
 class SampleSpec:
@@ -72,6 +74,12 @@ def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
+    kernels = native.ops()
+    plain_greedy = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in specs)
+    if kernels is not None and plain_greedy and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
+        tokens, chosen = kernels.greedy_sample(logits)
+        return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1)
     if any(spec.banned_token_ids for spec in specs):
         logits = logits.clone()
