@@ -45,15 +45,23 @@ struct Problem {
   std::vector<int64_t> seq_of, keys_of;  // per query token: its sequence and how many keys it sees
 };
 
-// Calls fn(t, slot) for each key position t < len of sequence b, in order, walking its block table once.
+// Calls fn(t, slot, ahead) for each key position t < len of sequence b, in order, walking its block table once.
+// `ahead` is the slot one block further on (position t + bs), or -1 past the end: the slot to prefetch now.
 template <typename Fn>
 inline void for_each_slot(const Problem& P, int64_t b, int64_t len, Fn&& fn) {
   const int64_t* table = P.tables + b * P.W;
   for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
     const int64_t n = std::min(P.bs, len - start);
     const int64_t base = table[blk] * P.bs;
-    for (int64_t o = 0; o < n; ++o) fn(start + o, base + o);
+    const int64_t ahead_n = std::min(P.bs, len - start - P.bs);  // used slots of the next block (<= 0: none)
+    const int64_t ahead_base = ahead_n > 0 ? table[blk + 1] * P.bs : 0;
+    for (int64_t o = 0; o < n; ++o) fn(start + o, base + o, o < ahead_n ? ahead_base + o : -1);
   }
+}
+
+// Requests the D floats at `row` (one key or value of one KV head), a line at a time.
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += kWidth) __builtin_prefetch(row + d, 0, 3);
 }
 
 // Softmax of scores[0, len) in place; returns the normaliser.
@@ -66,206 +74,92 @@ inline float exp_normaliser(float* scores, int64_t len, float max_score) {
   return denom;
 }
 
-// Lane j of the result is the sum of a[j]'s lanes: a transpose-and-add tree of 45 shuffles and adds, where 16
-// separate reductions would take about 130.
-__attribute__((always_inline)) inline f16x hsum16(const f16x* a) {
-  f16x r8[8], r4[4], r2[2];
-  for (int i = 0; i < 8; ++i) {  // [half sums of a[2i] | of a[2i + 1]]
-    const f16x x = a[2 * i], y = a[2 * i + 1];
-    r8[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// exp_normaliser, vectorised.
+inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
+  f16x sum = f16x{};
+  int64_t t = 0;
+  for (; t + kWidth <= len; t += kWidth) {
+    const f16x e = exp_clamped(load(scores + t) - max_score);
+    store(scores + t, e);
+    sum += e;
   }
-  for (int i = 0; i < 4; ++i) {  // quarter sums of a[4i .. 4i + 3]
-    const f16x x = r8[2 * i], y = r8[2 * i + 1];
-    r4[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-            __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  float denom = hsum(sum);
+  if (t < len) {
+    alignas(64) float tail[kWidth] = {};
+    std::memcpy(tail, scores + t, (len - t) * sizeof(float));
+    const f16x e = exp_clamped(load(tail) - max_score);
+    store(tail, e);
+    for (int64_t i = 0; i < len - t; ++i) denom += tail[i];
+    std::memcpy(scores + t, tail, (len - t) * sizeof(float));
   }
-  for (int i = 0; i < 2; ++i) {  // pair sums of a[8i .. 8i + 7]
-    const f16x x = r4[2 * i], y = r4[2 * i + 1];
-    r2[i] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-            __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(r2[0], r2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(r2[0], r2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return denom;
 }
 
-inline float hmax(f16x v) {
-  const f8x lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f8x hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f8x a = lo > hi ? lo : hi;
-  const f4x a_lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), a_hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const f4x b = a_lo > a_hi ? a_lo : a_hi;
-  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
-}
-
-// Online softmax state of one query head: running maximum and normaliser of its scores. The value sum weighted
-// by exp(score - max) is kept beside it (D floats).
-struct HeadState {
-  float max, sum;
-};
-
-// Per-thread working memory of the float32 path: every query head's state and weighted value sum.
-struct TokenScratch {
-  std::vector<HeadState> state;
-  std::vector<float> acc;  // [H, D]
-};
-
-// float32 fast path, head_dim = C * 16: G query heads sharing one KV head take n <= 16 consecutive keys of the
-// same block (rows `keys` and `values`, this KV head's part). Scores of the 16 keys come out as one vector, the
-// softmax state is rescaled once per chunk, and each key and value row is loaded once for all G heads.
-template <int C, int G, bool kFull>
-inline void attend_chunk_f32(const float* const* q, const float* keys, const float* values, int64_t row, int n,
-                             float scale, HeadState* state, float* const* acc) {
-  if constexpr (kFull) n = kWidth;
-  alignas(64) float p[G][kWidth];
-  float alpha[G];
-  const f16x lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const auto live = lane < static_cast<float>(n);
-  for (int g = 0; g < G; ++g) {
-    f16x qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = load(q[g] + c * kWidth);
-    f16x dot[kWidth];
-    for (int j = 0; j < kWidth; ++j) {
-      dot[j] = f16x{};
-      if (kFull || j < n) {
-        const float* k = keys + j * row;
-        for (int c = 0; c < C; ++c) dot[j] += qv[c] * load(k + c * kWidth);
-      }
-    }
-    const f16x sum = hsum16(dot) * scale;
-    const f16x scores = kFull ? sum : (live ? sum : f16x{} - INFINITY);
-    const float new_max = std::max(state[g].max, hmax(scores));
-    alpha[g] = std::exp(state[g].max - new_max);  // 0 on the first chunk (max -inf)
-    const f16x ex = exp_clamped(scores - new_max);
-    const f16x e = kFull ? ex : (live ? ex : f16x{});
-    state[g].max = new_max;
-    state[g].sum = state[g].sum * alpha[g] + hsum(e);
-    store(p[g], e);
-  }
-  f16x out[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) out[g][c] = load(acc[g] + c * kWidth) * alpha[g];
-  for (int j = 0; j < n; ++j) {
-    f16x vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load(values + j * row + c * kWidth);
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) out[g][c] += p[g][j] * vv[c];
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) store(acc[g] + c * kWidth, out[g][c]);
-}
-
-// attend_chunk_f32 with the chunk size fixed when it is full (the common case), so its loops unroll.
+// float32 fast path for head_dim = C * 16 and G query heads sharing one KV head: each key and value row is loaded
+// once for all G heads; query and accumulator tiles stay in registers.
 template <int C, int G>
-inline void chunk(const float* const* q, const float* keys, const float* values, int64_t row, int n, float scale,
-                  HeadState* state, float* const* acc) {
-  if (n == kWidth) {
-    attend_chunk_f32<C, G, true>(q, keys, values, row, n, scale, state, acc);
-  } else {
-    attend_chunk_f32<C, G, false>(q, keys, values, row, n, scale, state, acc);
+void attend_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
+                      int64_t tok, const int64_t* heads, float* scores) {
+  const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
+  f16x qv[G][C];
+  float max_score[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (tok * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
+    max_score[g] = -INFINITY;
+  }
+  // Blocks are scattered, so the hardware cannot guess the next one: scoring a key requests the key one block
+  // ahead and this key's values, a row at a time so the outstanding misses stay few.
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
+    prefetch_row(vbase + slot * row, P.D);
+    const float* k = kbase + slot * row;
+    f16x kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load(k + c * kWidth);
+    for (int g = 0; g < G; ++g) {
+      f16x acc = qv[g][0] * kv[0];
+      for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
+      const float s = hsum(acc);
+      scores[g * len + t] = s;
+      max_score[g] = std::max(max_score[g], s);
+    }
+  });
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
+  f16x acc[G][C] = {};
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
+    const float* v = vbase + slot * row;
+    f16x vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(v + c * kWidth);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    float* dst = out + (tok * P.H + heads[g]) * P.D;
+    for (int c = 0; c < C; ++c) {
+      store(dst + c * kWidth, acc[g][c] * inv[g]);
+    }
   }
 }
 
-// Query heads per chunk call: the G x C accumulators and the 16 partial dot products stay near the 32 registers.
+// One (query token, KV head) task: its query heads in groups of up to 4.
 template <int C>
-constexpr int kMaxGroup = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
-
-// Prefetches the blocks a thread will read, kAhead blocks ahead of the one being read: the blocks of the
-// sequences of its tokens [begin, end), sequence after sequence. Blocks are scattered, so the hardware cannot
-// guess the next one, and without this each sequence would also start cold. Blocks are numbered in that order;
-// the tokens of one sequence (a prefill) all walk its blocks from the first, so the request only ever moves on.
-class BlockPrefetcher {
- public:
-  static constexpr int64_t kAhead = 6;
-
-  BlockPrefetcher(const Problem& P, const float* kc, const float* vc, int64_t begin, int64_t end)
-      : P_(P), kc_(kc), vc_(vc) {
-    for (int64_t tok = begin; tok < end; ++tok) {
-      if (tok == begin || P.seq_of[tok] != P.seq_of[tok - 1]) {
-        first_.push_back(total_);
-        seq_.push_back(P.seq_of[tok]);
-        keys_.push_back(0);
-      }
-      const int64_t blocks = (P.keys_of[tok] + P.bs - 1) / P.bs;
-      total_ = std::max(total_, first_.back() + blocks);
-      keys_.back() = std::max(keys_.back(), P.keys_of[tok]);
+void attend_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
+                     int64_t kvh, std::vector<float>& scores) {
+  const std::vector<int64_t>& heads = P.heads_of[kvh];
+  const float* kbase = kc + kvh * P.D;
+  const float* vbase = vc + kvh * P.D;
+  scores.resize(4 * P.keys_of[tok]);
+  for (size_t i = 0; i < heads.size(); i += 4) {
+    const int64_t* group = heads.data() + i;
+    switch (std::min<size_t>(4, heads.size() - i)) {
+      case 4: attend_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 3: attend_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 2: attend_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      default: attend_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
     }
-  }
-
-  // Number of block `blk` of the run (sequence) `run`.
-  int64_t index(size_t run, int64_t blk) const { return first_[run] + blk; }
-
-  // Block `i` is about to be read: make sure every block up to i + kAhead has been requested.
-  void reach(int64_t i) {
-    const int64_t row = P_.KVH * P_.D;
-    for (; issued_ <= std::min(i + kAhead, total_ - 1); ++issued_) {
-      while (run_ + 1 < first_.size() && first_[run_ + 1] <= issued_) ++run_;
-      const int64_t blk = issued_ - first_[run_];
-      const int64_t slot = P_.tables[seq_[run_] * P_.W + blk] * P_.bs;
-      const int64_t used = std::min(P_.bs, keys_[run_] - blk * P_.bs);
-      for (int64_t off = 0; off < used * row; off += kWidth) {
-        __builtin_prefetch(kc_ + slot * row + off, 0, 2);
-        __builtin_prefetch(vc_ + slot * row + off, 0, 2);
-      }
-    }
-  }
-
- private:
-  const Problem& P_;
-  const float* kc_;
-  const float* vc_;
-  std::vector<int64_t> first_, seq_, keys_;  // per run of tokens of one sequence: first block number, b, keys
-  int64_t total_ = 0, issued_ = 0;
-  size_t run_ = 0;
-};
-
-// Every query head of token `tok` (of run `run` of `pf`), a chunk at a time: the keys, then the values, of a block
-// are read in address order for all KV heads together.
-template <int C>
-void attend_token_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
-                      BlockPrefetcher& pf, size_t run, TokenScratch& scratch) {
-  const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D, D = P.D;
-  scratch.state.assign(P.H, HeadState{-INFINITY, 0.f});
-  scratch.acc.assign(P.H * D, 0.f);
-  HeadState* state = scratch.state.data();
-  const int64_t* table = P.tables + b * P.W;
-  for (int64_t start = 0, blk = 0; start < len; start += P.bs, ++blk) {
-    const int64_t base = table[blk] * P.bs, used = std::min(P.bs, len - start);
-    pf.reach(pf.index(run, blk));
-    for (int64_t o = 0; o < used; o += kWidth) {
-      const int n = static_cast<int>(std::min<int64_t>(kWidth, used - o));
-      const float* keys = kc + (base + o) * row;
-      const float* values = vc + (base + o) * row;
-      for (int64_t kvh = 0; kvh < P.KVH; ++kvh) {
-        const std::vector<int64_t>& heads = P.heads_of[kvh];
-        for (size_t i = 0; i < heads.size(); i += kMaxGroup<C>) {
-          const float* qs[kMaxGroup<C>];
-          float* accs[kMaxGroup<C>];
-          const int g = static_cast<int>(std::min<size_t>(kMaxGroup<C>, heads.size() - i));
-          for (int j = 0; j < g; ++j) {
-            qs[j] = q + (tok * P.H + heads[i + j]) * D;
-            accs[j] = scratch.acc.data() + heads[i + j] * D;
-          }
-          HeadState group_state[kMaxGroup<C>];
-          for (int j = 0; j < g; ++j) group_state[j] = state[heads[i + j]];  // heads need not be adjacent
-          const float* k = keys + kvh * D;
-          const float* v = values + kvh * D;
-          constexpr int kG = kMaxGroup<C>;
-          switch (g) {
-            case 4: if constexpr (kG >= 4) chunk<C, 4>(qs, k, v, row, n, P.scale, group_state, accs); break;
-            case 3: if constexpr (kG >= 3) chunk<C, 3>(qs, k, v, row, n, P.scale, group_state, accs); break;
-            case 2: if constexpr (kG >= 2) chunk<C, 2>(qs, k, v, row, n, P.scale, group_state, accs); break;
-            default: chunk<C, 1>(qs, k, v, row, n, P.scale, group_state, accs); break;
-          }
-          for (int j = 0; j < g; ++j) state[heads[i + j]] = group_state[j];
-        }
-      }
-    }
-  }
-  for (int64_t h = 0; h < P.H; ++h) {
-    const f16x inv = f16x{} + 1.f / state[h].sum;
-    const float* acc = scratch.acc.data() + h * D;
-    for (int c = 0; c < C; ++c) store(out + (tok * P.H + h) * D + c * kWidth, load(acc + c * kWidth) * inv);
   }
 }
 
@@ -279,7 +173,7 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
   for (int64_t h : P.heads_of[kvh]) {
     for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[(tok * P.H + h) * D + d]) * P.scale;
     float max_score = -INFINITY;
-    for_each_slot(P, b, len, [&](int64_t t, int64_t slot) {
+    for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t) {
       const T* k = kc + slot * row + kvh * D;
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
@@ -288,7 +182,7 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
     });
     const float inv = 1.f / exp_normaliser(scores.data(), len, max_score);
     std::fill(acc.begin(), acc.end(), 0.f);
-    for_each_slot(P, b, len, [&](int64_t t, int64_t slot) {
+    for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t) {
       const T* v = vc + slot * row + kvh * D;
       for (int64_t d = 0; d < D; ++d) acc[d] += scores[t] * static_cast<float>(v[d]);
     });
@@ -298,41 +192,27 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
 
 template <typename T>
 void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
-  const int64_t tokens = static_cast<int64_t>(P.seq_of.size());
-  if constexpr (std::is_same_v<T, float>) {
-    // One task per query token, all its heads: consecutive tasks (the tokens of one sequence) reuse its keys.
-    void (*fn)(const Problem&, const float*, const float*, const float*, float*, int64_t, BlockPrefetcher&, size_t,
-               TokenScratch&) = nullptr;
-    switch (P.D) {
-      case 16: fn = attend_token_f32<1>; break;
-      case 32: fn = attend_token_f32<2>; break;
-      case 48: fn = attend_token_f32<3>; break;
-      case 64: fn = attend_token_f32<4>; break;
-      case 80: fn = attend_token_f32<5>; break;
-      case 96: fn = attend_token_f32<6>; break;
-      case 128: fn = attend_token_f32<8>; break;
-      case 256: fn = attend_token_f32<16>; break;
-      default: break;
-    }
-    if (fn != nullptr) {
-      at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-        TokenScratch scratch;
-        BlockPrefetcher pf(P, kc, vc, begin, end);
-        size_t run = 0;
-        for (int64_t tok = begin; tok < end; ++tok) {
-          if (tok > begin && P.seq_of[tok] != P.seq_of[tok - 1]) ++run;
-          fn(P, q, kc, vc, out, tok, pf, run, scratch);
-        }
-      });
-      return;
-    }
-  }
   // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
   // consecutive tasks (the tokens of one sequence) reuse the same keys.
+  const int64_t tokens = static_cast<int64_t>(P.seq_of.size());
   at::parallel_for(0, tokens * P.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      attend_task_generic<T>(P, q, kc, vc, out, task / P.KVH, task % P.KVH, scores);
+      const int64_t tok = task / P.KVH, kvh = task % P.KVH;
+      if constexpr (std::is_same_v<T, float>) {
+        switch (P.D) {
+          case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
+          default: break;
+        }
+      }
+      attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
     }
   });
 }
