@@ -5,7 +5,7 @@ as a warm-up, and times the second by layer kind: linear layers (the LM head inc
 and attention: `Attention.forward`), norms, sampling, and the rest (embedding, SwiGLU gate outside the fused
 kernel, Python and dispatch). With `--attention-in-cache`, every decode attention call is also repeated at once,
 with its KV now in cache, to split attention into compute and waiting for memory (the repeat is not counted in
-the step times).
+the step times, but it is in the run's total).
 
     python benchmarks/decode_profile.py [--workload 125m] [--attention-in-cache]
 
