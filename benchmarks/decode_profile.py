@@ -41,7 +41,8 @@ class StepTimer:
         self.in_cache: list[float] = []  # per decode step: attention repeated with its KV in cache
         self.current_in_cache = 0.0
 
-    def wrap(self, owner: type, name: str, kind: str) -> None:
+    def wrap(self, owner: object, name: str, kind: str) -> None:
+        """Replaces `owner.name` (a class's method or a module's function) by a version timed as `kind`."""
         original: Callable = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -68,18 +69,6 @@ class StepTimer:
             return out
 
         model_runner.ModelRunner.execute = timed
-
-    def wrap_sampler(self) -> None:
-        original = model_runner.sample
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.current["sampling"] += time.perf_counter() - start
-
-        model_runner.sample = timed
 
     def repeat_attention_in_cache(self) -> None:
         """Calls each decode-step attention a second time, untimed in the step, timing that repeat apart (its
@@ -120,7 +109,7 @@ def main() -> None:
     timer.wrap(embedding.VocabEmbedding, "logits", "linear")
     timer.wrap(norm.RMSNorm, "forward", "norm")
     timer.wrap(norm.RMSNorm, "add_and_norm", "norm")
-    timer.wrap_sampler()
+    timer.wrap(model_runner, "sample", "sampling")  # looked up in model_runner's globals at each step
     timer.wrap_step()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(make_tiny_model(Path(tmp) / args.workload, arch="llama", preset=args.workload))

@@ -84,8 +84,8 @@ def test_attention_kernel_matches_reference(ops, dtype, head_dim, tol, layout, p
 @pytest.mark.parametrize("block_size", [16, 32, 5])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_attention_kernel_long_contexts_across_block_sizes(ops, block_size, prefill):
-    """float32 path over many scattered blocks: full and partial 16-key chunks, blocks of several chunks, and
-    sequences long enough that the block prefetcher runs ahead across sequence boundaries on both threads."""
+    """float32 path over many scattered blocks: sequences of up to 150 keys (prefetches one block ahead across
+    many block boundaries), block sizes above, at and below 16, full and ragged last blocks, both threads busy."""
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, head_dim, num_blocks = 9, 3, 64, 160
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
@@ -98,7 +98,7 @@ def test_attention_kernel_long_contexts_across_block_sizes(ops, block_size, pref
     token_seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)
     pairs = zip(lens.tolist(), per_seq.tolist(), strict=True)
     token_keys = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in pairs])
-    q = torch.randn(len(token_seq), heads, head_dim, generator=gen) * 3  # peaked softmaxes: the rescaling matters
+    q = torch.randn(len(token_seq), heads, head_dim, generator=gen) * 3  # peaked softmaxes
     out = ops.paged_attention(q, k_cache, v_cache, tables, lens, query_lens, None, head_dim**-0.5)
     expected = reference(q, k_cache, v_cache, tables[token_seq], token_keys, None, head_dim**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
