@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.kernels import native
 from hotswap.model.layers.activation import SiluAndMul
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.embedding import VocabEmbedding
-from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader, small_batch_applies
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -93,12 +94,64 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.kernels = native.ops()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self._native_stack_applies(x, positions, meta):
+            return self._native_stack(x, positions, meta)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm.add_and_norm(x, residual)[0]
+
+    def _native_stack_applies(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether every layer would take the native kernels on this batch (float32, a small batch, one rank,
+        unquantized, the native attention, no q/k norm) and no module hook would see the layers run: then
+        `decoder_layers` runs the same kernels in one call."""
+        if self.kernels is None or meta.kernel is None or not self.layers:
+            return False
+        first = self.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        return (
+            attn.q_norm is None
+            and attn.o_proj.parallel is None
+            and not attn.qkv_proj.fp8
+            and mlp.gate_up_proj.gate_and_up
+            and x.is_contiguous()
+            and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
+            and attn.rotary_emb.native_applies(positions, x)
+            and not _hooked(self)
+        )
+
+    def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
+        modules call, in the same order, so the result and the caches are the same bits."""
+        tensors: list[torch.Tensor | None] = []
+        k_caches, v_caches = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, attn.rotary_emb.cos,
+                attn.rotary_emb.sin,
+            ]  # fmt: skip
+            k_caches.append(attn.attn.k_cache)
+            v_caches.append(attn.attn.v_cache)
+        first = self.layers[0].self_attn
+        return self.kernels.decoder_layers(
+            x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
+            meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
+            first.attn.scale, self.norm.eps, self.norm.weight,
+        )  # fmt: skip
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (global, or on `module` or any submodule) would see its submodules run."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,122 @@
+// A Llama-family decoder stack's forward pass for a small float32 batch, in one call: the same kernels, in the
+// same order and with the same arguments, as the Python modules' native path (hotswap/model/llama.py), without a
+// trip through Python and the dispatcher's Python binding between them. At decode batch sizes those trips (module
+// calls, argument checks, op bindings) cost a few milliseconds per step on top of the layers' own work, while the
+// other cores wait.
+//
+// decoder_layers(x [T, H], positions [T] int64, layers, k_caches, v_caches, slot_mapping, block_tables,
+//                context_lens, query_lens?, kv_of_q?, num_heads, num_kv_heads, head_dim, scale, eps,
+//                final_norm [H]) -> [T, H]
+// runs every layer on the embedded tokens x and returns the final RMSNorm of the last hidden state. `layers`
+// holds kLayerTensors entries per layer, in the order of LayerTensor (biases may be None); k/v_caches hold each
+// layer's cache; the other attention arguments are those of rope_paged_attention (paged_attention.cpp), shared by
+// every layer. x's storage becomes the residual stream (as in the modules). Each layer is:
+//   h = rms_norm(residual += x)              (the first layer: residual = x, h = rms_norm(x))
+//   q, k, v = split(h · qkvᵀ + qkv_bias)
+//   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
+//   h = rms_norm(residual += x)
+//   x = silu_mul(h · gate_upᵀ + gate_up_bias) · downᵀ + down_bias
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+enum LayerTensor : int64_t {
+  kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kCos, kSin,
+  kLayerTensors
+};
+
+using OptTensor = std::optional<at::Tensor>;
+
+// The hotswap operators this file chains, looked up once.
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> linear, gated;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)> add_rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, double)>
+      attention;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto& d = c10::Dispatcher::singleton();
+      return Ops{
+          d.findSchemaOrThrow("hotswap::small_batch_linear", "").typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                                                  const OptTensor&)>(),
+          d.findSchemaOrThrow("hotswap::small_batch_gated_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          d.findSchemaOrThrow("hotswap::rms_norm", "").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+          d.findSchemaOrThrow("hotswap::add_rms_norm", "")
+              .typed<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)>(),
+          d.findSchemaOrThrow("hotswap::rope_paged_attention", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, double)>(),
+      };
+    }();
+    return ops;
+  }
+};
+
+at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, const c10::List<OptTensor>& layers,
+                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& context_lens, const OptTensor& query_lens, const OptTensor& kv_of_q,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+                          const at::Tensor& final_norm) {
+  TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
+              " entries per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
+  const Ops& ops = Ops::get();
+  const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t num_layers = static_cast<int64_t>(layers.size()) / kLayerTensors;
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
+              "decoder_layers: one k and one v cache per layer");
+  auto get = [&](int64_t layer, LayerTensor which) -> OptTensor {
+    return layers.get(static_cast<size_t>(layer * kLayerTensors + which));
+  };
+  auto need = [&](int64_t layer, LayerTensor which) -> at::Tensor {
+    OptTensor t = get(layer, which);
+    TORCH_CHECK(t.has_value(), "decoder_layers: layer ", layer, " lacks tensor ", static_cast<int>(which));
+    return *t;
+  };
+  at::Tensor hidden = x, residual;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    at::Tensor h;
+    if (l == 0) {
+      residual = hidden;
+      h = ops.rms_norm.call(hidden, need(l, kInputNorm), eps);
+    } else {
+      h = ops.add_rms_norm.call(hidden, residual, need(l, kInputNorm), eps);
+    }
+    const at::Tensor qkv = ops.linear.call(h, need(l, kQkv), get(l, kQkvBias));
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layers: qkv width does not match the head counts");
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    const at::Tensor attn =
+        ops.attention.call(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
+                           slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
+    hidden = ops.linear.call(attn, need(l, kO), get(l, kOBias));
+    h = ops.add_rms_norm.call(hidden, residual, need(l, kPostNorm), eps);
+    hidden = ops.linear.call(ops.gated.call(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown),
+                             get(l, kDownBias));
+  }
+  if (num_layers == 0) return ops.rms_norm.call(hidden, final_norm, eps);
+  return ops.add_rms_norm.call(hidden, residual, final_norm, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hotswap, m) {
+  m.def(
+      "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+      "Tensor slot_mapping, Tensor block_tables, "
+      "Tensor context_lens, Tensor? query_lens, Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, "
+      "float scale, float eps, Tensor final_norm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
