@@ -4,6 +4,7 @@ gate/up into `gate_up_proj` (see `packed_modules_mapping`)."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -120,38 +121,46 @@ class LlamaModel(nn.Module):
             and x.is_contiguous()
             and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
             and attn.rotary_emb.native_applies(positions, x)
-            and not _hooked(self)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in self._stack_modules)
+            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
         )
+
+    @cached_property
+    def _stack_modules(self) -> list[nn.Module]:
+        """Every module under the layers and the final norm (the structure is fixed at construction)."""
+        return [*self.layers.modules(), self.norm]
+
+    @cached_property
+    def _stack_layers(self) -> list[tuple[nn.Module, ...]]:
+        """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `_native_stack`)."""
+        return [
+            (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
+             layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn.rotary_emb, layer.self_attn.attn)
+            for layer in self.layers
+        ]  # fmt: skip
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
-        modules call, in the same order, so the result and the caches are the same bits."""
+        modules call, in the same order, so the result and the caches are the same bits. The tensors are read
+        from the modules at every call (weights and caches may be replaced), from their dicts directly: the
+        nn.Module attribute lookup would cost about half a millisecond per step."""
         tensors: list[torch.Tensor | None] = []
         k_caches, v_caches = [], []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self._stack_layers:
             tensors += [
-                layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, attn.rotary_emb.cos,
-                attn.rotary_emb.sin,
+                norm1._parameters["weight"], qkv._parameters["weight"], qkv._parameters.get("bias"),
+                o._parameters["weight"], o._parameters.get("bias"), norm2._parameters["weight"],
+                gate_up._parameters["weight"], gate_up._parameters.get("bias"), down._parameters["weight"],
+                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
             ]  # fmt: skip
-            k_caches.append(attn.attn.k_cache)
-            v_caches.append(attn.attn.v_cache)
+            k_caches.append(attn.k_cache)
+            v_caches.append(attn.v_cache)
         first = self.layers[0].self_attn
         return self.kernels.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
             first.attn.scale, self.norm.eps, self.norm.weight,
         )  # fmt: skip
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether a forward hook (global, or on `module` or any submodule) would see its submodules run."""
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 class LlamaForCausalLM(nn.Module):
