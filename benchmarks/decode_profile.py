@@ -1,13 +1,15 @@
 """Where a generation step of hotswap goes, on the throughput benchmark's workloads.
 
 Runs one workload (default: the 125M llama, 64 prompts x 64 tokens, fp32, greedy, fixed length) twice, the first
-as a warm-up, and times the second by layer kind: linear layers (the LM head included), attention (RoPE, KV write
-and attention: `Attention.forward`), norms, sampling, and the rest (embedding, SwiGLU gate outside the fused
-kernel, Python and dispatch). With `--attention-in-cache`, every decode attention call is also repeated at once,
-with its KV now in cache, to split attention into compute and waiting for memory (the repeat is not counted in
-the step times, but it is in the run's total).
+as a warm-up, and times the second by kind of call: the native decoder stack (`layers`: every layer and the final
+norm in one `decoder_layers` call, which decode steps take), linear layers (the LM head included), attention
+(RoPE, KV write and attention: `Attention.forward`), norms, sampling, and the rest (embedding, SwiGLU gate outside
+the fused kernel, Python and dispatch). `--modules` turns the native stack off, so that decode steps go through the
+modules and their layers split into linear, attention and norms. With `--attention-in-cache` (and `--modules`),
+every decode attention call is also repeated at once, with its KV now in cache, to split attention into compute
+and waiting for memory (the repeat is not counted in the step times, but it is in the run's total).
 
-    python benchmarks/decode_profile.py [--workload 125m] [--attention-in-cache]
+    python benchmarks/decode_profile.py [--workload 125m] [--modules] [--attention-in-cache]
 
 Prints human-readable lines and ends with one JSON line of figures (milliseconds).
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hotswap import LLM, SamplingParams
+from hotswap.model import llama
 from hotswap.model.layers import attention, embedding, linear, norm
 from hotswap.testing import make_tiny_model
 from hotswap.worker import model_runner
@@ -97,12 +100,18 @@ def summary(values: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="125m", choices=sorted(WORKLOADS))
-    parser.add_argument("--attention-in-cache", action="store_true")
+    parser.add_argument("--modules", action="store_true", help="run decode steps through the modules")
+    parser.add_argument("--attention-in-cache", action="store_true", help="with --modules: time attention again")
     args = parser.parse_args()
+    if args.attention_in_cache and not args.modules:
+        parser.error("--attention-in-cache times the modules' attention calls: add --modules")
     count, max_tokens = WORKLOADS[args.workload]
     timer = StepTimer()
     if args.attention_in_cache:
         timer.repeat_attention_in_cache()
+    if args.modules:
+        llama.LlamaModel._native_stack_applies = lambda *_: False
+    timer.wrap(llama.LlamaModel, "_native_stack", "layers")
     timer.wrap(attention.Attention, "forward", "attention")
     timer.wrap(linear.Linear, "forward", "linear")
     timer.wrap(linear.MergedLinear, "forward_silu_and_mul", "linear")
@@ -137,7 +146,7 @@ def main() -> None:
     figures["decode_step_ms"] = summary(steps)
     print(f"{len(steps)} decode steps (ms): min {figures['decode_step_ms']['min']}, median "
           f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}")  # fmt: skip
-    kinds = ["linear", "attention", "norm", "sampling"]
+    kinds = ["layers", "linear", "attention", "norm", "sampling"]
     per_kind = {k: [kinds_.get(k, 0.0) for _, kinds_ in decode] for k in kinds}
     per_kind["rest"] = [s - sum(k.get(x, 0.0) for x in kinds) for s, k in decode]
     for kind, values in per_kind.items():
