@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -193,26 +194,32 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
 template <typename T>
 void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
-  // consecutive tasks (the tokens of one sequence) reuse the same keys.
-  const int64_t tokens = static_cast<int64_t>(P.seq_of.size());
-  at::parallel_for(0, tokens * P.KVH, 1, [&](int64_t begin, int64_t end) {
+  // consecutive tasks (the tokens of one sequence) reuse the same keys. Threads take one token's tasks at a time
+  // from a shared counter: contexts differ in length, and the cores do not always run at the same speed, so an
+  // even split by count leaves one thread waiting for the other. Each task writes its own rows of `out`, so the
+  // order they run in does not change the result.
+  const int64_t tasks = static_cast<int64_t>(P.seq_of.size()) * P.KVH;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t tok = task / P.KVH, kvh = task % P.KVH;
-      if constexpr (std::is_same_v<T, float>) {
-        switch (P.D) {
-          case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
-          default: break;
+    for (int64_t first; (first = next.fetch_add(P.KVH)) < tasks;) {
+      for (int64_t task = first; task < std::min(tasks, first + P.KVH); ++task) {
+        const int64_t tok = task / P.KVH, kvh = task % P.KVH;
+        if constexpr (std::is_same_v<T, float>) {
+          switch (P.D) {
+            case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            default: break;
+          }
         }
+        attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
       }
-      attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
     }
   });
 }
