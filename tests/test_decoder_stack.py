@@ -63,18 +63,30 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, monkeypatch, 
 
 
 def test_native_stack_is_skipped_where_the_modules_differ(ops, model_dirs, monkeypatch):
-    """q/k norms (qwen3) are not in the native stack; a forward hook on any layer module must see it run."""
+    """q/k norms (qwen3) are not in the native stack; a forward hook set through the worker on any layer module
+    sees every step run, and once removed, decode steps take the native stack again."""
     _, _, native_steps = _run(str(model_dirs["qwen3"]), monkeypatch, native_stack=True)
     assert native_steps == 0
 
-    seen = []
+    seen, used = [], []
+    real_stack = llama.LlamaModel._native_stack
+    monkeypatch.setattr(llama.LlamaModel, "_native_stack", lambda self, *a: used.append(1) or real_stack(self, *a))
     llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=1 << 22)
     try:
-        llm.apply_model(lambda model: model.model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1)))
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # the hook check runs (and is remembered) before the hook
+        assert len(used) == PARAMS.max_tokens - 1
+        [handle] = llm.apply_model(
+            lambda model: model.model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+        )
+        used.clear()
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert len(seen) == PARAMS.max_tokens and used == []  # the prefill and every decode step ran the modules
+        llm.apply_model(lambda model: handle.remove())
+        llm.reset_prefix_cache()  # else the cached prompts make the prefill small enough for the native stack too
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert len(seen) == PARAMS.max_tokens and len(used) == PARAMS.max_tokens - 1
     finally:
         llm.shutdown()
-    assert len(seen) == PARAMS.max_tokens  # the prefill and every decode step went through the modules
 
 
 def test_decoder_layers_rejects_bad_input(ops):

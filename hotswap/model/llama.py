@@ -107,8 +107,10 @@ class LlamaModel(nn.Module):
 
     def _native_stack_applies(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether every layer would take the native kernels on this batch (float32, a small batch, one rank,
-        unquantized, the native attention, no q/k norm) and no module hook would see the layers run: then
-        `decoder_layers` runs the same kernels in one call."""
+        unquantized, the native attention, no q/k norm) and no forward hook would see the layers run: then
+        `decoder_layers` runs the same kernels in one call. Hooks on the layers are looked for once, and again
+        after user code ran on the model through the worker (`user_code_ran`): walking the modules at every step
+        costs about half a millisecond, the modules' dicts being out of cache after a step's weights went by."""
         if self.kernels is None or meta.kernel is None or not self.layers:
             return False
         first = self.layers[0]
@@ -121,14 +123,20 @@ class LlamaModel(nn.Module):
             and x.is_contiguous()
             and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
             and attn.rotary_emb.native_applies(positions, x)
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in self._stack_modules)
+            and self._hook_free
             and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
         )
 
+    def user_code_ran(self) -> None:
+        """Called by the worker after user code ran on the model (`apply_model`, `collective_rpc` with a
+        callable), which may have added or removed forward hooks: they are looked for again before the next
+        step."""
+        self.__dict__.pop("_hook_free", None)
+
     @cached_property
-    def _stack_modules(self) -> list[nn.Module]:
-        """Every module under the layers and the final norm (the structure is fixed at construction)."""
-        return [*self.layers.modules(), self.norm]
+    def _hook_free(self) -> bool:
+        """No forward hook on the layers or the final norm (the structure is fixed at construction)."""
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in [*self.layers.modules(), self.norm])
 
     @cached_property
     def _stack_layers(self) -> list[tuple[nn.Module, ...]]:

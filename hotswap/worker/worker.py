@@ -128,9 +128,16 @@ class Worker:
 
     @in_config_scope
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable."""
+        """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable. After a callable,
+        the model's modules that keep state about it (`user_code_ran`, e.g. whether forward hooks are set) are
+        told that user code ran on it."""
         if callable(method):
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                for module in self.model.modules() if self.model is not None else ():
+                    if hasattr(module, "user_code_ran"):
+                        module.user_code_ran()
         if method.startswith("_") or not callable(getattr(self, method, None)):
             raise ValueError(f"Worker has no public method {method!r}")
         return getattr(self, method)(*args, **kwargs)
