@@ -1,5 +1,9 @@
 """The native decoder stack (`decoder_layers`, one call per step for small float32 batches) against the module
-path it replaces: the same kernels in the same order, so the same bits in outputs and caches."""
+path it replaces: the same kernels in the same order, so the same bits in outputs and caches.
+
+Whole engine runs are compared with a tolerance of 1e-6 only because their full prefills go to MKL in both runs,
+whose last bits may depend on buffer alignment; a forward pass on the same inputs and caches is compared to the
+bit."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
 from hotswap.model import llama
+from hotswap.model.layers.attention import AttentionMetadata
+from hotswap.testing import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -23,7 +29,9 @@ def ops():
 
 
 def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tuple[list, list[torch.Tensor], int]:
-    """Outputs, every layer's KV cache afterwards, and how many forward passes took the native stack."""
+    """Outputs of two runs of PROMPTS (the second one's prefills hit the prefix cache: steps of a few new tokens
+    per prompt, with query_lens), every layer's KV cache afterwards, and how many forward passes took the native
+    stack."""
     used = []
     real_stack = llama.LlamaModel._native_stack
     real_applies = llama.LlamaModel._native_stack_applies
@@ -37,7 +45,7 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
         monkeypatch.setattr(llama.LlamaModel, "_native_stack_applies", lambda self, *args: False)
     llm = LLM(path, kv_cache_memory_bytes=1 << 22)
     try:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outs = [llm.generate(PROMPTS, PARAMS, use_tqdm=False) for _ in range(2)]
         caches = llm.apply_model(
             lambda model: [t.clone() for layer in model.model.layers for t in (layer.self_attn.attn.k_cache,
                                                                                  layer.self_attn.attn.v_cache)]
@@ -49,17 +57,76 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
     return outs, caches, len(used)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])  # qwen2: q/k/v biases
-def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, monkeypatch, name):
-    fast, fast_caches, native_steps = _run(str(model_dirs[name]), monkeypatch, native_stack=True)
-    slow, slow_caches, none = _run(str(model_dirs[name]), monkeypatch, native_stack=False)
-    assert native_steps == PARAMS.max_tokens - 1 and none == 0  # every decode step; never the prefill
-    for a, b in zip(fast, slow, strict=True):
+@pytest.fixture(scope="module")
+def biased_llama(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("biased") / "llama"
+    return make_tiny_model(folder, arch="llama", attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "biased"])  # qwen2: q/k/v biases; biased: all
+def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama, monkeypatch, name):
+    path = str(biased_llama if name == "biased" else model_dirs[name])
+    fast, fast_caches, native_steps = _run(path, monkeypatch, native_stack=True)
+    slow, slow_caches, none = _run(path, monkeypatch, native_stack=False)
+    # every decode step of both runs, and the second run's prefill (the prompts' last tokens); never a full prefill
+    assert native_steps == 2 * (PARAMS.max_tokens - 1) + 1 and none == 0
+    for a, b in zip(fast[0] + fast[1], slow[0] + slow[1], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-6)
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert all(step_a[t].logprob == pytest.approx(step_b[t].logprob, abs=1e-6) for t in step_a)
     for a, b in zip(fast_caches, slow_caches, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "biased"])
+def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name):
+    """One decode step of 8 sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs and
+    caches, through the native stack and through the modules: the same hidden states and caches, bit for bit."""
+    path = str(biased_llama if name == "biased" else model_dirs[name])
+
+    def compare(worker):
+        model, kernel = worker.model.model, worker.runner.attention_kernel
+        attn = model.layers[0].self_attn.attn
+        block_size = attn.k_cache.shape[1]
+        gen = torch.Generator().manual_seed(0)
+        contexts = torch.randint(5, 41, (8,), generator=gen).tolist()
+        blocks = torch.randperm(attn.k_cache.shape[0] - 1, generator=gen) + 1
+        tables, used = [], 0
+        for c in contexts:
+            n = -(-c // block_size)
+            tables.append(blocks[used : used + n].tolist())
+            used += n
+        meta = AttentionMetadata.build([1] * 8, contexts, tables, block_size, kernel)
+        ids = torch.randint(0, 100, (8,), generator=gen)
+        positions = torch.tensor(contexts) - 1
+        caches = [layer.self_attn.attn for layer in model.layers]
+        for cache in caches:  # the steps before this one left keys and values everywhere
+            cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=gen))
+            cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=gen))
+        before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
+        results = []
+        for native_stack in (True, False):
+            for cache, (k, v) in zip(caches, before, strict=True):
+                cache.k_cache.copy_(k)
+                cache.v_cache.copy_(v)
+            if not native_stack:
+                model._native_stack_applies = lambda *_: False  # on this instance only
+            with torch.inference_mode():
+                assert model._native_stack_applies(model.embed_tokens(ids), positions, meta) == native_stack
+                hidden = model(ids, positions, meta)
+            results.append((hidden, [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]))
+        del model._native_stack_applies
+        (native_hidden, native_caches), (module_hidden, module_caches) = results
+        flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]
+        return torch.equal(native_hidden, module_hidden) and all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
+
+    llm = LLM(path, kv_cache_memory_bytes=1 << 22)
+    try:
+        assert llm.collective_rpc(compare) == [True]
+    finally:
+        llm.shutdown()
 
 
 def test_native_stack_is_skipped_where_the_modules_differ(ops, model_dirs, monkeypatch):
@@ -87,6 +154,26 @@ def test_native_stack_is_skipped_where_the_modules_differ(ops, model_dirs, monke
         assert len(seen) == PARAMS.max_tokens and len(used) == PARAMS.max_tokens - 1
     finally:
         llm.shutdown()
+
+
+def test_native_stack_is_skipped_for_a_patched_module(ops, model_dirs):
+    """A module whose forward user code replaced (through the worker) makes the layers run as modules."""
+    calls = []
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=1 << 22)
+    try:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+        def patch(model):
+            down = model.model.layers[0].mlp.down_proj
+            real = down.forward
+            down.forward = lambda x: calls.append(x.shape[0]) or real(x)
+
+        llm.apply_model(patch)
+        llm.reset_prefix_cache()
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(calls) == PARAMS.max_tokens  # the prefill and every decode step called the patched forward
 
 
 def test_decoder_layers_rejects_bad_input(ops):

@@ -194,16 +194,18 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
 template <typename T>
 void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
-  // consecutive tasks (the tokens of one sequence) reuse the same keys. Threads take one token's tasks at a time
-  // from a shared counter: contexts differ in length, and the cores do not always run at the same speed, so an
-  // even split by count leaves one thread waiting for the other. Each task writes its own rows of `out`, so the
-  // order they run in does not change the result.
+  // consecutive tasks (the tokens of one sequence) reuse the same keys. Threads take chunks of tasks (one
+  // token's, or fewer when there are few tasks per thread) from a shared counter: contexts differ in length, and
+  // the cores do not always run at the same speed, so an even split by count leaves one thread waiting for the
+  // other. Each task writes its own rows of `out`, so the order they run in does not change the result.
   const int64_t tasks = static_cast<int64_t>(P.seq_of.size()) * P.KVH;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::clamp<int64_t>(tasks / (4 * threads), 1, P.KVH);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(threads, (tasks + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t first; (first = next.fetch_add(P.KVH)) < tasks;) {
-      for (int64_t task = first; task < std::min(tasks, first + P.KVH); ++task) {
+    for (int64_t first; (first = next.fetch_add(chunk)) < tasks;) {
+      for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
         const int64_t tok = task / P.KVH, kvh = task % P.KVH;
         if constexpr (std::is_same_v<T, float>) {
           switch (P.D) {

@@ -108,35 +108,55 @@ class LlamaModel(nn.Module):
     def _native_stack_applies(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether every layer would take the native kernels on this batch (float32, a small batch, one rank,
         unquantized, the native attention, no q/k norm) and no forward hook would see the layers run: then
-        `decoder_layers` runs the same kernels in one call. Hooks on the layers are looked for once, and again
-        after user code ran on the model through the worker (`user_code_ran`): walking the modules at every step
-        costs about half a millisecond, the modules' dicts being out of cache after a step's weights went by."""
-        if self.kernels is None or meta.kernel is None or not self.layers:
+        `decoder_layers` runs the same kernels in one call. The modules are checked once, and again after user
+        code ran on the model through the worker (`user_code_ran`): walking them at every step costs about half a
+        millisecond, their dicts being out of cache after a step's weights went by."""
+        if self.kernels is None or meta.kernel is None or not self._stack_modules_fit:
             return False
-        first = self.layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = self.layers[0].self_attn
         return (
-            attn.q_norm is None
-            and attn.o_proj.parallel is None
-            and not attn.qkv_proj.fp8
-            and mlp.gate_up_proj.gate_and_up
-            and x.is_contiguous()
+            x.is_contiguous()
             and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
+            and not (torch.is_grad_enabled() and self._stack_needs_grad)
             and attn.rotary_emb.native_applies(positions, x)
-            and self._hook_free
             and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
         )
 
     def user_code_ran(self) -> None:
         """Called by the worker after user code ran on the model (`apply_model`, `collective_rpc` with a
-        callable), which may have added or removed forward hooks: they are looked for again before the next
-        step."""
-        self.__dict__.pop("_hook_free", None)
+        callable), which may have added hooks, replaced modules or unfrozen parameters: the native stack's
+        checks on the modules run again before the next step."""
+        for name in ("_stack_modules_fit", "_stack_needs_grad", "_stack_layers"):
+            self.__dict__.pop(name, None)
 
     @cached_property
-    def _hook_free(self) -> bool:
-        """No forward hook on the layers or the final norm (the structure is fixed at construction)."""
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in [*self.layers.modules(), self.norm])
+    def _stack_modules_fit(self) -> bool:
+        """Whether every layer is built as `decoder_layers` computes it: the classes of this file and their
+        layers (no subclass, wrapper or per-instance forward), one dtype, no q/k norm, one rank, unquantized, and
+        no forward hook on them or on the final norm."""
+        expected = {"self_attn": LlamaAttention, "mlp": LlamaMLP, "input_layernorm": RMSNorm,
+                    "post_attention_layernorm": RMSNorm}  # fmt: skip
+        for layer in self.layers:
+            if type(layer) is not LlamaDecoderLayer:
+                return False
+            if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
+                return False
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
+                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}  # fmt: skip
+            if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
+                return False
+            if attn.o_proj.parallel is not None or attn.qkv_proj.fp8 or not mlp.gate_up_proj.gate_and_up:
+                return False
+        if type(self.norm) is not RMSNorm or len({p.dtype for p in self.layers.parameters()}) != 1:
+            return False
+        modules = [*self.layers.modules(), self.norm]
+        return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+
+    @cached_property
+    def _stack_needs_grad(self) -> bool:
+        """Whether a parameter of the layers or the final norm requires grad (the kernels have no backward)."""
+        return any(p.requires_grad for p in [*self.layers.parameters(), *self.norm.parameters()])
 
     @cached_property
     def _stack_layers(self) -> list[tuple[nn.Module, ...]]:
@@ -149,7 +169,8 @@ class LlamaModel(nn.Module):
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
-        modules call, in the same order, so the result and the caches are the same bits. The tensors are read
+        modules call, in the same order, so the result and the caches are the same bits (for any step of 4 to 64
+        tokens: decode steps, and short or prefix-cached prefills). The tensors are read
         from the modules at every call (weights and caches may be replaced), from their dicts directly: the
         nn.Module attribute lookup would cost about half a millisecond per step. Every RMSNorm of the model has
         the config's one epsilon, and every layer the first one's head layout."""
