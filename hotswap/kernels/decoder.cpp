@@ -49,7 +49,8 @@ struct Ops {
                                                                                   const OptTensor&)>(),
           d.findSchemaOrThrow("hotswap::small_batch_gated_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
-          d.findSchemaOrThrow("hotswap::rms_norm", "").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+          d.findSchemaOrThrow("hotswap::rms_norm", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
           d.findSchemaOrThrow("hotswap::add_rms_norm", "")
               .typed<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)>(),
           d.findSchemaOrThrow("hotswap::rope_paged_attention", "")
@@ -63,8 +64,9 @@ struct Ops {
 };
 
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, const c10::List<OptTensor>& layers,
-                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                          const at::Tensor& context_lens, const OptTensor& query_lens, const OptTensor& kv_of_q,
+                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens,
+                          const OptTensor& query_lens, const OptTensor& kv_of_q,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                           const at::Tensor& final_norm) {
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
@@ -73,7 +75,8 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   const Ops& ops = Ops::get();
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t num_layers = static_cast<int64_t>(layers.size()) / kLayerTensors;
-  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
+                  static_cast<int64_t>(v_caches.size()) == num_layers,
               "decoder_layers: one k and one v cache per layer");
   auto get = [&](int64_t layer, LayerTensor which) -> OptTensor {
     return layers.get(static_cast<size_t>(layer * kLayerTensors + which));
@@ -113,10 +116,10 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def(
-      "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
-      "Tensor slot_mapping, Tensor block_tables, "
-      "Tensor context_lens, Tensor? query_lens, Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, "
-      "float scale, float eps, Tensor final_norm) -> Tensor");
+      "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, "
+      "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? query_lens, "
+      "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

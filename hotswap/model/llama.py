@@ -170,10 +170,10 @@ class LlamaModel(nn.Module):
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
         modules call, in the same order, so the result and the caches are the same bits (for any step of 4 to 64
-        tokens: decode steps, and short or prefix-cached prefills). The tensors are read
-        from the modules at every call (weights and caches may be replaced), from their dicts directly: the
-        nn.Module attribute lookup would cost about half a millisecond per step. Every RMSNorm of the model has
-        the config's one epsilon, and every layer the first one's head layout."""
+        tokens: decode steps, and short or prefix-cached prefills). The tensors are read from the modules at every
+        call (weights and caches may be replaced), from their dicts directly: the nn.Module attribute lookup would
+        cost about half a millisecond per step. Every RMSNorm of the model has the config's one epsilon, and every
+        layer the first one's head layout."""
         tensors: list[torch.Tensor | None] = []
         k_caches, v_caches = [], []
         for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self._stack_layers:
