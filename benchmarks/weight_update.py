@@ -1,8 +1,10 @@
-"""Weight-update latency on the 125M model (fp32, ~460 MB), per transport, against the memory-copy floor.
+"""Weight-update latency on the 125M model (fp32, ~540 MB), per path, against the memory-copy floor.
 
-Serves checkpoint A, then repeatedly pushes checkpoint B (full updates: start -> update -> finish) through each
-transport, with the trainer in its own process for shm and torch_dist. Also times a disk reload. The floor is
-torch `copy_` of the same number of bytes, measured in the same run.
+Serves checkpoint A, then repeatedly pushes checkpoint B: an in-process `reload_weights(weights_iterator=...)`
+(one shot: every value checked before the first write, so no rollback copy is needed), full sessions (start ->
+update -> finish) through each transport, with the trainer in its own process for shm and torch_dist, and disk
+reloads. The floor is torch `copy_` of the same number of bytes, measured in the same run. Every path is atomic
+unless its label says otherwise.
 
     python benchmarks/weight_update.py [--reps 5] [--preset 125m]
 
@@ -54,6 +56,19 @@ def trainer(backend: str, checkpoint: str, port: int, commands, replies) -> None
         sender.close()
 
 
+def cpu_description() -> str:
+    """The CPU model and its widest x86 vector ISA, from /proc/cpuinfo (Linux), for the report."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model} ({isa})"
+
+
 def median_seconds(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -82,8 +97,10 @@ def main() -> None:
         named = list(load_file(b_file).items())
         total = sum(t.numel() * t.element_size() for _, t in named)
         floor = memcpy_seconds(total, args.reps)
+        print(f"cpu: {cpu_description()}")
         print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")
-        figures: dict = {"weights_mb": round(total / 1e6, 1), "memcpy_floor_ms": round(floor * 1e3, 1)}
+        figures: dict = {"cpu": cpu_description(), "weights_mb": round(total / 1e6, 1),
+                         "memcpy_floor_ms": round(floor * 1e3, 1)}  # fmt: skip
 
         def report(label: str, seconds: float) -> None:
             print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / floor:5.1f}x the floor")
@@ -94,10 +111,17 @@ def main() -> None:
             llm.update_weights(info_fn())
             llm.finish_weight_update()
 
+        def tensors_session() -> None:
+            session(lambda: tensors_update_info(named))
+
+        def reload_iterator() -> None:
+            llm.reload_weights(weights_iterator=named)
+
+        report("reload_weights(iterator)", median_seconds(reload_iterator, args.reps))
         llm.init_weight_transfer_engine({"backend": "tensors"})
-        report("tensors (atomic)", median_seconds(lambda: session(lambda: tensors_update_info(named)), args.reps))
+        report("tensors session", median_seconds(tensors_session, args.reps))
         llm.update_config({"weight_transfer_config": {"atomic": False}})
-        report("tensors (atomic off)", median_seconds(lambda: session(lambda: tensors_update_info(named)), args.reps))
+        report("tensors session (atomic off)", median_seconds(tensors_session, args.reps))
         llm.update_config({"weight_transfer_config": {"atomic": True}})
 
         llm.init_weight_transfer_engine({"backend": "disk"})

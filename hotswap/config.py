@@ -302,6 +302,55 @@ SECTIONS: dict[str, type] = {
     "weight_transfer_config": WeightTransferConfig,
 }
 
+# Config fields that may change on a live engine; everything else needs a new engine.
+LIVE_FIELDS = {
+    "model_config": {"model"},
+    "load_config": {"load_format"},
+    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
+}
+# config.json keys that fix the model's shapes or forward pass: a new checkpoint folder must agree on all.
+MODEL_KEYS = (
+    "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings", "sliding_window",
+    "use_sliding_window", "hidden_act", "eos_token_id",
+)  # fmt: skip
+
+
+def live_overrides(config: EngineConfig, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Validates a live change `{section: {field: value}}` and returns the new section objects, touching nothing.
+    Raises ValueError for unknown sections or fields, invalid values, fields that cannot change live, and a
+    model folder whose config.json describes another model. Deterministic in (config, overrides), so the engine
+    and every worker reach the same verdict."""
+    new_sections = config.with_overrides(overrides)
+    for section, changes in overrides.items():
+        frozen = sorted(set(changes) - LIVE_FIELDS.get(section, set()))
+        if frozen:
+            raise ValueError(
+                f"{section} field(s) {frozen} cannot change on a live engine; live fields: "
+                f"{ {k: sorted(v) for k, v in LIVE_FIELDS.items()} }"
+            )
+    if "model_config" in new_sections:
+        new = new_sections["model_config"].hf_config
+        differ = [k for k in MODEL_KEYS if new.get(k) != config.model_config.hf_config.get(k)]
+        if differ:
+            raise ValueError(
+                f"checkpoint {new_sections['model_config'].model!r} has a different model shape or configuration "
+                f"({differ}); start a new engine"
+            )
+    return new_sections
+
+
+def apply_overrides(config: EngineConfig, new_sections: dict[str, Any]) -> None:
+    """Writes validated sections (from `live_overrides`) into `config` in place: objects that hold the config
+    keep seeing the live one. Derived fields computed at start (e.g. the KV block count) are left as they are."""
+    for section, obj in new_sections.items():
+        live = getattr(config, section)
+        for f in fields(obj):
+            if f.init:
+                setattr(live, f.name, getattr(obj, f.name))
+
+
 _CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar("hotswap_config", default=None)
 
 

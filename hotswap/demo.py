@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -44,6 +44,9 @@ from tqdm.auto import tqdm
 from hotswap.entrypoints.llm import LLM
 from hotswap.sampling_params import SamplingParams
 from hotswap.testing import EOS_TOKEN_ID, make_tiny_model
+
+if TYPE_CHECKING:
+    from hotswap.outputs import SampleLogprobs
 
 NUM_SYMBOLS = 10  # the digits 0-9
 CHANCE_REWARD = 1.0 / NUM_SYMBOLS
@@ -371,8 +374,11 @@ def _sample(
     for d, out in zip(digits, outputs, strict=True):
         batch.completions.append([list(c.token_ids) for c in out.outputs])
         batch.rewards.append([task.reward(d, c.token_ids) for c in out.outputs])
-        batch.engine_logprobs.append(
-            [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)] for c in out.outputs]
+        batch.engine_logprobs.append(  # the logprobs were requested (logprobs=0): never None here
+            [
+                [step[t].logprob for step, t in zip(cast("SampleLogprobs", c.logprobs), c.token_ids, strict=True)]
+                for c in out.outputs
+            ]
         )
     tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     return batch, outputs, tokens / max(elapsed, 1e-9)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from hotswap.engine.llm_engine import LLMEngine
 from hotswap.testing import make_tiny_model
 
 # (fixture id, arch, overrides)
@@ -28,6 +30,32 @@ PROMPTS = [
     "numbers 1 2 3 4",
     "what is the meaning of this small random model, if any, and why does it talk",
 ]
+
+
+_ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    """Records every engine built in this process, for the integrity check after each test."""
+    original = LLMEngine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _ENGINES.add(self)
+
+    LLMEngine.__init__ = init
+    yield
+    LLMEngine.__init__ = original
+
+
+@pytest.fixture(autouse=True)
+def _check_engine_integrity(_track_engines):
+    """After every test: the KV block accounting of every live engine is consistent (reference counts match
+    the block tables, free + used = total)."""
+    yield
+    for engine in list(_ENGINES):
+        engine.check_integrity()
 
 
 @pytest.fixture(scope="session")

@@ -332,8 +332,8 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
             for shard in shards:
                 rows = 25 if shard is not None else 32
                 cols = layer.in_features
-                layer.weight.weight_loader(layer.weight, torch.randn(rows, cols, generator=gen), shard)
-                layer.bias.weight_loader(layer.bias, torch.randn(rows, generator=gen), shard)
+                layer.load_weight(layer.weight, torch.randn(rows, cols, generator=gen), shard)
+                layer.load_weight(layer.bias, torch.randn(rows, generator=gen), shard)
             layer.process_weights_after_loading()
 
     class Spy:

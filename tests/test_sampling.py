@@ -7,7 +7,8 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
-from hotswap.model.layers.sampler import SampleSpec, sample
+from hotswap.engine.model_input import SampleSpec
+from hotswap.model.layers.sampler import sample
 
 
 @pytest.fixture(scope="module")

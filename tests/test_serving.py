@@ -285,9 +285,12 @@ def test_sleep_wake_restores_outputs_and_returns_memory(tmp_path):
     kv_bytes = 16 << 20
     llm = LLM(str(path), kv_cache_memory_bytes=kv_bytes, max_model_len=256, block_size=16)
     weight_bytes = sum(llm.apply_model(lambda m: [p.numel() * p.element_size() for p in m.parameters()])[0])
-    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(24)]
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    before = llm.generate(prompts, params, use_tqdm=False)  # uses every KV block
+    capacity = llm.config.cache_config.num_kv_blocks * 16
+    # prompts of 120 tokens that together outgrow the cache: the prefills touch every KV block (so its pages are
+    # resident before sleep) and decoding preempts
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(120)]} for i in range(capacity // 120 + 2)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.stats()["num_preemptions"] > 0
     rss = rss_bytes()
     llm.sleep(level=1)

@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, hf_greedy, hf_model
 from hotswap import LLM, SamplingParams
 from hotswap.testing import make_tiny_model
 from transfer_helpers import BACKENDS, Pusher
@@ -102,6 +102,55 @@ def test_reload_and_bad_update_at_tp2(tp2, ckpts):
             "model.norm.weight"][:5])])  # fmt: skip
     assert_matches(ckpts["B"], tp2)
     tp2.reload_weights(weights_path=str(ckpts["A"]))
+    assert_matches(ckpts["A"], tp2)
+
+
+def test_generator_iterator_at_tp2(tp2, ckpts):
+    """The README's headline call, a trainer's `named_parameters()` generator, works with worker processes."""
+    trainer = hf_model(str(ckpts["B"]))
+    tp2.reload_weights(weights_iterator=trainer.named_parameters())
+    assert_matches(ckpts["B"], tp2)
+    a = load_file(str(ckpts["A"] / "model.safetensors"))
+    tp2.reload_weights(weights_iterator=((name, tensor) for name, tensor in a.items()))
+    assert_matches(ckpts["A"], tp2)
+
+
+def worker_settings(llm: LLM) -> list[tuple[str, bool, bool]]:
+    return llm.collective_rpc(
+        lambda w: (w.config.model_config.model, w.config.weight_transfer_config.atomic,
+                   w.config.weight_transfer_config.check_finite)
+    )  # fmt: skip
+
+
+def engine_settings(llm: LLM) -> tuple[str, bool, bool]:
+    wt = llm.config.weight_transfer_config
+    return (llm.config.model_config.model, wt.atomic, wt.check_finite)
+
+
+def test_engine_config_equals_the_workers_at_tp2(tp2, ckpts, tmp_path):
+    """Live config changes and folder reloads reach the engine's config only after every worker took them."""
+    assert worker_settings(tp2) == [engine_settings(tp2)] * 2
+    tp2.reload_weights(weights_path=str(ckpts["B"]))
+    tp2.update_config({"weight_transfer_config": {"atomic": False}})
+    assert engine_settings(tp2) == (str(ckpts["B"]), False, True)
+    assert worker_settings(tp2) == [engine_settings(tp2)] * 2
+    other = make_tiny_model(tmp_path / "other", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    for bad in (
+        {"weight_transfer_config": {"atomic": True, "bucket_size_bytes": -1}},  # invalid value: nothing applied
+        {"cache_config": {"block_size": 8}},  # not a live field
+        {"model_config": {"model": str(other)}},  # another model's shape
+    ):
+        with pytest.raises(ValueError):
+            tp2.update_config(bad)
+        assert engine_settings(tp2) == (str(ckpts["B"]), False, True)
+        assert worker_settings(tp2) == [engine_settings(tp2)] * 2
+    with pytest.raises(ValueError, match="different model shape"):
+        tp2.reload_weights(weights_path=str(other))
+    assert worker_settings(tp2) == [engine_settings(tp2)] * 2
+    tp2.update_config({"model_config": {"model": str(ckpts["A"])}, "weight_transfer_config": {"atomic": True}})
+    tp2.reload_weights()
+    assert engine_settings(tp2) == (str(ckpts["A"]), True, True)
+    assert worker_settings(tp2) == [engine_settings(tp2)] * 2
     assert_matches(ckpts["A"], tp2)
 
 

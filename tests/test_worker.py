@@ -9,8 +9,9 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, EngineConfig, SamplingParams, current_config, use_config
-from hotswap.model.reload import WeightUpdate
 from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
+from hotswap.weights.index import WeightIndex
+from hotswap.weights.update import WeightUpdate
 from hotswap.worker.worker import Worker
 
 
@@ -106,14 +107,16 @@ def scope_cases(worker: Worker, probe):
         "init_weight_transfer_engine": (
             None,
             lambda m, p: m.setattr(
-                "hotswap.worker.weight_session.create_engine",
+                "hotswap.weights.session.create_engine",
                 p(TensorsEngine({}, worker.config.weight_transfer_config)),
             ),
             lambda: worker.init_weight_transfer_engine({"backend": "tensors"}),
         ),
         "start_weight_update": (
             session(),
-            lambda m, p: m.setattr("hotswap.worker.weight_session.WeightUpdate", p(WeightUpdate(model, True, True))),
+            lambda m, p: m.setattr(
+                "hotswap.weights.session.WeightUpdate", p(WeightUpdate(WeightIndex.of(model), True, True))
+            ),
             worker.start_weight_update,
         ),
         "update_weights": (
@@ -184,7 +187,7 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
         if worker.session.state.value == "active":
             worker.abort_weight_update()
         worker.shutdown_weight_transfer_engine()
-        worker.model, worker.runner, worker.weights_valid = model, runner, True
+        worker.model, worker.runner, worker.session.weights_valid = model, runner, True
         if not runner.kv_caches:
             runner.allocate_kv_cache(worker.config.cache_config.num_kv_blocks)
     assert sorted(seen) == sorted(cases)

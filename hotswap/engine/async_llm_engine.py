@@ -61,9 +61,7 @@ class AsyncLLMEngine:
                 engine = self.engine
                 while self._pending_aborts:
                     engine.abort_request(self._pending_aborts.pop())
-                if engine.paused or engine.sleeping or not engine.has_unfinished_requests():
-                    if not engine.paused:
-                        engine.finish_pause()
+                if not engine.state.steps or not engine.has_unfinished_requests():
                     self._wake.clear()
                     continue
                 try:
@@ -73,7 +71,6 @@ class AsyncLLMEngine:
                         engine.abort_request(request_id)
                         self._deliver_error(request_id, err)
                     continue
-                engine.finish_pause()
             for out in outputs:
                 self._deliver(out)
             await asyncio.sleep(0)  # let callers take the lock between steps
@@ -161,7 +158,7 @@ class AsyncLLMEngine:
         self._wake.set()
         while True:
             async with self._lock:
-                if self.engine.finish_pause():
+                if self.engine.is_paused():  # 'wait': the step loop drains the requests in flight
                     return
             await asyncio.sleep(0.001)
 
@@ -173,7 +170,7 @@ class AsyncLLMEngine:
         self._wake.set()
 
     async def is_paused(self) -> bool:
-        return self.engine.paused
+        return self.engine.is_paused()
 
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
@@ -181,7 +178,7 @@ class AsyncLLMEngine:
         await self._locked(self.engine.reload_weights, weights_path, weights_iterator)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        await self._locked(self.engine.weights_rpc, "update_config", overrides)
+        await self._locked(self.engine.update_config, overrides)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         await self._locked(self.engine.weights_rpc, "init_weight_transfer_engine", init_info)

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from hotswap.engine.sequence import Sequence
 
@@ -73,6 +74,7 @@ class BlockManager:
             block = self.blocks[self.empty.pop()]
         else:
             block = self.blocks[self.evictable.popitem(last=False)[0]]
+            assert block.hash is not None, "an evictable block holds a cached prefix"
             if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
@@ -174,3 +176,23 @@ class BlockManager:
             block.hash, block.token_ids = None, ()
         self.empty.extend(self.evictable)  # least recently freed deepest in the stack
         self.evictable.clear()
+
+    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
+        """Asserts the invariants above, given every sequence that may hold blocks: each block's ref_count equals
+        the block tables referencing it; free blocks (ref_count 0) are exactly those in `empty` and `evictable`,
+        each once; free + used = total; `cached` points only at blocks holding that hash. For tests and debugging:
+        a violation is a bug in the engine."""
+        refs = [0] * len(self.blocks)
+        for seq in seqs:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        counted = [block.ref_count for block in self.blocks]
+        assert refs == counted, f"ref counts {counted} differ from the block tables' references {refs}"
+        free = list(self.empty) + list(self.evictable)
+        assert len(free) == len(set(free)), "a free block is listed twice"
+        assert set(free) == {b.block_id for b in self.blocks if b.ref_count == 0}, "free lists != blocks unreferenced"
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert self.num_free_blocks + used == len(self.blocks), "free + used != total"
+        assert all(self.blocks[b].hash is not None for b in self.evictable), "an evictable block holds no prefix"
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].hash == h, f"cached hash {h} points at block {block_id} holding another"

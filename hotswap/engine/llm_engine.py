@@ -1,4 +1,5 @@
-"""The step loop: schedule, execute on the workers, append tokens, finish requests."""
+"""The step loop: schedule, execute on the workers, append tokens, finish requests; and the engine's lifecycle
+(pause, weight changes, sleep) as one state machine (see `state.py`)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,23 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from hotswap.config import EngineConfig
+from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
-from hotswap.engine.detokenizer import Detokenizer, find_stop
+from hotswap.engine.detokenizer import Detokenizer
+from hotswap.engine.model_input import ModelInput, SampleResult, SampleSpec
+from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
-from hotswap.engine.sequence import Request, Sequence, SequenceStatus
+from hotswap.engine.sequence import Request, Sequence
+from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
-from hotswap.model.layers.sampler import SampleResult, SampleSpec
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
+from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.worker.model_input import ModelInput
 
 
 class LLMEngine:
-    """Owns the scheduler and block manager; drives the workers through the executor."""
+    """Owns the scheduler and block manager; drives the workers through the executor. Not thread-safe: callers
+    serialize access (`LLM` and `AsyncLLMEngine` hold a lock)."""
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
@@ -35,13 +38,14 @@ class LLMEngine:
                 executor_class = MultiprocExecutor
         mc, cc = config.model_config, config.cache_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
-        self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = _eos_token_ids(mc.hf_config, self.tokenizer, mc.model)
+        assert mc.max_model_len is not None
+        self.outputs = OutputProcessor(
+            Detokenizer(self.tokenizer), _eos_token_ids(mc.hf_config, self.tokenizer, mc.model), mc.max_model_len
+        )
         self.executor = executor_class(config)
         self.executor.collective_rpc("load_model")
         if cc.num_kv_blocks is None:
             cc.num_kv_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
-        assert mc.max_model_len is not None
         if cc.num_kv_blocks * cc.block_size < mc.max_model_len:
             raise ValueError(
                 f"the KV cache holds {cc.num_kv_blocks * cc.block_size} tokens, fewer than max_model_len="
@@ -54,9 +58,17 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.weight_version = 0
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
-        self.update_in_progress = False  # a weight-update session is open: no step runs
-        self.paused = False
-        self.sleeping: set[str] = set()  # what sleep() released: "kv_cache", "weights"
+        self.state = EngineState.RUNNING
+        self._return_to: list[EngineState] = []  # where UPDATING / ASLEEP go back to, innermost last
+        self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.outputs.eos_token_ids
+
+    @property
+    def detokenizer(self) -> Detokenizer:
+        return self.outputs.detokenizer
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -114,11 +126,9 @@ class LLMEngine:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
             self.scheduler.remove(seq)
-        while len(request.seqs) < request.params.n:  # siblings never forked end empty
-            child = Sequence(request, len(request.seqs), request.prompt_token_ids)
-            child.finish_reason, child.status = "abort", SequenceStatus.FINISHED
-            request.seqs.append(child)
-        return self._output(request)
+        request.fill_unforked("abort")
+        self._settle_drain()
+        return self.outputs.output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -127,19 +137,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of requests that finished in it (and of streamed requests that
-        advanced). Does nothing while paused."""
-        if self.sleeping:
-            raise RuntimeError(f"the engine is asleep ({sorted(self.sleeping)} released); call wake_up() first")
-        if self.paused or self.update_in_progress:
+        advanced). Does nothing while PAUSED or UPDATING; raises while ASLEEP."""
+        if self.state is EngineState.ASLEEP:
+            raise RuntimeError(f"the engine is asleep ({sorted(self.released)} released); call wake_up() first")
+        if not self.state.steps:
             return []
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.running or (self.scheduler.waiting and self.scheduler.admit_new):
                 raise RuntimeError("no sequence can be scheduled although requests are waiting")
+            self._settle_drain()
             return []
         model_input = self._build_input(batch)
         results = self.executor.collective_rpc("execute_model", (model_input,))[0]
-        return self._process(batch, model_input, results)
+        outputs = self._process(batch, results)
+        self._settle_drain()
+        return outputs
 
     def _build_input(self, batch: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
@@ -154,8 +167,7 @@ class LLMEngine:
             positions.extend(range(start, len(seq)))
             query_lens.append(len(seq) - start)
             context_lens.append(len(seq))
-            width = seq.request.params.n if not seq.request.forked else 1
-            for index in range(width) if width > 1 else [seq.index]:
+            for index in seq.request.sample_indices(seq):
                 sample_rows.append(i)
                 specs.append(self._spec(seq, index))
         return ModelInput(
@@ -186,154 +198,70 @@ class LLMEngine:
             num_logprobs=p.logprobs,
         )
 
-    def _process(
-        self, batch: SchedulerOutput, model_input: ModelInput, results: list[SampleResult]
-    ) -> list[RequestOutput]:
+    def _process(self, batch: SchedulerOutput, results: list[SampleResult]) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
-        row = 0
+        rows = iter(results)
         for seq in batch.seqs:
             seq.num_computed_tokens = len(seq)
             self.block_manager.commit(seq)
             request = seq.request
             targets = [seq]
-            if not request.forked:
-                request.forked = True
-                for index in range(1, request.params.n):
-                    child = seq.fork(index)
-                    self.block_manager.fork(seq, child)
-                    request.seqs.append(child)
-                    self.scheduler.add_running(child)
-                targets = list(request.seqs)
+            children = request.fork(seq)
+            for child in children:
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+            targets += children
             for target in targets:
-                self._append(target, results[row])
-                row += 1
+                self.outputs.append(target, next(rows), self.weight_version)
             for target in targets:
-                if target.finish_reason is not None and target.status is SequenceStatus.RUNNING:
+                if target.finish_reason is not None:
                     self.scheduler.finish(target)
             touched[request.request_id] = request
-        assert row == len(results)
+        assert next(rows, None) is None, "every sampled row belongs to a sequence"
         outputs = []
         for request in touched.values():
             if request.finished:
-                outputs.append(self._output(request))
+                outputs.append(self.outputs.output(request))
                 del self.requests[request.request_id]
             elif request.stream and request.params.output_kind != "final_only":
-                outputs.append(self._output(request))
+                outputs.append(self.outputs.output(request))
         return outputs
-
-    def _append(self, seq: Sequence, result: SampleResult) -> None:
-        params = seq.request.params
-        token = result.token_id
-        seq.token_ids.append(token)
-        seq.record_version(self.weight_version)
-        seq.cumulative_logprob += result.logprob
-        if params.logprobs is not None:
-            entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
-            for rank, (tid, lp) in enumerate(
-                zip(result.top_ids or [], result.top_logprobs or [], strict=False), start=1
-            ):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, rank, self.detokenizer.token_text(tid))
-            seq.logprobs.append(entry)
-        num_out = seq.num_output_tokens
-        new_chars = 0
-        if params.stop_strings:  # text is kept current so only newly added characters are searched
-            old_len = len(seq.text)
-            seq.text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
-            new_chars = len(seq.text) - old_len
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return
-            if token in (params.stop_token_ids or ()):
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return
-            if params.stop_strings and new_chars > 0:
-                hit = find_stop(seq.text, params.stop_strings, new_chars)
-                if hit is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", hit[0]
-                    seq.text = seq.text[: hit[1]]
-                    return
-        max_len = self.config.model_config.max_model_len
-        assert max_len is not None
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= max_len:
-            seq.finish_reason = "length"
-
-    def _output(self, request: Request) -> RequestOutput:
-        """The request's output now: everything so far, or for output_kind 'delta' what is new since the last
-        output (text held back while it may still change: a partial character or a possible stop string)."""
-        params = request.params
-        delta = params.output_kind == "delta"
-        outputs = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            text = seq.text if isinstance(seq.stop_reason, str) else None
-            if text is None:
-                text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
-            tokens, logprobs = list(seq.output_token_ids), (seq.logprobs if params.logprobs is not None else None)
-            if delta:
-                ready = len(text)
-                if seq.finish_reason is None:
-                    ready = len(text.rstrip("\ufffd"))
-                    if params.stop_strings:
-                        ready = max(min(ready, len(text) - max(map(len, params.stop_strings)) + 1), seq.streamed_text)
-                text, seq.streamed_text = text[seq.streamed_text : ready], ready
-                start, seq.streamed_tokens = seq.streamed_tokens, len(tokens)
-                tokens = tokens[start:]
-                logprobs = logprobs[start:] if logprobs is not None else None
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=tokens,
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    weight_versions=[WeightVersionSpan(*span) for span in seq.weight_versions],
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.finished,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            admission_weight_version=request.admission_weight_version,
-        )
 
     # ---- weights ----------------------------------------------------------------------------------------------
 
-    def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs a weight-lifecycle method on every worker. Starting a change (a session, a reload, a config
-        change) is refused while requests are in flight and the engine is not paused; no step runs while a
-        session is open. Calls that may change the served weights invalidate the prefix cache."""
-        if (
-            method in _STARTS_CHANGE
-            and not self.paused
-            and self.scheduler.num_in_flight() + len(self.scheduler.running)
-        ):
+    def _check_can_change(self, method: str) -> None:
+        if self._serving_state().steps and self.scheduler.num_in_flight() + len(self.scheduler.running):
             raise RuntimeError(
                 f"{method}() while {len(self.requests)} request(s) are being generated; call "
                 "pause_generation() first (or let them finish)"
             )
+
+    def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs a transfer-session method on every worker (init_weight_transfer_engine, start_weight_update,
+        update_weights, abort_weight_update, shutdown_weight_transfer_engine) and moves the engine state with it.
+        A failed update ends the session on every rank (rolled back in atomic mode). Calls that may change the
+        served weights invalidate the prefix cache, even when they fail."""
+        if method == "start_weight_update":
+            self._check_can_change(method)
         try:
             result = self.executor.collective_rpc(method, args, kwargs)
-            if method == "start_weight_update":
-                self.update_in_progress = True
-            return result
         except BaseException:
-            if method in ("update_weights", "finish_weight_update"):
-                self.update_in_progress = False  # a failed update ends the session on the workers
-                if self.config.parallel_config.tensor_parallel_size > 1:
-                    # a rank that did not fail still has the session open: roll it back too
-                    self.executor.collective_rpc(_abort_if_active)
+            if method == "update_weights":
+                try:
+                    if self.config.parallel_config.tensor_parallel_size > 1:
+                        # a rank that did not fail still has the session open: roll it back too
+                        self.executor.collective_rpc("abort_weight_update")
+                finally:
+                    self._leave(EngineState.UPDATING)
             raise
         finally:
-            if method in ("finish_weight_update", "abort_weight_update", "shutdown_weight_transfer_engine"):
-                self.update_in_progress = False
-            if method in _CHANGES_WEIGHTS:
+            if method in ("update_weights", "abort_weight_update"):
                 self._weights_changed()
+        if method == "start_weight_update":
+            self._enter(EngineState.UPDATING)
+        elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
+            self._leave(EngineState.UPDATING)
+        return result
 
     def _weights_changed(self) -> None:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
@@ -342,25 +270,85 @@ class LLMEngine:
         self.block_manager.salt = next(self._salts)
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
-        self.weights_rpc("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
+        """Reloads in place on every worker (see `Worker.reload_weights`); an iterator is read once, here, so a
+        generator works with worker processes too. The engine's config records a new folder only after every
+        worker loaded it. Advances the weight version on success."""
+        self._check_can_change("reload_weights")
+        if weights_iterator is not None:
+            weights_iterator = [(str(name), tensor.detach()) for name, tensor in weights_iterator]
+        try:
+            self.executor.collective_rpc("reload_weights", (), {"weights_path": weights_path,
+                                                                 "weights_iterator": weights_iterator})  # fmt: skip
+        finally:
+            self._weights_changed()
+        if weights_path is not None:
+            self.config.model_config.model = str(weights_path)
         self._advance_version(None)
+
+    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        """Applies a live config change to the engine and every worker together: validated here first (the same
+        deterministic checks each worker runs), then applied by the workers, then to the engine's config."""
+        self._check_can_change("update_config")
+        new_sections = live_overrides(self.config, overrides)
+        self.executor.collective_rpc("update_config", (overrides,))
+        apply_overrides(self.config, new_sections)
 
     def finish_weight_update(self, weight_version: int | None = None) -> None:
         if weight_version is not None and not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
-        self.weights_rpc("finish_weight_update")
+        try:
+            self.executor.collective_rpc("finish_weight_update")
+        except BaseException:
+            if self.config.parallel_config.tensor_parallel_size > 1:
+                self.executor.collective_rpc("abort_weight_update")
+            raise
+        finally:
+            self._leave(EngineState.UPDATING)
+            self._weights_changed()
         self._advance_version(weight_version)
 
     def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
 
+    # ---- the state machine ----------------------------------------------------------------------------------
+
+    def _enter(self, state: EngineState) -> None:
+        """Enters UPDATING or ASLEEP, remembering the state to return to."""
+        self._return_to.append(self.state)
+        self.state = state
+
+    def _leave(self, state: EngineState) -> None:
+        """Leaves UPDATING or ASLEEP (no-op when not in it) for the state it was entered from."""
+        if self.state is state:
+            self.state = self._return_to.pop()
+            self._settle_drain()
+
+    def _serving_state(self) -> EngineState:
+        """RUNNING, DRAINING or PAUSED: the current state, or the one UPDATING / ASLEEP return to."""
+        return self._return_to[0] if self._return_to else self.state
+
+    def _set_serving_state(self, state: EngineState) -> None:
+        if self._return_to:
+            self._return_to[0] = state
+        else:
+            self.state = state
+
+    def _settle_drain(self) -> None:
+        """DRAINING becomes PAUSED once nothing is in flight (called wherever requests end)."""
+        if self._serving_state() is EngineState.DRAINING and self.scheduler.num_in_flight() == 0:
+            self._set_serving_state(EngineState.PAUSED)
+
+    def is_paused(self) -> bool:
+        """Whether generation is paused (also while an update runs or the engine sleeps on top of a pause)."""
+        return self._serving_state() is EngineState.PAUSED
+
     # ---- pause and resume -----------------------------------------------------------------------------------
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[RequestOutput]:
-        """Starts pausing generation. 'abort': every request ends now with finish_reason 'abort' (their final
-        outputs are returned). 'keep': requests freeze where they are; with `clear_cache` their KV is dropped
-        and recomputed on resume. 'wait': no new request starts; the caller keeps stepping until
-        `num_in_flight()` is 0, then the engine is paused. Requests added while paused wait for resume."""
+        """Pauses generation. 'abort': every request ends now with finish_reason 'abort' (their final outputs are
+        returned). 'keep': requests freeze where they are; with `clear_cache` their KV is dropped and recomputed
+        on resume. 'wait': DRAINING: no new request starts, and the engine becomes PAUSED once the requests in
+        flight finished (the caller keeps stepping). Requests added while paused wait for resume."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         outputs: list[RequestOutput] = []
@@ -369,19 +357,15 @@ class LLMEngine:
         elif mode == "keep" and clear_cache:
             self.scheduler.preempt_all()
         self.scheduler.admit_new = False
-        self.paused = mode != "wait"
+        if self._serving_state() is not EngineState.PAUSED:
+            self._set_serving_state(EngineState.DRAINING if mode == "wait" else EngineState.PAUSED)
+        self._settle_drain()
         if clear_cache:
             self.reset_prefix_cache(force=True)
         return outputs
 
-    def finish_pause(self) -> bool:
-        """For 'wait' mode: marks the engine paused once nothing is in flight; returns whether it is paused."""
-        if not self.paused and not self.scheduler.admit_new and self.scheduler.num_in_flight() == 0:
-            self.paused = True
-        return self.paused
-
     def resume(self) -> None:
-        self.paused = False
+        self._set_serving_state(EngineState.RUNNING)
         self.scheduler.admit_new = True
 
     # ---- sleep and wake -------------------------------------------------------------------------------------
@@ -391,26 +375,32 @@ class LLMEngine:
         weights' memory (restore them with wake_up(["weights"]) then a reload or a full update)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.state not in (EngineState.RUNNING, EngineState.PAUSED):
+            raise RuntimeError(f"cannot sleep while {self.state.value}")
         if self.scheduler.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
         self.executor.collective_rpc("sleep", (level,))
-        self.sleeping = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        self.released = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        self._enter(EngineState.ASLEEP)
         self.reset_prefix_cache(force=True)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Re-allocates what sleep released: "weights" and/or "kv_cache" (default: both)."""
+        """Re-allocates what sleep released: "weights" and/or "kv_cache" (default: both); the engine leaves ASLEEP
+        once nothing released remains."""
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; expected 'weights' and/or 'kv_cache'")
         self.executor.collective_rpc("wake_up", (tags,))
-        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+        if "kv_cache" in tags and "kv_cache" in self.released:
             cc = self.config.cache_config
             assert cc.num_kv_blocks is not None
             self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
             self.block_manager.salt = next(self._salts)
             self.scheduler.block_manager = self.block_manager
-        self.sleeping -= set(tags)
+        self.released -= set(tags)
+        if not self.released:
+            self._leave(EngineState.ASLEEP)
 
     # ---- maintenance ----------------------------------------------------------------------------------------
 
@@ -423,6 +413,16 @@ class LLMEngine:
         """Stops the workers (worker processes under tensor parallelism)."""
         self.executor.shutdown()
 
+    def check_integrity(self) -> None:
+        """Asserts the KV block accounting against every sequence the engine holds (tests call it after every
+        scenario)."""
+        seqs = [seq for request in self.requests.values() for seq in request.seqs]
+        self.block_manager.check_integrity(seqs)
+        running = {id(seq) for seq in self.scheduler.running}
+        assert all(seq.block_table for seq in self.scheduler.running), "a running sequence holds no blocks"
+        assert all(not seq.block_table for seq in self.scheduler.waiting), "a waiting sequence holds blocks"
+        assert running <= {id(seq) for seq in seqs}, "a running sequence belongs to no request"
+
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {
@@ -432,17 +432,6 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
         }
-
-
-def _abort_if_active(worker: Any) -> None:
-    """Ends a worker's open weight-update session (rolling it back), if it has one."""
-    if worker.session.state.value == "active":
-        worker.abort_weight_update()
-
-
-# Worker methods that may change the served weights, and those that must not overlap generation.
-_CHANGES_WEIGHTS = {"reload_weights", "finish_weight_update", "update_weights", "abort_weight_update"}
-_STARTS_CHANGE = {"reload_weights", "start_weight_update", "update_config"}
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:

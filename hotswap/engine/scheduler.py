@@ -48,8 +48,7 @@ class Scheduler:
             if not self.admit_new and not seq.started:
                 break
             # A request with n > 1 forks its siblings after this prefill; they count against max_num_seqs.
-            width = 1 if seq.request.forked else seq.request.params.n
-            if self.running and len(self.running) + width > self.config.max_num_seqs:
+            if self.running and len(self.running) + seq.request.width > self.config.max_num_seqs:
                 break
             if num_tokens + len(seq) > self.config.max_num_batched_tokens and scheduled:
                 break

@@ -82,7 +82,8 @@ class Sequence:
 
 @dataclass
 class Request:
-    """A prompt and its `params.n` sequences. Sequence 0 is prefilled alone; its siblings fork from it."""
+    """A prompt and its `params.n` sequences. Every n>1 rule lives here: sequence 0 is prefilled alone and samples
+    all n first tokens; then `fork` creates its n-1 siblings, which share its KV blocks."""
 
     request_id: str
     prompt: str | None
@@ -92,6 +93,32 @@ class Request:
     forked: bool = False
     admission_weight_version: int = 0
     stream: bool = False  # deliver an output after every step, not only at the end
+
+    @property
+    def width(self) -> int:
+        """Running sequences that scheduling `seqs[0]` now will produce (n before forking, then 1 each)."""
+        return 1 if self.forked else self.params.n
+
+    def sample_indices(self, seq: Sequence) -> list[int]:
+        """The sample indices drawn from `seq`'s logits this step: all n before forking, else its own."""
+        return list(range(self.params.n)) if not self.forked else [seq.index]
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """After the first prefill: creates `seq`'s n-1 siblings (the caller shares its blocks with them) and
+        returns them; afterwards every sequence samples for itself. Returns [] once forked."""
+        if self.forked:
+            return []
+        self.forked = True
+        children = [seq.fork(index) for index in range(1, self.params.n)]
+        self.seqs.extend(children)
+        return children
+
+    def fill_unforked(self, finish_reason: str) -> None:
+        """Ends a request before it forked: its n-1 siblings are added, empty, with `finish_reason`."""
+        while len(self.seqs) < self.params.n:
+            child = Sequence(self, len(self.seqs), self.prompt_token_ids)
+            child.finish_reason, child.status = finish_reason, SequenceStatus.FINISHED
+            self.seqs.append(child)
 
     @property
     def finished(self) -> bool:

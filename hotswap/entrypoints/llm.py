@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.engine.state import EngineState
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -128,15 +129,14 @@ class LLM:
                         bar.update(1)
                     if len(done) == len(wanted):
                         break
-                    if engine.sleeping:
+                    if engine.state is EngineState.ASLEEP:
                         raise RuntimeError("the engine is asleep; call wake_up() before generating")
-                    if engine.paused or engine.update_in_progress:
+                    if not engine.state.steps:
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread
                         continue
                     for out in engine.step():
                         if out.finished:
                             self._finished[out.request_id] = out
-                    engine.finish_pause()
                     self._changed.notify_all()
         except BaseException:
             with self._lock:
@@ -157,7 +157,7 @@ class LLM:
         with self._lock:
             for out in self.llm_engine.pause(mode, clear_cache):
                 self._finished[out.request_id] = out
-            while not self.llm_engine.finish_pause():
+            while not self.llm_engine.is_paused():  # 'wait': DRAINING until the stepping generate() drains it
                 self._changed.wait(0.05)
             self._changed.notify_all()
 
@@ -167,7 +167,7 @@ class LLM:
             self._changed.notify_all()
 
     def is_paused(self) -> bool:
-        return self.llm_engine.paused
+        return self.llm_engine.is_paused()
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache; level 2 also releases the weights' memory (reload or update after
@@ -210,7 +210,7 @@ class LLM:
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
         with self._lock:
-            self.llm_engine.weights_rpc("update_config", overrides)
+            self.llm_engine.update_config(overrides)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}."""

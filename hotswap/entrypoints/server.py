@@ -14,8 +14,8 @@ import ipaddress
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
-from hotswap.worker.weight_session import WeightUpdateFailed
+from hotswap.weights.session import WeightUpdateFailed
+
+if TYPE_CHECKING:
+    from hotswap.outputs import RequestOutput
 
 # Worker methods `/collective_rpc` may call: read-only inspection.
 RPC_ALLOWLIST = frozenset({"weight_checksums", "determine_num_kv_blocks", "shard_plan"})
@@ -63,12 +66,12 @@ class FinishBody(_Body):
 
 
 class PauseBody(_Body):
-    mode: str = Field("abort", pattern="^(abort|wait|keep)$")
+    mode: str = Field(default="abort", pattern="^(abort|wait|keep)$")
     clear_cache: bool = True
 
 
 class SleepBody(_Body):
-    level: int = Field(1, ge=1, le=2)
+    level: int = Field(default=1, ge=1, le=2)
 
 
 class WakeBody(_Body):
@@ -200,7 +203,8 @@ def create_app(
         prompt: Any, params: Any, request_id: str, make_chunk: Any, make_full: Any, stream: bool, http: Request
     ) -> Any:
         start = time.perf_counter()
-        generator = engine.generate(prompt, params, request_id)
+        # an async generator function: its iterator has aclose()
+        generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id))
         try:
             first = await guarded(generator.__anext__())
         except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once

@@ -1,11 +1,12 @@
 """Llama-family decoder models: Llama 2/3, Mistral, SmolLM, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm,
 independent head_dim). Module names follow the Hugging Face checkpoints, with q/k/v fused into `qkv_proj` and
-gate/up into `gate_up_proj` (see `packed_modules_mapping`)."""
+gate/up into `gate_up_proj` (see `stacked_params_mapping`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from hotswap.kernels import native
 from hotswap.model.layers.activation import SiluAndMul
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.embedding import VocabEmbedding
-from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader, small_batch_applies
+from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, small_batch_applies
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -51,6 +52,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # built together with q_norm
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary_emb))
 
@@ -103,6 +105,7 @@ class LlamaModel(nn.Module):
             return self._native_stack(x, positions, meta)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
+        assert residual is not None  # set by the first layer (a model has at least one)
         return self.norm.add_and_norm(x, residual)[0]
 
     def _native_stack_applies(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -113,7 +116,7 @@ class LlamaModel(nn.Module):
         millisecond, their dicts being out of cache after a step's weights went by."""
         if self.kernels is None or meta.kernel is None or not self._stack_modules_fit:
             return False
-        attn = self.layers[0].self_attn
+        attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn  # checked by `_stack_modules_fit`
         return (
             x.is_contiguous()
             and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
@@ -164,7 +167,7 @@ class LlamaModel(nn.Module):
         return [
             (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
              layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn.rotary_emb, layer.self_attn.attn)
-            for layer in self.layers
+            for layer in cast(Iterable[LlamaDecoderLayer], self.layers)  # checked by `_stack_modules_fit`
         ]  # fmt: skip
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -185,7 +188,8 @@ class LlamaModel(nn.Module):
             ]  # fmt: skip
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
-        first = self.layers[0].self_attn
+        first = cast(LlamaDecoderLayer, self.layers[0]).self_attn  # checked by `_stack_modules_fit`
+        assert self.kernels is not None  # checked by `_native_stack_applies`
         return self.kernels.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
@@ -199,10 +203,6 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
-    packed_modules_mapping: dict[str, list[str]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
     # checkpoint module name -> (fused module name, shard id)
     stacked_params_mapping: dict[str, tuple[str, object]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -222,9 +222,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
         for name, param in self.named_parameters():
-            param.hotswap_name = name
-            if not hasattr(param, "weight_loader"):
-                param.weight_loader = default_weight_loader
+            param.hotswap_name = name  # type: ignore[attr-defined]  # ad-hoc tag, read back with getattr
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,21 +1,20 @@
 """The receiving side of a transport, and the metadata every update declares before data moves.
 
-An update declares `names`, `dtypes` (strings such as "float32") and `shapes`; the worker validates them against
-the model before it reads a byte of data, then `receive` yields (name, tensor) in declared order.
+An update declares `names`, `dtypes` (strings such as "float32") and `shapes`; a transport turns its update_info
+into a `WeightSource` (hotswap/weights/sources.py), whose declaration the worker checks against the model before
+it reads a byte of data.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hotswap.config import WeightTransferConfig
-
-Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
+from hotswap.weights.sources import Declared, WeightSource
 
 BACKENDS = {
     "tensors": "hotswap.transfer.tensors:TensorsEngine",
@@ -63,25 +62,19 @@ def declare(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any
 class TransferEngine(ABC):
     """Receives weights for one worker. Created by `init_weight_transfer_engine(init_info)`.
 
-    `in_memory`: every tensor of an update is readable at once (so values are checked before any is loaded).
     `survives_failure`: the channel stays usable after a failed update; if not (a collective stream that may be
     out of step), the worker shuts the engine down and a new `init_weight_transfer_engine` is needed."""
 
-    in_memory = False
     survives_failure = True
 
     def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         self.init_info = init_info
         self.config = config
 
-    def declared(self, update_info: dict[str, Any]) -> Declared:
-        """What this update will deliver; checked against the model before any data moves."""
-        return declared_from_info(update_info)
-
     @abstractmethod
-    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields the declared tensors in order. A tensor may be a view into a transport buffer that is reused
-        once the next one is requested, so the consumer copies it first. Raises on a lost or late trainer."""
+    def source(self, update_info: dict[str, Any]) -> WeightSource:
+        """The update as a source: its declaration (read without touching data) and its tensors in declared order.
+        Raises ValueError for a malformed update_info; its stream raises on a lost or late trainer."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and buffers."""

@@ -4,7 +4,8 @@ The trainer writes every tensor once into a shared segment; the worker maps the 
 from it into the parameters. The segment starts with a 64-byte header: magic, a generation counter (written
 last, after the data, to publish an update) and the trainer's pid. The worker waits, up to the configured
 timeout, for the generation its update names; it fails early if the trainer process has died, and re-checks the
-generation after reading so a trainer that overwrote the buffer mid-read is caught.
+generation after the data was copied into the model, so a trainer that overwrote the buffer mid-read is caught
+and the update rolled back.
 
 Trainer side:
 
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from hotswap.transfer.base import TransferEngine, declare, declared_from_info
+from hotswap.weights.sources import WeightSource
 
 _MAGIC = 0x48535750  # "HSWP"
 _HEADER = struct.Struct("<QQQ")  # magic, generation, trainer pid
@@ -70,7 +72,9 @@ class ShmSender:
             self.close()
             self.segment = shared_memory.SharedMemory(name=f"hotswap_{uuid.uuid4().hex[:16]}", create=True, size=size)
         self.generation += 1
-        _HEADER.pack_into(self.segment.buf, 0, _MAGIC, 0, os.getpid())  # unpublished while writing
+        buf = self.segment.buf
+        assert buf is not None  # None only once the segment is closed
+        _HEADER.pack_into(buf, 0, _MAGIC, 0, os.getpid())  # unpublished while writing
         info = {
             **declare(pairs),
             "shm_name": self.segment.name,
@@ -83,9 +87,11 @@ class ShmSender:
     def publish(self, info: dict[str, Any], pairs: list[tuple[str, torch.Tensor]]) -> None:
         """Writes the tensors, then the generation that tells the worker they are complete."""
         assert self.segment is not None
+        buf = self.segment.buf
+        assert buf is not None  # None only once the segment is closed
         for (_, tensor), offset in zip(pairs, info["offsets"], strict=True):
-            _view(self.segment.buf, offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
-        _HEADER.pack_into(self.segment.buf, 0, _MAGIC, info["generation"], os.getpid())
+            _view(buf, offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+        _HEADER.pack_into(buf, 0, _MAGIC, info["generation"], os.getpid())
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """prepare + publish: the update_info of a complete update."""
@@ -146,8 +152,6 @@ class _Mapping:
 
 
 class ShmEngine(TransferEngine):
-    in_memory = True
-
     def __init__(self, init_info: dict[str, Any], config: Any) -> None:
         super().__init__(init_info, config)
         self.segments: dict[str, _Mapping] = {}
@@ -177,7 +181,10 @@ class ShmEngine(TransferEngine):
                 )
             time.sleep(0.001)
 
-    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def source(self, update_info: dict[str, Any]) -> WeightSource:
+        """The published update as an in-memory source over views of the segment. Its `verify`, run after the
+        data was copied into the model, rejects an update the trainer overwrote meanwhile (the copy is then rolled
+        back)."""
         declared = declared_from_info(update_info)
         try:
             name, offsets = update_info["shm_name"], update_info["offsets"]
@@ -190,12 +197,18 @@ class ShmEngine(TransferEngine):
         expected_offsets, size = _layout([(shape, dtype) for _, dtype, shape in declared])
         if list(offsets) != expected_offsets or size > segment.size:
             raise ValueError("shm update layout does not match its declaration or exceeds the segment")
-        self._wait_published(segment, generation, pid)
-        for (tensor_name, dtype, shape), offset in zip(declared, offsets, strict=True):
-            yield tensor_name, _view(segment.buf, offset, dtype, shape)
-        _, current, _ = _HEADER.unpack_from(segment.buf, 0)
-        if current != generation:
-            raise RuntimeError("the trainer overwrote the shared buffer while the worker was reading it")
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            self._wait_published(segment, generation, pid)
+            for (tensor_name, dtype, shape), offset in zip(declared, offsets, strict=True):
+                yield tensor_name, _view(segment.buf, offset, dtype, shape)
+
+        def verify() -> None:
+            _, current, _ = _HEADER.unpack_from(segment.buf, 0)
+            if current != generation:
+                raise RuntimeError("the trainer overwrote the shared buffer while the worker was reading it")
+
+        return WeightSource(declared, tensors, in_memory=True, verify=verify, description="shm update")
 
     def shutdown(self) -> None:
         for segment in self.segments.values():

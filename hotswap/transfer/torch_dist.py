@@ -26,7 +26,8 @@ import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
 from hotswap.distributed import current_parallel
-from hotswap.transfer.base import Declared, TransferEngine, declare, declared_from_info
+from hotswap.transfer.base import TransferEngine, declare, declared_from_info
+from hotswap.weights.sources import Declared, WeightSource
 
 _ALIGN = 64
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -60,7 +61,8 @@ def _group(address: str, port: int, rank: int, world: int, timeout_s: float, dev
     if device == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
-        return store, ProcessGroupNCCL(store, rank, world)
+        # the binding's (store, rank, size, timeout=default) overload is missing from torch's stubs
+        return store, ProcessGroupNCCL(store, rank, world)  # type: ignore[call-arg]
     return store, ProcessGroupGloo(store, rank, world, timeout)
 
 
@@ -79,6 +81,7 @@ class TorchDistSender:
     ) -> None:
         self.bucket_size_bytes = bucket_size_bytes
         self.device = device
+        self.store: TCPStore | None  # None once closed
         self.store, self.group = _group(master_address, master_port, 0, 1 + num_workers, timeout_s, device)
         self._buffers: list[torch.Tensor] = []
 
@@ -139,24 +142,29 @@ class TorchDistEngine(TransferEngine):
             raise ValueError(f"a 'torch_dist' init_info needs master_address and master_port: {err}") from None
         self.device = str(init_info.get("device", "cpu"))
         tp = current_parallel()
+        self.store: TCPStore | None  # None once shut down
         self.store, self.group = _group(address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
         self._buffers: list[torch.Tensor] = []
 
-    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def source(self, update_info: dict[str, Any]) -> WeightSource:
         declared = declared_from_info(update_info)
         bucket_size = int(update_info.get("bucket_size_bytes", self.config.bucket_size_bytes))
         layout = bucket_layout(declared, bucket_size)
-        if not layout:
-            return
-        works = [self._post(0, layout[0][0])]
-        for i, (_, members) in enumerate(layout):
-            works[i].wait()
-            if i + 1 < len(layout):
-                works.append(self._post((i + 1) % 2, layout[i + 1][0]))
-            buffer = self._buffers[i % 2]
-            for index, offset in members:
-                name, dtype, shape = declared[index]
-                yield name, _tensor_view(buffer, offset, dtype, shape)
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            if not layout:
+                return
+            works = [self._post(0, layout[0][0])]
+            for i, (_, members) in enumerate(layout):
+                works[i].wait()
+                if i + 1 < len(layout):
+                    works.append(self._post((i + 1) % 2, layout[i + 1][0]))
+                buffer = self._buffers[i % 2]
+                for index, offset in members:
+                    name, dtype, shape = declared[index]
+                    yield name, _tensor_view(buffer, offset, dtype, shape)
+
+        return WeightSource(declared, tensors, description="torch_dist update")
 
     def _post(self, slot: int, size: int) -> Any:
         while len(self._buffers) <= slot:

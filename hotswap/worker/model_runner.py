@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
+from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import native
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
-from hotswap.worker.model_input import ModelInput, ModelOutput
 
 
 class ModelRunner:
@@ -22,6 +23,7 @@ class ModelRunner:
         self.model = model
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
         kernels = native.ops()
         self.attention_kernel = None if kernels is None else kernels.paged_attention
 
@@ -36,6 +38,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocates zeroed K and V tensors [num_blocks, block_size, kv_heads, head_dim] per layer and binds them."""
         dtype = self.config.model_config.torch_dtype
+        self.num_blocks = num_blocks
         self.kv_caches = []
         for attn in self.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -72,7 +75,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         last = torch.tensor(model_input.query_lens).cumsum(0) - 1
         rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
-        logits = self.model.compute_logits(hidden[rows])  # every rank takes part in gathering the vocab
+        logits = cast(Any, self.model).compute_logits(hidden[rows])  # every rank takes part in gathering the vocab
         if current_parallel().rank != 0:
             return []  # the engine reads rank 0's samples
         return sample(logits, model_input.sample_specs)

@@ -1,4 +1,4 @@
-"""Vocab-parallel token embedding, also the LM head (tied or not).
+"""Vocab-parallel token embedding, also the LM head (tied or not); implements `ShardedWeights`.
 
 Each rank holds a contiguous block of ceil(V / ranks) rows (the last block zero-padded). A lookup zeroes ids
 outside the block and all-reduces; the LM head computes this block's logits and all-gathers them.
@@ -12,7 +12,8 @@ from torch import nn
 
 from hotswap.distributed import current_parallel
 from hotswap.kernels import native
-from hotswap.model.layers.linear import copy_into, linear
+from hotswap.model.layers.linear import linear
+from hotswap.weights.sharded import Narrowing, copy_into
 
 
 class VocabEmbedding(nn.Module):
@@ -26,30 +27,24 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
         if self.valid < self.rows:
             self.weight.data[self.valid :].zero_()
-        self.weight.weight_loader = self.weight_loader
         self.kernels = native.ops()
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
         return (self.num_embeddings, self.weight.shape[1])
 
-    def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+    def local_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
         return param.data[: self.valid]
 
-    def shard_plan(self, param: nn.Parameter, shard_id: object = None) -> list[tuple[int, int, int]]:
+    def narrowings(self, param: nn.Parameter, shard_id: object = None) -> Narrowing:
         return [(0, self.start, self.valid)]
 
-    def weight_loader(
+    def load_weight(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
-        """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place.
-        Raises ValueError on a bad shape."""
-        name = getattr(param, "hotswap_name", "embedding")
+        """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place."""
         if not pre_sliced:
-            expected = self.checkpoint_shape(param)
-            if tuple(loaded.shape) != expected:
-                raise ValueError(f"{name}: expected shape {expected}, got {tuple(loaded.shape)}")
             loaded = loaded.narrow(0, self.start, self.valid)
-        copy_into(self.shard_view(param), loaded, name)
+        copy_into(self.local_view(param), loaded, getattr(param, "hotswap_name", "embedding"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

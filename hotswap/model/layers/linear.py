@@ -1,9 +1,9 @@
-"""Linear layers whose parameters load themselves, replicated or tensor-parallel.
+"""Linear layers, replicated or tensor-parallel, implementing the `ShardedWeights` layout protocol.
 
-Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes a full checkpoint tensor and
-copies this rank's part of it into the parameter's existing storage (never rebinding it). Packed layers (q/k/v,
-gate/up) describe each shard by a `ShardSpec`: which rows of that shard's checkpoint tensor this rank keeps and
-where they go in the fused parameter. Tensor parallelism: "column" splits output rows across ranks; "row" splits
+`load_weight(param, loaded, shard_id)` takes a full checkpoint tensor and copies this rank's part of it into the
+parameter's existing storage (never rebinding it). Packed layers (q/k/v, gate/up) describe each shard by a
+`ShardSpec`: which rows of that shard's checkpoint tensor this rank keeps and where they go in the fused
+parameter. Tensor parallelism: "column" splits output rows across ranks; "row" splits
 input columns and all-reduces the output (the bias is added once, after the reduction).
 
 With `quantization="fp8"` in the live config at construction, the weight is stored as float8 with a per-row
@@ -13,7 +13,7 @@ into the existing fp8 and scale storage, then frees the stage.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import native
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
+from hotswap.weights.sharded import Narrowing, copy_into
 
 
 class ShardSpec(NamedTuple):
@@ -35,24 +36,6 @@ class ShardSpec(NamedTuple):
     ckpt_start: int
 
 
-def copy_into(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """Copies `loaded` into `target` in place (casting dtype). Raises ValueError if the shapes disagree."""
-    if tuple(loaded.shape) != tuple(target.shape):
-        raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
-    with torch.no_grad():
-        target.copy_(loaded)
-
-
-def default_weight_loader(
-    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
-) -> None:
-    """Copies a whole tensor into `param` (a replicated parameter, so pre-sliced is the same as whole). Raises
-    ValueError on a shape mismatch."""
-    if shard_id is not None:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
-    copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
-
-
 # From SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows (tokens: decode batches, short prefills), float32 products on
 # CPU take the native small-batch kernel, which streams the weight once instead of re-packing it (see
 # hotswap/kernels/linear.cpp). Above that range a BLAS GEMM is faster, and below it the BLAS's matrix-vector path.
@@ -60,17 +43,16 @@ SMALL_BATCH_MIN_ROWS = 4
 SMALL_BATCH_ROWS = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed by the native small-batch kernel where it applies (`kernels` from
     `native.ops()`, see `small_batch_applies`): equal up to float32 rounding."""
     if small_batch_applies(x, weight, bias, kernels):
+        assert kernels is not None  # checked by `small_batch_applies`
         return kernels.small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def small_batch_applies(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: object | None
-) -> bool:
+def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any | None) -> bool:
     """Whether the native small-batch kernels take this product: kernels available, a 2-D float32 CPU `x` of
     SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a contiguous weight, no autograd."""
     return (
@@ -125,15 +107,14 @@ class Linear(nn.Module):
         self.kernels = native.ops()
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
-        self.weight.weight_loader = self.weight_loader
         if self.fp8:
             self.weight_scale = _param((self.out_local,), torch.float32)
-            self.weight_scale.hotswap_derived = True  # computed by post-processing, never loaded
+            # computed by post-processing, never loaded (an ad-hoc tag, read back with getattr)
+            self.weight_scale.hotswap_derived = True  # type: ignore[attr-defined]
             self._stage: torch.Tensor | None = None
             self._staged_rows: torch.Tensor | None = None
         if bias:
             self.bias = _param((self.out_features if self.parallel == "row" else self.out_local,))
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
@@ -149,25 +130,24 @@ class Linear(nn.Module):
         rows = self._spec(shard_id).ckpt_rows
         return (rows, self.in_features) if param is self.weight else (rows,)
 
-    def shard_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+    @property
+    def stages_weights(self) -> bool:
+        """fp8: loads go to a high-precision stage; only post-processing writes the parameters."""
+        return self.fp8
+
+    def local_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
         """This rank's slice of `param` that shard `shard_id` occupies."""
         if param is self.bias and self.parallel == "row":
             return param.data
         spec = self._spec(shard_id)
         return param.data.narrow(0, spec.local_offset, spec.size)
 
-    def weight_loader(
+    def load_weight(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
         """Copies this rank's part of the full checkpoint tensor `loaded` (or, `pre_sliced`, the part itself)
-        into shard `shard_id` of `param` in place (for an fp8 weight: into the stage). Raises ValueError on a
-        shape mismatch."""
+        into shard `shard_id` of `param` in place (for an fp8 weight: into the stage)."""
         name = getattr(param, "hotswap_name", "parameter")
-        expected = (
-            tuple(self.shard_view(param, shard_id).shape) if pre_sliced else self.checkpoint_shape(param, shard_id)
-        )
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"{name}: expected shape {expected}, got {tuple(loaded.shape)}")
         if param is self.bias and self.parallel == "row":
             copy_into(param.data, loaded, name)
             return
@@ -178,15 +158,16 @@ class Linear(nn.Module):
             if param is self.weight and self.parallel == "row":
                 part = part.narrow(1, self.in_start, self.in_local)
         if not (self.fp8 and param is self.weight):
-            copy_into(self.shard_view(param, shard_id), part, name)
+            copy_into(self.local_view(param, shard_id), part, name)
             return
         if self._stage is None:
             self._stage = torch.empty(self.weight.shape, dtype=current_config().model_config.torch_dtype)
             self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
         copy_into(self._stage.narrow(0, spec.local_offset, spec.size), part, name)
+        assert self._staged_rows is not None  # allocated and freed with the stage
         self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
 
-    def shard_plan(self, param: nn.Parameter, shard_id: object = None) -> list[tuple[int, int, int]]:
+    def narrowings(self, param: nn.Parameter, shard_id: object = None) -> Narrowing:
         """(dim, start, length) narrowings that cut this rank's part out of the full checkpoint tensor."""
         if param is self.bias and self.parallel == "row":
             return []
@@ -201,6 +182,7 @@ class Linear(nn.Module):
         if not self.fp8 or self._stage is None:
             return
         assert current_config().quant_config.quantization == "fp8", "fp8 layer outside an fp8 config"
+        assert self._staged_rows is not None  # allocated and freed with the stage
         rows = self._staged_rows.nonzero().squeeze(1)
         q, scale = quantize_per_channel(self._stage[rows])
         self.weight.data[rows] = q
@@ -239,7 +221,7 @@ class QKVLinear(Linear):
         # the local KV head each local q head attends with
         self.kv_of_q = [(q_start + i) // group - self.kv_start for i in range(q_heads)]
         q, kv = q_heads * head_dim, kv_heads * head_dim
-        specs = {
+        specs: dict[object, ShardSpec] = {
             "q": ShardSpec(0, q, num_heads * head_dim, q_start * head_dim),
             "k": ShardSpec(q, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
             "v": ShardSpec(q + kv, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
@@ -254,7 +236,8 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
         tp = current_parallel()
-        specs, offset = {}, 0
+        specs: dict[object, ShardSpec] = {}
+        offset = 0
         for i, size in enumerate(out_sizes):
             start, local = split(size, tp.rank, tp.size)
             specs[i] = ShardSpec(offset, local, size, start)
@@ -268,5 +251,6 @@ class MergedLinear(Linear):
         hotswap/kernels/linear.cpp), so the [tokens, 2 x intermediate] projection never reaches memory."""
         weight = self.effective_weight(x.dtype)  # dequantized once either way
         if self.gate_and_up and small_batch_applies(x, weight, self.bias, self.kernels):
+            assert self.kernels is not None  # checked by `small_batch_applies`
             return self.kernels.small_batch_gated_linear(x, weight, self.bias)
         return act(linear(x, weight, self.bias, self.kernels))  # column-parallel: forward() is this product

@@ -17,6 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused(x):
+            assert self.kernels is not None  # checked by `_fused`
             return self.kernels.rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
@@ -24,6 +25,7 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x). The sum may be written into `residual` in place: the caller owns
         it and must not need its old value."""
         if self._fused(x) and residual.is_contiguous():
+            assert self.kernels is not None  # checked by `_fused`
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self._norm(residual), residual

@@ -43,6 +43,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -64,6 +67,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]; returns new contiguous tensors."""
         if self.native_applies(positions, q):
+            assert self.kernels is not None  # checked by `native_applies`
             return self.kernels.rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)

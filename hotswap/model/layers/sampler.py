@@ -8,37 +8,10 @@ distribution (before temperature and filters), as in vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import native
-
-
-@dataclass
-class SampleSpec:
-    """How to sample one row of logits."""
-
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    sample_index: int = 0
-    position: int = 0
-    banned_token_ids: list[int] = field(default_factory=list)
-    num_logprobs: int | None = None
-
-
-@dataclass
-class SampleResult:
-    """The sampled token, its raw logprob and rank, and the top-k (ids, logprobs) when requested."""
-
-    token_id: int
-    logprob: float
-    rank: int | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:

@@ -1,0 +1,52 @@
+"""The per-step data the engine exchanges with its workers: plain, picklable for worker processes. The engine
+owns these types; the model runner and the sampler consume them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleSpec:
+    """How to sample one row of logits."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    sample_index: int = 0
+    position: int = 0
+    banned_token_ids: list[int] = field(default_factory=list)
+    num_logprobs: int | None = None
+
+
+@dataclass
+class SampleResult:
+    """The sampled token, its raw logprob and rank, and the top-k (ids, logprobs) when requested."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+
+@dataclass
+class ModelInput:
+    """A flat batch. Sequence i contributes `query_lens[i]` tokens of `input_ids`/`positions`, has
+    `context_lens[i]` tokens in total and its KV in `block_tables[i]`. `sample_rows[j]` is the sequence whose
+    last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    sample_specs: list[SampleSpec]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+ModelOutput = list[SampleResult]

@@ -1,0 +1,100 @@
+"""From sampled tokens to what callers see: appending a token (with its logprobs and weight version), the stop
+conditions, and building `RequestOutput`s (whole, or as deltas for streaming)."""
+
+from __future__ import annotations
+
+from hotswap.engine.detokenizer import Detokenizer, find_stop
+from hotswap.engine.model_input import SampleResult
+from hotswap.engine.sequence import Request, Sequence
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
+
+
+class OutputProcessor:
+    """Stateless across requests: everything it keeps per sequence lives on the `Sequence`."""
+
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, result: SampleResult, weight_version: int) -> None:
+        """Appends the sampled token, records its logprobs and weight version, and sets `seq.finish_reason` when a
+        stop condition is met (EOS, a stop token or string once `min_tokens` are out, max_tokens, the model's
+        length). A stop string is cut from the text."""
+        params = seq.request.params
+        token = result.token_id
+        seq.token_ids.append(token)
+        seq.record_version(weight_version)
+        seq.cumulative_logprob += result.logprob
+        if params.logprobs is not None:
+            entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
+            for rank, (tid, lp) in enumerate(
+                zip(result.top_ids or [], result.top_logprobs or [], strict=False), start=1
+            ):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, self.detokenizer.token_text(tid))
+            seq.logprobs.append(entry)
+        num_out = seq.num_output_tokens
+        new_chars = 0
+        if params.stop_strings:  # text is kept current so only newly added characters are searched
+            old_len = len(seq.text)
+            seq.text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            new_chars = len(seq.text) - old_len
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in (params.stop_token_ids or ()):
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if params.stop_strings and new_chars > 0:
+                hit = find_stop(seq.text, params.stop_strings, new_chars)
+                if hit is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", hit[0]
+                    seq.text = seq.text[: hit[1]]
+                    return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def output(self, request: Request) -> RequestOutput:
+        """The request's output now: everything so far, or for output_kind 'delta' what is new since the last
+        output (text held back while it may still change: a partial character or a possible stop string)."""
+        params = request.params
+        delta = params.output_kind == "delta"
+        outputs = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            text = seq.text if isinstance(seq.stop_reason, str) else None
+            if text is None:
+                text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+            tokens, logprobs = list(seq.output_token_ids), (seq.logprobs if params.logprobs is not None else None)
+            if delta:
+                ready = len(text)
+                if seq.finish_reason is None:
+                    ready = len(text.rstrip("\ufffd"))
+                    if params.stop_strings:
+                        ready = max(min(ready, len(text) - max(map(len, params.stop_strings)) + 1), seq.streamed_text)
+                text, seq.streamed_text = text[seq.streamed_text : ready], ready
+                start, seq.streamed_tokens = seq.streamed_tokens, len(tokens)
+                tokens = tokens[start:]
+                logprobs = logprobs[start:] if logprobs is not None else None
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    weight_versions=[WeightVersionSpan(*span) for span in seq.weight_versions],
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.finished,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            admission_weight_version=request.admission_weight_version,
+        )

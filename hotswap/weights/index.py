@@ -1,0 +1,107 @@
+"""The static map of a model's weights: checkpoint tensor name -> where it lands. Built once per model, O(1) per
+name; names are never guessed by substring.
+
+A checkpoint name maps to a `Target`: a parameter, the shard of it (for fused parameters: q/k/v in qkv_proj,
+gate/up in gate_up_proj, from the model's `stacked_params_mapping`), and the owning module's `ShardedWeights`
+layout. Parameters marked `hotswap_derived` (e.g. fp8 scales) are computed by post-processing, never loaded.
+Aliases (a tied lm_head.weight) resolve to the canonical target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hotswap.weights.sharded import Narrowing, ShardedWeights, layout_of
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes."""
+
+    param_name: str
+    param: nn.Parameter
+    shard_id: object
+    module_name: str
+    layout: ShardedWeights
+    full_shape: tuple[int, ...]  # the full checkpoint tensor
+    local_shape: tuple[int, ...]  # this rank's part (what a pre-sliced tensor must have)
+
+    @property
+    def key(self) -> tuple[str, object]:
+        """Identifies the destination: two names with one key (tied weights) are the same weight."""
+        return (self.param_name, self.shard_id)
+
+    def load(self, tensor: torch.Tensor, pre_sliced: bool = False) -> None:
+        self.layout.load_weight(self.param, tensor, self.shard_id, pre_sliced=pre_sliced)
+
+    def local_view(self) -> torch.Tensor:
+        return self.layout.local_view(self.param, self.shard_id)
+
+    def narrowings(self) -> Narrowing:
+        return self.layout.narrowings(self.param, self.shard_id)
+
+
+class WeightIndex:
+    """Checkpoint name -> `Target` for one model, plus, per module, the targets it is made of (its
+    post-processing runs once all of them arrived). `required` lists the canonical names a full load must fill."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        stacked: dict[str, tuple[str, object]] = getattr(model, "stacked_params_mapping", {})
+        sources_of: dict[str, list[tuple[str, object]]] = {}
+        for source, (fused, shard) in stacked.items():
+            sources_of.setdefault(fused, []).append((source, shard))
+        self.targets: dict[str, Target] = {}
+        self.module_keys: dict[str, frozenset[tuple[str, object]]] = {}
+        for name, param in model.named_parameters():
+            if getattr(param, "hotswap_derived", False):
+                continue
+            *module_path, leaf = name.split(".")
+            module_name = ".".join(module_path)
+            layout = layout_of(model.get_submodule(module_name))
+            shards: list[tuple[str, object]] = [(name, None)]
+            if module_path and module_path[-1] in sources_of:
+                parent = module_path[:-1]
+                shards = [(".".join([*parent, src, leaf]), shard) for src, shard in sources_of[module_path[-1]]]
+            for ckpt_name, shard in shards:
+                local = tuple(layout.local_view(param, shard).shape)
+                full = tuple(layout.checkpoint_shape(param, shard))
+                self.targets[ckpt_name] = Target(name, param, shard, module_name, layout, full, local)
+        keys: dict[str, set[tuple[str, object]]] = {}
+        for target in self.targets.values():
+            keys.setdefault(target.module_name, set()).add(target.key)
+        self.module_keys = {module: frozenset(k) for module, k in keys.items()}
+        self.required: frozenset[str] = frozenset(self.targets)
+        # modules whose post-processing writes their parameters (the data is staged until then)
+        self.staging_modules = frozenset(
+            name for name in self.module_keys if getattr(model.get_submodule(name), "stages_weights", False)
+        )
+        aliases_of = getattr(model, "checkpoint_aliases", None)
+        aliases: dict[str, str] = aliases_of() if callable(aliases_of) else {}
+        for alias, canonical in aliases.items():
+            self.targets[alias] = self.targets[canonical]
+        ignored = getattr(model, "ignored_checkpoint_names", None)
+        self._ignored = ignored if callable(ignored) else (lambda name: False)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WeightIndex:
+        """The model's index, built on first use and kept on the model (the layout never changes after build)."""
+        index = model.__dict__.get("_hotswap_weight_index")
+        if index is None:
+            index = cls(model)
+            model.__dict__["_hotswap_weight_index"] = index
+        return index
+
+    def ignored(self, name: str) -> bool:
+        """Checkpoint tensors the model does not load (e.g. rotary inv_freq buffers)."""
+        return bool(self._ignored(name))
+
+    def lookup(self, name: str) -> Target:
+        """The target of checkpoint tensor `name`. Raises ValueError for a name the model does not have."""
+        target = self.targets.get(name)
+        if target is None:
+            raise ValueError(f"unknown checkpoint tensor {name!r}: the model has no such weight")
+        return target

@@ -1,0 +1,174 @@
+"""A worker's weight lifecycle: one-shot loads and the transfer session, as an explicit state machine.
+
+    NO_ENGINE --init_weight_transfer_engine--> READY --start_weight_update--> ACTIVE
+    ACTIVE --update_weights (x N)--> ACTIVE
+    ACTIVE --finish_weight_update--> READY          (post-processing completes, rollback copies dropped)
+    ACTIVE --abort_weight_update / any failure--> READY   (atomic: rolled back; else: weights invalid)
+    NO_ENGINE | READY --abort_weight_update--> same state (nothing to abort)
+    READY --shutdown_weight_transfer_engine--> NO_ENGINE
+    NO_ENGINE | READY --load (startup load, reload_weights)--> same state
+
+A call out of order raises RuntimeError naming the call that was expected. The session owns the rollback
+buffers (reused across updates, so steady-state updates fault in no fresh memory) and `weights_valid`: False
+after a failed non-atomic update wrote something, until an update that covers every weight succeeds.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NoReturn
+
+import torch
+
+from hotswap.config import WeightTransferConfig
+from hotswap.transfer.base import TransferEngine, create_engine
+from hotswap.weights.index import WeightIndex
+from hotswap.weights.sources import RankSelection, WeightSource
+from hotswap.weights.update import WeightUpdate
+
+
+class SessionState(enum.Enum):
+    NO_ENGINE = "no_engine"
+    READY = "ready"
+    ACTIVE = "active"
+
+
+class WeightUpdateFailed(RuntimeError):
+    """A weight update failed; the message says whether the weights were rolled back."""
+
+
+_HINTS = {
+    SessionState.NO_ENGINE: "call init_weight_transfer_engine(init_info) first",
+    SessionState.READY: "call start_weight_update() first",
+    SessionState.ACTIVE: "a weight update is in progress; call update_weights(), finish_weight_update() "
+    "or abort_weight_update()",
+}
+
+
+class WeightSession:
+    def __init__(self) -> None:
+        self.state = SessionState.NO_ENGINE
+        self.engine: TransferEngine | None = None
+        self.update: WeightUpdate | None = None
+        self.backups: dict[str, torch.Tensor] = {}
+        self.weights_valid = True
+
+    def expect(self, *states: SessionState, call: str) -> None:
+        if self.state not in states:
+            raise RuntimeError(
+                f"{call}() is not allowed now (session state: {self.state.value}); {_HINTS[self.state]}"
+            )
+
+    # ---- one-shot loads ---------------------------------------------------------------------------------------
+
+    def load(self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool) -> WeightUpdate:
+        """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). Returns the update
+        (its `loaded_names`)."""
+        self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
+        update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
+        try:
+            update.apply(source, final=True)
+            update.finish()
+        except BaseException as err:
+            self._fail(update, err)
+        self._settle(update)
+        return update
+
+    # ---- the transfer session ---------------------------------------------------------------------------------
+
+    def init_engine(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
+        self.expect(SessionState.NO_ENGINE, SessionState.READY, call="init_weight_transfer_engine")
+        engine = create_engine(init_info, config)
+        self.shutdown_engine()
+        self.engine = engine
+        self.state = SessionState.READY
+
+    def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
+        self.expect(SessionState.READY, call="start_weight_update")
+        self.update = WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups)
+        self.state = SessionState.ACTIVE
+
+    def receive(self, update_info: dict[str, Any], selection: RankSelection) -> int:
+        """One update of the session: its source built by the transport, this rank's entries selected, then
+        applied. Any failure ends the session (rolled back in atomic mode; a transport that cannot survive it is
+        closed) and re-raises. Returns the number of tensors loaded."""
+        self.expect(SessionState.ACTIVE, call="update_weights")
+        engine, update = self.engine, self.update
+        assert engine is not None and update is not None
+        try:
+            return update.apply(selection.apply(engine.source(update_info)))
+        except BaseException as err:
+            self._end()
+            if not engine.survives_failure:
+                self.shutdown_engine()
+                if isinstance(err, (ValueError, RuntimeError)):
+                    err = type(err)(
+                        f"{err}; the {type(engine).__name__} channel was closed, call init_weight_transfer_engine() "
+                        "again"
+                    )
+            self._fail(update, err)
+
+    def finish(self) -> WeightUpdate:
+        """Completes post-processing of partially updated modules and closes the session."""
+        self.expect(SessionState.ACTIVE, call="finish_weight_update")
+        update = self._end()
+        try:
+            update.finish()
+        except BaseException as err:
+            self._fail(update, err)
+        self._settle(update)
+        return update
+
+    def abort(self) -> bool:
+        """Ends the open update, restoring what it changed (atomic mode; otherwise the weights become invalid).
+        Without an open update there is nothing to abort (e.g. it already failed, which rolled it back): returns
+        False."""
+        if self.state is not SessionState.ACTIVE:
+            return False
+        update = self._end()
+        if update.atomic:
+            update.rollback()
+        elif update.loaded_names:
+            self.weights_valid = False
+        return True
+
+    def shutdown_engine(self) -> None:
+        """Aborts an open update, then releases the transport (connections, shared buffers)."""
+        if self.state is SessionState.ACTIVE:
+            self.abort()
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine = None
+        self.state = SessionState.NO_ENGINE
+
+    def release_backups(self) -> None:
+        """Frees the pooled rollback buffers (sleep, transport shutdown); the next atomic update re-allocates."""
+        self.backups.clear()
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _end(self) -> WeightUpdate:
+        assert self.update is not None
+        update, self.update = self.update, None
+        self.state = SessionState.READY
+        return update
+
+    def _settle(self, update: WeightUpdate) -> None:
+        if update.covers_all():
+            self.weights_valid = True
+
+    def _fail(self, update: WeightUpdate, err: BaseException) -> NoReturn:
+        """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached."""
+        if update.atomic:
+            update.rollback()
+            outcome = "the previous weights were restored"
+        elif update.loaded_names:
+            self.weights_valid = False
+            outcome = "atomic mode is off, so the engine refuses to generate until a successful reload_weights()"
+        else:
+            outcome = "no weight had been changed"
+        if isinstance(err, (ValueError, TimeoutError)):
+            raise type(err)(f"{err} ({outcome})") from err
+        if isinstance(err, Exception):
+            raise WeightUpdateFailed(f"weight update failed: {err!r} ({outcome})") from err
+        raise err
