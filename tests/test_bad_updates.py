@@ -298,3 +298,78 @@ def test_torch_dist_channel_is_closed_after_a_failed_update(ckpts, b_tensors):
     pusher.push(b_tensors)
     assert serves(llm, ckpts["B"])
     pusher.close()
+
+
+def backup_bytes(llm: LLM) -> int:
+    (pool,) = llm.collective_rpc(lambda w: sum(t.numel() * t.element_size() for t in w.session.backups.values()))
+    return pool
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_one_shot_in_memory_reload_needs_no_rollback_copy(ckpts, b_tensors, quantization):
+    """reload_weights(weights_iterator=...) checks every declaration and value before its first write, so it keeps
+    no rollback copy of the model (fp8 layers, whose post-processing writes their weights, are still copied); a
+    bad value still leaves the weights bit-identical. A session, which may go on, keeps its copies."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, quantization=quantization)
+    weights = sum(llm.apply_model(lambda m: [p.numel() * p.element_size() for p in m.parameters()])[0])
+    (staging,) = llm.apply_model(
+        lambda m: sum(
+            p.numel() * p.element_size()
+            for mod in m.modules()
+            if getattr(mod, "stages_weights", False)
+            for p in mod.parameters(recurse=False)
+        )
+    )
+    llm.reload_weights(weights_iterator=iter(b_tensors))
+    assert backup_bytes(llm) == staging
+    assert (staging == 0) == (quantization is None)
+    if quantization is None:
+        assert serves(llm, ckpts["B"])
+    before = llm.weight_checksums()
+    tensors, message = bad_cases(b_tensors)["nan"]
+    with pytest.raises(ValueError, match=message):
+        llm.reload_weights(weights_iterator=tensors)
+    assert llm.weight_checksums() == before
+    llm.llm_engine.executor.collective_rpc(lambda w: w.session.release_backups())
+    pusher = Pusher(llm, "tensors")
+    pusher.push(b_tensors)
+    assert backup_bytes(llm) >= 0.9 * weights  # the session copied what it overwrote
+    pusher.close()
+
+
+def test_torn_shm_write_is_rejected_and_rolled_back(ckpts, b_tensors, monkeypatch):
+    """A trainer that starts rewriting its segment while the engine copies from it: the generation re-check after
+    the copy catches it, and the update is rolled back."""
+    from hotswap.transfer import shm
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    before = llm.weight_checksums()
+    sender = ShmSender()
+    llm.init_weight_transfer_engine({"backend": "shm"})
+    info = sender.write(b_tensors)
+    original = shm.ShmEngine.source
+
+    def torn_source(self, update_info):
+        source = original(self, update_info)
+        tensors = source.tensors
+
+        def tearing():
+            for i, item in enumerate(tensors()):
+                if i == len(source.declared) // 2:  # the trainer prepares its next update mid-read
+                    sender.prepare(b_tensors)
+                yield item
+
+        source.tensors = tearing
+        return source
+
+    monkeypatch.setattr(shm.ShmEngine, "source", torn_source)
+    llm.start_weight_update()
+    with pytest.raises(RuntimeError, match=r"overwrote the shared buffer.*previous weights were restored"):
+        llm.update_weights(info)
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    monkeypatch.setattr(shm.ShmEngine, "source", original)
+    llm.start_weight_update()
+    llm.update_weights(sender.write(b_tensors))
+    llm.finish_weight_update()
+    assert serves(llm, ckpts["B"])
+    sender.close()

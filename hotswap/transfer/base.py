@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hotswap.config import WeightTransferConfig
-from hotswap.weights.sources import Declared, WeightSource
+from hotswap.weights.update import Declared, WeightSource
 
 BACKENDS = {
     "tensors": "hotswap.transfer.tensors:TensorsEngine",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.transfer.base import TransferEngine
-from hotswap.weights.sources import WeightSource, folder_source
+from hotswap.weights.update import WeightSource, folder_source
 
 
 class DiskEngine(TransferEngine):

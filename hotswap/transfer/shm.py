@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from hotswap.transfer.base import TransferEngine, declare, declared_from_info
-from hotswap.weights.sources import WeightSource
+from hotswap.weights.update import WeightSource
 
 _MAGIC = 0x48535750  # "HSWP"
 _HEADER = struct.Struct("<QQQ")  # magic, generation, trainer pid

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hotswap.transfer.base import TransferEngine, declare
-from hotswap.weights.sources import WeightSource, pairs_source
+from hotswap.weights.update import WeightSource, pairs_source
 
 
 def tensors_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:

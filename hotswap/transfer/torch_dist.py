@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 
 from hotswap.distributed import current_parallel
 from hotswap.transfer.base import TransferEngine, declare, declared_from_info
-from hotswap.weights.sources import Declared, WeightSource
+from hotswap.weights.update import Declared, WeightSource
 
 _ALIGN = 64
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024

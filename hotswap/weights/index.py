@@ -34,9 +34,6 @@ class Target:
         """Identifies the destination: two names with one key (tied weights) are the same weight."""
         return (self.param_name, self.shard_id)
 
-    def load(self, tensor: torch.Tensor, pre_sliced: bool = False) -> None:
-        self.layout.load_weight(self.param, tensor, self.shard_id, pre_sliced=pre_sliced)
-
     def local_view(self) -> torch.Tensor:
         return self.layout.local_view(self.param, self.shard_id)
 
@@ -56,12 +53,14 @@ class WeightIndex:
             sources_of.setdefault(fused, []).append((source, shard))
         self.targets: dict[str, Target] = {}
         self.module_keys: dict[str, frozenset[tuple[str, object]]] = {}
+        self.modules: dict[str, nn.Module] = {}  # the modules that own loaded parameters, by name
         for name, param in model.named_parameters():
             if getattr(param, "hotswap_derived", False):
                 continue
             *module_path, leaf = name.split(".")
             module_name = ".".join(module_path)
-            layout = layout_of(model.get_submodule(module_name))
+            module = self.modules.setdefault(module_name, model.get_submodule(module_name))
+            layout = layout_of(module)
             shards: list[tuple[str, object]] = [(name, None)]
             if module_path and module_path[-1] in sources_of:
                 parent = module_path[:-1]
@@ -77,7 +76,7 @@ class WeightIndex:
         self.required: frozenset[str] = frozenset(self.targets)
         # modules whose post-processing writes their parameters (the data is staged until then)
         self.staging_modules = frozenset(
-            name for name in self.module_keys if getattr(model.get_submodule(name), "stages_weights", False)
+            name for name, module in self.modules.items() if getattr(module, "stages_weights", False)
         )
         aliases_of = getattr(model, "checkpoint_aliases", None)
         aliases: dict[str, str] = aliases_of() if callable(aliases_of) else {}
@@ -98,10 +97,3 @@ class WeightIndex:
     def ignored(self, name: str) -> bool:
         """Checkpoint tensors the model does not load (e.g. rotary inv_freq buffers)."""
         return bool(self._ignored(name))
-
-    def lookup(self, name: str) -> Target:
-        """The target of checkpoint tensor `name`. Raises ValueError for a name the model does not have."""
-        target = self.targets.get(name)
-        if target is None:
-            raise ValueError(f"unknown checkpoint tensor {name!r}: the model has no such weight")
-        return target

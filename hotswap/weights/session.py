@@ -23,8 +23,7 @@ import torch
 from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, create_engine
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.sources import RankSelection, WeightSource
-from hotswap.weights.update import WeightUpdate
+from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate
 
 
 class SessionState(enum.Enum):

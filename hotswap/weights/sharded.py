@@ -38,18 +38,9 @@ class ShardedWeights(Protocol):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
         """Copies the full checkpoint tensor `loaded` (or, `pre_sliced`, this rank's part of it) into shard
-        `shard_id` of `param` in place, casting its dtype; storage is never rebound. Shapes were checked by the
-        caller against `checkpoint_shape` / `local_view`."""
+        `shard_id` of `param` in place, casting its dtype; storage is never rebound. The caller has checked the
+        shape against `checkpoint_shape` (or `local_view`'s) and disabled autograd."""
         ...
-
-
-def copy_into(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """Copies `loaded` into `target` in place (casting dtype). Raises ValueError if the shapes disagree: a
-    transport whose data disagrees with its declaration."""
-    if loaded.shape != target.shape:
-        raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
-    with torch.no_grad():
-        target.copy_(loaded)
 
 
 class _Replicated:
@@ -67,7 +58,7 @@ class _Replicated:
     def load_weight(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
-        copy_into(param.data, loaded, getattr(param, "hotswap_name", "parameter"))
+        param.data.copy_(loaded)
 
 
 REPLICATED: ShardedWeights = _Replicated()

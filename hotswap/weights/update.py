@@ -1,4 +1,9 @@
-"""The one update object every weight path goes through.
+"""The one update object every weight path goes through, and what feeds it.
+
+Every way weights arrive is a `WeightSource`, a declaration plus the (name, tensor) pairs: the startup load,
+`reload_weights` by folder or iterator, and every transport (tensors, shm, torch_dist, disk) build one, and
+`WeightUpdate.apply` is its only consumer. The declaration (names, dtypes, shapes) is complete before any data is
+read, so it is checked against the model before anything moves.
 
     WeightUpdate(index, atomic, check_finite, backups)
       .apply(source)   declaration checked once (names, shapes, dtypes, duplicates, completeness), then values
@@ -20,13 +25,121 @@ is unsafe, since a trainer may reuse its buffers once `update_weights` returned.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import nn
 
+from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.sources import Declared, WeightSource
+
+Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class WeightSource:
+    """A declaration and the tensors it promises, in declared order.
+
+    `tensors()` yields (name, tensor) for the declared entries; a tensor may be a view into a transport buffer
+    that is reused once the next one is requested. `pre_sliced` names entries that already are this rank's part.
+    `complete` marks a full checkpoint: every weight of the model must be declared. `skip[i]` True means entry i
+    is another rank's slice: it is received (a collective stream must be drained) but not loaded."""
+
+    declared: Declared
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    in_memory: bool = False
+    complete: bool = False
+    pre_sliced: frozenset[str] = frozenset()
+    skip: list[bool] | None = None
+    verify: Callable[[], None] | None = None
+    description: str = "update"
+
+    def loaded_entries(self) -> Declared:
+        """The declared entries this rank loads."""
+        if self.skip is None:
+            return self.declared
+        return [d for d, skipped in zip(self.declared, self.skip, strict=True) if not skipped]
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors this rank loads (other ranks' slices are received and dropped)."""
+        if self.skip is None:
+            yield from self.tensors()
+            return
+        for item, skipped in zip(self.tensors(), self.skip, strict=False):
+            if not skipped:
+                yield item
+
+
+def pairs_source(named_tensors: NamedTensors, description: str = "weights_iterator") -> WeightSource:
+    """A source over in-memory (name, tensor) pairs; the iterable is consumed once, here (generators work)."""
+    pairs = []
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+        pairs.append((str(item[0]), item[1].detach()))
+    return WeightSource(
+        declared=[(n, t.dtype, tuple(t.shape)) for n, t in pairs],
+        tensors=lambda: iter(pairs),
+        in_memory=True,
+        description=description,
+    )
+
+
+def folder_source(folder: str, complete: bool = True) -> WeightSource:
+    """A safetensors checkpoint folder, read through a private memory map (no intermediate copies); names,
+    dtypes and shapes come from the headers. Raises ValueError for a malformed or truncated folder."""
+    index = read_index(folder)
+    return WeightSource(
+        declared=[(name, entry.dtype, entry.shape) for name, entry in index.items()],
+        tensors=lambda: iterate_index(index),
+        complete=complete,
+        description=f"checkpoint {folder!r}",
+    )
+
+
+def random_source(shapes: dict[str, tuple[int, ...]], std: float = 0.02) -> WeightSource:
+    """Random normal tensors of the given full shapes (load_format "dummy")."""
+    return WeightSource(
+        declared=[(name, torch.float32, shape) for name, shape in shapes.items()],
+        tensors=lambda: ((name, torch.randn(shape) * std) for name, shape in shapes.items()),
+        complete=True,
+        description="dummy weights",
+    )
+
+
+@dataclass
+class RankSelection:
+    """Which declared entries a tensor-parallel rank loads: `update_info["tp_ranks"]`, when given, names the rank
+    each tensor was sliced for (None: a whole tensor, every rank takes its part)."""
+
+    rank: int
+    size: int
+    ranks: list[int | None] | None = field(default=None)
+
+    @classmethod
+    def from_update_info(cls, update_info: Any, rank: int, size: int) -> RankSelection:
+        ranks = update_info.get("tp_ranks") if isinstance(update_info, dict) else None
+        return cls(rank, size, ranks)
+
+    def apply(self, source: WeightSource) -> WeightSource:
+        """`source` with other ranks' slices skipped and this rank's marked pre-sliced. Raises ValueError for a
+        malformed `tp_ranks`."""
+        if self.ranks is None:
+            return source
+        count = len(source.declared)
+        if not isinstance(self.ranks, list) or len(self.ranks) != count:
+            raise ValueError(f"tp_ranks must list one rank (or None) per declared tensor ({count})")
+        if any(r is not None and not (isinstance(r, int) and 0 <= r < self.size) for r in self.ranks):
+            raise ValueError(f"tp_ranks entries must be None or ranks in [0, {self.size})")
+        source.skip = [r is not None and r != self.rank for r in self.ranks]
+        source.pre_sliced = frozenset(d[0] for d, r in zip(source.declared, self.ranks, strict=True) if r == self.rank)
+        return source
+
+
+# ---- the update ---------------------------------------------------------------------------------------------
+
 
 
 def all_finite(tensor: torch.Tensor, target_dtype: torch.dtype) -> bool:
@@ -59,7 +172,6 @@ class WeightUpdate:
         backups: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.index = index
-        self.model: nn.Module = index.model
         self.atomic = atomic
         self.check_finite = check_finite
         self.backup_pool = {} if backups is None else backups
@@ -126,9 +238,9 @@ class WeightUpdate:
             bad = [name for name, tensor in pairs if not self._finite(name, tensor)]
             if bad:
                 raise _non_finite_error(bad)
-            count = self._load(pairs, source.pre_sliced, backup, checked=True)
+            count = self._load(pairs, source.pre_sliced, backup, True, source.description)
         else:
-            count = self._load(stream, source.pre_sliced, backup, checked=False)
+            count = self._load(stream, source.pre_sliced, backup, False, source.description)
         expected = sum(1 for name, _, _ in entries if not self.index.ignored(name))
         if count != expected:
             raise ValueError(f"the {source.description} ended after {count} of {expected} declared tensors")
@@ -136,8 +248,11 @@ class WeightUpdate:
             source.verify()
         return count
 
+    @torch.no_grad()
     def _load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
-              checked: bool) -> int:  # fmt: skip
+              checked: bool, kind: str) -> int:  # fmt: skip
+        """Loads each tensor of `stream` into its target (the stream's names and shapes must be those declared);
+        `checked`: values were checked already."""
         non_finite: list[str] = []
         count = 0
         for name, tensor in stream:
@@ -147,10 +262,15 @@ class WeightUpdate:
                 non_finite.append(name)
             if non_finite:
                 continue  # drain the stream to name every bad tensor; load nothing more
-            target = self.index.lookup(name)
+            target = self.index.targets.get(name)
+            if target is None:
+                raise ValueError(f"the {kind} delivered {name!r}, which it did not declare")
+            sliced = name in pre_sliced
+            if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
+                raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as declared")
             if backup or target.module_name in self.index.staging_modules:
                 self._save(target.module_name)
-            target.load(tensor, pre_sliced=name in pre_sliced)
+            target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
             self.loaded_names.add(name)
             self.loaded_keys.add(target.key)
@@ -167,7 +287,7 @@ class WeightUpdate:
     def _save(self, module_name: str) -> None:
         if not self.atomic or module_name in self.saved:
             return
-        module = self.model.get_submodule(module_name)
+        module = self.index.modules[module_name]
         saved = {}
         for name, param in module.named_parameters(recurse=False):
             # pooled buffers persist between updates, so steady-state updates do not fault in fresh memory
@@ -180,7 +300,7 @@ class WeightUpdate:
         self.saved[module_name] = saved
 
     def _post_process(self, module_name: str) -> None:
-        hook = getattr(self.model.get_submodule(module_name), "process_weights_after_loading", None)
+        hook = getattr(self.index.modules[module_name], "process_weights_after_loading", None)
         if hook is not None:
             hook()
         self.pending.discard(module_name)
@@ -205,11 +325,11 @@ class WeightUpdate:
         assert self.atomic, "rollback needs atomic mode"
         with torch.no_grad():
             for module_name, saved in self.saved.items():
-                params = dict(self.model.get_submodule(module_name).named_parameters(recurse=False))
+                params = dict(self.index.modules[module_name].named_parameters(recurse=False))
                 for name, value in saved.items():
                     params[name].data.copy_(value)
         for module_name in self.arrived:
-            discard = getattr(self.model.get_submodule(module_name), "discard_stage", None)
+            discard = getattr(self.index.modules[module_name], "discard_stage", None)
             if discard is not None:
                 discard()
         self.saved.clear()

@@ -28,7 +28,7 @@ from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.session import SessionState, WeightSession
-from hotswap.weights.sources import RankSelection, folder_source, pairs_source, random_source
+from hotswap.weights.update import RankSelection, folder_source, pairs_source, random_source
 from hotswap.worker.memory import discard_pages, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
 

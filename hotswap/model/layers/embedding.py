@@ -13,7 +13,7 @@ from torch import nn
 from hotswap.distributed import current_parallel
 from hotswap.kernels import native
 from hotswap.model.layers.linear import linear
-from hotswap.weights.sharded import Narrowing, copy_into
+from hotswap.weights.sharded import Narrowing
 
 
 class VocabEmbedding(nn.Module):
@@ -44,7 +44,7 @@ class VocabEmbedding(nn.Module):
         """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place."""
         if not pre_sliced:
             loaded = loaded.narrow(0, self.start, self.valid)
-        copy_into(self.local_view(param), loaded, getattr(param, "hotswap_name", "embedding"))
+        self.local_view(param).copy_(loaded)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -23,7 +23,7 @@ from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import native
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
-from hotswap.weights.sharded import Narrowing, copy_into
+from hotswap.weights.sharded import Narrowing
 
 
 class ShardSpec(NamedTuple):
@@ -147,9 +147,8 @@ class Linear(nn.Module):
     ) -> None:
         """Copies this rank's part of the full checkpoint tensor `loaded` (or, `pre_sliced`, the part itself)
         into shard `shard_id` of `param` in place (for an fp8 weight: into the stage)."""
-        name = getattr(param, "hotswap_name", "parameter")
         if param is self.bias and self.parallel == "row":
-            copy_into(param.data, loaded, name)
+            param.data.copy_(loaded)
             return
         spec = self._spec(shard_id)
         part = loaded
@@ -158,12 +157,12 @@ class Linear(nn.Module):
             if param is self.weight and self.parallel == "row":
                 part = part.narrow(1, self.in_start, self.in_local)
         if not (self.fp8 and param is self.weight):
-            copy_into(self.local_view(param, shard_id), part, name)
+            self.local_view(param, shard_id).copy_(part)
             return
         if self._stage is None:
             self._stage = torch.empty(self.weight.shape, dtype=current_config().model_config.torch_dtype)
             self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
-        copy_into(self._stage.narrow(0, spec.local_offset, spec.size), part, name)
+        self._stage.narrow(0, spec.local_offset, spec.size).copy_(part)
         assert self._staged_rows is not None  # allocated and freed with the stage
         self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
 
