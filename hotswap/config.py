@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -164,8 +164,8 @@ class ParallelConfig:
 @dataclass
 class LoadConfig:
     """How weights are read. `load_format` "safetensors" reads *.safetensors; "dummy" leaves random weights.
-    `huge_pages` places the weights in transparent huge pages (Linux) before loading them: faster decode steps
-    (fewer TLB misses while streaming the weights) for 0.5-1 s more at load on a 125M model."""
+    `huge_pages` places the weights in transparent huge pages (Linux) before loading them: fewer TLB misses while
+    a decode step streams the weights, for a longer load (figures in docs/performance.md)."""
 
     load_format: str = "safetensors"
     huge_pages: bool = True
@@ -354,14 +354,22 @@ def apply_overrides(config: EngineConfig, new_sections: dict[str, Any]) -> None:
 _CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar("hotswap_config", default=None)
 
 
+T = TypeVar("T")
+
+
 @contextlib.contextmanager
-def use_config(config: EngineConfig) -> Iterator[EngineConfig]:
-    """Makes `config` the live config inside the block; the previous one is restored on exit, also on error."""
-    token = _CURRENT.set(config)
+def scoped(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
+    """Sets `var` to `value` inside the block; the previous value is restored on exit, also on error."""
+    token = var.set(value)
     try:
-        yield config
+        yield value
     finally:
-        _CURRENT.reset(token)
+        var.reset(token)
+
+
+def use_config(config: EngineConfig) -> contextlib.AbstractContextManager[EngineConfig]:
+    """Makes `config` the live config inside the block; the previous one is restored on exit, also on error."""
+    return scoped(_CURRENT, config)
 
 
 def current_config() -> EngineConfig:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hotswap.config import scoped
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,9 @@ SINGLE = ParallelContext()
 _CURRENT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar("hotswap_parallel", default=SINGLE)
 
 
-@contextlib.contextmanager
-def use_parallel(context: ParallelContext) -> Iterator[ParallelContext]:
-    token = _CURRENT.set(context)
-    try:
-        yield context
-    finally:
-        _CURRENT.reset(token)
+def use_parallel(context: ParallelContext) -> contextlib.AbstractContextManager[ParallelContext]:
+    """Makes `context` the current parallel context inside the block (restored on exit, also on error)."""
+    return scoped(_CURRENT, context)
 
 
 def current_parallel() -> ParallelContext:

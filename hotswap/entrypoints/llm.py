@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
+from hotswap.executor.base import RpcMethod
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -180,13 +181,8 @@ class LLM:
             self.llm_engine.wake_up(tags)
             self._changed.notify_all()
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:  # fmt: skip
         """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
 

@@ -8,19 +8,17 @@ from typing import Any
 
 from hotswap.config import EngineConfig
 
+# A Worker method name, or a callable taking the worker as its first argument.
+RpcMethod = str | Callable[..., Any]
+
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     @abstractmethod
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:  # fmt: skip
         """Runs `method` on every worker and returns one result per worker, rank order.
 
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises

@@ -18,14 +18,13 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import cloudpickle
 
 from hotswap.config import EngineConfig
-from hotswap.executor.base import Executor
+from hotswap.executor.base import Executor, RpcMethod
 from hotswap.kernels import native
 
 _POLL_S = 0.05
@@ -101,13 +100,8 @@ class MultiprocExecutor(Executor):
                 self.conns.append(conn)
         self._gather(config.parallel_config.rpc_timeout_s, "start")
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:  # fmt: skip
         if self.broken:
             raise RuntimeError(f"the tensor-parallel workers are unusable ({self.broken}); create a new LLM")
         payload = cloudpickle.dumps((method, args, kwargs or {}))

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from hotswap.config import EngineConfig
-from hotswap.executor.base import Executor
+from hotswap.executor.base import Executor, RpcMethod
 from hotswap.worker.worker import Worker
 
 
@@ -15,12 +14,7 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config, rank=0)
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:  # fmt: skip
         # In process, a call cannot be interrupted safely, so `timeout` is accepted but not enforced here.
         return [self.worker.execute_method(method, *args, **(kwargs or {}))]

@@ -112,8 +112,8 @@ class LlamaModel(nn.Module):
         """Whether every layer would take the native kernels on this batch (float32, a small batch, one rank,
         unquantized, the native attention, no q/k norm) and no forward hook would see the layers run: then
         `decoder_layers` runs the same kernels in one call. The modules are checked once, and again after user
-        code ran on the model through the worker (`user_code_ran`): walking them at every step costs about half a
-        millisecond, their dicts being out of cache after a step's weights went by."""
+        code ran on the model through the worker (`user_code_ran`): walking them at every step would be slow,
+        their dicts being out of cache after a step's weights went by."""
         if self.kernels is None or meta.kernel is None or not self._stack_modules_fit:
             return False
         attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn  # checked by `_stack_modules_fit`
@@ -174,8 +174,8 @@ class LlamaModel(nn.Module):
         """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
         modules call, in the same order, so the result and the caches are the same bits (for any step of 4 to 64
         tokens: decode steps, and short or prefix-cached prefills). The tensors are read from the modules at every
-        call (weights and caches may be replaced), from their dicts directly: the nn.Module attribute lookup would
-        cost about half a millisecond per step. Every RMSNorm of the model has the config's one epsilon, and every
+        call (weights and caches may be replaced), from their dicts directly: the nn.Module attribute lookup is a
+        measurable part of a small step. Every RMSNorm of the model has the config's one epsilon, and every
         layer the first one's head layout."""
         tensors: list[torch.Tensor | None] = []
         k_caches, v_caches = [], []

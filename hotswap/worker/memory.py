@@ -35,8 +35,8 @@ def discard_pages(tensor: torch.Tensor) -> int:
 def place_in_huge_pages(module: torch.nn.Module) -> int:
     """Rebinds every parameter of `module` (CPU, before its weights are loaded: contents become zeros) to a view
     of one anonymous mapping advised for transparent huge pages (Linux `MADV_HUGEPAGE`). A decode step streams
-    every weight, and with 2 MiB pages it needs one TLB entry per 2 MiB instead of per 4 KiB: the small-batch
-    linear layers ran about 13 % faster in a 30-layer comparison. Parameters keep their shape, dtype and
+    every weight, and with 2 MiB pages it needs one TLB entry per 2 MiB instead of per 4 KiB (the measured gain is
+    in docs/performance.md). Parameters keep their shape, dtype and
     attributes, and their storage from then on (updates copy into it). Returns the bytes placed (0 where this is
     unsupported: not Linux, or a parameter off the CPU)."""
     params = list(module.parameters())  # shared (tied) parameters once
