@@ -137,6 +137,25 @@ class TransformersRunner:
         return len(prompts) * max_tokens / elapsed
 
 
+def kernel_build() -> dict[str, str]:
+    """The CPU model and the native-kernel build this run uses (its target ISA and vector width), or why none."""
+    from hotswap.kernels import native
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    if not native.enabled():
+        return {"cpu": cpu, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
+    if native.ops() is None:
+        return {"cpu": cpu, "build": "unavailable (pure-torch path)"}
+    linear = "taken" if native.small_batch_linear_wins() else "not taken"
+    return {"cpu": cpu, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
+                                 f"vectors, small-batch linear {linear})"}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="9m,125m")
@@ -148,7 +167,9 @@ def main() -> None:
         f"this machine: fp32 GEMM peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads), "
         f"memory read bandwidth {bw:.1f} GB/s"
     )
-    figures: dict = {"gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bw, 1)}
+    build = kernel_build()
+    print(f"cpu: {build['cpu']}; kernels: {build['build']}")
+    figures: dict = {"gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bw, 1), **build}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):
             count, max_tokens = WORKLOADS[name]

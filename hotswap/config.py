@@ -331,6 +331,8 @@ def live_overrides(config: EngineConfig, overrides: dict[str, dict[str, Any]]) -
                 f"{ {k: sorted(v) for k, v in LIVE_FIELDS.items()} }"
             )
     if "model_config" in new_sections:
+        # the dtype was resolved at start; a folder saved in another dtype is cast to it as it loads
+        new_sections["model_config"].dtype = str(config.model_config.torch_dtype).removeprefix("torch.")
         new = new_sections["model_config"].hf_config
         differ = [k for k in MODEL_KEYS if new.get(k) != config.model_config.hf_config.get(k)]
         if differ:
@@ -347,8 +349,7 @@ def apply_overrides(config: EngineConfig, new_sections: dict[str, Any]) -> None:
     for section, obj in new_sections.items():
         live = getattr(config, section)
         for f in fields(obj):
-            if f.init:
-                setattr(live, f.name, getattr(obj, f.name))
+            setattr(live, f.name, getattr(obj, f.name))
 
 
 _CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar("hotswap_config", default=None)

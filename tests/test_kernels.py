@@ -325,6 +325,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
 
+    monkeypatch.setitem(native._state, "linear_wins", True)  # the path under test, whatever this build's ISA
     gen = torch.Generator().manual_seed(6)
     with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
         mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
@@ -372,6 +373,8 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
 def test_linear_dispatch(ops, monkeypatch):
     """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
     from hotswap.model.layers import linear as linear_module
+
+    monkeypatch.setitem(native._state, "linear_wins", True)  # the path under test, whatever this build's ISA
 
     calls = []
     real = ops.small_batch_linear
@@ -470,3 +473,37 @@ def test_stale_build_lock_does_not_hang(ops):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "True", done.stderr
     assert not lock.exists()
+
+
+def test_small_batch_linear_is_taken_only_by_builds_it_suits(ops, monkeypatch, llama_dir):
+    """The small-batch linear kernels are tuned for AVX-512's registers: a build for narrower vectors takes
+    F.linear instead (and so no decoder stack), with the same greedy outputs."""
+    from hotswap.model import llama
+    from hotswap.model.layers.linear import small_batch_applies
+
+    assert native.vector_bits() in (128, 256, 512)
+    assert native.small_batch_linear_wins() == (native.vector_bits() >= 512)
+    x, w = torch.randn(8, 32), torch.randn(24, 32)
+    monkeypatch.setitem(native._state, "linear_wins", True)
+    assert small_batch_applies(x, w, None, ops)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
+    monkeypatch.setitem(native._state, "linear_wins", False)
+    assert not small_batch_applies(x, w, None, ops)
+    stacks = []
+    real_stack = llama.LlamaModel._native_stack
+    monkeypatch.setattr(llama.LlamaModel, "_native_stack", lambda self, *a: stacks.append(1) or real_stack(self, *a))
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
+    assert got == expected and not stacks
+
+
+@pytest.mark.parametrize(
+    ("march", "isa"),
+    [("x86-64-v3", "avx2"), ("haswell", "avx2"), ("x86-64-v4", "avx512"), ("x86-64", "generic"),
+     ("armv8-a", "generic")],
+)
+def test_build_name_records_the_target_isa(monkeypatch, march, isa):
+    monkeypatch.setattr(native, "MARCH", march)
+    assert native.target_isa() == isa
+    assert native.build_name().startswith(f"hotswap_kernels_{isa}_")

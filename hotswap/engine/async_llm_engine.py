@@ -88,9 +88,12 @@ class AsyncLLMEngine:
     async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs a blocking engine call in a thread, between steps."""
         self._ensure_loop()
-        assert self._lock is not None
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+        assert self._lock is not None and self._wake is not None
+        try:
+            async with self._lock:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+        finally:
+            self._wake.set()  # the call may have made the engine able to step again (an update ended, a wake-up)
 
     # ---- requests ------------------------------------------------------------------------------------------
 

@@ -138,7 +138,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the outputs of requests that finished in it (and of streamed requests that
         advanced). Does nothing while PAUSED or UPDATING; raises while ASLEEP."""
-        if self.state is EngineState.ASLEEP:
+        if self.is_asleep():
             raise RuntimeError(f"the engine is asleep ({sorted(self.released)} released); call wake_up() first")
         if not self.state.steps:
             return []
@@ -236,32 +236,59 @@ class LLMEngine:
                 "pause_generation() first (or let them finish)"
             )
 
+    _SESSION_METHODS = frozenset(
+        {"init_weight_transfer_engine", "start_weight_update", "update_weights", "abort_weight_update",
+         "shutdown_weight_transfer_engine"}
+    )  # fmt: skip
+
     def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs a transfer-session method on every worker (init_weight_transfer_engine, start_weight_update,
-        update_weights, abort_weight_update, shutdown_weight_transfer_engine) and moves the engine state with it.
-        A failed update ends the session on every rank (rolled back in atomic mode). Calls that may change the
-        served weights invalidate the prefix cache, even when they fail."""
+        """Runs a transfer-session method on every worker (one of `_SESSION_METHODS`; reloads, config changes and
+        finish have methods of their own) and moves the engine state with it. A failed update ends the session on
+        every rank (rolled back in atomic mode). Calls that may have changed the served weights invalidate the
+        prefix cache, even when they fail."""
+        if method not in self._SESSION_METHODS:
+            raise ValueError(f"weights_rpc() runs {sorted(self._SESSION_METHODS)}, not {method!r}")
         if method == "start_weight_update":
             self._check_can_change(method)
+        changed = method == "update_weights"
         try:
             result = self.executor.collective_rpc(method, args, kwargs)
+            changed = changed or (method == "abort_weight_update" and any(result))
         except BaseException:
             if method == "update_weights":
                 try:
-                    if self.config.parallel_config.tensor_parallel_size > 1:
-                        # a rank that did not fail still has the session open: roll it back too
-                        self.executor.collective_rpc("abort_weight_update")
+                    self._abort_on_every_rank()
                 finally:
                     self._leave(EngineState.UPDATING)
             raise
         finally:
-            if method in ("update_weights", "abort_weight_update"):
+            if changed:
                 self._weights_changed()
         if method == "start_weight_update":
             self._enter(EngineState.UPDATING)
         elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
             self._leave(EngineState.UPDATING)
         return result
+
+    def _abort_on_every_rank(self) -> None:
+        """After a failure on some ranks: the others still hold their update open; roll it back there too (a
+        no-op on ranks without one)."""
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            self.executor.collective_rpc("abort_weight_update")
+
+    def _two_phase(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Runs `method` on every worker so that they all change or none does: with worker processes, first with
+        commit=False (everything that can fail, rollback copies kept), then, if every rank succeeded, the commit
+        (`finish_weight_update`); on any failure every rank rolls back. One worker commits in one call."""
+        if self.config.parallel_config.tensor_parallel_size == 1:
+            self.executor.collective_rpc(method, args, kwargs)
+            return
+        try:
+            self.executor.collective_rpc(method, args, {**kwargs, "commit": False})
+        except BaseException:
+            self._abort_on_every_rank()
+            raise
+        self.executor.collective_rpc("finish_weight_update")
 
     def _weights_changed(self) -> None:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
@@ -270,19 +297,21 @@ class LLMEngine:
         self.block_manager.salt = next(self._salts)
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
-        """Reloads in place on every worker (see `Worker.reload_weights`); an iterator is read once, here, so a
-        generator works with worker processes too. The engine's config records a new folder only after every
-        worker loaded it. Advances the weight version on success."""
+        """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
+        once, here, so a generator works with worker processes too. The engine's config (and every worker's)
+        records a new folder only after every worker loaded it. Advances the weight version on success."""
         self._check_can_change("reload_weights")
         if weights_iterator is not None:
-            weights_iterator = [(str(name), tensor.detach()) for name, tensor in weights_iterator]
+            weights_iterator = list(weights_iterator)
         try:
-            self.executor.collective_rpc("reload_weights", (), {"weights_path": weights_path,
-                                                                 "weights_iterator": weights_iterator})  # fmt: skip
+            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
         finally:
             self._weights_changed()
         if weights_path is not None:
-            self.config.model_config.model = str(weights_path)
+            change = {"model_config": {"model": str(weights_path)}}
+            if self.config.parallel_config.tensor_parallel_size > 1:
+                self.executor.collective_rpc("update_config", (change,))
+            apply_overrides(self.config, live_overrides(self.config, change))
         self._advance_version(None)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
@@ -294,14 +323,12 @@ class LLMEngine:
         apply_overrides(self.config, new_sections)
 
     def finish_weight_update(self, weight_version: int | None = None) -> None:
+        """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
+        cache is invalidated and the version advances (or takes `weight_version`)."""
         if weight_version is not None and not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
         try:
-            self.executor.collective_rpc("finish_weight_update")
-        except BaseException:
-            if self.config.parallel_config.tensor_parallel_size > 1:
-                self.executor.collective_rpc("abort_weight_update")
-            raise
+            self._two_phase("finish_weight_update")
         finally:
             self._leave(EngineState.UPDATING)
             self._weights_changed()
@@ -337,6 +364,10 @@ class LLMEngine:
         """DRAINING becomes PAUSED once nothing is in flight (called wherever requests end)."""
         if self._serving_state() is EngineState.DRAINING and self.scheduler.num_in_flight() == 0:
             self._set_serving_state(EngineState.PAUSED)
+
+    def is_asleep(self) -> bool:
+        """Whether sleep() released something not woken yet (also while an update runs on top of it)."""
+        return self.state is EngineState.ASLEEP or EngineState.ASLEEP in self._return_to
 
     def is_paused(self) -> bool:
         """Whether generation is paused (also while an update runs or the engine sleeps on top of a pause)."""
@@ -375,13 +406,14 @@ class LLMEngine:
         weights' memory (restore them with wake_up(["weights"]) then a reload or a full update)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.state not in (EngineState.RUNNING, EngineState.PAUSED):
+        if self.state not in (EngineState.RUNNING, EngineState.PAUSED, EngineState.ASLEEP):
             raise RuntimeError(f"cannot sleep while {self.state.value}")
         if self.scheduler.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
         self.executor.collective_rpc("sleep", (level,))
-        self.released = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
-        self._enter(EngineState.ASLEEP)
+        self.released |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        if self.state is not EngineState.ASLEEP:  # sleeping deeper while asleep stays in ASLEEP
+            self._enter(EngineState.ASLEEP)
         self.reset_prefix_cache(force=True)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -400,7 +432,10 @@ class LLMEngine:
             self.scheduler.block_manager = self.block_manager
         self.released -= set(tags)
         if not self.released:
-            self._leave(EngineState.ASLEEP)
+            if self.state is EngineState.ASLEEP:
+                self._leave(EngineState.ASLEEP)
+            elif EngineState.ASLEEP in self._return_to:  # woken during an update: it returns to the state before
+                self._return_to.remove(EngineState.ASLEEP)
 
     # ---- maintenance ----------------------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@
     RUNNING | PAUSED | ASLEEP --start_weight_update()------------> UPDATING
     UPDATING --finish / abort / a failed update / shutdown-------> (the state it was entered from)
     RUNNING | PAUSED --sleep()------------------------------------> ASLEEP
-    ASLEEP   --wake_up() of everything released------------------> (the state it was entered from)
+    ASLEEP   --sleep() deeper-------------------------------------> ASLEEP
+    ASLEEP   --wake_up() of everything released------------------> (the state it was entered from; woken during
+                                                                      an update, UPDATING returns there)
 
 RUNNING and DRAINING step; DRAINING admits no new request. PAUSED and UPDATING run no step (requests wait).
 ASLEEP refuses to step: generating raises until wake_up. A pause while UPDATING or ASLEEP applies to the state

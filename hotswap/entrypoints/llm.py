@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
-from hotswap.engine.state import EngineState
 from hotswap.executor.base import RpcMethod
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
@@ -130,7 +129,7 @@ class LLM:
                         bar.update(1)
                     if len(done) == len(wanted):
                         break
-                    if engine.state is EngineState.ASLEEP:
+                    if engine.is_asleep():
                         raise RuntimeError("the engine is asleep; call wake_up() before generating")
                     if not engine.state.steps:
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread

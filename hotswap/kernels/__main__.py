@@ -1,8 +1,14 @@
-"""`python -m hotswap.kernels`: build (or find in the cache) the native kernels and say whether they load."""
+"""`python -m hotswap.kernels`: build (or find in the cache) the native kernels and say whether they load, for
+which vector ISA, and whether the small-batch linear kernels are taken."""
 
 import logging
 
 from hotswap.kernels import native
 
 logging.basicConfig(level=logging.INFO)
-print(f"hotswap native kernels: {'ready' if native.ops() is not None else 'unavailable (pure-torch fallback)'}")
+if native.ops() is None:
+    print("hotswap native kernels: unavailable (pure-torch fallback)")
+else:
+    linear = "taken" if native.small_batch_linear_wins() else "not taken (F.linear wins on this ISA)"
+    print(f"hotswap native kernels: ready ({native.build_name()}, {native.vector_bits()}-bit vectors, "
+          f"small-batch linear {linear})")

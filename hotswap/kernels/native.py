@@ -1,12 +1,16 @@
 """Builds and loads hotswap's C++ kernels (`*.cpp` beside this file) as torch operators under `torch.ops.hotswap`.
 
-The library is compiled once per machine with the system C++ compiler and `-march=native`, cached in torch's
-extension directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that hashes the
-sources, the flags, torch's version and the CPU's feature flags, so a changed source or a different CPU gets its
-own build. `scripts/_venv.sh` builds it at install time (`python -m hotswap.kernels`).
+The library is compiled once per machine with the system C++ compiler for `-march=$HOTSWAP_KERNEL_MARCH`
+(default `native`; e.g. `x86-64-v3` builds for AVX2 hosts on an AVX-512 machine), cached in torch's extension
+directory (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that records the vector ISA
+of the target and hashes the sources, the flags, torch's version and the CPU's feature flags, so a changed source
+or a different CPU gets its own build. `scripts/_venv.sh` builds it at install time (`python -m hotswap.kernels`).
 
 `ops()` returns `torch.ops.hotswap`, or None when the kernels are disabled (`HOTSWAP_NATIVE_KERNELS=0`) or cannot
 be built (no compiler): callers then take their pure-torch path, which computes the same thing.
+`small_batch_linear_wins()` says whether the build's vector ISA suits the small-batch linear kernels (and the
+decoder stack built on them): they are tuned for AVX-512's 32 vector registers, and on narrower vectors they
+spill and lose to BLAS by several times (docs/performance.md), so layers take `F.linear` there.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+MARCH = os.environ.get("HOTSWAP_KERNEL_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # use AVX-512 registers where the CPU has them
 _lock = threading.Lock()
@@ -51,14 +56,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def target_isa() -> str:
+    """The vector ISA the build targets, from the -march value and (for `native`) this CPU's flags: "avx512",
+    "avx2" or "generic"."""
+    flags = _cpu_flags().split() if MARCH == "native" else []
+    if "avx512f" in flags or MARCH in ("x86-64-v4", "skylake-avx512", "icelake-server", "sapphirerapids"):
+        return "avx512"
+    if ("avx2" in flags and "fma" in flags) or MARCH in ("x86-64-v3", "haswell", "znver2", "znver3"):
+        return "avx2"
+    return "generic"
+
+
 def build_name() -> str:
-    """The build's folder name in the extension cache: changes with the sources, flags, torch, Python and CPU."""
+    """The build's folder name in the extension cache: names the target's vector ISA, and changes with the
+    sources, flags, torch, Python and CPU (a `native` build may use any instruction of this CPU)."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
         digest.update(part.encode())
-    return f"hotswap_kernels_{digest.hexdigest()[:16]}"
+    return f"hotswap_kernels_{target_isa()}_{digest.hexdigest()[:16]}"
 
 
 def ops() -> Any | None:
@@ -70,6 +87,26 @@ def ops() -> Any | None:
         if "ops" not in _state:
             _state["ops"] = _load()
         return _state["ops"]
+
+
+def vector_bits() -> int:
+    """The vector width the loaded build was compiled for (512, 256 or 128), 0 without kernels."""
+    kernels = ops()
+    if kernels is None:
+        return 0
+    with _lock:
+        if "vector_bits" not in _state:
+            _state["vector_bits"] = int(kernels.vector_bits())
+        return int(_state["vector_bits"])
+
+
+def small_batch_linear_wins() -> bool:
+    """Whether the small-batch linear kernels (and the decoder stack on them) may be taken: an AVX-512 build.
+    Decided once per process (read on every linear call, so without the lock once known)."""
+    wins = _state.get("linear_wins")
+    if wins is None:
+        wins = _state["linear_wins"] = vector_bits() >= 512
+    return bool(wins)
 
 
 def _load() -> Any | None:

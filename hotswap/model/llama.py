@@ -221,8 +221,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
-        for name, param in self.named_parameters():
-            param.hotswap_name = name  # type: ignore[attr-defined]  # ad-hoc tag, read back with getattr
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The receiving side of a transport, and the metadata every update declares before data moves.
 
 An update declares `names`, `dtypes` (strings such as "float32") and `shapes`; a transport turns its update_info
-into a `WeightSource` (hotswap/weights/sources.py), whose declaration the worker checks against the model before
+into a `WeightSource` (hotswap/weights/update.py), whose declaration the worker checks against the model before
 it reads a byte of data.
 """
 

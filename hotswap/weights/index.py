@@ -46,7 +46,6 @@ class WeightIndex:
     post-processing runs once all of them arrived). `required` lists the canonical names a full load must fill."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         stacked: dict[str, tuple[str, object]] = getattr(model, "stacked_params_mapping", {})
         sources_of: dict[str, list[tuple[str, object]]] = {}
         for source, (fused, shard) in stacked.items():

@@ -7,6 +7,12 @@
     NO_ENGINE | READY --abort_weight_update--> same state (nothing to abort)
     READY --shutdown_weight_transfer_engine--> NO_ENGINE
     NO_ENGINE | READY --load (startup load, reload_weights)--> same state
+    NO_ENGINE | READY --load(commit=False)--> ACTIVE      (then finish or abort, as for a session)
+
+Two-phase commit, for worker processes that must change together: `load(commit=False)` and
+`finish(commit=False)` do everything that can fail (loading, post-processing) but keep the rollback copies and
+the update open; the engine then calls `finish()` on every rank only if every rank succeeded, else `abort()` on
+every rank.
 
 A call out of order raises RuntimeError naming the call that was expected. The session owns the rollback
 buffers (reused across updates, so steady-state updates fault in no fresh memory) and `weights_valid`: False
@@ -51,6 +57,7 @@ class WeightSession:
         self.update: WeightUpdate | None = None
         self.backups: dict[str, torch.Tensor] = {}
         self.weights_valid = True
+        self._idle = SessionState.NO_ENGINE  # the state an open update returns to
 
     def expect(self, *states: SessionState, call: str) -> None:
         if self.state not in states:
@@ -60,16 +67,22 @@ class WeightSession:
 
     # ---- one-shot loads ---------------------------------------------------------------------------------------
 
-    def load(self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool) -> WeightUpdate:
-        """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). Returns the update
-        (its `loaded_names`)."""
+    def load(
+        self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True
+    ) -> WeightUpdate:
+        """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
+        the update stays open with its rollback copies (see the two-phase commit above). Returns the update (its
+        `loaded_names`)."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
         try:
-            update.apply(source, final=True)
-            update.finish()
+            update.apply(source, final=commit)
+            update.finish(keep_copies=not commit)
         except BaseException as err:
             self._fail(update, err)
+        if not commit:
+            self._open(update)
+            return update
         self._settle(update)
         return update
 
@@ -84,8 +97,7 @@ class WeightSession:
 
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
-        self.update = WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups)
-        self.state = SessionState.ACTIVE
+        self._open(WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups))
 
     def receive(self, update_info: dict[str, Any], selection: RankSelection) -> int:
         """One update of the session: its source built by the transport, this rank's entries selected, then
@@ -107,15 +119,20 @@ class WeightSession:
                     )
             self._fail(update, err)
 
-    def finish(self) -> WeightUpdate:
-        """Completes post-processing of partially updated modules and closes the session."""
+    def finish(self, commit: bool = True) -> WeightUpdate:
+        """Completes post-processing of partially updated modules and closes the update; with `commit` False it
+        only post-processes, keeping the update open with its rollback copies (the first phase)."""
         self.expect(SessionState.ACTIVE, call="finish_weight_update")
-        update = self._end()
+        assert self.update is not None
+        update = self.update
         try:
-            update.finish()
+            update.finish(keep_copies=not commit)
         except BaseException as err:
+            self._end()
             self._fail(update, err)
-        self._settle(update)
+        if commit:
+            self._end()
+            self._settle(update)
         return update
 
     def abort(self) -> bool:
@@ -127,7 +144,7 @@ class WeightSession:
         update = self._end()
         if update.atomic:
             update.rollback()
-        elif update.loaded_names:
+        if (not update.atomic or update.unprotected) and update.loaded_names:
             self.weights_valid = False
         return True
 
@@ -146,10 +163,13 @@ class WeightSession:
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
+    def _open(self, update: WeightUpdate) -> None:
+        self._idle, self.update, self.state = self.state, update, SessionState.ACTIVE
+
     def _end(self) -> WeightUpdate:
         assert self.update is not None
         update, self.update = self.update, None
-        self.state = SessionState.READY
+        self.state = self._idle
         return update
 
     def _settle(self, update: WeightUpdate) -> None:
@@ -158,7 +178,14 @@ class WeightSession:
 
     def _fail(self, update: WeightUpdate, err: BaseException) -> NoReturn:
         """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached."""
-        if update.atomic:
+        if update.atomic and update.unprotected and update.loaded_names:
+            update.rollback()
+            self.weights_valid = False
+            outcome = (
+                "it failed after writing without rollback copies, so the engine refuses to generate until a "
+                "successful reload_weights()"
+            )
+        elif update.atomic:
             update.rollback()
             outcome = "the previous weights were restored"
         elif update.loaded_names:

@@ -14,12 +14,14 @@ read, so it is checked against the model before anything moves.
       .rollback()      restores every parameter written since the update began, bit for bit (atomic mode)
 
 Rollback copies. In atomic mode a module's parameters are copied into `backups` (a pool the caller owns and
-reuses across updates) before its first write. They are skipped when nothing after the first write can fail:
-the update is `final` (no later `apply` in it), the source is in memory (every declaration and value was checked
-first) and its `verify` cannot reject what was loaded. Then only modules whose post-processing writes their
-parameters (`stages_weights`, e.g. fp8: a later module's post-processing may still fail) are copied. In a
-session that may go on the copies stay: a later update of the session may fail, and deferring the write instead
-is unsafe, since a trainer may reuse its buffers once `update_weights` returned.
+reuses across updates) before its first write. They are skipped when nothing after the first write is expected
+to fail: the update is `final` (no later `apply` in it), the source is in memory (every declaration and value,
+and each tensor's layout, were checked first), its `verify` cannot reject what was loaded, and no layer it
+writes post-processes into its parameters (`stages_weights`, e.g. fp8, whose post-processing runs mid-stream).
+Should something fail anyway (out of memory, an interrupt), the update is `unprotected`: rollback cannot undo
+it, and the caller marks the weights invalid. In a session that may go on the copies stay: a later update of the
+session may fail, and deferring the writes instead is unsafe, since a trainer may reuse its buffers once
+`update_weights` returned.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def pairs_source(named_tensors: NamedTensors, description: str = "weights_iterat
     for item in named_tensors:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-        pairs.append((str(item[0]), item[1].detach()))
+        name, tensor = str(item[0]), item[1]
+        if tensor.layout is not torch.strided or tensor.is_meta or tensor.is_quantized:
+            raise ValueError(f"{name}: a dense tensor with data is needed, got a {tensor.layout} / meta tensor")
+        pairs.append((name, tensor.detach()))
     return WeightSource(
         declared=[(n, t.dtype, tuple(t.shape)) for n, t in pairs],
         tensors=lambda: iter(pairs),
@@ -142,14 +147,13 @@ class RankSelection:
 
 
 
-def all_finite(tensor: torch.Tensor, target_dtype: torch.dtype) -> bool:
-    """True if no element is NaN or Inf, nor becomes Inf when cast to `target_dtype` (e.g. fp32 above 65504
+def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
+    """True if no element is NaN or Inf, nor becomes Inf when cast to `limit_dtype` (e.g. fp32 above 65504
     into fp16). A sum is one cheap pass; only a non-finite sum (a bad value, or an overflow of huge finite ones)
     pays for the exact elementwise check."""
     if tensor.element_size() == 1:
         tensor = tensor.float()
     finite = bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-    limit_dtype = torch.bfloat16 if target_dtype.itemsize == 1 else target_dtype  # fp8 rows get a scale
     if finite and limit_dtype.is_floating_point and torch.finfo(limit_dtype).max < torch.finfo(tensor.dtype).max:
         finite = tensor.numel() == 0 or bool(tensor.abs().amax() <= torch.finfo(limit_dtype).max)
     return finite
@@ -180,6 +184,9 @@ class WeightUpdate:
         self.pending: set[str] = set()  # written modules whose post-processing has not run since
         self.loaded_names: set[str] = set()
         self.loaded_keys: set[tuple[str, object]] = set()
+        # atomic, but wrote without rollback copies (nothing was expected to fail after the first write): a
+        # failure that happens anyway cannot be undone, and the caller must treat the weights as invalid
+        self.unprotected = False
 
     # ---- checks ---------------------------------------------------------------------------------------------
 
@@ -220,19 +227,32 @@ class WeightUpdate:
                 raise ValueError(f"checkpoint is missing tensors: {missing}")
 
     def _finite(self, name: str, tensor: torch.Tensor) -> bool:
-        return not self.check_finite or all_finite(tensor, self.index.targets[name].param.dtype)
+        """Whether `tensor`'s values fit its target: the parameter's dtype, or for a staging layer (fp8) the dtype
+        of its stage, from which each row gets its scale."""
+        if not self.check_finite:
+            return True
+        target = self.index.targets[name]
+        limit = getattr(self.index.modules[target.module_name], "stage_dtype", None) or target.param.dtype
+        return all_finite(tensor, limit)
 
     # ---- loading --------------------------------------------------------------------------------------------
 
     def apply(self, source: WeightSource, final: bool = False) -> int:
         """Loads `source` into the model; returns the number of tensors loaded. `final`: no further `apply`
         follows in this update (see the module doc on rollback copies). Raises ValueError for a declaration or
-        values that the model rejects (nothing loaded from an in-memory source), or whatever the source raises
-        while streaming; the caller then rolls back."""
+        values that the model rejects (before anything is loaded from an in-memory source), or whatever the
+        source raises while streaming; the caller then rolls back."""
         entries = source.loaded_entries()
         self.check_declaration(entries, source.complete, source.pre_sliced)
         stream = source.stream()
-        backup = self.atomic and not (final and source.in_memory and source.verify is None)
+        backup = self.atomic and not (
+            final
+            and source.in_memory
+            and source.verify is None
+            and not any(self.index.targets[n].module_name in self.index.staging_modules for n, _, _ in entries
+                        if n in self.index.targets)
+        )  # fmt: skip
+        self.unprotected = self.unprotected or (self.atomic and not backup)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
             bad = [name for name, tensor in pairs if not self._finite(name, tensor)]
@@ -263,8 +283,7 @@ class WeightUpdate:
             if non_finite:
                 continue  # drain the stream to name every bad tensor; load nothing more
             target = self.index.targets.get(name)
-            if target is None:
-                raise ValueError(f"the {kind} delivered {name!r}, which it did not declare")
+            assert target is not None, f"the {kind} delivered {name!r}, which it did not declare"
             sliced = name in pre_sliced
             if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
                 raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as declared")
@@ -311,13 +330,15 @@ class WeightUpdate:
         """Whether every weight of the model was loaded by this update (after `finish`)."""
         return len(self.loaded_keys) == len(self.index.required)
 
-    def finish(self) -> None:
-        """Post-processes modules that received part of their tensors (the rest stay as they were); drops the
-        rollback copies (their buffers stay in the pool)."""
+    def finish(self, keep_copies: bool = False) -> None:
+        """Post-processes modules that received part of their tensors (the rest stay as they were); then drops
+        the rollback copies (their buffers stay in the pool), unless `keep_copies`: the update may still be
+        rolled back (the first phase of a two-phase commit)."""
         for module_name in sorted(self.pending):
             self._post_process(module_name)
-        self.saved.clear()
-        self.arrived.clear()
+        if not keep_copies:
+            self.saved.clear()
+            self.arrived.clear()
 
     def rollback(self) -> None:
         """Restores every module written since the update began to its saved copy (atomic mode) and discards

@@ -124,12 +124,17 @@ class Worker:
 
     @in_config_scope
     def reload_weights(
-        self, weights_path: str | None = None, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        commit: bool = True,
     ) -> int:
         """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
         success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
         current folder. Returns the number of tensors loaded. Validates before mutating; see the module doc for
-        failure behaviour."""
+        failure behaviour. `commit` False keeps the update open with its rollback copies until
+        `finish_weight_update()` or `abort_weight_update()` (how the engine makes worker processes change
+        together), and leaves recording a new folder to the caller."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
@@ -140,8 +145,8 @@ class Worker:
                 live_overrides(self.config, {"model_config": {"model": str(weights_path)}})  # same model shape
             source = folder_source(str(weights_path or self.config.model_config.model))
         wt = self.config.weight_transfer_config
-        update = self.session.load(self._index(), source, atomic=wt.atomic, check_finite=wt.check_finite)
-        if weights_path is not None:
+        update = self.session.load(self._index(), source, wt.atomic, wt.check_finite, commit=commit)
+        if weights_path is not None and commit:  # uncommitted: the engine records it once every rank committed
             self.config.model_config.model = str(weights_path)
         return len(update.loaded_names)
 
@@ -165,7 +170,6 @@ class Worker:
         """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback."""
         if target != "model":
             raise ValueError(f"start_weight_update target must be 'model', got {target!r}")
-        self.session.expect(SessionState.READY, call="start_weight_update")
         self.session.start(self._index(), self.config.weight_transfer_config)
 
     @in_config_scope
@@ -177,10 +181,11 @@ class Worker:
             return self.session.receive(update_info, selection)
 
     @in_config_scope
-    def finish_weight_update(self) -> int:
+    def finish_weight_update(self, commit: bool = True) -> int:
         """Completes post-processing of partially updated layers and closes the session; returns the number of
-        tensor names updated in it."""
-        return len(self.session.finish().loaded_names)
+        tensor names updated in it. `commit` False post-processes but keeps the update open with its rollback
+        copies, for a second call (commit) or `abort_weight_update()`."""
+        return len(self.session.finish(commit).loaded_names)
 
     @in_config_scope
     def abort_weight_update(self) -> bool:

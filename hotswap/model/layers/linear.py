@@ -57,6 +57,7 @@ def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a contiguous weight, no autograd."""
     return (
         kernels is not None
+        and native.small_batch_linear_wins()
         and x.dim() == 2
         and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
         and x.dtype == weight.dtype == torch.float32
@@ -107,6 +108,7 @@ class Linear(nn.Module):
         self.kernels = native.ops()
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
+        self.stage_dtype = current_config().model_config.torch_dtype if self.fp8 else None  # fp8: the stage's dtype
         if self.fp8:
             self.weight_scale = _param((self.out_local,), torch.float32)
             # computed by post-processing, never loaded (an ad-hoc tag, read back with getattr)
@@ -160,7 +162,7 @@ class Linear(nn.Module):
             self.local_view(param, shard_id).copy_(part)
             return
         if self._stage is None:
-            self._stage = torch.empty(self.weight.shape, dtype=current_config().model_config.torch_dtype)
+            self._stage = torch.empty(self.weight.shape, dtype=self.stage_dtype)
             self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
         self._stage.narrow(0, spec.local_offset, spec.size).copy_(part)
         assert self._staged_rows is not None  # allocated and freed with the stage

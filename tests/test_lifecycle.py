@@ -1,0 +1,210 @@
+"""The engine's lifecycle as one state machine, and weight changes that are all-or-nothing: across worker
+processes (two-phase commit), and when something fails where nothing was expected to."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import PROMPTS, hf_greedy
+from hotswap import LLM, EngineConfig, SamplingParams
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.state import EngineState
+from hotswap.testing import make_tiny_model
+from hotswap.transfer.tensors import tensors_update_info
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def b_tensors(ckpts):
+    return list(load_file(str(ckpts["B"] / "model.safetensors")).items())
+
+
+def serves(llm: LLM, path) -> bool:
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    return all(
+        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), 8)[0]
+        for p, o in zip(PROMPTS[:2], outs, strict=True)
+    )
+
+
+def test_state_moves_with_the_lifecycle(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    engine = llm.llm_engine
+    assert engine.state is EngineState.RUNNING
+    llm.pause_generation("keep")
+    assert engine.state is EngineState.PAUSED and llm.is_paused()
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    llm.start_weight_update()
+    assert engine.state is EngineState.UPDATING and llm.is_paused()
+    llm.update_weights(tensors_update_info(b_tensors))
+    llm.finish_weight_update()
+    assert engine.state is EngineState.PAUSED
+    llm.resume_generation()
+    assert engine.state is EngineState.RUNNING and serves(llm, ckpts["B"])
+    with pytest.raises(ValueError, match="weights_rpc"):
+        engine.weights_rpc("reload_weights")  # not a session method: it has its own
+    # sleeping deeper while asleep, then the documented restore
+    llm.sleep(1)
+    llm.sleep(2)
+    assert engine.state is EngineState.ASLEEP and engine.released == {"kv_cache", "weights"}
+    llm.wake_up(["weights"])
+    llm.reload_weights(weights_path=str(ckpts["A"]))
+    llm.wake_up(["kv_cache"])
+    assert engine.state is EngineState.RUNNING and serves(llm, ckpts["A"])
+
+
+def test_wake_up_during_an_update_returns_to_serving(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    llm.start_weight_update()
+    llm.update_weights(tensors_update_info(b_tensors))
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # the KV cache is still released
+    llm.wake_up(["kv_cache"])
+    llm.finish_weight_update()
+    assert llm.llm_engine.state is EngineState.RUNNING and serves(llm, ckpts["B"])
+
+
+def test_abort_without_an_open_update_keeps_the_prefix_cache(ckpts):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    prompt = {"prompt_token_ids": list(range(3, 60))}
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    llm.abort_weight_update()  # nothing open: nothing to do
+    (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens > 0
+
+
+def test_a_request_sent_during_an_update_runs_after_it(ckpts, b_tensors):
+    async def main() -> list[int]:
+        engine = AsyncLLMEngine(EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22))
+        await engine.init_weight_transfer_engine({"backend": "tensors"})
+        await engine.start_weight_update()
+
+        async def request() -> list[int]:
+            async for out in engine.generate(PROMPTS[0], GREEDY):
+                if out.finished:
+                    return out.outputs[0].token_ids
+            raise AssertionError("no final output")
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0.2)
+        assert not task.done()  # no step runs while the session is open
+        await engine.update_weights(tensors_update_info(b_tensors))
+        await engine.finish_weight_update()
+        tokens = await asyncio.wait_for(task, 30)
+        await engine.shutdown()
+        return tokens
+
+    tok_path = str(ckpts["B"])
+    tokens = asyncio.run(main())
+    llm_tok = LLM(str(ckpts["B"]), kv_cache_memory_bytes=1 << 22).get_tokenizer()
+    assert tokens == hf_greedy(tok_path, tuple(llm_tok.encode(PROMPTS[0])), 8)[0]
+
+
+def test_unexpected_failure_after_an_uncopied_write_invalidates_the_weights(ckpts, b_tensors, monkeypatch):
+    """A one-shot in-memory reload writes without rollback copies, as nothing is expected to fail after its
+    first write. If something does (here: a layer's loader raising), the engine says so and refuses to generate
+    until a successful reload, rather than serving a mix of weights as if restored."""
+    from hotswap.model.layers.linear import Linear
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    calls = []
+    real = Linear.load_weight
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise MemoryError("simulated")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Linear, "load_weight", failing)
+    with pytest.raises(Exception, match=r"without rollback copies.*refuses to generate"):
+        llm.reload_weights(weights_iterator=b_tensors)
+    monkeypatch.setattr(Linear, "load_weight", real)
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.reload_weights(weights_path=str(ckpts["A"]))
+    assert serves(llm, ckpts["A"])
+
+
+def test_tensors_the_loaders_cannot_read_are_refused_before_any_write(ckpts, b_tensors):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    before = llm.weight_checksums()
+    sparse = [(n, t.to_sparse() if n == "model.layers.0.mlp.down_proj.weight" else t) for n, t in b_tensors]
+    with pytest.raises(ValueError, match=r"down_proj.*dense tensor"):
+        llm.reload_weights(weights_iterator=sparse)
+    assert llm.weight_checksums() == before
+
+
+def test_fp8_values_beyond_the_stage_dtype_are_refused(tmp_path):
+    path = make_tiny_model(tmp_path / "half", dtype="float16")
+    llm = LLM(str(path), kv_cache_memory_bytes=1 << 22, quantization="fp8")
+    before = llm.weight_checksums()
+    weight = load_file(str(path / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"].float()
+    weight[0, 0] = 1e5  # finite in float32, inf in the float16 stage
+    with pytest.raises(ValueError, match=r"NaN or Inf.*down_proj"):
+        llm.reload_weights(weights_iterator=[("model.layers.0.mlp.down_proj.weight", weight)])
+    assert llm.weight_checksums() == before
+
+
+def test_a_new_folder_in_another_dtype_keeps_the_engine_dtype(ckpts, tmp_path):
+    half = make_tiny_model(tmp_path / "B16", seed=1, dtype="float16")
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    llm.reload_weights(weights_path=str(half))
+    assert llm.config.model_config.torch_dtype == torch.float32 and llm.config.model_config.model == str(half)
+    llm.sleep(1)
+    llm.wake_up()
+    assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.slow
+def test_worker_processes_change_together_or_not_at_all(ckpts, b_tensors):
+    """A failure on one rank (a reload, or post-processing at finish) rolls every rank back: no rank keeps new
+    weights while another has the old ones."""
+    tp2 = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2, rpc_timeout_s=60)
+    before = tp2.collective_rpc("weight_checksums")
+
+    def break_rank1(module_path: str):
+        def patch(worker):
+            if worker.rank == 1:
+                module = worker.model.get_submodule(module_path)
+
+                def boom():
+                    raise RuntimeError("rank 1 post-processing failed")
+
+                module.process_weights_after_loading = boom
+
+        return patch
+
+    def heal(worker):
+        for module in worker.model.modules():
+            module.__dict__.pop("process_weights_after_loading", None)
+
+    tp2.collective_rpc(break_rank1("model.layers.1.mlp.down_proj"))
+    with pytest.raises(RuntimeError, match="rank 1 post-processing failed"):
+        tp2.reload_weights(weights_path=str(ckpts["B"]))
+    assert tp2.collective_rpc("weight_checksums") == before
+    assert tp2.config.model_config.model == str(ckpts["A"])
+    assert tp2.collective_rpc(lambda w: w.config.model_config.model) == [str(ckpts["A"])] * 2
+
+    tp2.collective_rpc(heal)
+    tp2.collective_rpc(break_rank1("model.layers.0.self_attn.qkv_proj"))
+    tp2.init_weight_transfer_engine({"backend": "tensors"})
+    tp2.start_weight_update()
+    q_only = [(n, t) for n, t in b_tensors if n != "model.layers.0.self_attn.k_proj.weight"]
+    tp2.update_weights(tensors_update_info(q_only))  # qkv_proj of layer 0 waits for finish
+    with pytest.raises(RuntimeError, match="rank 1 post-processing failed"):
+        tp2.finish_weight_update()
+    assert tp2.collective_rpc("weight_checksums") == before
+    tp2.collective_rpc(heal)
+    tp2.reload_weights(weights_path=str(ckpts["B"]))
+    assert tp2.collective_rpc("weight_checksums")[0] != before[0] and serves(tp2, ckpts["B"])
+    tp2.shutdown()
