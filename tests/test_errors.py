@@ -122,3 +122,24 @@ def test_checkpoint_with_unknown_or_missing_tensors_is_named(tmp_path, llama_dir
         save_file(copy, str(folder / "model.safetensors"))
         with pytest.raises(ValueError, match=message):
             LLM(str(folder))
+
+
+def test_checkpoint_paths_are_literal_and_special_files_refused(tmp_path, llama_dir):
+    """A folder name with pattern characters loads as itself; a FIFO named *.safetensors is refused up front
+    instead of blocking the engine, which keeps serving."""
+    import os
+    import shutil
+
+    weird = tmp_path / "weird[1]*"
+    shutil.copytree(llama_dir, weird)
+    llm = LLM(str(weird), kv_cache_memory_bytes=1 << 22)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    before = llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+    fifo = tmp_path / "fifo"
+    shutil.copytree(llama_dir, fifo)
+    os.mkfifo(fifo / "extra.safetensors")
+    with pytest.raises(ValueError, match="not regular files"):
+        llm.reload_weights(weights_path=str(fifo))
+    with pytest.raises(ValueError, match="not regular files"):
+        LLM(str(fifo), kv_cache_memory_bytes=1 << 22)
+    assert llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0].token_ids == before

@@ -18,6 +18,10 @@ from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests now (it is asleep); retry after wake_up. HTTP: 503 with Retry-After."""
+
+
 class AsyncLLMEngine:
     """Background-stepped engine. Create it inside or outside a running loop; the step loop starts with the
     first request. `generate` streams one request's outputs; pause/resume, weight updates, sleep/wake and
@@ -72,7 +76,11 @@ class AsyncLLMEngine:
                         self._deliver_error(request_id, err)
                     continue
             for out in outputs:
-                self._deliver(out)
+                error = engine.take_error(out.request_id)
+                if error is not None:
+                    self._deliver_error(out.request_id, error)
+                else:
+                    self._deliver(out)
             await asyncio.sleep(0)  # let callers take the lock between steps
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -104,10 +112,13 @@ class AsyncLLMEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes (the last has `finished` True). A request that
-        arrives while the engine is paused waits for resume. Cancelling the iteration aborts the request."""
+        arrives while the engine is paused waits for resume; one while it is asleep raises EngineUnavailable.
+        Cancelling the iteration aborts the request."""
         params = sampling_params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
-        text, token_ids = self._tokenize(prompt)
+        if self.engine.is_asleep():  # would wait for a wake_up that may never come
+            raise EngineUnavailable("the engine is asleep; retry after wake_up")
+        text, token_ids = await asyncio.to_thread(self._tokenize, prompt)  # CPU work off the event loop
         self._ensure_loop()
         assert self._lock is not None and self._wake is not None
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

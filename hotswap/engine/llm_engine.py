@@ -61,6 +61,8 @@ class LLMEngine:
         self.state = EngineState.RUNNING
         self._return_to: list[EngineState] = []  # where UPDATING / ASLEEP go back to, innermost last
         self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
+        self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
+        self.weights_valid = True  # every worker's, as of the last weight change
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -93,6 +95,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab} (use -1 to disable top-k)")
         if params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
 
@@ -148,11 +152,44 @@ class LLMEngine:
                 raise RuntimeError("no sequence can be scheduled although requests are waiting")
             self._settle_drain()
             return []
-        model_input = self._build_input(batch)
-        results = self.executor.collective_rpc("execute_model", (model_input,))[0]
-        outputs = self._process(batch, results)
+        outputs = self._run_batch(batch)
         self._settle_drain()
         return outputs
+
+    def _run_batch(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        """Executes `batch`. Should it fail with more than one request in it, each request is run on its own, so
+        that only the requests that fail by themselves end (finish_reason 'abort', the error in `failed`)."""
+        try:
+            results = self.executor.collective_rpc("execute_model", (self._build_input(batch),))[0]
+        except Exception:
+            if len({seq.request.request_id for seq in batch.seqs}) == 1:
+                raise
+            return self._run_isolated(batch)
+        return self._process(batch, results)
+
+    def _run_isolated(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in batch.seqs:
+            by_request.setdefault(seq.request.request_id, []).append(seq)
+        outputs: list[RequestOutput] = []
+        copies = batch.block_copies  # run (idempotently) before the first forward pass
+        for request_id, seqs in by_request.items():
+            single = SchedulerOutput(seqs, batch.is_prefill, copies)
+            copies = []
+            try:
+                results = self.executor.collective_rpc("execute_model", (self._build_input(single),))[0]
+            except Exception as err:
+                self.failed[request_id] = err
+                out = self.abort_request(request_id)
+                if out is not None:
+                    outputs.append(out)
+                continue
+            outputs += self._process(single, results)
+        return outputs
+
+    def take_error(self, request_id: str) -> BaseException | None:
+        """The error that ended `request_id` (run on its own, it failed), once; None if it did not fail."""
+        return self.failed.pop(request_id, None)
 
     def _build_input(self, batch: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
@@ -292,9 +329,22 @@ class LLMEngine:
 
     def _weights_changed(self) -> None:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
-        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt)."""
+        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt), and
+        whether every worker still holds valid weights is asked again (for `health_problem`)."""
         self.reset_prefix_cache()
         self.block_manager.salt = next(self._salts)
+        try:
+            self.weights_valid = all(self.executor.collective_rpc(_weights_valid))
+        except Exception:  # the workers are gone: health_problem reports the executor's reason
+            pass
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve now (a dead worker; weights left invalid by a failed update), or None.
+        Answers at once: no worker call, no lock needed."""
+        problem = self.executor.health_problem()
+        if problem is None and not self.weights_valid:
+            problem = "the weights are invalid after a failed update; reload_weights() restores them"
+        return problem
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
@@ -467,6 +517,10 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
         }
+
+
+def _weights_valid(worker: Any) -> bool:
+    return bool(worker.session.weights_valid)
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:

@@ -137,6 +137,10 @@ class LLM:
                     for out in engine.step():
                         if out.finished:
                             self._finished[out.request_id] = out
+                    for request_id in wanted - done.keys():
+                        error = engine.take_error(request_id)
+                        if error is not None:  # this request failed on its own; the others keep going
+                            raise error
                     self._changed.notify_all()
         except BaseException:
             with self._lock:

@@ -2,19 +2,28 @@
 
 OpenAI routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, streaming over SSE) need
 `Authorization: Bearer <api key>` when one is set. Admin routes (weights, generation control, inspection,
-allow-listed `collective_rpc`) need `Authorization: Bearer <admin key>`; the server refuses to start with admin
-routes on a non-loopback host without an admin key. Client mistakes get 4xx in OpenAI's error shape.
+allow-listed `collective_rpc`) need `Authorization: Bearer <admin key>`, and are never open by accident:
+- without an admin key they answer 403, unless `admin_auth="none"` opens them on purpose (loopback hosts
+  only; it logs a warning), for a trusted network whose RL framework sends no key;
+- empty keys are refused at start;
+- an admin request whose Host header is not an allowed host (DNS rebinding), or that carries an Origin header
+  (a web page's cross-site request), is refused with 403.
+Client mistakes get 4xx in OpenAI's error shape. `/health` answers 503 with the reason when the engine cannot
+serve (a dead worker, invalid weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import Depends, FastAPI, Request
@@ -23,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.weights.session import WeightUpdateFailed
@@ -33,12 +42,30 @@ if TYPE_CHECKING:
 
 # Worker methods `/collective_rpc` may call: read-only inspection.
 RPC_ALLOWLIST = frozenset({"weight_checksums", "determine_num_kv_blocks", "shard_plan"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, so that it cannot slow or stall the others: the request body
+    (prompts are tokenized from it), and the stop strings searched after every token."""
+
+    max_request_bytes: int = 4 << 20
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
 
 
 class _Body(BaseModel):
@@ -99,15 +126,46 @@ def _bearer(request: Request) -> str | None:
     return header[7:].strip() if header.lower().startswith("bearer ") else None
 
 
+def _host_name(host_header: str) -> str:
+    """The host part of a Host header ("example.com:8000" -> "example.com", "[::1]:80" -> "::1")."""
+    if host_header.startswith("["):
+        return host_header[1:].split("]", 1)[0]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+def check_keys(api_key: str | None, admin_key: str | None) -> None:
+    """Raises ValueError for an empty (or blank) key: it would otherwise match a request without one."""
+    for flag, key in (("--api-key", api_key), ("--admin-key", admin_key)):
+        if key is not None and not key.strip():
+            raise ValueError(f"{flag} is empty; give a real key, or leave the option out")
+
+
 def create_app(
     engine: AsyncLLMEngine,
     served_model_name: str,
     api_key: str | None = None,
     admin_key: str | None = None,
     enable_admin: bool = True,
+    admin_auth: str = "key",
+    allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES,
+    limits: RequestLimits = RequestLimits(),
 ) -> FastAPI:
-    """The FastAPI app serving `engine`."""
-    app = FastAPI(title="hotswap", version="0.1.0")
+    """The FastAPI app serving `engine`. `admin_auth` "key" (admin routes need `admin_key`; without one they are
+    off) or "none" (no key asked: a trusted network). Admin requests must name one of `allowed_hosts` in their
+    Host header (None: any, for a server bound to a public address, where the key is what protects them).
+    Raises ValueError for empty keys or an unknown `admin_auth`."""
+    check_keys(api_key, admin_key)
+    if admin_auth not in ("key", "none"):
+        raise ValueError(f"admin_auth must be 'key' or 'none', got {admin_auth!r}")
+    if enable_admin and admin_auth == "none":
+        logger.warning("admin routes answer WITHOUT a key (admin_auth='none'): anyone who reaches this port can "
+                       "change the served weights; use this on a trusted network only")  # fmt: skip
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()  # on server shutdown (SIGTERM): requests still in flight end
+
+    app = FastAPI(title="hotswap", version="0.1.0", lifespan=lifespan)
     metrics = Metrics()
     metrics.describe("hotswap_requests", "counter", "Requests by route and status")
     metrics.describe("hotswap_prompt_tokens", "counter", "Prompt tokens processed")
@@ -120,18 +178,32 @@ def create_app(
     update_started: list[float] = []
 
     def check(expected: str | None, request: Request) -> None:
-        if expected is not None and not secrets.compare_digest(_bearer(request) or "", expected):
+        given = (_bearer(request) or "").encode("utf-8", "surrogateescape")
+        if expected is not None and not secrets.compare_digest(given, expected.encode()):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
 
     def user_auth(request: Request) -> None:
         check(api_key, request)
 
-    def admin_auth(request: Request) -> None:
+    def require_admin(request: Request) -> None:
+        host = _host_name(request.headers.get("host", ""))
+        if allowed_hosts is not None and host not in allowed_hosts:
+            raise ApiError(403, f"admin routes do not answer for Host {host!r} (allowed: {sorted(allowed_hosts)})",
+                           "permission_error")  # fmt: skip
+        if "origin" in request.headers:
+            raise ApiError(403, "admin routes refuse cross-origin (browser) requests", "permission_error")
+        if admin_auth == "none":
+            return
+        if admin_key is None:
+            raise ApiError(403, "admin routes are off: start the server with --admin-key (or --admin-auth none on "
+                           "a trusted network)", "permission_error")  # fmt: skip
         check(admin_key, request)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(oai.error_body(err.message, err.kind, err.status), status_code=err.status)
+        return JSONResponse(
+            oai.error_body(err.message, err.kind, err.status), status_code=err.status, headers=err.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -160,12 +232,55 @@ def create_app(
 
             async def counting_send(message: Any) -> None:
                 if message["type"] == "http.response.start":
-                    metrics.inc("hotswap_requests", route=scope["path"], status=str(message["status"]))
+                    # the matched route's template, never the raw path: a bounded set of label values
+                    route = getattr(scope.get("route"), "path", None) or "unmatched"
+                    metrics.inc("hotswap_requests", route=route, status=str(message["status"]))
                 await send(message)
 
             await self.inner(scope, receive, counting_send)
 
+    class LimitBody:
+        """Refuses request bodies over `limits.max_request_bytes` with 413, before they are read into memory or
+        tokenized (by Content-Length when given, else as the bytes arrive)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await self.inner(scope, receive, send)
+                return
+            limit = limits.max_request_bytes
+            declared = dict(scope.get("headers") or []).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                await too_large(send, limit)
+                return
+            seen = 0
+
+            async def counting_receive() -> Any:
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > limit:
+                        raise BodyTooLarge
+                return message
+
+            try:
+                await self.inner(scope, counting_receive, send)
+            except BodyTooLarge:
+                await too_large(send, limit)
+
+    async def too_large(send: Any, limit: int) -> None:
+        body = json.dumps(oai.error_body(f"request body over {limit} bytes (--max-request-bytes)",
+                                         "invalid_request_error", 413)).encode()  # fmt: skip
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})  # fmt: skip
+
+    app.add_middleware(LimitBody)
     app.add_middleware(CountRequests)
+
 
     async def guarded(coro: Any) -> Any:
         """Maps engine errors to client errors: bad values 400, wrong state 409, timeouts 504."""
@@ -177,8 +292,19 @@ def create_app(
             raise ApiError(504, str(err), "timeout_error") from err
         except WeightUpdateFailed as err:
             raise ApiError(409, str(err), "weight_update_failed") from err
+        except EngineUnavailable as err:
+            raise ApiError(503, str(err), "service_unavailable", {"Retry-After": "5"}) from err
         except RuntimeError as err:
             raise ApiError(409, str(err), "conflict") from err
+
+    def check_stops(stop: str | list[str] | None) -> None:
+        """Stop strings are searched after every token: their number and length are bounded (ValueError)."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise ValueError(f"{len(stops)} stop strings; the limit is {limits.max_stop_strings} (--max-stop-strings)")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise ValueError(f"a stop string of {longest} characters; the limit is {limits.max_stop_string_chars}")
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -187,8 +313,11 @@ def create_app(
     # ---- OpenAI routes ------------------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        problem = engine.engine.health_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
@@ -217,8 +346,16 @@ def create_app(
 
         if not stream:
             out = first
-            while not out.finished:
-                out = await guarded(generator.__anext__())
+            try:
+                while not out.finished:
+                    pending = asyncio.ensure_future(generator.__anext__())
+                    while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                        if await http.is_disconnected():  # nobody is waiting for the answer: abort the request
+                            pending.cancel()
+                            raise ApiError(499, "the client disconnected", "client_closed_request")
+                    out = await guarded(pending)
+            finally:
+                await generator.aclose()  # an unfinished request is aborted
             metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
             account(out)
             return make_full(out)
@@ -253,6 +390,7 @@ def create_app(
     async def completions(body: oai.CompletionRequest, http: Request) -> Any:
         check_model(body.model)
         try:
+            check_stops(body.stop)
             params = oai.sampling_params(body, body.logprobs, body.max_tokens)
         except ValueError as err:
             raise ApiError(400, str(err)) from err
@@ -296,9 +434,11 @@ def create_app(
             params = oai.sampling_params(
                 body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens
             )
-            ids = engine.tokenizer.apply_chat_template(
-                [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            check_stops(body.stop)
+            ids = await asyncio.to_thread(  # CPU work off the event loop
+                engine.tokenizer.apply_chat_template,
+                [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True, return_dict=False,
+            )  # fmt: skip
         except ValueError as err:
             raise ApiError(400, str(err)) from err
         request_id = oai.new_id("chatcmpl")
@@ -336,7 +476,7 @@ def create_app(
 
     # ---- admin routes ---------------------------------------------------------------------------------------
 
-    admin = [Depends(admin_auth)]
+    admin = [Depends(require_admin)]
 
     def version_changed() -> None:
         metrics.set("hotswap_weight_version", engine.engine.weight_version)
@@ -445,6 +585,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer' on /v1 routes")
     parser.add_argument("--admin-key", default=None, help="required as 'Authorization: Bearer' on admin routes")
+    parser.add_argument(
+        "--admin-auth", default="key", choices=["key", "none"],
+        help="'none' opens the admin routes without a key (loopback hosts only: a trusted network)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allowed-host", action="append", default=[],
+        help="a Host header name admin routes answer to, besides localhost / 127.0.0.1 / ::1 (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--disable-admin", action="store_true", help="serve only the OpenAI routes")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="auto")
@@ -455,6 +603,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--prefix-cache-policy", default="reset", choices=["reset", "salt"])
+    parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
+    parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
+    parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
+    parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
+                        help="on SIGTERM, how long requests in flight may take before they are cut")  # fmt: skip
     parser.add_argument("--log-level", default="warning")
 
 
@@ -465,8 +618,16 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     enable_admin = not args.disable_admin
+    check_keys(args.api_key, args.admin_key)
+    if enable_admin and args.admin_auth == "none" and not is_loopback(args.host):
+        raise ValueError(f"--admin-auth none is refused on non-loopback host {args.host!r}; use --admin-key")
     if enable_admin and args.admin_key is None and not is_loopback(args.host):
         raise ValueError(f"admin routes on non-loopback host {args.host!r} need --admin-key (or pass --disable-admin)")
+    # bound to loopback, only loopback names are expected (another Host is a DNS-rebinding page); on a public
+    # address the admin key protects the routes, and --allowed-host narrows the names if given
+    allowed: frozenset[str] | None = None
+    if is_loopback(args.host) or args.allowed_host:
+        allowed = frozenset(LOOPBACK_NAMES | {args.host, *args.allowed_host})
     engine = AsyncLLMEngine.from_kwargs(
         args.model,
         dtype=args.dtype,
@@ -479,10 +640,12 @@ def serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = create_app(engine, name, args.api_key, args.admin_key, enable_admin)
+    limits = RequestLimits(args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars)
+    app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))  # fmt: skip
     return 0

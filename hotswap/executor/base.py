@@ -24,5 +24,9 @@ class Executor(ABC):
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises
         TimeoutError if a worker does not answer within `timeout` seconds (where the executor can tell)."""
 
+    def health_problem(self) -> str | None:
+        """Why the workers cannot serve (e.g. one died), or None; answers at once, without calling them."""
+        return None
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release by default
         """Releases the workers."""

@@ -140,6 +140,14 @@ class MultiprocExecutor(Executor):
         _stop(self.processes, self.conns)
         raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
 
+    def health_problem(self) -> str | None:
+        if self.broken:
+            return self.broken
+        for rank, proc in enumerate(self.processes):
+            if proc.poll() is not None:
+                return f"worker {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
+
     def shutdown(self) -> None:
         self._finalizer()
 

@@ -7,10 +7,10 @@ into the parameter. A file shorter than its header promises is reported as trunc
 
 from __future__ import annotations
 
-import glob
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,10 +34,18 @@ class TensorEntry:
 
 
 def safetensors_files(folder: str) -> list[str]:
-    """The *.safetensors files of a checkpoint folder, sorted. Raises ValueError if there are none."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    """The *.safetensors files of a checkpoint folder, sorted; `folder` is a literal path (no pattern). Raises
+    ValueError if it is not a folder, holds none, or one is not a regular file (a FIFO or device would block or
+    stream forever)."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder!r} is not a checkpoint folder")
+    with os.scandir(folder) as entries:
+        files = sorted(e.path for e in entries if e.name.endswith(".safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder!r}")
+    special = [path for path in files if not stat.S_ISREG(os.stat(path).st_mode)]
+    if special:
+        raise ValueError(f"not regular files (refused): {special}")
     return files
 
 
