@@ -365,3 +365,28 @@ def test_torn_shm_write_is_rejected_and_rolled_back(ckpts, b_tensors, monkeypatc
     llm.finish_weight_update()
     assert serves(llm, ckpts["B"])
     sender.close()
+
+
+def test_shm_mapping_is_read_only_and_outlives_its_views(tmp_path):
+    """The engine maps a trainer's segment read-only, and shutting the transport down while a tensor view still
+    exists leaves the view readable (the mapping goes with the last view, never under it)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from hotswap.config import WeightTransferConfig
+from hotswap.transfer.shm import ShmEngine, ShmSender
+sender = ShmSender()
+info = sender.write([("w", torch.arange(1000, dtype=torch.float32))])
+engine = ShmEngine({"backend": "shm"}, WeightTransferConfig())
+(name, view), = list(engine.source(info).tensors())
+assert engine.segments[info["shm_name"]].buf.readonly
+engine.shutdown()
+import gc; gc.collect()
+print(float(view.sum()))
+sender.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) == sum(range(1000))

@@ -26,6 +26,7 @@ import os
 import struct
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from multiprocessing import shared_memory
 from typing import Any
@@ -51,9 +52,14 @@ def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[l
 
 
 def _view(buf: memoryview, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `buf` (it keeps `buf` alive). For the engine's read-only mapping the tensor is only read."""
     count = torch.Size(shape).numel()
     if count == 0:
         return torch.empty(shape, dtype=dtype)
+    if buf.readonly:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
@@ -128,27 +134,25 @@ def _process_alive(pid: int) -> bool:
 
 
 class _Mapping:
-    """A read/write mapping of a trainer's segment. Unlike `SharedMemory(name)`, it does not register the
-    segment with this process's resource tracker: the trainer owns it and unlinks it."""
+    """A read-only mapping of a trainer's segment: the engine can never write into the trainer's buffer. Unlike
+    `SharedMemory(name)`, it does not register the segment with this process's resource tracker: the trainer
+    owns it and unlinks it. It is never unmapped explicitly: tensor views keep the buffer alive, and the OS
+    mapping goes when the last of them (and this object) is collected, so no view can outlive its memory."""
 
     def __init__(self, name: str) -> None:
         import _posixshmem
 
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
         except FileNotFoundError:
             raise ValueError(f"shared memory segment {name!r} does not exist (trainer gone?)") from None
         try:
             self.size = os.fstat(fd).st_size
-            self.map = mmap.mmap(fd, self.size)
+            self.map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self.name = name
         self.buf = memoryview(self.map)
-
-    def close(self) -> None:
-        self.buf.release()
-        self.map.close()
 
 
 class ShmEngine(TransferEngine):
@@ -211,9 +215,5 @@ class ShmEngine(TransferEngine):
         return WeightSource(declared, tensors, in_memory=True, verify=verify, description="shm update")
 
     def shutdown(self) -> None:
-        for segment in self.segments.values():
-            try:
-                segment.close()
-            except BufferError:  # a tensor view still references the mapping; it unmaps when collected
-                pass
+        """Drops the mappings; each is unmapped once no tensor view of it remains (see `_Mapping`)."""
         self.segments = {}
