@@ -334,8 +334,22 @@ def create_app(
         start = time.perf_counter()
         # an async generator function: its iterator has aclose()
         generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id))
+
+        async def next_output() -> Any:
+            """The request's next output; a client that went away meanwhile (e.g. while generation is paused)
+            aborts the request."""
+            pending = asyncio.ensure_future(generator.__anext__())
+            while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                if await http.is_disconnected():
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):  # let the cancelled step unwind before closing
+                        await pending
+                    await generator.aclose()
+                    raise ApiError(499, "the client disconnected", "client_closed_request")
+            return await guarded(pending)
+
         try:
-            first = await guarded(generator.__anext__())
+            first = await next_output()
         except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once
             raise ApiError(500, "no output", "internal_error") from err
 
@@ -348,12 +362,7 @@ def create_app(
             out = first
             try:
                 while not out.finished:
-                    pending = asyncio.ensure_future(generator.__anext__())
-                    while not (await asyncio.wait({pending}, timeout=0.5))[0]:
-                        if await http.is_disconnected():  # nobody is waiting for the answer: abort the request
-                            pending.cancel()
-                            raise ApiError(499, "the client disconnected", "client_closed_request")
-                    out = await guarded(pending)
+                    out = await next_output()
             finally:
                 await generator.aclose()  # an unfinished request is aborted
             metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
