@@ -152,3 +152,18 @@ def test_sigterm_stops_the_server_with_a_request_waiting(ckpts):
                 break
             time.sleep(0.1)
         assert time.monotonic() - start < 10
+
+
+def test_malformed_text_and_rpc_arguments_get_400_not_500(ckpts):
+    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
+                        "--served-model-name", "A") as base:  # fmt: skip
+        raw = b'{"model": "A", "prompt": "hi \\ud800 there", "max_tokens": 2}'
+        lone = httpx.post(f"{base}/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert lone.status_code == 400 and "Unicode" in lone.json()["error"]["message"]
+        chat = b'{"model": "A", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
+        response = httpx.post(f"{base}/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        rpc = httpx.post(f"{base}/collective_rpc", headers=ADMIN,
+                         json={"method": "weight_checksums", "args": [1, 2, 3]})  # fmt: skip
+        assert rpc.status_code == 400
+        assert completion(base).status_code == 200

@@ -306,6 +306,12 @@ def create_app(
         if longest > limits.max_stop_string_chars:
             raise ValueError(f"a stop string of {longest} characters; the limit is {limits.max_stop_string_chars}")
 
+    def check_unicode(text: str, what: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{what} is not valid Unicode ({err.reason} at character {err.start})") from None
+
     def check_model(name: str) -> None:
         if name != served_model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}", "not_found")
@@ -400,6 +406,8 @@ def create_app(
         check_model(body.model)
         try:
             check_stops(body.stop)
+            if isinstance(body.prompt, str):
+                check_unicode(body.prompt, "the prompt")
             params = oai.sampling_params(body, body.logprobs, body.max_tokens)
         except ValueError as err:
             raise ApiError(400, str(err)) from err
@@ -444,6 +452,8 @@ def create_app(
                 body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens
             )
             check_stops(body.stop)
+            for message in body.messages:
+                check_unicode(message.content, "a message's content")
             ids = await asyncio.to_thread(  # CPU work off the event loop
                 engine.tokenizer.apply_chat_template,
                 [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True, return_dict=False,
@@ -582,7 +592,10 @@ def create_app(
     async def collective_rpc(body: RpcBody) -> dict[str, Any]:
         if body.method not in RPC_ALLOWLIST:
             raise ApiError(403, f"method {body.method!r} is not allowed; allowed: {sorted(RPC_ALLOWLIST)}", "forbidden")
-        results = await guarded(engine.collective_rpc(body.method, tuple(body.args), body.kwargs))
+        try:
+            results = await guarded(engine.collective_rpc(body.method, tuple(body.args), body.kwargs))
+        except TypeError as err:  # arguments the method does not take
+            raise ApiError(400, f"{body.method}(): {err}") from err
         return {"results": results}
 
     return app
