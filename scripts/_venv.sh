@@ -14,8 +14,10 @@ if [ ! -f "$STAMP" ]; then
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi
+# The venv's tools first: the kernels must be built by the same ninja that later checks them, since two ninja
+# versions read each other's build log as stale and rebuild everything.
+export PATH="$VENV/bin:$PATH"
 # Compile the native CPU kernels now rather than at the first engine start (a no-op once cached; without a
 # compiler the engine uses its pure-torch path).
 "$VENV/bin/python" -m hotswap.kernels
-export PATH="$VENV/bin:$PATH"
 cd "$ROOT"

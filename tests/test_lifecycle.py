@@ -208,3 +208,26 @@ def test_worker_processes_change_together_or_not_at_all(ckpts, b_tensors):
     tp2.reload_weights(weights_path=str(ckpts["B"]))
     assert tp2.collective_rpc("weight_checksums")[0] != before[0] and serves(tp2, ckpts["B"])
     tp2.shutdown()
+
+
+def test_an_update_session_belongs_to_the_caller_that_started_it(ckpts, b_tensors):
+    """Calls carrying another caller's token are refused and change nothing; calls without a token (vLLM-API
+    clients) are accepted; the owner's token works."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    mine = llm.start_weight_update()
+    assert isinstance(mine, str) and len(mine) >= 16
+    for call in (
+        lambda: llm.update_weights(tensors_update_info(b_tensors), session_token="someone-else"),
+        lambda: llm.finish_weight_update(session_token="someone-else"),
+        lambda: llm.abort_weight_update(session_token="someone-else"),
+    ):
+        with pytest.raises(RuntimeError, match="belongs to another caller"):
+            call()
+    assert llm.llm_engine.state is EngineState.UPDATING
+    llm.update_weights(tensors_update_info(b_tensors[:4]))  # no token: accepted
+    llm.update_weights(tensors_update_info(b_tensors[4:]), session_token=mine)
+    llm.finish_weight_update(session_token=mine)
+    assert serves(llm, ckpts["B"])
+    with pytest.raises(RuntimeError, match="belongs to another caller"):
+        llm.abort_weight_update(session_token=mine)  # that session is over

@@ -167,3 +167,17 @@ def test_malformed_text_and_rpc_arguments_get_400_not_500(ckpts):
                          json={"method": "weight_checksums", "args": [1, 2, 3]})  # fmt: skip
         assert rpc.status_code == 400
         assert completion(base).status_code == 200
+
+
+def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
+    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
+                        "--served-model-name", "A") as base:  # fmt: skip
+        assert httpx.post(f"{base}/init_weight_transfer_engine", headers=ADMIN,
+                          json={"init_info": {"backend": "disk"}}).status_code == 200  # fmt: skip
+        token = httpx.post(f"{base}/start_weight_update", headers=ADMIN).json()["session_token"]
+        other = httpx.post(f"{base}/abort_weight_update", headers=ADMIN, json={"session_token": "not-" + token})
+        assert other.status_code == 409 and "another caller" in other.json()["error"]["message"]
+        second = httpx.post(f"{base}/start_weight_update", headers=ADMIN)
+        assert second.status_code == 409  # one session at a time
+        done = httpx.post(f"{base}/finish_weight_update", headers=ADMIN, json={"session_token": token})
+        assert done.status_code == 200 and done.json()["weight_version"] == 1

@@ -197,17 +197,22 @@ class AsyncLLMEngine:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         await self._locked(self.engine.weights_rpc, "init_weight_transfer_engine", init_info)
 
-    async def start_weight_update(self, target: str = "model") -> None:
-        await self._locked(self.engine.weights_rpc, "start_weight_update", target)
+    async def start_weight_update(self, target: str = "model") -> str:
+        """Opens an update session and returns its token (see `LLM.start_weight_update`)."""
+        return str(await self._locked(self.engine.start_weight_update, target))
 
-    async def update_weights(self, update_info: dict[str, Any]) -> None:
-        await self._locked(self.engine.weights_rpc, "update_weights", update_info)
+    async def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
+        await self._locked(self._owned, session_token, self.engine.weights_rpc, "update_weights", update_info)
 
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
-        await self._locked(self.engine.finish_weight_update, weight_version)
+    async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+        await self._locked(self._owned, session_token, self.engine.finish_weight_update, weight_version)
 
-    async def abort_weight_update(self) -> None:
-        await self._locked(self.engine.weights_rpc, "abort_weight_update")
+    async def abort_weight_update(self, session_token: str | None = None) -> None:
+        await self._locked(self._owned, session_token, self.engine.weights_rpc, "abort_weight_update")
+
+    def _owned(self, session_token: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+        self.engine.check_session(session_token)
+        return fn(*args)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._locked(self.engine.weights_rpc, "shutdown_weight_transfer_engine")

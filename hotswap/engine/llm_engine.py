@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -63,6 +64,7 @@ class LLMEngine:
         self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
         self.weights_valid = True  # every worker's, as of the last weight change
+        self._session_token: str | None = None  # of the open update session
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -307,6 +309,22 @@ class LLMEngine:
             self._leave(EngineState.UPDATING)
         return result
 
+    def start_weight_update(self, target: str = "model") -> str:
+        """Opens an update session on every worker and returns its token: calls that carry another token are
+        refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
+        accepted, as clients of the vLLM API send none."""
+        self.weights_rpc("start_weight_update", target)
+        self._session_token = secrets.token_hex(16)
+        return self._session_token
+
+    def check_session(self, session_token: str | None) -> None:
+        """Raises RuntimeError when `session_token` names a session other than the open one."""
+        if session_token is not None and session_token != self._session_token:
+            raise RuntimeError(
+                "this weight-update session belongs to another caller (its session_token differs); wait for it, "
+                "or abort it without a token"
+            )
+
     def _abort_on_every_rank(self) -> None:
         """After a failure on some ranks: the others still hold their update open; roll it back there too (a
         no-op on ranks without one)."""
@@ -396,6 +414,8 @@ class LLMEngine:
 
     def _leave(self, state: EngineState) -> None:
         """Leaves UPDATING or ASLEEP (no-op when not in it) for the state it was entered from."""
+        if state is EngineState.UPDATING:
+            self._session_token = None
         if self.state is state:
             self.state = self._return_to.pop()
             self._settle_drain()

@@ -100,13 +100,14 @@ class AdminClient:
         if pause_mode is not None:
             self.pause(pause_mode)
         try:
-            self._call("POST", "/start_weight_update", {"target": "model"})
+            token = self._call("POST", "/start_weight_update", {"target": "model"})["session_token"]
             try:
-                self._send(backend, named)
-                return self._call("POST", "/finish_weight_update", {"weight_version": weight_version})["weight_version"]
+                self._send(backend, named, token)
+                body = {"weight_version": weight_version, "session_token": token}
+                return self._call("POST", "/finish_weight_update", body)["weight_version"]
             except BaseException:
                 try:
-                    self._call("POST", "/abort_weight_update")
+                    self._call("POST", "/abort_weight_update", {"session_token": token})  # ours only
                 except AdminError:
                     pass  # the failed update already ended the session
                 if backend == "torch_dist":
@@ -148,10 +149,10 @@ class AdminClient:
                 raise errors[0]
         self._backend = backend
 
-    def _send(self, backend: str, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _send(self, backend: str, named: list[tuple[str, torch.Tensor]], token: str) -> None:
         if backend == "shm":
             assert self._shm is not None
-            self._call("POST", "/update_weights", {"update_info": self._shm.write(named)})
+            self._call("POST", "/update_weights", {"update_info": self._shm.write(named), "session_token": token})
             return
         assert self._dist is not None
         info = self._dist.update_info(named)
@@ -159,7 +160,7 @@ class AdminClient:
 
         def post() -> None:
             try:
-                self._call("POST", "/update_weights", {"update_info": info})
+                self._call("POST", "/update_weights", {"update_info": info, "session_token": token})
             except BaseException as err:
                 errors.append(err)
 

@@ -216,22 +216,28 @@ class LLM:
         with self._lock:
             self.llm_engine.weights_rpc("init_weight_transfer_engine", init_info)
 
-    def start_weight_update(self, target: str = "model") -> None:
+    def start_weight_update(self, target: str = "model") -> str:
+        """Opens an update session; returns its token, which update/finish/abort may carry (`session_token`) so
+        that no other caller's call lands in it (calls without one are accepted)."""
         with self._lock:
-            self.llm_engine.weights_rpc("start_weight_update", target)
+            return self.llm_engine.start_weight_update(target)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
         """Receives one update of the open session (see the transport's sender for how to build update_info)."""
         with self._lock:
+            self.llm_engine.check_session(session_token)
             self.llm_engine.weights_rpc("update_weights", update_info)
 
-    def finish_weight_update(self, weight_version: int | None = None) -> None:
+    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
         """Closes the session; the prefix cache is invalidated and the version advances (or takes the value)."""
         with self._lock:
+            self.llm_engine.check_session(session_token)
             self.llm_engine.finish_weight_update(weight_version)
 
-    def abort_weight_update(self) -> None:
+    def abort_weight_update(self, session_token: str | None = None) -> None:
+        """Ends the open session, restoring the weights it changed; without a token, whoever opened it."""
         with self._lock:
+            self.llm_engine.check_session(session_token)
             self.llm_engine.weights_rpc("abort_weight_update")
 
     def shutdown_weight_transfer_engine(self) -> None:

@@ -86,10 +86,16 @@ class StartBody(_Body):
 
 class UpdateBody(_Body):
     update_info: dict[str, Any]
+    session_token: str | None = None
 
 
 class FinishBody(_Body):
     weight_version: int | None = None
+    session_token: str | None = None
+
+
+class AbortBody(_Body):
+    session_token: str | None = None
 
 
 class PauseBody(_Body):
@@ -515,26 +521,27 @@ def create_app(
 
     @app.post("/start_weight_update", dependencies=admin)
     async def start_weight_update(body: StartBody | None = None) -> dict[str, str]:
-        await guarded(engine.start_weight_update((body or StartBody()).target))
+        token = await guarded(engine.start_weight_update((body or StartBody()).target))
         update_started[:] = [time.perf_counter()]
-        return {"status": "ok"}
+        return {"status": "ok", "session_token": token}
 
     @app.post("/update_weights", dependencies=admin)
     async def update_weights(body: UpdateBody) -> dict[str, str]:
-        await guarded(engine.update_weights(body.update_info))
+        await guarded(engine.update_weights(body.update_info, body.session_token))
         return {"status": "ok"}
 
     @app.post("/finish_weight_update", dependencies=admin)
     async def finish_weight_update(body: FinishBody | None = None) -> dict[str, Any]:
-        await guarded(engine.finish_weight_update((body or FinishBody()).weight_version))
+        body = body or FinishBody()
+        await guarded(engine.finish_weight_update(body.weight_version, body.session_token))
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())
         version_changed()
         return {"weight_version": engine.engine.weight_version}
 
     @app.post("/abort_weight_update", dependencies=admin)
-    async def abort_weight_update() -> dict[str, str]:
-        await guarded(engine.abort_weight_update())
+    async def abort_weight_update(body: AbortBody | None = None) -> dict[str, str]:
+        await guarded(engine.abort_weight_update((body or AbortBody()).session_token))
         update_started.clear()
         return {"status": "ok"}
 
