@@ -101,3 +101,24 @@ def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tu
         )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     return tokens, [step[0].float().log_softmax(-1) for step in out.logits]
+
+
+@pytest.fixture(scope="module")
+def b_tensors(ckpts: dict[str, Path]) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint B's tensors, in file order (what a trainer pushes into an engine serving A)."""
+    from safetensors.torch import load_file
+
+    return list(load_file(str(ckpts["B"] / "model.safetensors")).items())
+
+
+def serves(llm, path, tokens: int = 12) -> bool:
+    """Whether `llm` generates transformers' greedy continuation of two prompts for the checkpoint at `path`."""
+    from hotswap import SamplingParams
+
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    return all(
+        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), tokens)[0]
+        for p, o in zip(PROMPTS[:2], outs, strict=True)
+    )

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, serves
 from hotswap import LLM, SamplingParams
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.shm import ShmSender
@@ -27,20 +27,6 @@ from transfer_helpers import (
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def b_tensors(ckpts):
-    return list(load_file(str(ckpts["B"] / "model.safetensors")).items())
-
-
-def serves(llm: LLM, path) -> bool:
-    tok = llm.get_tokenizer()
-    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    return all(
-        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), 12)[0]
-        for p, o in zip(PROMPTS[:2], outs, strict=True)
-    )
 
 
 def bad_cases(b: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[list, str]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, hf_greedy, serves
 from hotswap import LLM, EngineConfig, SamplingParams
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.state import EngineState
@@ -17,20 +17,6 @@ from hotswap.testing import make_tiny_model
 from hotswap.transfer.tensors import tensors_update_info
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def b_tensors(ckpts):
-    return list(load_file(str(ckpts["B"] / "model.safetensors")).items())
-
-
-def serves(llm: LLM, path) -> bool:
-    tok = llm.get_tokenizer()
-    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    return all(
-        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), 8)[0]
-        for p, o in zip(PROMPTS[:2], outs, strict=True)
-    )
 
 
 def test_state_moves_with_the_lifecycle(ckpts, b_tensors):

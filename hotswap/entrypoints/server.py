@@ -225,29 +225,10 @@ def create_app(
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(oai.error_body(str(err.detail), "invalid_request_error", err.status_code), err.status_code)
 
-    class CountRequests:
-        """Pure ASGI middleware (unlike @app.middleware, it keeps disconnect detection working for streams)."""
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                await self.inner(scope, receive, send)
-                return
-
-            async def counting_send(message: Any) -> None:
-                if message["type"] == "http.response.start":
-                    # the matched route's template, never the raw path: a bounded set of label values
-                    route = getattr(scope.get("route"), "path", None) or "unmatched"
-                    metrics.inc("hotswap_requests", route=route, status=str(message["status"]))
-                await send(message)
-
-            await self.inner(scope, receive, counting_send)
-
-    class LimitBody:
-        """Refuses request bodies over `limits.max_request_bytes` with 413, before they are read into memory or
-        tokenized (by Content-Length when given, else as the bytes arrive)."""
+    class Guard:
+        """Pure ASGI middleware (unlike @app.middleware, it keeps disconnect detection working for streams):
+        refuses request bodies over `limits.max_request_bytes` with 413 before they are read into memory or
+        tokenized (by Content-Length when given, else as the bytes arrive), and counts responses by route."""
 
         def __init__(self, inner: Any) -> None:
             self.inner = inner
@@ -272,10 +253,17 @@ def create_app(
                         raise BodyTooLarge
                 return message
 
+            async def counting_send(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    # the matched route's template, never the raw path: a bounded set of label values
+                    route = getattr(scope.get("route"), "path", None) or "unmatched"
+                    metrics.inc("hotswap_requests", route=route, status=str(message["status"]))
+                await send(message)
+
             try:
-                await self.inner(scope, counting_receive, send)
+                await self.inner(scope, counting_receive, counting_send)
             except BodyTooLarge:
-                await too_large(send, limit)
+                await too_large(counting_send, limit)
 
     async def too_large(send: Any, limit: int) -> None:
         body = json.dumps(oai.error_body(f"request body over {limit} bytes (--max-request-bytes)",
@@ -284,8 +272,7 @@ def create_app(
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})  # fmt: skip
 
-    app.add_middleware(LimitBody)
-    app.add_middleware(CountRequests)
+    app.add_middleware(Guard)
 
 
     async def guarded(coro: Any) -> Any:
