@@ -4,6 +4,7 @@ processes (two-phase commit), and when something fails where nothing was expecte
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -215,5 +216,47 @@ def test_an_update_session_belongs_to_the_caller_that_started_it(ckpts, b_tensor
     llm.update_weights(tensors_update_info(b_tensors[4:]), session_token=mine)
     llm.finish_weight_update(session_token=mine)
     assert serves(llm, ckpts["B"])
-    with pytest.raises(RuntimeError, match="belongs to another caller"):
-        llm.abort_weight_update(session_token=mine)  # that session is over
+    llm.abort_weight_update(session_token=mine)  # that session is over: nothing to abort
+    assert serves(llm, ckpts["B"])
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, tensor_parallel_size):
+    """A trainer that declared an shm update but never publishes it: an abort ends the wait at once (the update
+    rolls back) instead of waiting for the transport's timeout, and the engine serves the old weights."""
+    from hotswap.transfer.shm import ShmSender
+
+    config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
+                                      tensor_parallel_size=tensor_parallel_size,
+                                      weight_transfer_config={"timeout_s": 120})  # fmt: skip
+    sender = ShmSender()
+    info, _ = sender.prepare(b_tensors)  # declared, never published
+
+    async def main() -> tuple[float, BaseException | None, list[int]]:
+        engine = AsyncLLMEngine(config)
+        before = await engine.collective_rpc("weight_checksums")
+        await engine.init_weight_transfer_engine({"backend": "shm"})
+        await engine.start_weight_update()
+        waiting = asyncio.create_task(engine.update_weights(info))
+        await asyncio.sleep(1.0)
+        start = time.monotonic()
+        await engine.abort_weight_update()
+        error = None
+        try:
+            await waiting
+        except BaseException as err:
+            error = err
+        elapsed = time.monotonic() - start
+        assert await engine.collective_rpc("weight_checksums") == before
+        tokens = []
+        async for out in engine.generate(PROMPTS[0], GREEDY):
+            tokens = out.outputs[0].token_ids
+        await engine.shutdown()
+        engine.engine.shutdown()
+        return elapsed, error, tokens
+
+    elapsed, error, tokens = asyncio.run(main())
+    sender.close()
+    assert elapsed < 5 and error is not None and "aborted while waiting" in str(error)
+    llm_tok = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22).get_tokenizer()
+    assert tokens == hf_greedy(str(ckpts["A"]), tuple(llm_tok.encode(PROMPTS[0])), 8)[0]

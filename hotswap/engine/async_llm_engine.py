@@ -14,6 +14,7 @@ from typing import Any
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.engine.state import EngineState
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -208,7 +209,16 @@ class AsyncLLMEngine:
         await self._locked(self._owned, session_token, self.engine.finish_weight_update, weight_version)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
-        await self._locked(self._owned, session_token, self.engine.weights_rpc, "abort_weight_update")
+        """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails
+        and rolls back), so the abort does not wait for that transport's timeout."""
+        self.engine.check_session(session_token, ending=True)
+        if self.engine.state is EngineState.UPDATING:
+            self.engine.executor.interrupt_waits()
+        await self._locked(self._ending, session_token)
+
+    def _ending(self, session_token: str | None) -> Any:
+        self.engine.check_session(session_token, ending=True)
+        return self.engine.weights_rpc("abort_weight_update")
 
     def _owned(self, session_token: str | None, fn: Callable[..., Any], *args: Any) -> Any:
         self.engine.check_session(session_token)

@@ -317,8 +317,11 @@ class LLMEngine:
         self._session_token = secrets.token_hex(16)
         return self._session_token
 
-    def check_session(self, session_token: str | None) -> None:
-        """Raises RuntimeError when `session_token` names a session other than the open one."""
+    def check_session(self, session_token: str | None, ending: bool = False) -> None:
+        """Raises RuntimeError when `session_token` names a session other than the open one. `ending` (an abort):
+        with no session open there is nothing to protect, whatever the token."""
+        if ending and self._session_token is None:
+            return
         if session_token is not None and session_token != self._session_token:
             raise RuntimeError(
                 "this weight-update session belongs to another caller (its session_token differs); wait for it, "

@@ -237,7 +237,7 @@ class LLM:
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session, restoring the weights it changed; without a token, whoever opened it."""
         with self._lock:
-            self.llm_engine.check_session(session_token)
+            self.llm_engine.check_session(session_token, ending=True)
             self.llm_engine.weights_rpc("abort_weight_update")
 
     def shutdown_weight_transfer_engine(self) -> None:

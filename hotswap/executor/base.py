@@ -24,6 +24,13 @@ class Executor(ABC):
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises
         TimeoutError if a worker does not answer within `timeout` seconds (where the executor can tell)."""
 
+    def interrupt_waits(self) -> None:
+        """Makes the workers' transport waits (for a trainer that has not sent yet) give up now, without waiting
+        for the call in progress: the way an abort reaches an update that blocks its worker. Answers at once."""
+        from hotswap.transfer.base import interrupt_waits
+
+        interrupt_waits()  # in-process workers share this process's flag
+
     def health_problem(self) -> str | None:
         """Why the workers cannot serve (e.g. one died), or None; answers at once, without calling them."""
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,8 +36,10 @@ def _worker_main(conn: Connection) -> None:
     from torch.distributed import ProcessGroupGloo, TCPStore
 
     from hotswap.distributed import ParallelContext
+    from hotswap.transfer.base import interrupt_waits
     from hotswap.worker.worker import Worker
 
+    signal.signal(signal.SIGUSR1, lambda *_: interrupt_waits())  # see MultiprocExecutor.interrupt_waits
     config, rank, size, port = cloudpickle.loads(conn.recv_bytes())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     timeout = datetime.timedelta(seconds=config.parallel_config.rpc_timeout_s)
@@ -139,6 +142,11 @@ class MultiprocExecutor(Executor):
         self.broken = reason
         _stop(self.processes, self.conns)
         raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
+
+    def interrupt_waits(self) -> None:
+        for proc in self.processes:  # each worker's SIGUSR1 handler sets its own flag
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
 
     def health_problem(self) -> str | None:
         if self.broken:

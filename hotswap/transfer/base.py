@@ -8,6 +8,7 @@ it reads a byte of data.
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -78,6 +79,27 @@ class TransferEngine(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and buffers."""
+
+
+_interrupted = threading.Event()
+
+
+def interrupt_waits() -> None:
+    """Makes every transport wait in this process (a trainer that has not published yet) give up at once, with
+    an error that ends its update (rolled back). Safe from any thread and from a signal handler."""
+    _interrupted.set()
+
+
+def clear_interrupt() -> None:
+    """Called as an update starts receiving: an interrupt meant for an earlier wait does not end this one."""
+    _interrupted.clear()
+
+
+def check_interrupt() -> None:
+    """Raises RuntimeError if `interrupt_waits()` was called since the update began; transports call it while
+    they wait."""
+    if _interrupted.is_set():
+        raise RuntimeError("the update was aborted while waiting for the trainer")
 
 
 def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> TransferEngine:

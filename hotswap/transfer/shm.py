@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hotswap.transfer.base import TransferEngine, declare, declared_from_info
+from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
 from hotswap.weights.update import WeightSource
 
 _MAGIC = 0x48535750  # "HSWP"
@@ -183,6 +183,7 @@ class ShmEngine(TransferEngine):
                     f"timed out after {self.config.timeout_s:.0f} s waiting for the trainer to publish generation "
                     f"{generation} in {segment.name!r}"
                 )
+            check_interrupt()
             time.sleep(0.001)
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:

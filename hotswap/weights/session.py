@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import torch
 
 from hotswap.config import WeightTransferConfig
-from hotswap.transfer.base import TransferEngine, create_engine
+from hotswap.transfer.base import TransferEngine, clear_interrupt, create_engine
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate
 
@@ -106,6 +106,7 @@ class WeightSession:
         self.expect(SessionState.ACTIVE, call="update_weights")
         engine, update = self.engine, self.update
         assert engine is not None and update is not None
+        clear_interrupt()
         try:
             return update.apply(selection.apply(engine.source(update_info)))
         except BaseException as err:
