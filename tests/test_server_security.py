@@ -181,3 +181,16 @@ def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
         assert second.status_code == 409  # one session at a time
         done = httpx.post(f"{base}/finish_weight_update", headers=ADMIN, json={"session_token": token})
         assert done.status_code == 200 and done.json()["weight_version"] == 1
+
+
+def test_a_request_waiting_on_a_long_pause_gets_503(ckpts):
+    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
+                        "--served-model-name", "A", "--max-pause-wait-s", "1") as base:  # fmt: skip
+        assert httpx.post(f"{base}/pause", json={"mode": "keep"}, headers=ADMIN).status_code == 200
+        start = time.monotonic()
+        waited = completion(base, timeout=30)
+        assert waited.status_code == 503 and waited.headers.get("retry-after") and time.monotonic() - start < 5
+        assert "--max-pause-wait-s" in waited.json()["error"]["message"]
+        assert httpx.post(f"{base}/resume", headers=ADMIN).status_code == 200
+        assert completion(base).status_code == 200
+        assert "hotswap_requests_running 0" in httpx.get(f"{base}/metrics").text

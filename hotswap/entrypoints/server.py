@@ -61,11 +61,13 @@ class BodyTooLarge(Exception):
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds on what one request may ask for, so that it cannot slow or stall the others: the request body
-    (prompts are tokenized from it), and the stop strings searched after every token."""
+    (prompts are tokenized from it), and the stop strings searched after every token; and how long a request
+    waits for its next output while generation is paused (then 503 with Retry-After)."""
 
     max_request_bytes: int = 4 << 20
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
+    max_pause_wait_s: float = 600.0
 
 
 class _Body(BaseModel):
@@ -336,15 +338,24 @@ def create_app(
 
         async def next_output() -> Any:
             """The request's next output; a client that went away meanwhile (e.g. while generation is paused)
-            aborts the request."""
+            aborts the request, and so does a pause longer than `limits.max_pause_wait_s` (503)."""
             pending = asyncio.ensure_future(generator.__anext__())
+            paused_since: float | None = None
             while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                now = time.monotonic()
+                paused_since = (paused_since or now) if engine.engine.is_paused() else None
+                error = None
                 if await http.is_disconnected():
+                    error = ApiError(499, "the client disconnected", "client_closed_request")
+                elif paused_since is not None and now - paused_since > limits.max_pause_wait_s:
+                    error = ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
+                                     "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})  # fmt: skip
+                if error is not None:
                     pending.cancel()
                     with contextlib.suppress(BaseException):  # let the cancelled step unwind before closing
                         await pending
                     await generator.aclose()
-                    raise ApiError(499, "the client disconnected", "client_closed_request")
+                    raise error
             return await guarded(pending)
 
         try:
@@ -622,6 +633,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
     parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
     parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
+    parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,
+                        help="how long a request waits while generation is paused before it gets 503")  # fmt: skip
     parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                         help="on SIGTERM, how long requests in flight may take before they are cut")  # fmt: skip
     parser.add_argument("--log-level", default="warning")
@@ -656,7 +669,9 @@ def serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    limits = RequestLimits(args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars)
+    limits = RequestLimits(
+        args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s
+    )
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",
