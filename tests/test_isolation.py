@@ -66,3 +66,37 @@ def test_a_request_failing_in_a_step_ends_alone(llama_dir, monkeypatch):
     mixed = asyncio.run(run(True))
     assert isinstance(mixed[1], RuntimeError) and "seed 666" in str(mixed[1])
     assert [mixed[0], *mixed[2:]] == alone
+
+
+def test_a_request_failing_alone_in_its_prefill_does_not_end_the_decoding_ones(llama_dir, monkeypatch):
+    from hotswap.worker import model_runner
+
+    real = model_runner.sample
+
+    def sample(logits, specs):
+        if any(spec.seed == 666 for spec in specs):
+            raise RuntimeError("sampler failure for seed 666")
+        return real(logits, specs)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    good = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    bad = SamplingParams(temperature=0.8, seed=666, max_tokens=4, ignore_eos=True)
+
+    async def run() -> list:
+        engine = AsyncLLMEngine(EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=1 << 22))
+
+        async def one(prompt, params, delay=0.0):
+            await asyncio.sleep(delay)
+            last = None
+            async for out in engine.generate(prompt, params):
+                last = out
+            return last.outputs[0].token_ids
+
+        results = await asyncio.gather(one(PROMPTS[0], good), one(PROMPTS[1], good), one(PROMPTS[2], bad, 0.05),
+                                       return_exceptions=True)  # fmt: skip
+        await engine.shutdown()
+        return results
+
+    first, second, failed = asyncio.run(run())
+    assert isinstance(failed, RuntimeError) and "seed 666" in str(failed)
+    assert len(first) == 40 and len(second) == 40

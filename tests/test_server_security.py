@@ -194,3 +194,17 @@ def test_a_request_waiting_on_a_long_pause_gets_503(ckpts):
         assert httpx.post(f"{base}/resume", headers=ADMIN).status_code == 200
         assert completion(base).status_code == 200
         assert "hotswap_requests_running 0" in httpx.get(f"{base}/metrics").text
+
+
+def test_a_chunked_body_over_the_limit_gets_413(ckpts):
+    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--served-model-name", "A",
+                        "--max-request-bytes", "1000") as base:  # fmt: skip
+        def chunks():
+            yield b'{"model": "A", "prompt": "'
+            for _ in range(50):
+                yield b"x" * 100
+            yield b'"}'
+
+        response = httpx.post(f"{base}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert response.status_code == 413
+        assert completion(base).status_code == 200

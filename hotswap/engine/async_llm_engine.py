@@ -124,6 +124,8 @@ class AsyncLLMEngine:
         assert self._lock is not None and self._wake is not None
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
+            if self.engine.is_asleep():  # it fell asleep while the prompt was tokenized
+                raise EngineUnavailable("the engine is asleep; retry after wake_up")
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.engine.add_request(request_id, text, token_ids, params, stream=True)

@@ -127,6 +127,7 @@ class LLMEngine:
         Returns its final output, or None for an unknown id."""
         request = self.requests.pop(request_id, None)
         if request is None:
+            self.failed.pop(request_id, None)
             return None
         for seq in request.seqs:
             if seq.finish_reason is None:
@@ -159,12 +160,13 @@ class LLMEngine:
         return outputs
 
     def _run_batch(self, batch: SchedulerOutput) -> list[RequestOutput]:
-        """Executes `batch`. Should it fail with more than one request in it, each request is run on its own, so
-        that only the requests that fail by themselves end (finish_reason 'abort', the error in `failed`)."""
+        """Executes `batch`. Should it fail while the workers are healthy, each request is run on its own, so that
+        only the requests that fail by themselves end (finish_reason 'abort', the error in `failed`); the other
+        requests in flight go on. A failure of the workers themselves raises."""
         try:
             results = self.executor.collective_rpc("execute_model", (self._build_input(batch),))[0]
         except Exception:
-            if len({seq.request.request_id for seq in batch.seqs}) == 1:
+            if self.executor.health_problem() is not None:
                 raise
             return self._run_isolated(batch)
         return self._process(batch, results)
@@ -181,6 +183,8 @@ class LLMEngine:
             try:
                 results = self.executor.collective_rpc("execute_model", (self._build_input(single),))[0]
             except Exception as err:
+                if self.executor.health_problem() is not None:
+                    raise
                 self.failed[request_id] = err
                 out = self.abort_request(request_id)
                 if out is not None:

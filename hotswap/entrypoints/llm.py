@@ -127,6 +127,9 @@ class LLM:
                     for request_id in wanted & self._finished.keys():
                         done[request_id] = self._finished.pop(request_id)
                         bar.update(1)
+                        error = engine.take_error(request_id)
+                        if error is not None:  # this request failed on its own; other callers' requests go on
+                            raise error
                     if len(done) == len(wanted):
                         break
                     if engine.is_asleep():
@@ -137,16 +140,13 @@ class LLM:
                     for out in engine.step():
                         if out.finished:
                             self._finished[out.request_id] = out
-                    for request_id in wanted - done.keys():
-                        error = engine.take_error(request_id)
-                        if error is not None:  # this request failed on its own; the others keep going
-                            raise error
                     self._changed.notify_all()
         except BaseException:
             with self._lock:
-                for request_id in wanted - done.keys():
+                for request_id in wanted:
                     engine.abort_request(request_id)
                     self._finished.pop(request_id, None)
+                    engine.take_error(request_id)
             raise
         finally:
             bar.close()

@@ -54,8 +54,9 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(BaseException):
+    """Raised from `receive` past the body limit. A BaseException, so that the framework's body parsing (which
+    turns an Exception into a 400) lets it reach the middleware that answers 413."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def create_app(
         check(api_key, request)
 
     def require_admin(request: Request) -> None:
-        host = _host_name(request.headers.get("host", ""))
+        host = _host_name(request.headers.get("host", "")).lower()
         if allowed_hosts is not None and host not in allowed_hosts:
             raise ApiError(403, f"admin routes do not answer for Host {host!r} (allowed: {sorted(allowed_hosts)})",
                            "permission_error")  # fmt: skip
@@ -341,22 +342,21 @@ def create_app(
             aborts the request, and so does a pause longer than `limits.max_pause_wait_s` (503)."""
             pending = asyncio.ensure_future(generator.__anext__())
             paused_since: float | None = None
-            while not (await asyncio.wait({pending}, timeout=0.5))[0]:
-                now = time.monotonic()
-                paused_since = (paused_since or now) if engine.engine.is_paused() else None
-                error = None
-                if await http.is_disconnected():
-                    error = ApiError(499, "the client disconnected", "client_closed_request")
-                elif paused_since is not None and now - paused_since > limits.max_pause_wait_s:
-                    error = ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
-                                     "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})  # fmt: skip
-                if error is not None:
+            try:
+                while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                    now = time.monotonic()
+                    paused_since = (paused_since or now) if engine.engine.is_paused() else None
+                    if await http.is_disconnected():
+                        raise ApiError(499, "the client disconnected", "client_closed_request")
+                    if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
+                        raise ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
+                                       "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})  # fmt: skip
+                return await guarded(pending)
+            finally:
+                if not pending.done():  # ended early (an error above, or this handler cancelled): stop the wait
                     pending.cancel()
-                    with contextlib.suppress(BaseException):  # let the cancelled step unwind before closing
+                    with contextlib.suppress(BaseException):  # let it unwind before the generator is closed
                         await pending
-                    await generator.aclose()
-                    raise error
-            return await guarded(pending)
 
         try:
             first = await next_output()

@@ -12,6 +12,7 @@ workers; results come back in rank order.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -144,9 +145,10 @@ class MultiprocExecutor(Executor):
         raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
 
     def interrupt_waits(self) -> None:
-        for proc in self.processes:  # each worker's SIGUSR1 handler sets its own flag
+        for proc in self.processes:  # each worker's SIGUSR1 handler counts it (see transfer.base)
             if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGUSR1)
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    os.kill(proc.pid, signal.SIGUSR1)
 
     def health_problem(self) -> str | None:
         if self.broken:

@@ -39,11 +39,14 @@ def safetensors_files(folder: str) -> list[str]:
     stream forever)."""
     if not os.path.isdir(folder):
         raise ValueError(f"{folder!r} is not a checkpoint folder")
-    with os.scandir(folder) as entries:
-        files = sorted(e.path for e in entries if e.name.endswith(".safetensors"))
+    with os.scandir(folder) as entries:  # hidden files (e.g. "._x.safetensors" resource forks) are not weights
+        files = sorted(e.path for e in entries if e.name.endswith(".safetensors") and not e.name.startswith("."))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder!r}")
-    special = [path for path in files if not stat.S_ISREG(os.stat(path).st_mode)]
+    try:
+        special = [path for path in files if not stat.S_ISREG(os.stat(path).st_mode)]
+    except OSError as err:  # e.g. a broken symlink
+        raise ValueError(f"cannot read checkpoint file {err.filename!r}: {err.strerror}") from None
     if special:
         raise ValueError(f"not regular files (refused): {special}")
     return files

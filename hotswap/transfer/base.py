@@ -8,7 +8,6 @@ it reads a byte of data.
 from __future__ import annotations
 
 import importlib
-import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -81,24 +80,27 @@ class TransferEngine(ABC):
         """Releases connections and buffers."""
 
 
-_interrupted = threading.Event()
+# Interrupts are counted, not flagged: a signal handler may run `interrupt_waits` between any two bytecodes of
+# this process's main thread, so nothing here takes a lock (a lock held by the interrupted code would deadlock).
+_interrupts = [0, 0]  # [interrupts requested, count when the current update began]
 
 
 def interrupt_waits() -> None:
     """Makes every transport wait in this process (a trainer that has not published yet) give up at once, with
-    an error that ends its update (rolled back). Safe from any thread and from a signal handler."""
-    _interrupted.set()
+    an error that ends its update (rolled back). Safe from any thread and from a signal handler. An interrupt
+    that lands before the update began receiving is not seen by it."""
+    _interrupts[0] += 1
 
 
 def clear_interrupt() -> None:
     """Called as an update starts receiving: an interrupt meant for an earlier wait does not end this one."""
-    _interrupted.clear()
+    _interrupts[1] = _interrupts[0]
 
 
 def check_interrupt() -> None:
     """Raises RuntimeError if `interrupt_waits()` was called since the update began; transports call it while
     they wait."""
-    if _interrupted.is_set():
+    if _interrupts[0] != _interrupts[1]:
         raise RuntimeError("the update was aborted while waiting for the trainer")
 
 
