@@ -294,9 +294,11 @@ class LLMEngine:
         if method == "start_weight_update":
             self._check_can_change(method)
         changed = method == "update_weights"
+        ok = False
         try:
             result = self.executor.collective_rpc(method, args, kwargs)
             changed = changed or (method == "abort_weight_update" and any(result))
+            ok = True
         except BaseException:
             if method == "update_weights":
                 try:
@@ -306,7 +308,7 @@ class LLMEngine:
             raise
         finally:
             if changed:
-                self._weights_changed()
+                self._weights_changed(failed=not ok)
         if method == "start_weight_update":
             self._enter(EngineState.UPDATING)
         elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
@@ -352,23 +354,25 @@ class LLMEngine:
             raise
         self.executor.collective_rpc("finish_weight_update")
 
-    def _weights_changed(self) -> None:
+    def _weights_changed(self, failed: bool = False) -> None:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
-        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt), and
-        whether every worker still holds valid weights is asked again (for `health_problem`)."""
+        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt). After a
+        failure, or while they are known invalid, the workers are asked whether their weights are valid (for
+        `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call."""
         self.reset_prefix_cache()
         self.block_manager.salt = next(self._salts)
-        try:
-            self.weights_valid = all(self.executor.collective_rpc(_weights_valid))
-        except Exception:  # the workers are gone: health_problem reports the executor's reason
-            pass
+        if failed or not self.weights_valid:
+            try:
+                self.weights_valid = all(self.executor.collective_rpc(_weights_valid))
+            except Exception:  # the workers are gone: health_problem reports the executor's reason
+                pass
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (a dead worker; weights left invalid by a failed update), or None.
         Answers at once: no worker call, no lock needed."""
         problem = self.executor.health_problem()
-        if problem is None and not self.weights_valid:
-            problem = "the weights are invalid after a failed update; reload_weights() restores them"
+        if problem is None and not self.weights_valid and not self.is_asleep():
+            problem = "the weights are invalid (a failed update, or sleep(2)); reload_weights() restores them"
         return problem
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
@@ -378,10 +382,12 @@ class LLMEngine:
         self._check_can_change("reload_weights")
         if weights_iterator is not None:
             weights_iterator = list(weights_iterator)
+        ok = False
         try:
             self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
+            ok = True
         finally:
-            self._weights_changed()
+            self._weights_changed(failed=not ok)
         if weights_path is not None:
             change = {"model_config": {"model": str(weights_path)}}
             if self.config.parallel_config.tensor_parallel_size > 1:
@@ -402,11 +408,13 @@ class LLMEngine:
         cache is invalidated and the version advances (or takes `weight_version`)."""
         if weight_version is not None and not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        ok = False
         try:
             self._two_phase("finish_weight_update")
+            ok = True
         finally:
             self._leave(EngineState.UPDATING)
-            self._weights_changed()
+            self._weights_changed(failed=not ok)
         self._advance_version(weight_version)
 
     def _advance_version(self, weight_version: int | None) -> None:
@@ -488,6 +496,8 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
         self.executor.collective_rpc("sleep", (level,))
+        if level == 2:
+            self.weights_valid = False  # their memory was returned; a reload or full update restores them
         self.released |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
         if self.state is not EngineState.ASLEEP:  # sleeping deeper while asleep stays in ASLEEP
             self._enter(EngineState.ASLEEP)
