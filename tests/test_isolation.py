@@ -29,9 +29,9 @@ def test_bad_sampling_fields_are_refused_at_admission(llama_dir, fields, message
     assert len(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)) == 2
 
 
-def test_a_request_failing_in_a_step_ends_alone(llama_dir, monkeypatch):
-    """Requests batched together; one of them makes the sampler raise. It gets the error; the other three
-    finish with the same tokens as when run without it."""
+@pytest.fixture
+def seed_666_fails(monkeypatch):
+    """The sampler raises for any batch holding a request with seed 666."""
     from hotswap.worker import model_runner
 
     real = model_runner.sample
@@ -42,6 +42,11 @@ def test_a_request_failing_in_a_step_ends_alone(llama_dir, monkeypatch):
         return real(logits, specs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
+
+
+def test_a_request_failing_in_a_step_ends_alone(llama_dir, seed_666_fails):
+    """Requests batched together; one of them makes the sampler raise. It gets the error; the other three
+    finish with the same tokens as when run without it."""
     good = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
     bad = SamplingParams(temperature=0.8, seed=666, max_tokens=12, ignore_eos=True)
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=1 << 22)
@@ -68,17 +73,7 @@ def test_a_request_failing_in_a_step_ends_alone(llama_dir, monkeypatch):
     assert [mixed[0], *mixed[2:]] == alone
 
 
-def test_a_request_failing_alone_in_its_prefill_does_not_end_the_decoding_ones(llama_dir, monkeypatch):
-    from hotswap.worker import model_runner
-
-    real = model_runner.sample
-
-    def sample(logits, specs):
-        if any(spec.seed == 666 for spec in specs):
-            raise RuntimeError("sampler failure for seed 666")
-        return real(logits, specs)
-
-    monkeypatch.setattr(model_runner, "sample", sample)
+def test_a_request_failing_alone_in_its_prefill_does_not_end_the_decoding_ones(llama_dir, seed_666_fails):
     good = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     bad = SamplingParams(temperature=0.8, seed=666, max_tokens=4, ignore_eos=True)
 
