@@ -151,9 +151,9 @@ def kernel_build() -> dict[str, str]:
         return {"cpu": cpu, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
     if native.ops() is None:
         return {"cpu": cpu, "build": "unavailable (pure-torch path)"}
-    linear = "taken" if native.small_batch_linear_wins() else "not taken"
+    linear = "taken" if native.wide_vector_kernels_win() else "not taken"
     return {"cpu": cpu, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
-                                 f"vectors, small-batch linear {linear})"}  # fmt: skip
+                                 f"vectors, 16-lane kernels {linear})"}  # fmt: skip
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def ops():
 @pytest.fixture(autouse=True)
 def _stack_path(monkeypatch):
     """The stack's exactness holds on every build; where its ISA does not suit it, the engine does not take it."""
-    monkeypatch.setitem(native._state, "linear_wins", True)
+    monkeypatch.setitem(native._state, "wide_kernels_win", True)
 
 
 def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tuple[list, list[torch.Tensor], int]:

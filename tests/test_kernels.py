@@ -325,7 +325,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
 
-    monkeypatch.setitem(native._state, "linear_wins", True)  # the path under test, whatever this build's ISA
+    monkeypatch.setitem(native._state, "wide_kernels_win", True)  # the path under test, whatever this build's ISA
     gen = torch.Generator().manual_seed(6)
     with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
         mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
@@ -374,7 +374,7 @@ def test_linear_dispatch(ops, monkeypatch):
     """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
     from hotswap.model.layers import linear as linear_module
 
-    monkeypatch.setitem(native._state, "linear_wins", True)  # the path under test, whatever this build's ISA
+    monkeypatch.setitem(native._state, "wide_kernels_win", True)  # the path under test, whatever this build's ISA
 
     calls = []
     real = ops.small_batch_linear
@@ -482,14 +482,14 @@ def test_small_batch_linear_is_taken_only_by_builds_it_suits(ops, monkeypatch, l
     from hotswap.model.layers.linear import small_batch_applies
 
     assert native.vector_bits() in (128, 256, 512)
-    assert native.small_batch_linear_wins() == (native.vector_bits() >= 512)
+    assert native.wide_vector_kernels_win() == (native.vector_bits() >= 512)
     x, w = torch.randn(8, 32), torch.randn(24, 32)
-    monkeypatch.setitem(native._state, "linear_wins", True)
+    monkeypatch.setitem(native._state, "wide_kernels_win", True)
     assert small_batch_applies(x, w, None, ops)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
-    monkeypatch.setitem(native._state, "linear_wins", False)
+    monkeypatch.setitem(native._state, "wide_kernels_win", False)
     assert not small_batch_applies(x, w, None, ops)
     stacks = []
     real_stack = llama.LlamaModel._native_stack

@@ -1,5 +1,6 @@
 """`python -m hotswap.kernels`: build (or find in the cache) the native kernels and say whether they load, for
-which vector ISA, and whether the small-batch linear kernels are taken."""
+which vector ISA, and whether the 16-lane kernels (linear, gated linear, SwiGLU gate, greedy sampling) are
+taken."""
 
 import logging
 
@@ -9,6 +10,6 @@ logging.basicConfig(level=logging.INFO)
 if native.ops() is None:
     print("hotswap native kernels: unavailable (pure-torch fallback)")
 else:
-    linear = "taken" if native.small_batch_linear_wins() else "not taken (F.linear wins on this ISA)"
+    linear = "taken" if native.wide_vector_kernels_win() else "not taken (torch wins on this ISA)"
     print(f"hotswap native kernels: ready ({native.build_name()}, {native.vector_bits()}-bit vectors, "
-          f"small-batch linear {linear})")
+          f"16-lane kernels {linear})")

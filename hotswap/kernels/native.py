@@ -8,9 +8,11 @@ or a different CPU gets its own build. `scripts/_venv.sh` builds it at install t
 
 `ops()` returns `torch.ops.hotswap`, or None when the kernels are disabled (`HOTSWAP_NATIVE_KERNELS=0`) or cannot
 be built (no compiler): callers then take their pure-torch path, which computes the same thing.
-`small_batch_linear_wins()` says whether the build's vector ISA suits the small-batch linear kernels (and the
-decoder stack built on them): they are tuned for AVX-512's 32 vector registers, and on narrower vectors they
-spill and lose to BLAS by several times (docs/performance.md), so layers take `F.linear` there.
+`wide_vector_kernels_win()` says whether the build's vector ISA suits the kernels written around 16-lane vectors
+and AVX-512's 32 registers: the small-batch linear and gated linear kernels (and the decoder stack built on them),
+the SwiGLU gate and greedy sampling. Built for narrower vectors they spill and lose to torch by 1.6-30x
+(`benchmarks/kernels.py`, docs/performance.md), so the layers take their torch paths there; the norms, rotary
+and attention kernels stay.
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ def vector_bits() -> int:
         return int(_state["vector_bits"])
 
 
-def small_batch_linear_wins() -> bool:
-    """Whether the small-batch linear kernels (and the decoder stack on them) may be taken: an AVX-512 build.
-    Decided once per process (read on every linear call, so without the lock once known)."""
-    wins = _state.get("linear_wins")
+def wide_vector_kernels_win() -> bool:
+    """Whether the 16-lane kernels (small-batch linear and gated linear, the decoder stack, the SwiGLU gate,
+    greedy sampling) may be taken: an AVX-512 build. Decided once per process (read on every call of those
+    layers, so without the lock once known)."""
+    wins = _state.get("wide_kernels_win")
     if wins is None:
-        wins = _state["linear_wins"] = vector_bits() >= 512
+        wins = _state["wide_kernels_win"] = vector_bits() >= 512
     return bool(wins)
 
 

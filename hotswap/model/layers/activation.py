@@ -20,6 +20,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.kernels is not None
+            and native.wide_vector_kernels_win()
             and x.device.type == "cpu"
             and x.dim() == 2
             and x.stride(-1) == 1

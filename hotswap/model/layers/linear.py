@@ -57,7 +57,7 @@ def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a contiguous weight, no autograd."""
     return (
         kernels is not None
-        and native.small_batch_linear_wins()
+        and native.wide_vector_kernels_win()
         and x.dim() == 2
         and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
         and x.dtype == weight.dtype == torch.float32

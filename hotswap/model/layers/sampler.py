@@ -49,7 +49,13 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
     kernels = native.ops()
     plain_greedy = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in specs)
-    if kernels is not None and plain_greedy and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if (
+        kernels is not None
+        and plain_greedy
+        and native.wide_vector_kernels_win()
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+    ):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
         tokens, chosen = kernels.greedy_sample(logits)
         return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]

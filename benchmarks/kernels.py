@@ -1,0 +1,112 @@
+"""Native kernels against their torch paths, op by op, on the 125M model's shapes, for the build this process
+loads (`HOTSWAP_KERNEL_MARCH=x86-64-v3` builds for AVX2 hosts on an AVX-512 machine).
+
+The linear ops rotate through enough weight copies (> 64 MB) that every call streams its weight from DRAM, as
+a decode step over 30 layers does. Each figure is the median of `--reps` calls after a warm-up; the ratio is
+native time / torch time (below 1: native wins). Also prints whether the engine takes each op on this build.
+
+    python benchmarks/kernels.py [--reps 30]
+
+Prints human-readable lines and ends with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hotswap.kernels import native
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
+
+
+def median_us(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def rotating(make: Callable[[], torch.Tensor], min_bytes: int = 64 << 20) -> Callable[[], torch.Tensor]:
+    """Returns a function handing out copies of a tensor in turn, enough of them that they do not stay cached."""
+    first = make()
+    copies = [first] + [make() for _ in range(max(0, min_bytes // (first.numel() * first.element_size()) - 1))]
+    state = {"i": 0}
+
+    def next_copy() -> torch.Tensor:
+        state["i"] = (state["i"] + 1) % len(copies)
+        return copies[state["i"]]
+
+    return next_copy
+
+
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def measure(ops: object, m: int, reps: int) -> list[tuple[str, int, float, float]]:
+    """(op, M, native us, torch us) for a batch of `m` tokens."""
+    kernels: Any = ops
+    rows = []
+    x = torch.randn(m, HIDDEN)
+    for label, (n, k) in {"linear qkv": (QKV, HIDDEN), "linear down": (HIDDEN, INTERMEDIATE)}.items():
+        weights = rotating(lambda n=n, k=k: torch.randn(n, k))
+        xk = torch.randn(m, k)
+        rows.append((label, m, median_us(lambda xk=xk, w=weights: kernels.small_batch_linear(xk, w(), None), reps),
+                     median_us(lambda xk=xk, w=weights: F.linear(xk, w()), reps)))  # fmt: skip
+    gate_up = rotating(lambda: torch.randn(2 * INTERMEDIATE, HIDDEN))
+    rows.append(("gated linear", m, median_us(lambda: kernels.small_batch_gated_linear(x, gate_up(), None), reps),
+                 median_us(lambda: kernels.silu_and_mul(F.linear(x, gate_up())), reps)))  # fmt: skip
+    w = torch.randn(HIDDEN)
+    rows.append(("rms_norm", m, median_us(lambda: kernels.rms_norm(x, w, 1e-5), reps),
+                 median_us(lambda: rms_norm_torch(x, w, 1e-5), reps)))  # fmt: skip
+    h = torch.randn(m, 2 * INTERMEDIATE)
+    rows.append(("silu_and_mul", m, median_us(lambda: kernels.silu_and_mul(h), reps),
+                 median_us(lambda: F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:], reps)))  # fmt: skip
+    logits = torch.randn(m, VOCAB)
+
+    def torch_greedy() -> object:
+        best = logits.max(dim=-1)
+        return best.indices, best.values - logits.logsumexp(dim=-1)
+
+    rows.append(("greedy_sample", m, median_us(lambda: kernels.greedy_sample(logits), reps),
+                 median_us(torch_greedy, reps)))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    ops = native.ops()
+    if ops is None:
+        raise SystemExit("native kernels unavailable (HOTSWAP_NATIVE_KERNELS=0 or no compiler)")
+    build = f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit vectors)"
+    print(f"build: {build}; torch threads: {torch.get_num_threads()}")
+    figures: dict = {"build": build, "wide_vector_kernels_taken": native.wide_vector_kernels_win(), "ops": {}}
+    torch.manual_seed(0)
+    rows = [row for m in (4, 16, 64) for row in measure(ops, m, args.reps)]
+    print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}")
+    for label, m, native_us, torch_us in rows:
+        print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}")
+        figures["ops"].setdefault(label, {})[str(m)] = {
+            "native_us": round(native_us, 1), "torch_us": round(torch_us, 1), "ratio": round(native_us / torch_us, 3)
+        }  # fmt: skip
+    taken = "taken" if native.wide_vector_kernels_win() else "not taken (torch paths)"
+    print(f"on this build the engine's 16-lane kernels (linear, gated linear, decoder stack, SwiGLU gate, greedy "
+          f"sampling) are {taken}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
