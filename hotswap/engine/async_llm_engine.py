@@ -205,10 +205,10 @@ class AsyncLLMEngine:
         return str(await self._locked(self.engine.start_weight_update, target))
 
     async def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
-        await self._locked(self._owned, session_token, self.engine.weights_rpc, "update_weights", update_info)
+        await self._locked(self.engine.update_weights, update_info, session_token)
 
     async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
-        await self._locked(self._owned, session_token, self.engine.finish_weight_update, weight_version)
+        await self._locked(self.engine.finish_weight_update, weight_version, session_token)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails
@@ -216,15 +216,7 @@ class AsyncLLMEngine:
         self.engine.check_session(session_token, ending=True)
         if self.engine.state is EngineState.UPDATING:
             self.engine.executor.interrupt_waits()
-        await self._locked(self._ending, session_token)
-
-    def _ending(self, session_token: str | None) -> Any:
-        self.engine.check_session(session_token, ending=True)
-        return self.engine.weights_rpc("abort_weight_update")
-
-    def _owned(self, session_token: str | None, fn: Callable[..., Any], *args: Any) -> Any:
-        self.engine.check_session(session_token)
-        return fn(*args)
+        await self._locked(self.engine.abort_weight_update, session_token)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._locked(self.engine.weights_rpc, "shutdown_weight_transfer_engine")

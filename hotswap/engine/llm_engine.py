@@ -334,6 +334,16 @@ class LLMEngine:
                 "or abort it without a token"
             )
 
+    def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
+        """One update of the open session, if `session_token` (when given) is that session's."""
+        self.check_session(session_token)
+        self.weights_rpc("update_weights", update_info)
+
+    def abort_weight_update(self, session_token: str | None = None) -> None:
+        """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
+        self.check_session(session_token, ending=True)
+        self.weights_rpc("abort_weight_update")
+
     def _abort_on_every_rank(self) -> None:
         """After a failure on some ranks: the others still hold their update open; roll it back there too (a
         no-op on ranks without one)."""
@@ -403,9 +413,10 @@ class LLMEngine:
         self.executor.collective_rpc("update_config", (overrides,))
         apply_overrides(self.config, new_sections)
 
-    def finish_weight_update(self, weight_version: int | None = None) -> None:
+    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
         cache is invalidated and the version advances (or takes `weight_version`)."""
+        self.check_session(session_token)
         if weight_version is not None and not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
         ok = False

@@ -225,20 +225,17 @@ class LLM:
     def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
         """Receives one update of the open session (see the transport's sender for how to build update_info)."""
         with self._lock:
-            self.llm_engine.check_session(session_token)
-            self.llm_engine.weights_rpc("update_weights", update_info)
+            self.llm_engine.update_weights(update_info, session_token)
 
     def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
         """Closes the session; the prefix cache is invalidated and the version advances (or takes the value)."""
         with self._lock:
-            self.llm_engine.check_session(session_token)
-            self.llm_engine.finish_weight_update(weight_version)
+            self.llm_engine.finish_weight_update(weight_version, session_token)
 
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session, restoring the weights it changed; without a token, whoever opened it."""
         with self._lock:
-            self.llm_engine.check_session(session_token, ending=True)
-            self.llm_engine.weights_rpc("abort_weight_update")
+            self.llm_engine.abort_weight_update(session_token)
 
     def shutdown_weight_transfer_engine(self) -> None:
         with self._lock:
