@@ -45,7 +45,8 @@ class ModelConfig:
 
     `model` is a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files). `dtype` is
     "auto" (the checkpoint's dtype) or one of float32/bfloat16/float16. `max_model_len` None means the model's
-    context length; it may not exceed it.
+    context length; it may not exceed it. `max_logprobs` bounds the log probabilities a request may ask for per
+    token (-1: up to the whole vocabulary).
     """
 
     model: str
@@ -53,6 +54,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     tokenizer: str | None = None
+    max_logprobs: int = 20
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class ModelConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}")
         context = self.max_context_len
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
         if self.max_model_len is not None:
             if self.max_model_len <= 0:
                 raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

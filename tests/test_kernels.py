@@ -500,8 +500,13 @@ def test_small_batch_linear_is_taken_only_by_builds_it_suits(ops, monkeypatch, l
 
 @pytest.mark.parametrize(
     ("march", "isa"),
-    [("x86-64-v3", "avx2"), ("haswell", "avx2"), ("x86-64-v4", "avx512"), ("x86-64", "generic"),
-     ("armv8-a", "generic")],
+    [
+        ("x86-64-v3", "avx2"),
+        ("haswell", "avx2"),
+        ("x86-64-v4", "avx512"),
+        ("x86-64", "generic"),
+        ("armv8-a", "generic"),
+    ],
 )
 def test_build_name_records_the_target_isa(monkeypatch, march, isa):
     monkeypatch.setattr(native, "MARCH", march)

@@ -4,6 +4,7 @@ processes (two-phase commit), and when something fails where nothing was expecte
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -15,7 +16,9 @@ from hotswap import LLM, EngineConfig, SamplingParams
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.state import EngineState
 from hotswap.testing import make_tiny_model
+from hotswap.transfer.base import declare
 from hotswap.transfer.tensors import tensors_update_info
+from transfer_helpers import Pusher, free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -220,24 +223,50 @@ def test_an_update_session_belongs_to_the_caller_that_started_it(ckpts, b_tensor
     assert serves(llm, ckpts["B"])
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, tensor_parallel_size):
-    """A trainer that declared an shm update but never publishes it: an abort ends the wait at once (the update
-    rolls back) instead of waiting for the transport's timeout, and the engine serves the old weights."""
-    from hotswap.transfer.shm import ShmSender
+class _SilentTrainer:
+    """A trainer that connects (shm: declares its update; torch_dist: joins the group) but never sends data."""
 
+    def __init__(self, backend: str, named: list, tensor_parallel_size: int) -> None:
+        self.backend, self.sender = backend, None
+        if backend == "shm":
+            from hotswap.transfer.shm import ShmSender
+
+            self.sender = ShmSender()
+            self.info, _ = self.sender.prepare(named)  # declared, never published
+            self.init_info: dict = {"backend": "shm"}
+        else:
+            from hotswap.transfer.torch_dist import TorchDistSender
+
+            port = free_port()
+            self.init_info = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port}
+            self._joined = threading.Thread(target=lambda: setattr(self, "sender", TorchDistSender(
+                "127.0.0.1", port, timeout_s=120, num_workers=tensor_parallel_size)))  # fmt: skip
+            self._joined.start()
+            self.info = {**declare(named), "bucket_size_bytes": 1 << 16}
+
+    def close(self) -> None:
+        if self.backend == "torch_dist":
+            self._joined.join()
+        if self.sender is not None:
+            self.sender.close()
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
+@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, backend, tensor_parallel_size):
+    """A trainer that connected but never sends: an abort ends the wait at once (the update rolls back) instead
+    of waiting for the transport's timeout, and the engine serves the old weights."""
     config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
                                       tensor_parallel_size=tensor_parallel_size,
                                       weight_transfer_config={"timeout_s": 120})  # fmt: skip
-    sender = ShmSender()
-    info, _ = sender.prepare(b_tensors)  # declared, never published
+    trainer = _SilentTrainer(backend, b_tensors, tensor_parallel_size)
 
     async def main() -> tuple[float, BaseException | None, list[int]]:
         engine = AsyncLLMEngine(config)
         before = await engine.collective_rpc("weight_checksums")
-        await engine.init_weight_transfer_engine({"backend": "shm"})
+        await engine.init_weight_transfer_engine(trainer.init_info)
         await engine.start_weight_update()
-        waiting = asyncio.create_task(engine.update_weights(info))
+        waiting = asyncio.create_task(engine.update_weights(trainer.info))
         await asyncio.sleep(1.0)
         start = time.monotonic()
         await engine.abort_weight_update()
@@ -256,7 +285,44 @@ def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, te
         return elapsed, error, tokens
 
     elapsed, error, tokens = asyncio.run(main())
-    sender.close()
+    trainer.close()
     assert elapsed < 5 and error is not None and "aborted while waiting" in str(error)
     llm_tok = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22).get_tokenizer()
     assert tokens == hf_greedy(str(ckpts["A"]), tuple(llm_tok.encode(PROMPTS[0])), 8)[0]
+
+
+def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensors):
+    """Nobody listens on the master port: while the engine tries to join (up to timeout_s), requests keep being
+    generated; then the init fails with an error naming the address, and a later init with a trainer works."""
+    timeout_s = 3.0
+    config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
+                                      weight_transfer_config={"timeout_s": timeout_s})  # fmt: skip
+    dead = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": free_port()}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    async def main() -> tuple[float, float, BaseException | None]:
+        engine = AsyncLLMEngine(config)
+        start = time.monotonic()
+        init = asyncio.create_task(engine.init_weight_transfer_engine(dead))
+        await asyncio.sleep(0.3)  # the init is under way
+        outputs = [out async for out in engine.generate(PROMPTS[1], params)]
+        assert len(outputs[-1].outputs[0].token_ids) == 32
+        generated = time.monotonic() - start
+        error = None
+        try:
+            await init
+        except BaseException as err:
+            error = err
+        failed = time.monotonic() - start
+        await engine.shutdown()
+        engine.engine.shutdown()
+        return generated, failed, error
+
+    generated, failed, error = asyncio.run(main())
+    assert generated < timeout_s / 2, f"generation waited for the init: {generated:.1f} s"
+    assert error is not None and "could not join" in str(error) and dead["master_address"] in str(error)
+    assert failed < timeout_s + 10
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    pusher = Pusher(llm, "torch_dist")
+    pusher.push(b_tensors)
+    assert serves(llm, ckpts["B"])

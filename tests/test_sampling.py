@@ -213,3 +213,14 @@ def test_sampler_matches_distribution():
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_max_logprobs_bounds_requests_and_minus_one_allows_the_vocabulary(llama_dir, llm):
+    with pytest.raises(ValueError, match="max_logprobs=20"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    wide = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, max_logprobs=-1)
+    vocab = wide.llm_engine.config.model_config.hf_config["vocab_size"]
+    out = wide.generate(PROMPTS[0], SamplingParams(max_tokens=1, logprobs=vocab), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs[0]) >= vocab
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, max_logprobs=-2)

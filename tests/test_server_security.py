@@ -39,7 +39,7 @@ def test_admin_routes_are_off_without_a_key_and_metrics_labels_are_bounded(ckpts
         assert httpx.get(f"{base}/v1/models", headers=odd_key).status_code == 200
         assert httpx.get(f"{base}/health").json() == {"status": "ok"}
         for i in range(5):
-            httpx.get(f"{base}/no/such/route/{i}?x=\"}}")
+            httpx.get(f'{base}/no/such/route/{i}?x="}}')
         metrics = httpx.get(f"{base}/metrics").text
         assert 'route="unmatched"' in metrics and "/no/such" not in metrics
         assert 'route="/pause"' in metrics and 'route="/health"' in metrics
@@ -183,9 +183,19 @@ def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
         assert done.status_code == 200 and done.json()["weight_version"] == 1
 
 
-def test_a_request_waiting_on_a_long_pause_gets_503(ckpts):
+def test_configured_limits_are_named_and_a_long_pause_gets_503(ckpts):
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A", "--max-pause-wait-s", "1") as base:  # fmt: skip
+                        "--served-model-name", "A", "--max-pause-wait-s", "1", "--max-n", "2", "--max-tokens", "8",
+                        "--max-logprobs", "3") as base:  # fmt: skip
+        for fields, flag in (({"n": 3}, "--max-n"), ({"max_tokens": 9}, "--max-tokens"),
+                             ({"logprobs": 4}, "--max-logprobs")):  # fmt: skip
+            refused = completion(base, **fields)
+            assert refused.status_code == 400 and flag in refused.json()["error"]["message"], fields
+        chat = httpx.post(f"{base}/v1/chat/completions", json={"model": "A", "max_tokens": 2, "logprobs": True,
+                          "top_logprobs": 4, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert chat.status_code == 400 and "--max-logprobs" in chat.json()["error"]["message"]
+        allowed = completion(base, n=2, max_tokens=8, logprobs=3).json()
+        assert len(allowed["choices"]) == 2 and len(allowed["choices"][0]["logprobs"]["top_logprobs"][0]) >= 3
         assert httpx.post(f"{base}/pause", json={"mode": "keep"}, headers=ADMIN).status_code == 200
         start = time.monotonic()
         waited = completion(base, timeout=30)
@@ -199,6 +209,7 @@ def test_a_request_waiting_on_a_long_pause_gets_503(ckpts):
 def test_a_chunked_body_over_the_limit_gets_413(ckpts):
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--served-model-name", "A",
                         "--max-request-bytes", "1000") as base:  # fmt: skip
+
         def chunks():
             yield b'{"model": "A", "prompt": "'
             for _ in range(50):

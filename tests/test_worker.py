@@ -112,6 +112,11 @@ def scope_cases(worker: Worker, probe):
             ),
             lambda: worker.init_weight_transfer_engine({"backend": "tensors"}),
         ),
+        "weight_transfer_ready": (
+            session(),
+            lambda m, p: m.setattr(worker.session.engine, "ready", p(True)),
+            worker.weight_transfer_ready,
+        ),
         "start_weight_update": (
             session(),
             lambda m, p: m.setattr(

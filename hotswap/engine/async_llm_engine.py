@@ -198,7 +198,11 @@ class AsyncLLMEngine:
         await self._locked(self.engine.update_config, overrides)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        await self._locked(self.engine.weights_rpc, "init_weight_transfer_engine", init_info)
+        """Creates the receiving side of a transport and waits until its trainer joined; generation goes on
+        meanwhile (the engine lock is taken only to start and to poll)."""
+        await self._locked(self.engine.begin_weight_transfer_engine, init_info)
+        while not await self._locked(self.engine.weight_transfer_ready):
+            await asyncio.sleep(0.01)
 
     async def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session and returns its token (see `LLM.start_weight_update`)."""

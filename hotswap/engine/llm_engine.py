@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import secrets
+import time
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -60,6 +61,7 @@ class LLMEngine:
         self.weight_version = 0
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
         self.state = EngineState.RUNNING
+        self._connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
         self._return_to: list[EngineState] = []  # where UPDATING / ASLEEP go back to, innermost last
         self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
@@ -95,8 +97,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
         if any(t >= vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        limit = self.config.model_config.max_logprobs
+        if params.logprobs is not None and params.logprobs > (vocab if limit == -1 else min(limit, vocab)):
+            raise ValueError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise it with "
+                "LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)"
+            )
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab} (use -1 to disable top-k)")
         if params.n > self.config.scheduler_config.max_num_seqs:
@@ -314,6 +320,32 @@ class LLMEngine:
         elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
             self._leave(EngineState.UPDATING)
         return result
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates the receiving side of a transport on every worker and waits until it has connected (bounded by
+        the transport's timeout). `begin_weight_transfer_engine` and `weight_transfer_ready` are the two halves,
+        for a caller that keeps generating while a trainer joins."""
+        self.begin_weight_transfer_engine(init_info)
+        while not self.weight_transfer_ready():
+            time.sleep(0.005)
+
+    def begin_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates the receiving side on every worker without waiting for its trainer."""
+        self.weights_rpc("init_weight_transfer_engine", init_info)
+        self._connect_deadline = time.monotonic() + self.config.weight_transfer_config.timeout_s + 10
+
+    def weight_transfer_ready(self) -> bool:
+        """Whether every worker's transport has connected. If one failed (or the engine-side deadline passed),
+        every worker drops its transport and the error is raised: init_weight_transfer_engine() again."""
+        try:
+            ready = all(self.executor.collective_rpc("weight_transfer_ready"))
+            if not ready and time.monotonic() > self._connect_deadline:
+                raise TimeoutError("the weight transfer engine did not connect to its trainer in time")
+        except BaseException:
+            if self.config.parallel_config.tensor_parallel_size > 1:  # ranks still connecting drop theirs too
+                self.executor.collective_rpc("shutdown_weight_transfer_engine")
+            raise
+        return ready
 
     def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session on every worker and returns its token: calls that carry another token are

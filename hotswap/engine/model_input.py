@@ -32,7 +32,6 @@ class SampleResult:
     top_logprobs: list[float] | None = None
 
 
-
 @dataclass
 class ModelInput:
     """A flat batch. Sequence i contributes `query_lens[i]` tokens of `input_ids`/`positions`, has

@@ -214,7 +214,7 @@ class LLM:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}."""
         with self._lock:
-            self.llm_engine.weights_rpc("init_weight_transfer_engine", init_info)
+            self.llm_engine.init_weight_transfer_engine(init_info)
 
     def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session; returns its token, which update/finish/abort may carry (`session_token`) so

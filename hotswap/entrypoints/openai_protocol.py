@@ -16,7 +16,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
 
     model: str
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -32,7 +32,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] = Field(..., min_length=1)
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)
 
 
 class ChatMessage(BaseModel):
@@ -45,7 +45,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=1)
 
 

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
+from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
 
 if TYPE_CHECKING:
@@ -63,12 +64,16 @@ class BodyTooLarge(BaseException):
 class RequestLimits:
     """Bounds on what one request may ask for, so that it cannot slow or stall the others: the request body
     (prompts are tokenized from it), and the stop strings searched after every token; and how long a request
-    waits for its next output while generation is paused (then 503 with Retry-After)."""
+    waits for its next output while generation is paused (then 503 with Retry-After); the samples (`n`) and
+    tokens (`max_tokens`, None: up to the context length) one request may ask for. Log probabilities are bounded
+    by the engine's `max_logprobs`, prompt tokens by its `max_model_len`."""
 
     max_request_bytes: int = 4 << 20
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_pause_wait_s: float = 600.0
+    max_n: int = 64
+    max_tokens: int | None = None
 
 
 class _Body(BaseModel):
@@ -169,6 +174,7 @@ def create_app(
     if enable_admin and admin_auth == "none":
         logger.warning("admin routes answer WITHOUT a key (admin_auth='none'): anyone who reaches this port can "
                        "change the served weights; use this on a trusted network only")  # fmt: skip
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -271,12 +277,16 @@ def create_app(
     async def too_large(send: Any, limit: int) -> None:
         body = json.dumps(oai.error_body(f"request body over {limit} bytes (--max-request-bytes)",
                                          "invalid_request_error", 413)).encode()  # fmt: skip
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})  # fmt: skip
 
     app.add_middleware(Guard)
-
 
     async def guarded(coro: Any) -> Any:
         """Maps engine errors to client errors: bad values 400, wrong state 409, timeouts 504."""
@@ -293,8 +303,13 @@ def create_app(
         except RuntimeError as err:
             raise ApiError(409, str(err), "conflict") from err
 
-    def check_stops(stop: str | list[str] | None) -> None:
-        """Stop strings are searched after every token: their number and length are bounded (ValueError)."""
+    def check_limits(stop: str | list[str] | None, params: SamplingParams) -> None:
+        """Raises ValueError naming the limit a request exceeds: `n`, `max_tokens`, and the stop strings (searched
+        after every token, so their number and length are bounded)."""
+        if params.n > limits.max_n:
+            raise ValueError(f"n={params.n}; the limit is {limits.max_n} (--max-n)")
+        if limits.max_tokens is not None and (params.max_tokens is None or params.max_tokens > limits.max_tokens):
+            raise ValueError(f"max_tokens={params.max_tokens}; the limit is {limits.max_tokens} (--max-tokens)")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > limits.max_stop_strings:
             raise ValueError(f"{len(stops)} stop strings; the limit is {limits.max_stop_strings} (--max-stop-strings)")
@@ -409,10 +424,10 @@ def create_app(
     async def completions(body: oai.CompletionRequest, http: Request) -> Any:
         check_model(body.model)
         try:
-            check_stops(body.stop)
             if isinstance(body.prompt, str):
                 check_unicode(body.prompt, "the prompt")
             params = oai.sampling_params(body, body.logprobs, body.max_tokens)
+            check_limits(body.stop, params)
         except ValueError as err:
             raise ApiError(400, str(err)) from err
         prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
@@ -455,7 +470,7 @@ def create_app(
             params = oai.sampling_params(
                 body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens
             )
-            check_stops(body.stop)
+            check_limits(body.stop, params)
             for message in body.messages:
                 check_unicode(message.content, "a message's content")
             ids = await asyncio.to_thread(  # CPU work off the event loop
@@ -633,6 +648,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
     parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
     parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
+    parser.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="samples one request may ask for")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens one request may generate (default: up to the context length)")  # fmt: skip
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="log probabilities one token may return (-1: the whole vocabulary)")  # fmt: skip
     parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,
                         help="how long a request waits while generation is paused before it gets 503")  # fmt: skip
     parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
@@ -667,11 +687,13 @@ def serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         prefix_cache_policy=args.prefix_cache_policy,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_logprobs=args.max_logprobs,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     limits = RequestLimits(
-        args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s
-    )
+        args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s,
+        args.max_n, args.max_tokens,
+    )  # fmt: skip
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",

@@ -11,5 +11,7 @@ if native.ops() is None:
     print("hotswap native kernels: unavailable (pure-torch fallback)")
 else:
     linear = "taken" if native.wide_vector_kernels_win() else "not taken (torch wins on this ISA)"
-    print(f"hotswap native kernels: ready ({native.build_name()}, {native.vector_bits()}-bit vectors, "
-          f"16-lane kernels {linear})")
+    print(
+        f"hotswap native kernels: ready ({native.build_name()}, {native.vector_bits()}-bit vectors, "
+        f"16-lane kernels {linear})"
+    )

@@ -76,6 +76,11 @@ class TransferEngine(ABC):
         """The update as a source: its declaration (read without touching data) and its tensors in declared order.
         Raises ValueError for a malformed update_info; its stream raises on a lost or late trainer."""
 
+    def ready(self) -> bool:
+        """Whether the channel is connected. A transport that joins its trainer in the background (torch_dist)
+        answers False until then; raises the connection's error (the channel is then unusable)."""
+        return True
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and buffers."""
 

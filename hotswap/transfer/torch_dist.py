@@ -19,6 +19,8 @@ Trainer side (in its own process):
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
 from hotswap.distributed import current_parallel
-from hotswap.transfer.base import TransferEngine, declare, declared_from_info
+from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
 from hotswap.weights.update import Declared, WeightSource
 
 _ALIGN = 64
@@ -130,7 +132,11 @@ def _root(rank: int) -> Any:
 
 class TorchDistEngine(TransferEngine):
     """Worker side: joins the trainer's group as rank 1 + its tensor-parallel rank (init_info: master_address,
-    master_port; the group has 1 + tensor_parallel_size members)."""
+    master_port; the group has 1 + tensor_parallel_size members).
+
+    Joining happens in a background thread, so that a trainer that is late (or a port where nobody listens)
+    holds no engine lock: the engine polls `ready()` between steps, and generation goes on meanwhile. Every wait
+    (joining, each bucket) is bounded by `timeout_s`; a bucket wait also ends at once on `interrupt_waits()`."""
 
     survives_failure = False
 
@@ -140,11 +146,39 @@ class TorchDistEngine(TransferEngine):
             address, port = str(init_info["master_address"]), int(init_info["master_port"])
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"a 'torch_dist' init_info needs master_address and master_port: {err}") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {port}")
         self.device = str(init_info.get("device", "cpu"))
+        self.where = f"{address}:{port}"
         tp = current_parallel()
-        self.store: TCPStore | None  # None once shut down
-        self.store, self.group = _group(address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
+        self.store: TCPStore | None = None  # set once joined; None again once shut down
+        self.group: Any = None
         self._buffers: list[torch.Tensor] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self._works: list[Any] = []  # the broadcasts of the update being received
+        args = (address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
+        self._joining = threading.Thread(target=self._join, args=args, name="torch_dist-join", daemon=True)
+        self._joining.start()
+
+    def _join(self, *args: Any) -> None:
+        try:
+            store, group = _group(*args)
+        except BaseException as err:  # reported by ready()
+            self._error = err
+            return
+        if not self._closed:
+            self.store, self.group = store, group
+
+    def ready(self) -> bool:
+        if self._joining.is_alive():
+            return False
+        if self._error is not None:
+            raise RuntimeError(
+                f"could not join the trainer's torch_dist group at {self.where} within {self.config.timeout_s:g} s "
+                f"(is the trainer's TorchDistSender running there?): {self._error}"
+            )
+        return True
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:
         declared = declared_from_info(update_info)
@@ -154,15 +188,18 @@ class TorchDistEngine(TransferEngine):
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             if not layout:
                 return
-            works = [self._post(0, layout[0][0])]
+            self._joining.join()
+            self.ready()
+            works = self._works = [self._post(0, layout[0][0])]
             for i, (_, members) in enumerate(layout):
-                works[i].wait()
+                _wait(works[i])
                 if i + 1 < len(layout):
                     works.append(self._post((i + 1) % 2, layout[i + 1][0]))
                 buffer = self._buffers[i % 2]
                 for index, offset in members:
                     name, dtype, shape = declared[index]
                     yield name, _tensor_view(buffer, offset, dtype, shape)
+            self._works = []
 
         return WeightSource(declared, tensors, description="torch_dist update")
 
@@ -174,6 +211,26 @@ class TorchDistEngine(TransferEngine):
         return self.group.broadcast([self._buffers[slot][:size]], _root(0))
 
     def shutdown(self) -> None:
+        self._closed = True
+        if any(not work.is_completed() for work in self._works):
+            # An interrupted broadcast is still in flight inside the group, writing into these buffers:
+            # destroying the group would wait for it (up to its timeout), so both are parked instead.
+            _abandoned.append((self.group, self.store, self._buffers))
+            del _abandoned[:-4]
+        self._works = []
         self.group = None
         self.store = None
         self._buffers = []
+
+
+_abandoned: list[Any] = []  # the last few shut-down groups and their buffers (see TorchDistEngine.shutdown)
+
+
+def _wait(work: Any) -> None:
+    """Waits for a collective, checking for `interrupt_waits()` meanwhile; its own timeout still applies."""
+    pause = 2e-5
+    while not work.is_completed():
+        check_interrupt()
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    work.wait()

@@ -1,6 +1,7 @@
 """A worker's weight lifecycle: one-shot loads and the transfer session, as an explicit state machine.
 
     NO_ENGINE --init_weight_transfer_engine--> READY --start_weight_update--> ACTIVE
+    READY --weight_transfer_ready, the transport failed to connect--> NO_ENGINE
     ACTIVE --update_weights (x N)--> ACTIVE
     ACTIVE --finish_weight_update--> READY          (post-processing completes, rollback copies dropped)
     ACTIVE --abort_weight_update / any failure--> READY   (atomic: rolled back; else: weights invalid)
@@ -61,9 +62,7 @@ class WeightSession:
 
     def expect(self, *states: SessionState, call: str) -> None:
         if self.state not in states:
-            raise RuntimeError(
-                f"{call}() is not allowed now (session state: {self.state.value}); {_HINTS[self.state]}"
-            )
+            raise RuntimeError(f"{call}() is not allowed now (session state: {self.state.value}); {_HINTS[self.state]}")
 
     # ---- one-shot loads ---------------------------------------------------------------------------------------
 
@@ -94,6 +93,17 @@ class WeightSession:
         self.shutdown_engine()
         self.engine = engine
         self.state = SessionState.READY
+
+    def engine_ready(self) -> bool:
+        """Whether the transport has connected (see `TransferEngine.ready`). A transport that failed to connect
+        is shut down (NO_ENGINE) and its error re-raised."""
+        self.expect(SessionState.READY, SessionState.ACTIVE, call="weight_transfer_ready")
+        assert self.engine is not None
+        try:
+            return self.engine.ready()
+        except BaseException:
+            self.shutdown_engine()
+            raise
 
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")

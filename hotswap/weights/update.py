@@ -146,7 +146,6 @@ class RankSelection:
 # ---- the update ---------------------------------------------------------------------------------------------
 
 
-
 def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
     """True if no element is NaN or Inf, nor becomes Inf when cast to `limit_dtype` (e.g. fp32 above 65504
     into fp16). A sum is one cheap pass; only a non-finite sum (a bad value, or an overflow of huge finite ones)

@@ -162,8 +162,15 @@ class Worker:
 
     @in_config_scope
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving engine of `init_info["backend"]` (tensors, shm, torch_dist, disk)."""
+        """Creates the receiving engine of `init_info["backend"]` (tensors, shm, torch_dist, disk). Returns without
+        waiting for a trainer to connect: poll `weight_transfer_ready()`."""
         self.session.init_engine(init_info, self.config.weight_transfer_config)
+
+    @in_config_scope
+    def weight_transfer_ready(self) -> bool:
+        """Whether the transfer engine has connected to its trainer; raises (and drops the engine) if connecting
+        failed or timed out."""
+        return self.session.engine_ready()
 
     @in_config_scope
     def start_weight_update(self, target: str = "model") -> None:
