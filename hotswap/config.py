@@ -153,10 +153,13 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     """Worker layout: `tensor_parallel_size` worker processes (one in-process worker when 1). `rpc_timeout_s`
-    bounds every call to worker processes."""
+    bounds every call to worker processes. `enable_expert_parallel`: a mixture-of-experts layer places whole
+    experts on ranks (each rank holds about E / tensor_parallel_size of them) instead of splitting every expert's
+    intermediate dimension; attention stays tensor-parallel either way."""
 
     tensor_parallel_size: int = 1
     rpc_timeout_s: float = 300.0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -22,7 +22,17 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+
+#: Mixture-of-experts defaults per arch (8 experts, top-2, every layer sparse), before the preset's overrides.
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 96, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+}  # fmt: skip
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -206,17 +216,18 @@ def _config_and_class(arch: str, preset: str, dtype: str, overrides: dict[str, A
         raise ValueError(f"unknown preset {preset!r}; available presets: {', '.join(PRESETS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; supported dtypes: {', '.join(_DTYPES)}")
-    kw: dict[str, Any] = {"tie_word_embeddings": False, **PRESETS[preset]}
+    kw: dict[str, Any] = {"tie_word_embeddings": False, **_MOE_DEFAULTS.get(arch, {}), **PRESETS[preset]}
     if arch == "qwen3" and preset == "tiny":
         kw["head_dim"] = 32  # deliberately != hidden_size / num_attention_heads
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kw["use_sliding_window"] = False
     kw.update(overrides)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     kw.update(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, dtype=dtype)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
+              "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[arch]  # fmt: skip
     config = getattr(transformers, f"{prefix}Config")(**kw)
     return config, getattr(transformers, f"{prefix}ForCausalLM")
 

@@ -43,12 +43,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hotswap.testing import SUPPORTED_ARCHS
+
     parser = argparse.ArgumentParser(prog="hotswap", description="An LLM inference engine that takes new weights live.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     make = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint with a local tokenizer")
     make.add_argument("dir")
-    make.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    make.add_argument("--arch", default="llama", choices=list(SUPPORTED_ARCHS))
     make.add_argument("--preset", default="tiny", choices=["tiny", "9m", "125m"])
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -4,7 +4,7 @@ gate/up into `gate_up_proj` (see `stacked_params_mapping`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cached_property
 from typing import Any, cast
 
@@ -69,11 +69,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    """Attention, then the feed-forward block `mlp` (default: the dense SwiGLU MLP of the config)."""
+
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
+        if mlp is None:
+            mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -92,10 +96,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    """`mlp_for(i)` gives layer i's feed-forward block (None: the dense MLP)."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp_for: Callable[[int], nn.Module | None] = lambda i: None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, qkv_bias, qk_norm, mlp_for(i)) for i in range(cfg["num_hidden_layers"])
+        )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.kernels = native.ops()
 
@@ -144,7 +158,7 @@ class LlamaModel(nn.Module):
                 return False
             if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
                 return False
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # its type was checked above
             parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
                      attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}  # fmt: skip
             if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
@@ -166,7 +180,8 @@ class LlamaModel(nn.Module):
         """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `_native_stack`)."""
         return [
             (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
-             layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn.rotary_emb, layer.self_attn.attn)
+             cast(LlamaMLP, layer.mlp).gate_up_proj, cast(LlamaMLP, layer.mlp).down_proj, layer.self_attn.rotary_emb,
+             layer.self_attn.attn)
             for layer in cast(Iterable[LlamaDecoderLayer], self.layers)  # checked by `_stack_modules_fit`
         ]  # fmt: skip
 
@@ -215,12 +230,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
         self.hf_config = hf_config
-        self.model = LlamaModel(hf_config, self.qkv_bias, self.qk_norm)
+        self.model = LlamaModel(hf_config, self.qkv_bias, self.qk_norm, self.mlp_for)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
+
+    def mlp_for(self, layer: int) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the dense MLP (mixture-of-experts models override this)."""
+        return None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -5,6 +5,11 @@ A checkpoint name maps to a `Target`: a parameter, the shard of it (for fused pa
 gate/up in gate_up_proj, from the model's `stacked_params_mapping`), and the owning module's `ShardedWeights`
 layout. Parameters marked `hotswap_derived` (e.g. fp8 scales) are computed by post-processing, never loaded.
 Aliases (a tied lm_head.weight) resolve to the canonical target.
+
+A module may name its checkpoint tensors itself (`checkpoint_names(leaf)`, e.g. the fused MoE experts: one name
+per expert and projection, and the fused [experts, ...] names a transformers 5 trainer yields). A name that is
+not canonical `covers` the canonical shards it fills at once (a fused tensor covers every expert's shard): it is
+never required, and sending it beside a canonical name it covers is a duplicate.
 """
 
 from __future__ import annotations
@@ -28,11 +33,17 @@ class Target:
     layout: ShardedWeights
     full_shape: tuple[int, ...]  # the full checkpoint tensor
     local_shape: tuple[int, ...]  # this rank's part (what a pre-sliced tensor must have)
+    covers: tuple[tuple[str, object], ...] = ()  # the canonical keys it fills; () means just its own key
 
     @property
     def key(self) -> tuple[str, object]:
         """Identifies the destination: two names with one key (tied weights) are the same weight."""
         return (self.param_name, self.shard_id)
+
+    @property
+    def keys(self) -> tuple[tuple[str, object], ...]:
+        """The canonical destinations this tensor fills."""
+        return self.covers or (self.key,)
 
     def local_view(self) -> torch.Tensor:
         return self.layout.local_view(self.param, self.shard_id)
@@ -60,19 +71,25 @@ class WeightIndex:
             module_name = ".".join(module_path)
             module = self.modules.setdefault(module_name, model.get_submodule(module_name))
             layout = layout_of(module)
-            shards: list[tuple[str, object]] = [(name, None)]
-            if module_path and module_path[-1] in sources_of:
+            # (checkpoint name, shard id, the shard ids it covers: None for a canonical name)
+            shards: list[tuple[str, object, tuple[object, ...] | None]] = [(name, None, None)]
+            names_of = getattr(module, "checkpoint_names", None)
+            if callable(names_of):
+                shards = [(f"{module_name}.{rel}", shard, covers) for rel, shard, covers in names_of(leaf)]
+            elif module_path and module_path[-1] in sources_of:
                 parent = module_path[:-1]
-                shards = [(".".join([*parent, src, leaf]), shard) for src, shard in sources_of[module_path[-1]]]
-            for ckpt_name, shard in shards:
+                shards = [(".".join([*parent, src, leaf]), s, None) for src, s in sources_of[module_path[-1]]]
+            for ckpt_name, shard, covers in shards:
                 local = tuple(layout.local_view(param, shard).shape)
                 full = tuple(layout.checkpoint_shape(param, shard))
-                self.targets[ckpt_name] = Target(name, param, shard, module_name, layout, full, local)
+                keys_covered = () if covers is None else tuple((name, c) for c in covers)
+                self.targets[ckpt_name] = Target(name, param, shard, module_name, layout, full, local, keys_covered)
         keys: dict[str, set[tuple[str, object]]] = {}
         for target in self.targets.values():
-            keys.setdefault(target.module_name, set()).add(target.key)
+            if not target.covers:
+                keys.setdefault(target.module_name, set()).add(target.key)
         self.module_keys = {module: frozenset(k) for module, k in keys.items()}
-        self.required: frozenset[str] = frozenset(self.targets)
+        self.required: frozenset[str] = frozenset(n for n, t in self.targets.items() if not t.covers)
         # modules whose post-processing writes their parameters (the data is staged until then)
         self.staging_modules = frozenset(
             name for name, module in self.modules.items() if getattr(module, "stages_weights", False)

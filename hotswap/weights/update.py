@@ -204,7 +204,8 @@ class WeightUpdate:
         wrong, bad_dtypes = [], []
         for name, dtype, shape in entries:
             target = self.index.targets[name]
-            by_key.setdefault(target.key, []).append(name)
+            for key in target.keys:
+                by_key.setdefault(key, []).append(name)
             expected = target.local_shape if name in pre_sliced else target.full_shape
             if tuple(shape) != expected:
                 wrong.append(
@@ -213,7 +214,7 @@ class WeightUpdate:
                 )
             if not _castable(dtype):
                 bad_dtypes.append(f"{name}: {dtype}")
-        shared = sorted(names for names in by_key.values() if len(names) > 1)
+        shared = sorted({tuple(names) for names in by_key.values() if len(names) > 1})
         if shared:
             raise ValueError(f"duplicate tensors for the same (tied) weight in one update: {shared}; send one")
         if wrong:
@@ -291,9 +292,9 @@ class WeightUpdate:
             target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
             self.loaded_names.add(name)
-            self.loaded_keys.add(target.key)
+            self.loaded_keys.update(target.keys)
             arrived = self.arrived.setdefault(target.module_name, set())
-            arrived.add(target.key)
+            arrived.update(target.keys)
             self.pending.add(target.module_name)
             if arrived >= self.index.module_keys[target.module_name]:
                 self._post_process(target.module_name)

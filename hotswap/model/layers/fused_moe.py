@@ -1,0 +1,293 @@
+"""Mixture-of-experts: top-k routing and one fused experts layer, with FP8 and expert parallelism.
+
+`FusedMoE` stacks the experts in place: `w13_weight` [E_local, 2 I_local, H] (gate rows, then up rows) and
+`w2_weight` [E_local, H, I_local]. Across ranks the experts are either split along I (every rank holds every
+expert's share; tensor parallelism) or, with `enable_expert_parallel`, placed whole (each rank holds its experts;
+`expert_placement`). Either way each rank computes its part for every token it sees and the ranks' outputs are
+summed (`all_reduce`), so a token's result is the same as on one rank up to the summation order.
+
+Checkpoint names (relative to the layer; see `WeightIndex`): per expert `{e}.{gate}.weight`, `{e}.{up}.weight`,
+`{e}.{down}.weight` (hub checkpoints, Megatron converters; `gate`/`up`/`down` are `gate_proj`/`up_proj`/`down_proj`
+or Mixtral's `w1`/`w3`/`w2`), and the fused `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] that a
+transformers 5 model's `named_parameters()` yields. A fused tensor covers every expert's shards.
+
+Forward: tokens are grouped by expert with one stable sort, then every expert's rows go through two grouped
+matrix products (`torch._grouped_mm`, no Python loop over experts); the router's probabilities and the weighted
+combine are float32.
+
+FP8 (`quantization="fp8"`): weights are float8 with one float32 scale per output row of each expert. Loads go to
+a high-precision stage; post-processing quantizes exactly the staged rows (a row's scale depends on that row
+alone), so an update re-quantizes exactly the experts, and the projections of them, that it rewrote.
+
+Post-processing (`process_weights_after_loading`) builds the dispatch state from the live config: the expert map
+(global expert -> local slot) from `current_config().parallel_config` and the rank, and the FP8 layout. It must
+run inside a worker's config scope; outside it `current_config()` raises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.config import current_config
+from hotswap.distributed import current_parallel, split
+from hotswap.model.layers.quant.fp8 import FP8_DTYPE, quantize_per_channel
+from hotswap.weights.sharded import Narrowing
+
+_GATE, _UP, _DOWN = "gate", "up", "down"
+FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights [T, k], expert ids [T, k]) of the top-k experts by softmax probability of `logits`;
+    `renormalize`: the k weights sum to one (Qwen3-MoE `norm_topk_prob`, Mixtral)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_placement(num_experts: int, num_ranks: int) -> list[list[int]]:
+    """Which experts each rank holds under expert parallelism: contiguous, the first E % N ranks one more.
+    Raises ValueError when there are fewer experts than ranks."""
+    if num_experts < num_ranks:
+        raise ValueError(
+            f"expert parallelism over {num_ranks} ranks needs at least {num_ranks} experts, the model has "
+            f"{num_experts}; disable enable_expert_parallel (the experts are then split along their "
+            "intermediate size)"
+        )
+    return [list(range(start, start + n)) for start, n in (split(num_experts, r, num_ranks) for r in range(num_ranks))]
+
+
+@functools.cache
+def _grouped_mm_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build runs `torch._grouped_mm` on CPU for `dtype` (checked once against a loop)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a, b = torch.ones(3, 4, dtype=dtype), torch.ones(2, 4, 5, dtype=dtype)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(out.shape == (3, 5) and torch.all(out == 4))
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` grouped by expert (`counts[e]` consecutive rows for expert e) times `weights[e]`ᵀ
+    ([E, N, K]): [rows, N]."""
+    if _grouped_mm_works(x.dtype):
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weights.transpose(1, 2), offs=offs)
+    parts, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            parts.append(F.linear(x[start : start + n], weights[e]))
+            start += n
+    return torch.cat(parts) if parts else x.new_empty(0, weights.shape[1])
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one sparse layer (see the module doc). `forward(x, weights, ids)` takes the router's
+    float32 weights and expert ids [T, k] and returns the experts' weighted sum [T, H], summed over ranks."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ) -> None:
+        super().__init__()
+        config, self.tp = current_config(), current_parallel()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.names = dict(zip((_GATE, _UP, _DOWN), names, strict=True))
+        self.expert_parallel = config.parallel_config.enable_expert_parallel and self.tp.size > 1
+        if self.expert_parallel:
+            self.local_experts = expert_placement(num_experts, self.tp.size)[self.tp.rank]
+            self.i_start, self.i_local = 0, intermediate_size
+        else:
+            self.local_experts = list(range(num_experts))
+            self.i_start, self.i_local = split(intermediate_size, self.tp.rank, self.tp.size)
+        self.slot = {e: s for s, e in enumerate(self.local_experts)}
+        local = len(self.local_experts)
+        self.fp8 = config.quant_config.quantization == "fp8"
+        dtype = FP8_DTYPE if self.fp8 else None
+        self.w13_weight = _param((local, 2 * self.i_local, hidden_size), dtype)
+        self.w2_weight = _param((local, hidden_size, self.i_local), dtype)
+        self.stage_dtype = config.model_config.torch_dtype if self.fp8 else None
+        if self.fp8:
+            self.w13_weight_scale = _param((local, 2 * self.i_local), torch.float32)
+            self.w2_weight_scale = _param((local, hidden_size), torch.float32)
+            for scale in (self.w13_weight_scale, self.w2_weight_scale):
+                scale.hotswap_derived = True  # type: ignore[attr-defined]  # computed, never loaded
+            self._stages: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (stage, staged rows)
+        # global expert id -> local slot (-1: another rank's); built by post-processing from the live config
+        self.expert_map: torch.Tensor | None = None
+
+    # ---- checkpoint layout (ShardedWeights) ----------------------------------------------------------------
+
+    def checkpoint_names(self, leaf: str) -> list[tuple[str, object, tuple[object, ...] | None]]:
+        """(name relative to this module, shard id, the shard ids it covers or None) for parameter `leaf`."""
+        e_range = range(self.num_experts)
+        if leaf == "w13_weight":
+            per_expert: list[tuple[str, object, tuple[object, ...] | None]] = [
+                (f"{e}.{self.names[part]}.weight", (e, part), None) for e in e_range for part in (_GATE, _UP)
+            ]
+            return [*per_expert, (FUSED_GATE_UP, FUSED_GATE_UP, tuple((e, p) for e in e_range for p in (_GATE, _UP)))]
+        if leaf == "w2_weight":
+            per_expert = [(f"{e}.{self.names[_DOWN]}.weight", (e, _DOWN), None) for e in e_range]
+            return [*per_expert, (FUSED_DOWN, FUSED_DOWN, tuple((e, _DOWN) for e in e_range))]
+        raise ValueError(f"FusedMoE has no loadable parameter {leaf!r}")
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        if shard_id == FUSED_GATE_UP:
+            return (e, 2 * i, h)
+        if shard_id == FUSED_DOWN:
+            return (e, h, i)
+        _, part = self._expert_shard(shard_id)
+        return (h, i) if part == _DOWN else (i, h)
+
+    def _expert_shard(self, shard_id: object) -> tuple[int, str]:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in (_GATE, _UP, _DOWN)):
+            raise ValueError(f"unknown FusedMoE shard {shard_id!r}")
+        return int(shard_id[0]), str(shard_id[1])
+
+    def _rows(self, part: str) -> tuple[int, int]:
+        """(start, length) of a projection's rows in a local w13 slot."""
+        return (0, self.i_local) if part == _GATE else (self.i_local, self.i_local)
+
+    def local_view(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        """This rank's part of the shard: a whole parameter for a fused name; an expert's rows, or nothing
+        (an empty view) for another rank's expert."""
+        if shard_id in (FUSED_GATE_UP, FUSED_DOWN):
+            return param.data
+        e, part = self._expert_shard(shard_id)
+        slot = self.slot.get(e)
+        if slot is None:
+            return param.data[:0]
+        if part == _DOWN:
+            return param.data[slot]
+        start, rows = self._rows(part)
+        return param.data[slot].narrow(0, start, rows)
+
+    def narrowings(self, param: nn.Parameter, shard_id: object = None) -> Narrowing:
+        """For a canonical (per-expert) name: the rows (gate, up) or columns (down) of this rank's share of
+        the intermediate size; another rank's expert: nothing (a zero-length cut)."""
+        e, part = self._expert_shard(shard_id)
+        if e not in self.slot:
+            return [(0, 0, 0)]
+        if self.i_local == self.intermediate_size:
+            return []
+        return [(1 if part == _DOWN else 0, self.i_start, self.i_local)]
+
+    def load_weight(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
+    ) -> None:
+        """Copies this rank's part of `loaded` into place (fp8: into the stage). A fused tensor is cut to the
+        local experts and, split along I, to this rank's gate and up rows (or down columns)."""
+        share = (self.i_start, self.i_local)
+        if shard_id in (FUSED_GATE_UP, FUSED_DOWN):
+            experts = loaded if pre_sliced else loaded[self.local_experts]
+            if shard_id == FUSED_DOWN:
+                self._write(param, slice(None), None, experts if pre_sliced else experts.narrow(2, *share))
+                return
+            for part, start in ((_GATE, 0), (_UP, self.intermediate_size)):
+                rows = self._rows(part)
+                cut = rows if pre_sliced else (start + self.i_start, self.i_local)
+                value = experts.narrow(1, *cut)
+                self._write(param, slice(None), rows, value)
+            return
+        e, part = self._expert_shard(shard_id)
+        slot = self.slot.get(e)
+        if slot is None:
+            return  # another rank's expert
+        value = loaded if pre_sliced else loaded.narrow(1 if part == _DOWN else 0, *share)
+        self._write(param, slot, None if part == _DOWN else self._rows(part), value)
+
+    def _write(self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None, value: torch.Tensor
+               ) -> None:  # fmt: skip
+        """Writes `value` into `param[slots]` (rows `rows` of it), or for fp8 into the stage, marking the rows."""
+        if not self.fp8:
+            target = param.data[slots]
+            (target if rows is None else target.narrow(-2, *rows)).copy_(value)
+            return
+        name = "w13_weight" if param is self.w13_weight else "w2_weight"
+        if name not in self._stages:
+            self._stages[name] = (
+                torch.empty(param.shape, dtype=self.stage_dtype),
+                torch.zeros(param.shape[:2], dtype=torch.bool),
+            )
+        stage, staged = self._stages[name]
+        target, marks = stage[slots], staged[slots]
+        if rows is not None:
+            target, marks = target.narrow(-2, *rows), marks.narrow(-1, *rows)
+        target.copy_(value)
+        marks.fill_(True)
+
+    @property
+    def stages_weights(self) -> bool:
+        """fp8: loads go to a high-precision stage; only post-processing writes the parameters."""
+        return self.fp8
+
+    # ---- post-processing ----------------------------------------------------------------------------------
+
+    def process_weights_after_loading(self) -> None:
+        """Builds the dispatch state from the live config, and (fp8) quantizes the staged rows in place."""
+        config = current_config()
+        ep = config.parallel_config.enable_expert_parallel and self.tp.size > 1
+        if ep != self.expert_parallel or self.fp8 != (config.quant_config.quantization == "fp8"):
+            raise RuntimeError("the live config's expert parallelism or quantization differs from this layer's")
+        expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        expert_map[torch.tensor(self.local_experts, dtype=torch.int64)] = torch.arange(len(self.local_experts))
+        self.expert_map = expert_map
+        if self.fp8:
+            for name, (stage, staged) in self._stages.items():
+                param, scale = getattr(self, name), getattr(self, f"{name}_scale")
+                q, s = quantize_per_channel(stage[staged])
+                param.data[staged] = q
+                scale.data[staged] = s
+            self.discard_stage()
+
+    def discard_stage(self) -> None:
+        if self.fp8:
+            self._stages = {}
+
+    # ---- forward ------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.expert_map is not None, "FusedMoE used before its weights were post-processed"
+        tokens, k = ids.shape
+        local = self.expert_map[ids.flatten()] if self.expert_parallel else ids.flatten()
+        num_local = len(self.local_experts)
+        keyed = torch.where(local >= 0, local, num_local)  # another rank's experts sort last
+        order = torch.argsort(keyed, stable=True)
+        counts = torch.bincount(keyed, minlength=num_local + 1)[:num_local]
+        picked = order[: int(counts.sum())]
+        rows = picked // k
+        w13, w2 = self._weights(x.dtype, counts)
+        if self.fp8:
+            counts = counts[counts > 0]
+        h = grouped_mm(x[rows], w13, counts)
+        gate, up = h.split(self.i_local, dim=-1)
+        out = grouped_mm(F.silu(gate) * up, w2, counts)
+        combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32)
+        combined.index_add_(0, rows, out.float() * weights.flatten()[picked, None])
+        return self.tp.all_reduce(combined).to(x.dtype)
+
+    def _weights(self, dtype: torch.dtype, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert weights to multiply by: the parameters, or (fp8) the dequantized experts that have rows."""
+        if not self.fp8:
+            return self.w13_weight, self.w2_weight
+        active = counts.nonzero().squeeze(1)
+        w13 = self.w13_weight[active].float() * self.w13_weight_scale[active, :, None]
+        w2 = self.w2_weight[active].float() * self.w2_weight_scale[active, :, None]
+        return w13.to(dtype), w2.to(dtype)

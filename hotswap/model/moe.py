@@ -1,0 +1,102 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral. They are Llama-family models whose sparse
+layers replace the dense MLP with `SparseMoeBlock`: a router (`gate`), the fused experts, and for Qwen2-MoE a
+shared expert behind a sigmoid gate.
+
+Which layers are sparse: Qwen's `decoder_sparse_step` and `mlp_only_layers` (the others keep a dense MLP of
+`intermediate_size`); every layer for Mixtral. Mixtral checkpoints name the block `block_sparse_moe` and its
+experts' projections w1 / w3 / w2; a transformers 5 trainer names it `mlp` with fused experts: both load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hotswap.model.layers.fused_moe import FusedMoE, route
+from hotswap.model.layers.linear import Linear
+from hotswap.model.llama import LlamaForCausalLM, LlamaMLP
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """The expert count: `num_experts` (Qwen hub configs) or `num_local_experts` (Mixtral, transformers 5)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> top-k experts (float32 weights) -> weighted sum, plus the optional gated shared expert."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+        expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, quantizable=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, expert_names)
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, quantizable=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # built together
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+    shared_expert = False
+
+    def mlp_for(self, layer: int) -> nn.Module | None:
+        cfg = self.hf_config
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        if layer in (cfg.get("mlp_only_layers") or []) or not num_experts(cfg) or (layer + 1) % step:
+            return None
+        return SparseMoeBlock(
+            cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+            bool(cfg.get("norm_topk_prob", False)),
+            cfg.get("shared_expert_intermediate_size", 0) if self.shared_expert else 0,
+        )  # fmt: skip
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    qk_norm = False
+    qkv_bias = True
+    shared_expert = True
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def mlp_for(self, layer: int) -> nn.Module | None:
+        cfg = self.hf_config
+        return SparseMoeBlock(
+            cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["intermediate_size"],
+            renormalize=True, expert_names=("w1", "w3", "w2"),
+        )  # fmt: skip
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Hub names (`block_sparse_moe.*`) for the block's router and per-expert weights."""
+        aliases = super().checkpoint_aliases()
+        cfg: dict[str, Any] = self.hf_config
+        for i in range(cfg["num_hidden_layers"]):
+            prefix = f"model.layers.{i}"
+            aliases[f"{prefix}.block_sparse_moe.gate.weight"] = f"{prefix}.mlp.gate.weight"
+            for e in range(num_experts(cfg)):
+                for w in ("w1", "w2", "w3"):
+                    name = f"experts.{e}.{w}.weight"
+                    aliases[f"{prefix}.block_sparse_moe.{name}"] = f"{prefix}.mlp.{name}"
+        return aliases
