@@ -187,13 +187,23 @@ class LoadConfig:
 @dataclass
 class QuantConfig:
     """Weight quantization. "fp8": float8_e4m3fn weights with per-output-channel scales, computed from the
-    high-precision weights whenever they are loaded; the matmul dequantizes."""
+    high-precision weights whenever they are loaded; the matmul dequantizes. `weight_block_size` (b0, b1): the
+    mixture-of-experts layers use one scale per b0 x b1 tile instead (as DeepSeek / Qwen FP8 checkpoints do, e.g.
+    (128, 128)); the expert's intermediate size (and each rank's share of it) must be a multiple of b0 and b1."""
 
     quantization: str | None = None
+    weight_block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.weight_block_size is not None:
+            block = tuple(self.weight_block_size)
+            if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+                raise ValueError(f"weight_block_size must be two positive integers, got {self.weight_block_size!r}")
+            if self.quantization != "fp8":
+                raise ValueError("weight_block_size needs quantization='fp8'")
+            self.weight_block_size = (int(block[0]), int(block[1]))
 
 
 @dataclass

@@ -18,7 +18,7 @@ from conftest import PROMPTS
 from hotswap import LLM, EngineConfig, SamplingParams
 from hotswap.config import current_config, use_config
 from hotswap.model.layers.fused_moe import FusedMoE, expert_placement
-from hotswap.model.layers.quant.fp8 import dequantize, quantize_per_channel
+from hotswap.model.layers.quant.fp8 import dequantize, dequantize_blocks, quantize_blocks, quantize_per_channel
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.weights.index import WeightIndex
@@ -163,15 +163,18 @@ def test_partial_updates_of_one_expert_and_of_one_fused_layer(moe, tmp_path):
     assert after_two == hf_tokens(expected, llm) and after_two != after_one
 
 
-def fp8_reference(path: Path) -> nn.Module:
+def fp8_reference(path: Path, block: tuple[int, int] | None = None) -> nn.Module:
     """transformers with `path`'s weights, every decoder linear and expert quantized and dequantized per row as
-    hotswap does (the routers stay in high precision)."""
+    hotswap does, or the experts per `block` tile (the routers stay in high precision)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.startswith("model.layers.") or "norm" in name or name.endswith(("gate.weight", ".bias")):
+                continue
+            if block is not None and ".experts." in name:
+                param.copy_(dequantize_blocks(*quantize_blocks(param, block), block, torch.float32))
                 continue
             rows = param.reshape(-1, param.shape[-1])
             q, scale = quantize_per_channel(rows)
@@ -204,6 +207,59 @@ def test_fp8_experts_equal_dequantized_transformers_and_updates_requantize(moe, 
     pusher.push(list(b.items()))
     assert greedy(llm) == hf_tokens(moe["qwen3_moe_B"], llm, model=fp8_reference(moe["qwen3_moe_B"]))
     pusher.close()
+
+
+def quantized_experts(named: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """The tensors with every expert projection already FP8: float8 weights beside their `weight_scale` [rows, 1]
+    (per row) or `weight_scale_inv` (per `block` tile), as FP8 checkpoints store them."""
+    out = {}
+    for name, tensor in named.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+        elif block is None:
+            q, scale = quantize_per_channel(tensor)
+            out[name], out[f"{name}_scale"] = q, scale[:, None]
+        else:
+            out[name], out[f"{name}_scale_inv"] = quantize_blocks(tensor, block)
+    return out
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)], ids=["per-row", "blocks"])
+def test_fp8_checkpoints_already_quantized_load_as_they_are(moe, tmp_path, block):
+    """An FP8 checkpoint (experts in float8 with their scales) loads bit for bit as the high-precision one
+    quantized on load; block scales match transformers holding the block-dequantized experts; a float8 weight
+    without its scale is refused, and so is one for an engine without quantization."""
+    kwargs = {"quantization": "fp8", "weight_block_size": block}
+    high = LLM(str(moe["qwen3_moe_A"]), kv_cache_memory_bytes=KV, **kwargs)
+    quantized = quantized_experts(tensors(moe["qwen3_moe_A"]), block)
+    folder = tmp_path / "fp8"
+    shutil.copytree(moe["qwen3_moe_A"], folder)
+    save_file(quantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded = LLM(str(folder), kv_cache_memory_bytes=KV, **kwargs)
+
+    def experts(m):
+        return [(n, p.detach().view(torch.uint8) if p.element_size() == 1 else p.detach().clone())
+                for n, p in m.named_parameters() if ".experts." in n]  # fmt: skip
+
+    for (name, a), (_, b) in zip(high.apply_model(experts)[0], loaded.apply_model(experts)[0], strict=True):
+        assert torch.equal(a, b), name
+    if block is not None:
+        reference = fp8_reference(moe["qwen3_moe_A"], block)
+        assert greedy(loaded) == hf_tokens(moe["qwen3_moe_A"], loaded, model=reference)
+    # an update by B's quantized experts, as a trainer quantizing on its side would send them
+    b_quantized = quantized_experts(tensors(moe["qwen3_moe_B"]), block)
+    loaded.reload_weights(weights_iterator=list(b_quantized.items()))
+    high.reload_weights(weights_path=str(moe["qwen3_moe_B"]))
+    for (name, a), (_, b) in zip(high.apply_model(experts)[0], loaded.apply_model(experts)[0], strict=True):
+        assert torch.equal(a, b), name
+    before = loaded.collective_rpc("weight_checksums")
+    weight = "model.layers.0.mlp.experts.3.up_proj.weight"
+    with pytest.raises(ValueError, match="without its weight_scale"):
+        loaded.reload_weights(weights_iterator=[(weight, b_quantized[weight])])
+    assert loaded.collective_rpc("weight_checksums") == before
+    plain = LLM(str(moe["qwen3_moe_A"]), kv_cache_memory_bytes=KV)
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        plain.reload_weights(weights_iterator=[(weight, b_quantized[weight])])
 
 
 @pytest.mark.parametrize(
@@ -295,7 +351,7 @@ def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
         for _ in range(3):
             start = time.perf_counter()
             index = WeightIndex(model)
-            declared = [(n, torch.float32, t.full_shape) for n, t in index.targets.items() if not t.covers]
+            declared = [(n, torch.float32, t.full_shape) for n, t in index.targets.items() if t.covers is None]
             WeightUpdate(index, atomic=True, check_finite=True).check_declaration(declared, True, frozenset())
             best = min(best, time.perf_counter() - start)
         assert len(declared) == layers * 128 * 3
@@ -303,3 +359,35 @@ def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
 
     small, large = resolve(12), resolve(48)
     assert large < 8 * small, f"12 layers: {small * 1e3:.1f} ms, 48 layers: {large * 1e3:.1f} ms"
+
+
+@pytest.fixture(scope="module")
+def moe7(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Qwen3-MoE with 7 experts (not divisible by 2 ranks), A and B."""
+    root = tmp_path_factory.mktemp("moe7")
+    return {label: make_tiny_model(root / label, "qwen3_moe", seed=seed, num_experts=7)
+            for label, seed in (("A", 0), ("B", 1))}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "tp"])
+def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
+    """TP=2 with expert parallelism (experts 0-3 on rank 0, 4-6 on rank 1) or with every expert split along its
+    intermediate size: transformers' tokens, and updates by per-expert and fused names over tensors and
+    torch_dist keep the storage and give the new weights' tokens."""
+    llm = LLM(str(moe7["A"]), kv_cache_memory_bytes=KV, tensor_parallel_size=2,
+              enable_expert_parallel=expert_parallel)  # fmt: skip
+    local = llm.collective_rpc(lambda w: len(w.model.model.layers[0].mlp.experts.local_experts))
+    assert local == ([4, 3] if expert_parallel else [7, 7])
+    assert greedy(llm) == hf_tokens(moe7["A"], llm)
+    ptrs = llm.collective_rpc(lambda w: [p.data_ptr() for n, p in w.model.named_parameters() if ".experts." in n])
+    pusher = Pusher(llm, "torch_dist")
+    pusher.push(list(tensors(moe7["B"]).items()))
+    assert greedy(llm) == hf_tokens(moe7["B"], llm)
+    pusher.close()
+    pusher = Pusher(llm, "tensors")
+    pusher.push(fused(tensors(moe7["A"]), 7))
+    assert greedy(llm) == hf_tokens(moe7["A"], llm)
+    pusher.close()
+    assert llm.collective_rpc(lambda w: [p.data_ptr() for n, p in w.model.named_parameters()
+                                         if ".experts." in n]) == ptrs  # fmt: skip

@@ -9,7 +9,9 @@ Aliases (a tied lm_head.weight) resolve to the canonical target.
 A module may name its checkpoint tensors itself (`checkpoint_names(leaf)`, e.g. the fused MoE experts: one name
 per expert and projection, and the fused [experts, ...] names a transformers 5 trainer yields). A name that is
 not canonical `covers` the canonical shards it fills at once (a fused tensor covers every expert's shard): it is
-never required, and sending it beside a canonical name it covers is a duplicate.
+never required, and sending it beside a canonical name it covers is a duplicate. An optional name covers nothing.
+Such a module may also check an update's declaration as a whole (`check_update`, e.g. an fp8 weight needs its
+scale beside it).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ class Target:
     layout: ShardedWeights
     full_shape: tuple[int, ...]  # the full checkpoint tensor
     local_shape: tuple[int, ...]  # this rank's part (what a pre-sliced tensor must have)
-    covers: tuple[tuple[str, object], ...] = ()  # the canonical keys it fills; () means just its own key
+    # the canonical keys it fills: None for a canonical name (its own key); () for an optional one (fp8 scales
+    # of tensors that arrive quantized), which fills no key and is never required
+    covers: tuple[tuple[str, object], ...] | None = None
 
     @property
     def key(self) -> tuple[str, object]:
@@ -43,7 +47,7 @@ class Target:
     @property
     def keys(self) -> tuple[tuple[str, object], ...]:
         """The canonical destinations this tensor fills."""
-        return self.covers or (self.key,)
+        return (self.key,) if self.covers is None else self.covers
 
     def local_view(self) -> torch.Tensor:
         return self.layout.local_view(self.param, self.shard_id)
@@ -82,14 +86,14 @@ class WeightIndex:
             for ckpt_name, shard, covers in shards:
                 local = tuple(layout.local_view(param, shard).shape)
                 full = tuple(layout.checkpoint_shape(param, shard))
-                keys_covered = () if covers is None else tuple((name, c) for c in covers)
+                keys_covered = None if covers is None else tuple((name, c) for c in covers)
                 self.targets[ckpt_name] = Target(name, param, shard, module_name, layout, full, local, keys_covered)
         keys: dict[str, set[tuple[str, object]]] = {}
         for target in self.targets.values():
-            if not target.covers:
+            if target.covers is None:
                 keys.setdefault(target.module_name, set()).add(target.key)
         self.module_keys = {module: frozenset(k) for module, k in keys.items()}
-        self.required: frozenset[str] = frozenset(n for n, t in self.targets.items() if not t.covers)
+        self.required: frozenset[str] = frozenset(n for n, t in self.targets.items() if t.covers is None)
         # modules whose post-processing writes their parameters (the data is staged until then)
         self.staging_modules = frozenset(
             name for name, module in self.modules.items() if getattr(module, "stages_weights", False)

@@ -221,6 +221,14 @@ class WeightUpdate:
             raise ValueError(f"tensors with the wrong shape: {wrong}")
         if bad_dtypes:
             raise ValueError(f"tensors whose dtype cannot be cast to a floating-point weight: {bad_dtypes}")
+        per_module: dict[str, list[tuple[object, Any, torch.dtype]]] = {}
+        for name, dtype, _ in entries:
+            target = self.index.targets[name]
+            per_module.setdefault(target.module_name, []).append((target.shard_id, target.param, dtype))
+        for module_name, module_entries in per_module.items():
+            check = getattr(self.index.modules[module_name], "check_update", None)
+            if check is not None:
+                check(module_entries)
         if complete:
             missing = sorted(n for n in self.index.required if self.index.targets[n].key not in by_key)
             if missing:

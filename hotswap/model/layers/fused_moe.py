@@ -15,9 +15,13 @@ Forward: tokens are grouped by expert with one stable sort, then every expert's 
 matrix products (`torch._grouped_mm`, no Python loop over experts); the router's probabilities and the weighted
 combine are float32.
 
-FP8 (`quantization="fp8"`): weights are float8 with one float32 scale per output row of each expert. Loads go to
-a high-precision stage; post-processing quantizes exactly the staged rows (a row's scale depends on that row
-alone), so an update re-quantizes exactly the experts, and the projections of them, that it rewrote.
+FP8 (`quantization="fp8"`): weights are float8 with one float32 scale per output row of each expert
+(`w13_weight_scale`), or with `weight_block_size` one per tile (`w13_weight_scale_inv`, as DeepSeek / Qwen FP8
+checkpoints store them). High-precision loads go to a stage; post-processing quantizes exactly the staged
+projections (a row's or tile's scale depends on it alone), so an update re-quantizes exactly the experts, and
+the projections of them, that it rewrote. Tensors that already are FP8 (`{e}.{proj}.weight` in float8 with its
+`{e}.{proj}.weight_scale` [rows, 1] or `.weight_scale_inv` [row tiles, column tiles] in the same update) are
+copied as they are.
 
 Post-processing (`process_weights_after_loading`) builds the dispatch state from the live config: the expert map
 (global expert -> local slot) from `current_config().parallel_config` and the rank, and the FP8 layout. It must
@@ -34,7 +38,7 @@ from torch import nn
 
 from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
-from hotswap.model.layers.quant.fp8 import FP8_DTYPE, quantize_per_channel
+from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
 _GATE, _UP, _DOWN = "gate", "up", "down"
@@ -123,14 +127,30 @@ class FusedMoE(nn.Module):
         self.w13_weight = _param((local, 2 * self.i_local, hidden_size), dtype)
         self.w2_weight = _param((local, hidden_size, self.i_local), dtype)
         self.stage_dtype = config.model_config.torch_dtype if self.fp8 else None
+        self.block = config.quant_config.weight_block_size if self.fp8 else None
+        self.scale_leaf = "weight_scale_inv" if self.block else "weight_scale"
         if self.fp8:
-            self.w13_weight_scale = _param((local, 2 * self.i_local), torch.float32)
-            self.w2_weight_scale = _param((local, hidden_size), torch.float32)
-            for scale in (self.w13_weight_scale, self.w2_weight_scale):
-                scale.hotswap_derived = True  # type: ignore[attr-defined]  # computed, never loaded
+            b0, b1 = self.block or (1, 1)
+            if self.i_local % b0 or self.i_local % b1 or self.i_start % b1:
+                raise ValueError(
+                    f"weight_block_size={self.block} does not tile this rank's share of the experts' intermediate "
+                    f"size ({self.i_local} of {intermediate_size}); use a divisor of it, or per-row scales"
+                )
+            for prefix, rows, cols in (("w13", 2 * self.i_local, hidden_size), ("w2", hidden_size, self.i_local)):
+                scale = _param(self._scale_shape(local, rows, cols), torch.float32)
+                self.register_parameter(f"{prefix}_{self.scale_leaf}", scale)
             self._stages: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (stage, staged rows)
         # global expert id -> local slot (-1: another rank's); built by post-processing from the live config
         self.expert_map: torch.Tensor | None = None
+
+    def _scale_shape(self, experts: int, rows: int, cols: int) -> tuple[int, ...]:
+        if self.block is None:
+            return (experts, rows)
+        return (experts, -(-rows // self.block[0]), -(-cols // self.block[1]))
+
+    def scale_of(self, param: nn.Parameter) -> nn.Parameter:
+        """The scale parameter of an fp8 weight (`w13_weight` -> `w13_weight_scale` or `..._scale_inv`)."""
+        return getattr(self, f"{'w13' if param is self.w13_weight else 'w2'}_{self.scale_leaf}")
 
     # ---- checkpoint layout (ShardedWeights) ----------------------------------------------------------------
 
@@ -145,7 +165,14 @@ class FusedMoE(nn.Module):
         if leaf == "w2_weight":
             per_expert = [(f"{e}.{self.names[_DOWN]}.weight", (e, _DOWN), None) for e in e_range]
             return [*per_expert, (FUSED_DOWN, FUSED_DOWN, tuple((e, _DOWN) for e in e_range))]
-        raise ValueError(f"FusedMoE has no loadable parameter {leaf!r}")
+        parts = {f"w13_{self.scale_leaf}": (_GATE, _UP), f"w2_{self.scale_leaf}": (_DOWN,)}.get(leaf)
+        if parts is None:
+            raise ValueError(f"FusedMoE has no loadable parameter {leaf!r}")
+        # the scales of tensors that arrive already quantized: optional (covering nothing), never required
+        return [(f"{e}.{self.names[p]}.{self.scale_leaf}", (e, p), ()) for e in e_range for p in parts]
+
+    def _is_scale(self, param: nn.Parameter) -> bool:
+        return param is not self.w13_weight and param is not self.w2_weight
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
         e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
@@ -154,7 +181,10 @@ class FusedMoE(nn.Module):
         if shard_id == FUSED_DOWN:
             return (e, h, i)
         _, part = self._expert_shard(shard_id)
-        return (h, i) if part == _DOWN else (i, h)
+        rows, cols = (h, i) if part == _DOWN else (i, h)
+        if not self._is_scale(param):
+            return (rows, cols)
+        return (rows, 1) if self.block is None else self._scale_shape(1, rows, cols)[1:]
 
     def _expert_shard(self, shard_id: object) -> tuple[int, str]:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in (_GATE, _UP, _DOWN)):
@@ -174,10 +204,13 @@ class FusedMoE(nn.Module):
         slot = self.slot.get(e)
         if slot is None:
             return param.data[:0]
-        if part == _DOWN:
-            return param.data[slot]
-        start, rows = self._rows(part)
-        return param.data[slot].narrow(0, start, rows)
+        view = param.data[slot]
+        if part != _DOWN:
+            start, rows = self._rows(part)
+            if self._is_scale(param) and self.block is not None:
+                start, rows = start // self.block[0], rows // self.block[0]
+            view = view.narrow(0, start, rows)
+        return view.unsqueeze(-1) if self._is_scale(param) and self.block is None else view
 
     def narrowings(self, param: nn.Parameter, shard_id: object = None) -> Narrowing:
         """For a canonical (per-expert) name: the rows (gate, up) or columns (down) of this rank's share of
@@ -187,7 +220,12 @@ class FusedMoE(nn.Module):
             return [(0, 0, 0)]
         if self.i_local == self.intermediate_size:
             return []
-        return [(1 if part == _DOWN else 0, self.i_start, self.i_local)]
+        start, length = self.i_start, self.i_local
+        if self._is_scale(param):
+            if self.block is None:
+                return [] if part == _DOWN else [(0, start, length)]
+            start, length = start // self.block[part == _DOWN], length // self.block[part == _DOWN]
+        return [(1 if part == _DOWN else 0, start, length)]
 
     def load_weight(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
@@ -210,15 +248,24 @@ class FusedMoE(nn.Module):
         slot = self.slot.get(e)
         if slot is None:
             return  # another rank's expert
+        if self._is_scale(param):
+            if not pre_sliced:
+                for dim, start, length in self.narrowings(param, shard_id):
+                    loaded = loaded.narrow(dim, start, length)
+            self.local_view(param, shard_id).copy_(loaded)
+            return
         value = loaded if pre_sliced else loaded.narrow(1 if part == _DOWN else 0, *share)
         self._write(param, slot, None if part == _DOWN else self._rows(part), value)
 
     def _write(self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None, value: torch.Tensor
                ) -> None:  # fmt: skip
-        """Writes `value` into `param[slots]` (rows `rows` of it), or for fp8 into the stage, marking the rows."""
-        if not self.fp8:
+        """Writes `value` into `param[slots]` (rows `rows` of it), or for fp8 into the stage, marking the rows; an
+        fp8 `value` (already quantized, its scale in the same update) is copied as it is."""
+        if not self.fp8 or value.dtype == FP8_DTYPE:
             target = param.data[slots]
             (target if rows is None else target.narrow(-2, *rows)).copy_(value)
+            if self.fp8:
+                self._unstage(param, slots, rows)
             return
         name = "w13_weight" if param is self.w13_weight else "w2_weight"
         if name not in self._stages:
@@ -232,6 +279,29 @@ class FusedMoE(nn.Module):
             target, marks = target.narrow(-2, *rows), marks.narrow(-1, *rows)
         target.copy_(value)
         marks.fill_(True)
+
+    def _unstage(self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None) -> None:
+        """Rows written already quantized are no longer staged (post-processing must not overwrite them)."""
+        entry = self._stages.get("w13_weight" if param is self.w13_weight else "w2_weight")
+        if entry is not None:
+            marks = entry[1][slots]
+            (marks if rows is None else marks.narrow(-1, *rows)).fill_(False)
+
+    def check_update(self, entries: list[tuple[object, nn.Parameter, torch.dtype]]) -> None:
+        """Raises ValueError for an update that would leave FP8 weights without their scales: a float8 weight
+        needs quantization="fp8" and its per-expert scale in the same update (fused names are high precision)."""
+        scales = {shard for shard, param, _ in entries if self._is_scale(param)}
+        for shard, param, dtype in entries:
+            if dtype != FP8_DTYPE or self._is_scale(param):
+                continue
+            if not self.fp8:
+                raise ValueError(f"expert weights in float8 ({shard}) need quantization='fp8'")
+            if shard in (FUSED_GATE_UP, FUSED_DOWN):
+                raise ValueError(f"fused expert weights ({shard}) must be high precision; send FP8 experts by "
+                                 f"per-expert names with their {self.scale_leaf}")  # fmt: skip
+            if shard not in scales:
+                raise ValueError(f"expert {shard[0]}'s {shard[1]} weight arrives in float8 without its "  # type: ignore[index]
+                                 f"{self.scale_leaf} in the same update")  # fmt: skip
 
     @property
     def stages_weights(self) -> bool:
@@ -251,11 +321,25 @@ class FusedMoE(nn.Module):
         self.expert_map = expert_map
         if self.fp8:
             for name, (stage, staged) in self._stages.items():
-                param, scale = getattr(self, name), getattr(self, f"{name}_scale")
-                q, s = quantize_per_channel(stage[staged])
-                param.data[staged] = q
-                scale.data[staged] = s
+                param = getattr(self, name)
+                regions = [self._rows(_GATE), self._rows(_UP)] if name == "w13_weight" else [(0, self.hidden_size)]
+                for slot in staged.any(dim=1).nonzero().flatten().tolist():
+                    for start, rows in regions:
+                        marks = staged[slot, start : start + rows]
+                        if marks.any():
+                            assert marks.all(), "a projection is staged whole"  # loads write whole projections
+                            self._quantize(param, slot, start, rows, stage[slot, start : start + rows])
             self.discard_stage()
+
+    def _quantize(self, param: nn.Parameter, slot: int, start: int, rows: int, values: torch.Tensor) -> None:
+        scale = self.scale_of(param)
+        if self.block is None:
+            q, s = quantize_per_channel(values)
+            scale.data[slot, start : start + rows] = s
+        else:
+            q, s = quantize_blocks(values, self.block)
+            scale.data[slot, start // self.block[0] : -(-(start + rows) // self.block[0])] = s
+        param.data[slot, start : start + rows] = q
 
     def discard_stage(self) -> None:
         if self.fp8:
@@ -288,6 +372,8 @@ class FusedMoE(nn.Module):
         if not self.fp8:
             return self.w13_weight, self.w2_weight
         active = counts.nonzero().squeeze(1)
-        w13 = self.w13_weight[active].float() * self.w13_weight_scale[active, :, None]
-        w2 = self.w2_weight[active].float() * self.w2_weight_scale[active, :, None]
-        return w13.to(dtype), w2.to(dtype)
+        w13, w2 = self.w13_weight[active], self.w2_weight[active]
+        s13, s2 = self.scale_of(self.w13_weight)[active], self.scale_of(self.w2_weight)[active]
+        if self.block is not None:
+            return dequantize_blocks(w13, s13, self.block, dtype), dequantize_blocks(w2, s2, self.block, dtype)
+        return (w13.float() * s13[..., None]).to(dtype), (w2.float() * s2[..., None]).to(dtype)
