@@ -155,11 +155,14 @@ class ParallelConfig:
     """Worker layout: `tensor_parallel_size` worker processes (one in-process worker when 1). `rpc_timeout_s`
     bounds every call to worker processes. `enable_expert_parallel`: a mixture-of-experts layer places whole
     experts on ranks (each rank holds about E / tensor_parallel_size of them) instead of splitting every expert's
-    intermediate dimension; attention stays tensor-parallel either way."""
+    intermediate dimension; attention stays tensor-parallel either way. `expert_placement` (one list of expert ids
+    per rank, together every expert once; None: contiguous, the first ranks one more) may change on a live engine:
+    the experts move between ranks and the outputs stay the same."""
 
     tensor_parallel_size: int = 1
     rpc_timeout_s: float = 300.0
     enable_expert_parallel: bool = False
+    expert_placement: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -257,6 +260,7 @@ class EngineConfig:
                 f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than max_model_len="
                 f"{mc.max_model_len}; raise it or lower max_model_len (prefills are not chunked)"
             )
+        check_expert_placement(self.parallel_config, mc.hf_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -324,14 +328,37 @@ LIVE_FIELDS = {
     "model_config": {"model"},
     "load_config": {"load_format"},
     "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
+    "parallel_config": {"expert_placement"},
 }
 # config.json keys that fix the model's shapes or forward pass: a new checkpoint folder must agree on all.
 MODEL_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
     "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings", "sliding_window",
-    "use_sliding_window", "hidden_act", "eos_token_id",
+    "use_sliding_window", "hidden_act", "eos_token_id", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )  # fmt: skip
+
+
+def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) -> None:
+    """Raises ValueError unless `parallel.expert_placement` (when set) gives each rank a list of expert ids and
+    places every expert of the model exactly once, with expert parallelism on."""
+    placement = parallel.expert_placement
+    if placement is None:
+        return
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if not experts or not (parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1):
+        raise ValueError("expert_placement needs a mixture-of-experts model with enable_expert_parallel and "
+                         "tensor_parallel_size > 1")  # fmt: skip
+    ranks = parallel.tensor_parallel_size
+    if not (isinstance(placement, list) and len(placement) == ranks and all(isinstance(p, list) for p in placement)):
+        raise ValueError(f"expert_placement must list the experts of each of the {ranks} ranks, got {placement!r}")
+    flat = [e for part in placement for e in part]
+    if sorted(flat) != list(range(experts)) or any(not isinstance(e, int) for e in flat):
+        raise ValueError(f"expert_placement must place each of the {experts} experts once, got {placement!r}")
+    if any(not part for part in placement):
+        raise ValueError(f"expert_placement gives a rank no expert: {placement!r}")
 
 
 def live_overrides(config: EngineConfig, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -340,6 +367,8 @@ def live_overrides(config: EngineConfig, overrides: dict[str, dict[str, Any]]) -
     model folder whose config.json describes another model. Deterministic in (config, overrides), so the engine
     and every worker reach the same verdict."""
     new_sections = config.with_overrides(overrides)
+    if "parallel_config" in new_sections:
+        check_expert_placement(new_sections["parallel_config"], config.model_config.hf_config)
     for section, changes in overrides.items():
         frozen = sorted(set(changes) - LIVE_FIELDS.get(section, set()))
         if frozen:

@@ -24,6 +24,7 @@ from torch import nn
 from hotswap.config import EngineConfig, apply_overrides, available_memory_bytes, live_overrides, use_config
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
+from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import WeightIndex
@@ -156,7 +157,28 @@ class Worker:
         Raises ValueError for unknown sections or fields, invalid values, or fields that cannot change live
         (those need a new engine)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="update_config")
-        apply_overrides(self.config, live_overrides(self.config, overrides))
+        sections = live_overrides(self.config, overrides)
+        placement = self.config.parallel_config.expert_placement
+        apply_overrides(self.config, sections)
+        if self.model is not None and self.config.parallel_config.expert_placement != placement:
+            self._move_experts(placement)
+
+    def _move_experts(self, previous: list[list[int]] | None) -> None:
+        """Moves every MoE layer's experts to the live placement, all layers or none: every layer's new experts
+        are gathered from the ranks first (collectives that change nothing; on failure the previous placement is
+        restored in the config and the error raised), then every layer takes them."""
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)] if self.model is not None else []
+        try:
+            gathered = [(layer, layer.gather_placement()) for layer in layers]
+        except BaseException:
+            self.config.parallel_config.expert_placement = previous
+            raise
+        for layer, moved in gathered:
+            if moved is not None:
+                layer.take_placement(moved)
+        if self.model is not None:
+            self.model.__dict__.pop("_hotswap_weight_index", None)  # the local views changed
+        self.session.release_backups()
 
     # ---- the weight-transfer session --------------------------------------------------------------------------
 

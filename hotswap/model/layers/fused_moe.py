@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.config import current_config
+from hotswap.config import EngineConfig, current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
@@ -114,11 +114,11 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.names = dict(zip((_GATE, _UP, _DOWN), names, strict=True))
         self.expert_parallel = config.parallel_config.enable_expert_parallel and self.tp.size > 1
+        self.placement = self._placement(config)
+        self.local_experts = self.placement[self.tp.rank]
         if self.expert_parallel:
-            self.local_experts = expert_placement(num_experts, self.tp.size)[self.tp.rank]
             self.i_start, self.i_local = 0, intermediate_size
         else:
-            self.local_experts = list(range(num_experts))
             self.i_start, self.i_local = split(intermediate_size, self.tp.rank, self.tp.size)
         self.slot = {e: s for s, e in enumerate(self.local_experts)}
         local = len(self.local_experts)
@@ -142,6 +142,51 @@ class FusedMoE(nn.Module):
             self._stages: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (stage, staged rows)
         # global expert id -> local slot (-1: another rank's); built by post-processing from the live config
         self.expert_map: torch.Tensor | None = None
+
+    def _placement(self, config: EngineConfig) -> list[list[int]]:
+        """Every rank's experts under `config`: its `expert_placement`, or contiguous; all of them on every rank
+        without expert parallelism."""
+        if not self.expert_parallel:
+            return [list(range(self.num_experts))] * self.tp.size
+        placement = config.parallel_config.expert_placement
+        return [list(p) for p in placement] if placement else expert_placement(self.num_experts, self.tp.size)
+
+    def gather_placement(self) -> dict[str, torch.Tensor] | None:
+        """The first half of moving the experts to the live config's `expert_placement`: this rank's new experts'
+        tensors, gathered from every rank (a collective: every rank calls it for every layer in the same order),
+        or None when the placement is unchanged. Changes nothing."""
+        new = self._placement(current_config())
+        if new == self.placement:
+            return None
+        most = max(len(p) for p in self.placement)
+        moved: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters(recurse=False):
+            data = param.data.view(torch.uint8) if param.element_size() == 1 else param.data  # gloo has no fp8
+            padded = data.new_zeros(most, *data.shape[1:])
+            padded[: len(self.local_experts)] = data
+            parts = [torch.empty_like(padded) for _ in range(self.tp.size)]
+            self.tp.group.allgather([parts], [padded]).wait()
+            every = data.new_empty(self.num_experts, *data.shape[1:])
+            for rank, experts in enumerate(self.placement):
+                every[experts] = parts[rank][: len(experts)]
+            moved[name] = every[new[self.tp.rank]].view(param.dtype)
+        return moved
+
+    def take_placement(self, moved: dict[str, torch.Tensor]) -> None:
+        """The second half (local, no collective): the parameters take the gathered experts (in place when the
+        rank keeps its expert count, else in new storage), and post-processing rebuilds the dispatch state under
+        the new config."""
+        for name, value in moved.items():
+            param = getattr(self, name)
+            if param.shape == value.shape:
+                param.data.copy_(value)
+            else:
+                setattr(self, name, nn.Parameter(value, requires_grad=False))
+        self.placement = self._placement(current_config())
+        self.local_experts = self.placement[self.tp.rank]
+        self.slot = {e: s for s, e in enumerate(self.local_experts)}
+        self.discard_stage()
+        self.process_weights_after_loading()
 
     def _scale_shape(self, experts: int, rows: int, cols: int) -> tuple[int, ...]:
         if self.block is None:
@@ -316,6 +361,8 @@ class FusedMoE(nn.Module):
         ep = config.parallel_config.enable_expert_parallel and self.tp.size > 1
         if ep != self.expert_parallel or self.fp8 != (config.quant_config.quantization == "fp8"):
             raise RuntimeError("the live config's expert parallelism or quantization differs from this layer's")
+        if self._placement(config) != self.placement:
+            raise RuntimeError("the live config places the experts elsewhere; apply_placement() moves them first")
         expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64)
         expert_map[torch.tensor(self.local_experts, dtype=torch.int64)] = torch.arange(len(self.local_experts))
         self.expert_map = expert_map
