@@ -20,11 +20,11 @@ import time
 
 import torch
 from safetensors.torch import load_file
+from throughput import HotswapRunner, TransformersRunner, kernel_build, make_prompts
+from weight_update import median_seconds, memcpy_seconds
 
 from hotswap import LLM
 from hotswap.testing import make_tiny_model
-from throughput import HotswapRunner, TransformersRunner, kernel_build, make_prompts
-from weight_update import memcpy_seconds, median_seconds
 
 
 def main() -> None:
@@ -76,13 +76,16 @@ def main() -> None:
         new = list(load_file(f"{other}/model.safetensors").items())
         nbytes = sum(t.numel() * t.element_size() for _, t in new)
         llm: LLM = hotswap.llm
-        update = median_seconds(lambda: llm.reload_weights(weights_iterator=new), 3)
+
+        def update_once() -> None:
+            llm.reload_weights(weights_iterator=new)
+
+        update = median_seconds(update_once, 3)
         floor = memcpy_seconds(nbytes, 3)
         print(f"full update ({nbytes / 1e9:.2f} GB, reload_weights from tensors): {update:.3f} s; memcpy floor "
               f"{floor:.3f} s ({update / floor:.1f}x)")  # fmt: skip
         results.update(update_s=round(update, 3), memcpy_s=round(floor, 3), update_over_memcpy=round(update / floor, 2))
         llm.llm_engine.shutdown()
-        del hotswap, llm
 
         if not args.skip_ep:
             start = time.perf_counter()

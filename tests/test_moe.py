@@ -433,3 +433,18 @@ def test_experts_move_between_ranks_on_a_live_engine(moe7):
     pusher.push(list(tensors(moe7["B"]).items()))
     assert greedy(llm) == hf_tokens(moe7["B"], llm)
     pusher.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_grouped_products_equal_one_linear_per_expert(monkeypatch, dtype, grouped):
+    from hotswap.model.layers import fused_moe
+
+    if not grouped:
+        monkeypatch.setattr(fused_moe, "_grouped_mm_works", lambda device, dtype: False)
+    counts = torch.tensor([3, 0, 5, 1, 0, 7])
+    x, w = torch.randn(16, 24, dtype=dtype), torch.randn(6, 10, 24, dtype=dtype)
+    starts = [0, *counts.cumsum(0).tolist()]
+    expected = torch.cat([x[starts[e] : starts[e + 1]] @ w[e].T for e in range(6)])
+    got = fused_moe.grouped_mm(x, w, counts)
+    torch.testing.assert_close(got, expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)

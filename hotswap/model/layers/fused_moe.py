@@ -68,13 +68,14 @@ def expert_placement(num_experts: int, num_ranks: int) -> list[list[int]]:
 
 
 @functools.cache
-def _grouped_mm_works(dtype: torch.dtype) -> bool:
-    """Whether this torch build runs `torch._grouped_mm` on CPU for `dtype` (checked once against a loop)."""
+def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
+    """Whether this torch build runs `torch._grouped_mm` on `device` for `dtype` (checked once, on a product
+    whose result is known)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        a, b = torch.ones(3, 4, dtype=dtype), torch.ones(2, 4, 5, dtype=dtype)
-        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32))
+        a, b = torch.ones(3, 4, dtype=dtype, device=device), torch.ones(2, 4, 5, dtype=dtype, device=device)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32, device=device))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return bool(out.shape == (3, 5) and torch.all(out == 4))
@@ -83,7 +84,7 @@ def _grouped_mm_works(dtype: torch.dtype) -> bool:
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` grouped by expert (`counts[e]` consecutive rows for expert e) times `weights[e]`ᵀ
     ([E, N, K]): [rows, N]."""
-    if _grouped_mm_works(x.dtype):
+    if _grouped_mm_works(x.device.type, x.dtype):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weights.transpose(1, 2), offs=offs)
     parts, start = [], 0
@@ -315,8 +316,8 @@ class FusedMoE(nn.Module):
         name = "w13_weight" if param is self.w13_weight else "w2_weight"
         if name not in self._stages:
             self._stages[name] = (
-                torch.empty(param.shape, dtype=self.stage_dtype),
-                torch.zeros(param.shape[:2], dtype=torch.bool),
+                torch.empty(param.shape, dtype=self.stage_dtype, device=param.device),
+                torch.zeros(param.shape[:2], dtype=torch.bool, device=param.device),
             )
         stage, staged = self._stages[name]
         target, marks = stage[slots], staged[slots]
@@ -363,8 +364,10 @@ class FusedMoE(nn.Module):
             raise RuntimeError("the live config's expert parallelism or quantization differs from this layer's")
         if self._placement(config) != self.placement:
             raise RuntimeError("the live config places the experts elsewhere; apply_placement() moves them first")
-        expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        expert_map[torch.tensor(self.local_experts, dtype=torch.int64)] = torch.arange(len(self.local_experts))
+        device = self.w13_weight.device
+        expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
+        local = torch.tensor(self.local_experts, dtype=torch.int64, device=device)
+        expert_map[local] = torch.arange(len(self.local_experts), device=device)
         self.expert_map = expert_map
         if self.fp8:
             for name, (stage, staged) in self._stages.items():
@@ -410,7 +413,7 @@ class FusedMoE(nn.Module):
         h = grouped_mm(x[rows], w13, counts)
         gate, up = h.split(self.i_local, dim=-1)
         out = grouped_mm(F.silu(gate) * up, w2, counts)
-        combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32)
+        combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
         combined.index_add_(0, rows, out.float() * weights.flatten()[picked, None])
         return self.tp.all_reduce(combined).to(x.dtype)
 
