@@ -13,9 +13,10 @@ import torch
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
-from hotswap.model import llama
+from hotswap.kernels.policy import use_mode
 from hotswap.model.layers.attention import AttentionMetadata
 from hotswap.testing import make_tiny_model
+from hotswap.worker.decoder_stack import NativeDecoderStack
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -29,9 +30,10 @@ def ops():
 
 
 @pytest.fixture(autouse=True)
-def _stack_path(monkeypatch):
-    """The stack's exactness holds on every build; where its ISA does not suit it, the engine does not take it."""
-    monkeypatch.setitem(native._state, "wide_kernels_win", True)
+def _stack_path():
+    """The stack's exactness holds on every build (where the calibration finds it slower, it is not taken)."""
+    with use_mode("native"):
+        yield
 
 
 def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tuple[list, list[torch.Tensor], int]:
@@ -39,16 +41,15 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
     per prompt, with query_lens), every layer's KV cache afterwards, and how many forward passes took the native
     stack."""
     used = []
-    real_stack = llama.LlamaModel._native_stack
-    real_applies = llama.LlamaModel._native_stack_applies
+    real_run, real_applies = NativeDecoderStack.run, NativeDecoderStack.applies
 
     def counted(self, *args):
         used.append(1)
-        return real_stack(self, *args)
+        return real_run(self, *args)
 
-    monkeypatch.setattr(llama.LlamaModel, "_native_stack", counted)
+    monkeypatch.setattr(NativeDecoderStack, "run", counted)
     if not native_stack:
-        monkeypatch.setattr(llama.LlamaModel, "_native_stack_applies", lambda self, *args: False)
+        monkeypatch.setattr(NativeDecoderStack, "applies", lambda self, *args: False)
     llm = LLM(path, kv_cache_memory_bytes=1 << 22)
     try:
         outs = [llm.generate(PROMPTS, PARAMS, use_tqdm=False) for _ in range(2)]
@@ -58,8 +59,8 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
         )[0]  # fmt: skip
     finally:
         llm.shutdown()
-        monkeypatch.setattr(llama.LlamaModel, "_native_stack", real_stack)
-        monkeypatch.setattr(llama.LlamaModel, "_native_stack_applies", real_applies)
+        monkeypatch.setattr(NativeDecoderStack, "run", real_run)
+        monkeypatch.setattr(NativeDecoderStack, "applies", real_applies)
     return outs, caches, len(used)
 
 
@@ -93,7 +94,7 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
     path = str(biased_llama if name == "biased" else model_dirs[name])
 
     def compare(worker):
-        model, kernel = worker.model.model, worker.runner.attention_kernel
+        model, kernel, stack = worker.model.model, worker.runner.attention_kernel, worker.runner.stack
         attn = model.layers[0].self_attn.attn
         block_size = attn.k_cache.shape[1]
         gen = torch.Generator().manual_seed(0)
@@ -117,13 +118,10 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
             for cache, (k, v) in zip(caches, before, strict=True):
                 cache.k_cache.copy_(k)
                 cache.v_cache.copy_(v)
-            if not native_stack:
-                model._native_stack_applies = lambda *_: False  # on this instance only
             with torch.inference_mode():
-                assert model._native_stack_applies(model.embed_tokens(ids), positions, meta) == native_stack
-                hidden = model(ids, positions, meta)
+                assert stack.applies(len(ids), positions, meta)
+                hidden = stack.run(stack.embed(ids), positions, meta) if native_stack else model(ids, positions, meta)
             results.append((hidden, [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]))
-        del model._native_stack_applies
         (native_hidden, native_caches), (module_hidden, module_caches) = results
         flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]
         return torch.equal(native_hidden, module_hidden) and all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
@@ -142,8 +140,8 @@ def test_native_stack_is_skipped_where_the_modules_differ(ops, model_dirs, monke
     assert native_steps == 0
 
     seen, used = [], []
-    real_stack = llama.LlamaModel._native_stack
-    monkeypatch.setattr(llama.LlamaModel, "_native_stack", lambda self, *a: used.append(1) or real_stack(self, *a))
+    real_run = NativeDecoderStack.run
+    monkeypatch.setattr(NativeDecoderStack, "run", lambda self, *a: used.append(1) or real_run(self, *a))
     llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=1 << 22)
     try:
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # the hook check runs (and is remembered) before the hook

@@ -15,6 +15,7 @@ import torch
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
+from hotswap.kernels.policy import use_mode
 
 
 def reference(q, k_cache, v_cache, tables, lens, kv_of_q, scale):
@@ -161,16 +162,15 @@ def test_attention_fallback_matches_kernel(ops, query_lens):
     q = torch.randn(tokens, 4, 16, generator=gen)
     k, v = torch.randn(tokens, 2, 16, generator=gen), torch.randn(tokens, 2, 16, generator=gen)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(contexts, query_lens, strict=True)])
-    torch_rotary = RotaryEmbedding(16, 64, 10000.0, None)
-    torch_rotary.kernels = None
     # with a rotary embedding, the kernel path rotates inside rope_paged_attention; the torch path, with torch ops
-    for ropes in ((None, None), (torch_rotary, RotaryEmbedding(16, 64, 10000.0, None))):
+    for rope in (None, RotaryEmbedding(16, 64, 10000.0, None)):
         outs, caches = [], []
-        for kernel, rope in zip((None, ops.paged_attention), ropes, strict=True):
+        for mode, kernel in (("torch", None), ("native", ops.paged_attention)):
             attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
             meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
             assert (meta.kernel is None) == (kernel is None)
-            outs.append(attn(q, k, v, meta, positions, rope))
+            with use_mode(mode):
+                outs.append(attn(q, k, v, meta, positions, rope))
             caches.append(attn.k_cache)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(caches[0], caches[1], atol=0.0, rtol=0.0)  # torch rounds rotary as the kernel
@@ -188,20 +188,24 @@ def test_layer_ops_match_torch_paths(ops, dtype):
     norm = RMSNorm(80, 1e-6)
     norm.weight.data = (torch.rand(80, generator=gen) + 0.5).to(dtype)
     x, residual = torch.randn(37, 80, generator=gen).to(dtype), torch.randn(37, 80, generator=gen).to(dtype)
-    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm._norm(x), **tol)
+    with use_mode("torch"):  # the modules' torch paths as the reference
+        want_norm, want_sum_norm = norm(x), norm(residual + x)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), want_norm, **tol)
     summed = residual.clone()
     out = ops.add_rms_norm(x, summed, norm.weight, 1e-6)
     torch.testing.assert_close(summed, residual + x, atol=0.0, rtol=0.0)
-    torch.testing.assert_close(out, norm._norm(residual + x), **tol)
+    torch.testing.assert_close(out, want_sum_norm, **tol)
+    with use_mode("native"):
+        torch.testing.assert_close(norm(x), ops.rms_norm(x, norm.weight, 1e-6), atol=0.0, rtol=0.0)
 
     rotary = RotaryEmbedding(16, 64, 10000.0, None)
-    rotary.kernels = None  # the module's torch path as the reference
     qkv = torch.randn(9, 6 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
     q, k, _ = qkv.split([96, 32, 32], dim=-1)  # row-strided views, as in the model
     q, k = q.view(9, 6, 16), k.view(9, 2, 16)
     positions = torch.randint(0, 64, (9,), generator=gen)
     got_q, got_k = ops.rotary(q, k, positions, rotary.cos, rotary.sin)
-    want_q, want_k = rotary(positions, q, k)
+    with use_mode("torch"):
+        want_q, want_k = rotary(positions, q, k)
     torch.testing.assert_close(got_q, want_q, **exact)
     torch.testing.assert_close(got_k, want_k, **exact)
     with pytest.raises(RuntimeError, match="position out of range"):
@@ -322,10 +326,12 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
     """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
     projection followed by SiluAndMul; an fp8 weight is dequantized once per projection either way."""
     from hotswap.config import EngineConfig, use_config
+    from hotswap.kernels import ops as facade
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
 
-    monkeypatch.setitem(native._state, "wide_kernels_win", True)  # the path under test, whatever this build's ISA
+    forced = use_mode("native")  # the path under test, whatever the calibration chose on this build
+    forced.__enter__()
     gen = torch.Generator().manual_seed(6)
     with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
         mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
@@ -351,7 +357,8 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
     dequantized = []
     real_dequantize = linear_module.dequantize
     monkeypatch.setattr(linear_module, "dequantize", lambda *a: dequantized.append(1) or real_dequantize(*a))
-    mlp.gate_up_proj.kernels = spy = Spy()
+    spy = Spy()
+    monkeypatch.setattr(facade, "_ops", lambda: spy)
     cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
              (3, torch.float32, False), (65, torch.float32, False)]  # fmt: skip
     if quantization is None:
@@ -368,13 +375,16 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
         with torch.inference_mode():
             expected = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
         torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+    forced.__exit__(None, None, None)
 
 
 def test_linear_dispatch(ops, monkeypatch):
     """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
-    from hotswap.model.layers import linear as linear_module
+    from hotswap.kernels import ops as linear_module
 
-    monkeypatch.setitem(native._state, "wide_kernels_win", True)  # the path under test, whatever this build's ISA
+    monkeypatch.setattr(linear_module, "_ops", lambda: Spy())
+    forced = use_mode("native")  # the path under test, whatever the calibration chose on this build
+    forced.__enter__()
 
     calls = []
     real = ops.small_batch_linear
@@ -389,13 +399,14 @@ def test_linear_dispatch(ops, monkeypatch):
     for rows, dtype, used in [*cases, (8, torch.bfloat16, False)]:
         calls.clear()
         x = torch.randn(rows, 32).to(dtype)
-        out = linear_module.linear(x, w.to(dtype), b.to(dtype), Spy())
+        out = linear_module.linear(x, w.to(dtype), b.to(dtype))
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)))
         assert calls == ([rows] if used else [])
     calls.clear()
-    out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None, Spy())
+    out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None)
     assert calls == [] and out.requires_grad  # autograd stays on F.linear: the kernel has no backward
     assert (linear_module.SMALL_BATCH_MIN_ROWS, linear_module.SMALL_BATCH_ROWS) == (4, 64)
+    forced.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("vocab", [16384, 1000, 7])
@@ -435,21 +446,23 @@ def test_silu_and_mul_matches_torch(ops, dtype, tol):
     got = ops.silu_and_mul(x)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     layer = SiluAndMul()
-    assert layer.kernels is not None
-    torch.testing.assert_close(layer(x), got, atol=0.0, rtol=0.0)
-    layer.kernels = None  # the torch path
-    torch.testing.assert_close(layer(x), expected, atol=0.0, rtol=0.0)
+    with use_mode("native"):
+        torch.testing.assert_close(layer(x), got, atol=0.0, rtol=0.0)
+    with use_mode("torch"):
+        torch.testing.assert_close(layer(x), expected, atol=0.0, rtol=0.0)
     with pytest.raises(RuntimeError, match=r"\[T, 2 \* I\]"):
         ops.silu_and_mul(torch.randn(3, 5))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.silu_and_mul(torch.randn(3, 4).double())
-    layer.kernels = ops
     wide = torch.randn(3, 4).double()  # float64 computes in float64 on the torch path
-    torch.testing.assert_close(layer(wide), torch.nn.functional.silu(wide[:, :2]) * wide[:, 2:], atol=0.0, rtol=0.0)
+    with use_mode("native"):
+        torch.testing.assert_close(layer(wide), torch.nn.functional.silu(wide[:, :2]) * wide[:, 2:], atol=0, rtol=0)
 
 
-def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no built library there: the build runs (and fails)
 
     def broken(**_kwargs):
         raise RuntimeError("c++: fatal error: no input files\nninja: build stopped: subcommand failed.")
@@ -473,29 +486,6 @@ def test_stale_build_lock_does_not_hang(ops):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "True", done.stderr
     assert not lock.exists()
-
-
-def test_small_batch_linear_is_taken_only_by_builds_it_suits(ops, monkeypatch, llama_dir):
-    """The small-batch linear kernels are tuned for AVX-512's registers: a build for narrower vectors takes
-    F.linear instead (and so no decoder stack), with the same greedy outputs."""
-    from hotswap.model import llama
-    from hotswap.model.layers.linear import small_batch_applies
-
-    assert native.vector_bits() in (128, 256, 512)
-    assert native.wide_vector_kernels_win() == (native.vector_bits() >= 512)
-    x, w = torch.randn(8, 32), torch.randn(24, 32)
-    monkeypatch.setitem(native._state, "wide_kernels_win", True)
-    assert small_batch_applies(x, w, None, ops)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
-    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
-    monkeypatch.setitem(native._state, "wide_kernels_win", False)
-    assert not small_batch_applies(x, w, None, ops)
-    stacks = []
-    real_stack = llama.LlamaModel._native_stack
-    monkeypatch.setattr(llama.LlamaModel, "_native_stack", lambda self, *a: stacks.append(1) or real_stack(self, *a))
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
-    assert got == expected and not stacks
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ import cloudpickle
 
 from hotswap.config import EngineConfig
 from hotswap.executor.base import Executor, RpcMethod
-from hotswap.kernels import native
+from hotswap.kernels import policy as kernel_policy
 
 _POLL_S = 0.05
 
@@ -80,7 +80,8 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        native.ops()  # build the kernels (if not cached) once here, before the workers would each wait for it
+        # build and calibrate the kernels (if not cached) once here, before the workers would each wait for it
+        kernel_policy.prepare(config.model_config.hf_config)
         size = config.parallel_config.tensor_parallel_size
         port = _free_port()
         authkey = os.urandom(32)

@@ -17,10 +17,11 @@
 //   h = rms_norm(residual += x)
 //   x = silu_mul(h · gate_upᵀ + gate_up_bias) · downᵀ + down_bias
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
+
+#include "kernels.h"
 
 namespace {
 
@@ -31,38 +32,6 @@ enum LayerTensor : int64_t {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// The hotswap operators this file chains, looked up once.
-struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> linear, gated;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)> add_rms_norm;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, double)>
-      attention;
-
-  static const Ops& get() {
-    static const Ops ops = [] {
-      auto& d = c10::Dispatcher::singleton();
-      return Ops{
-          d.findSchemaOrThrow("hotswap::small_batch_linear", "").typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                                                  const OptTensor&)>(),
-          d.findSchemaOrThrow("hotswap::small_batch_gated_linear", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
-          d.findSchemaOrThrow("hotswap::rms_norm", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
-          d.findSchemaOrThrow("hotswap::add_rms_norm", "")
-              .typed<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, double)>(),
-          d.findSchemaOrThrow("hotswap::rope_paged_attention", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, double)>(),
-      };
-    }();
-    return ops;
-  }
-};
-
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, const c10::List<OptTensor>& layers,
                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -72,7 +41,6 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
               " entries per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
-  const Ops& ops = Ops::get();
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t num_layers = static_cast<int64_t>(layers.size()) / kLayerTensors;
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
@@ -91,25 +59,25 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     at::Tensor h;
     if (l == 0) {
       residual = hidden;
-      h = ops.rms_norm.call(hidden, need(l, kInputNorm), eps);
+      h = hotswap_ops::rms_norm(hidden, need(l, kInputNorm), eps);
     } else {
-      h = ops.add_rms_norm.call(hidden, residual, need(l, kInputNorm), eps);
+      h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kInputNorm), eps);
     }
-    const at::Tensor qkv = ops.linear.call(h, need(l, kQkv), get(l, kQkvBias));
+    const at::Tensor qkv = hotswap_ops::small_batch_linear(h, need(l, kQkv), get(l, kQkvBias));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layers: qkv width does not match the head counts");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor attn =
-        ops.attention.call(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
+        hotswap_ops::rope_paged_attention(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
                            slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
-    hidden = ops.linear.call(attn, need(l, kO), get(l, kOBias));
-    h = ops.add_rms_norm.call(hidden, residual, need(l, kPostNorm), eps);
-    hidden = ops.linear.call(ops.gated.call(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown),
+    hidden = hotswap_ops::small_batch_linear(attn, need(l, kO), get(l, kOBias));
+    h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
+    hidden = hotswap_ops::small_batch_linear(hotswap_ops::small_batch_gated_linear(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown),
                              get(l, kDownBias));
   }
-  if (num_layers == 0) return ops.rms_norm.call(hidden, final_norm, eps);
-  return ops.add_rms_norm.call(hidden, residual, final_norm, eps);
+  if (num_layers == 0) return hotswap_ops::rms_norm(hidden, final_norm, eps);
+  return hotswap_ops::add_rms_norm(hidden, residual, final_norm, eps);
 }
 
 }  // namespace

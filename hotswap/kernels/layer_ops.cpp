@@ -13,7 +13,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "layer_ops.h"
+#include "kernels.h"
 
 // No fused multiply-adds: torch rounds each product before the add, and these ops reproduce its rounding.
 #pragma GCC optimize("fp-contract=off")
@@ -57,6 +57,10 @@ void check_rows(const at::Tensor& x, const at::Tensor& w) {
               "weight must be [H] in x's dtype");
 }
 
+}  // namespace
+
+namespace hotswap_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight);
   at::Tensor out = at::empty_like(x);
@@ -95,6 +99,10 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   });
   return out;
 }
+
+}  // namespace hotswap_ops
+
+namespace {
 
 template <typename T>
 void rotate_rows(const T* src, int64_t heads, int64_t D, const float* cos, const float* sin, T* dst) {
@@ -170,7 +178,7 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm", &hotswap_ops::rms_norm);
+  m.impl("add_rms_norm", &hotswap_ops::add_rms_norm);
   m.impl("rotary", &rotary);
 }

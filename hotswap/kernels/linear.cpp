@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -212,16 +213,19 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   return y;
 }
 
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace hotswap_ops {
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   return run(x, w, bias, false);
 }
 
-at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w,
-                                    const c10::optional<at::Tensor>& bias) {
+at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   return run(x, w, bias, true);
 }
 
-}  // namespace
+}  // namespace hotswap_ops
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def("small_batch_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -229,6 +233,6 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
-  m.impl("small_batch_linear", &small_batch_linear);
-  m.impl("small_batch_gated_linear", &small_batch_gated_linear);
+  m.impl("small_batch_linear", &hotswap_ops::small_batch_linear);
+  m.impl("small_batch_gated_linear", &hotswap_ops::small_batch_gated_linear);
 }

@@ -7,12 +7,8 @@ of the target and hashes the sources, the flags, torch's version and the CPU's f
 or a different CPU gets its own build. `scripts/_venv.sh` builds it at install time (`python -m hotswap.kernels`).
 
 `ops()` returns `torch.ops.hotswap`, or None when the kernels are disabled (`HOTSWAP_NATIVE_KERNELS=0`) or cannot
-be built (no compiler): callers then take their pure-torch path, which computes the same thing.
-`wide_vector_kernels_win()` says whether the build's vector ISA suits the kernels written around 16-lane vectors
-and AVX-512's 32 registers: the small-batch linear and gated linear kernels (and the decoder stack built on them),
-the SwiGLU gate and greedy sampling. Built for narrower vectors they spill and lose to torch by 1.6-30x
-(`benchmarks/kernels.py`, docs/performance.md), so the layers take their torch paths there; the norms, rotary
-and attention kernels stay.
+be built (no compiler). Nothing but the facade (`ops.py`) calls them: it takes each kernel where the policy
+(`policy.py`, a calibration against the torch paths on this machine) chose it, and the torch path elsewhere.
 """
 
 from __future__ import annotations
@@ -44,8 +40,8 @@ _state: dict[str, Any] = {}
 
 
 def enabled() -> bool:
-    """False when `HOTSWAP_NATIVE_KERNELS` is set to 0, false, off or no (any case)."""
-    return os.environ.get("HOTSWAP_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when `HOTSWAP_NATIVE_KERNELS` is set to 0, false, off, no or torch (any case)."""
+    return os.environ.get("HOTSWAP_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no", "torch")
 
 
 def _cpu_flags() -> str:
@@ -102,16 +98,6 @@ def vector_bits() -> int:
         return int(_state["vector_bits"])
 
 
-def wide_vector_kernels_win() -> bool:
-    """Whether the 16-lane kernels (small-batch linear and gated linear, the decoder stack, the SwiGLU gate,
-    greedy sampling) may be taken: an AVX-512 build. Decided once per process (read on every call of those
-    layers, so without the lock once known)."""
-    wins = _state.get("wide_kernels_win")
-    if wins is None:
-        wins = _state["wide_kernels_win"] = vector_bits() >= 512
-    return bool(wins)
-
-
 def _load() -> Any | None:
     from torch.utils import cpp_extension
 
@@ -119,6 +105,13 @@ def _load() -> Any | None:
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     try:
         with _build_lock(build_dir):
+            library = build_dir / f"{name}.so"
+            if library.is_file():  # the name hashes everything the build depends on: an existing library is it
+                try:
+                    torch.ops.load_library(str(library))
+                    return torch.ops.hotswap
+                except OSError:  # e.g. truncated by a killed build: build it again
+                    logger.warning("rebuilding unreadable native kernel library %s", library)
             cpp_extension.load(
                 name=name,
                 sources=[str(p) for p in SOURCES],

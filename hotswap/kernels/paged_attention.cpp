@@ -30,7 +30,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "layer_ops.h"
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -347,6 +347,10 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   copy_to_slots(v, v_cache, slot);
 }
 
+}  // namespace
+
+namespace hotswap_ops {
+
 // rotary + write_kv_cache + paged_attention in one call: q and k are rotated at `positions`, the rotated keys
 // go straight to their cache slots (never to a separate tensor), then the new tokens attend.
 at::Tensor rope_paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -364,7 +368,7 @@ at::Tensor rope_paged_attention(const at::Tensor& q, const at::Tensor& k, const 
   return attend_all(P, q_rot, k_cache, v_cache);
 }
 
-}  // namespace
+}  // namespace hotswap_ops
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -380,5 +384,5 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv_cache", &write_kv_cache);
-  m.impl("rope_paged_attention", &rope_paged_attention);
+  m.impl("rope_paged_attention", &hotswap_ops::rope_paged_attention);
 }

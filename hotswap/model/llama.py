@@ -4,18 +4,16 @@ gate/up into `gate_up_proj` (see `stacked_params_mapping`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from functools import cached_property
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from hotswap.kernels import native
 from hotswap.model.layers.activation import SiluAndMul
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.embedding import VocabEmbedding
-from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear, small_batch_applies
+from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -111,105 +109,13 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, qkv_bias, qk_norm, mlp_for(i)) for i in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-        self.kernels = native.ops()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        if self._native_stack_applies(x, positions, meta):
-            return self._native_stack(x, positions, meta)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         assert residual is not None  # set by the first layer (a model has at least one)
         return self.norm.add_and_norm(x, residual)[0]
-
-    def _native_stack_applies(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer would take the native kernels on this batch (float32, a small batch, one rank,
-        unquantized, the native attention, no q/k norm) and no forward hook would see the layers run: then
-        `decoder_layers` runs the same kernels in one call. The modules are checked once, and again after user
-        code ran on the model through the worker (`user_code_ran`): walking them at every step would be slow,
-        their dicts being out of cache after a step's weights went by."""
-        if self.kernels is None or meta.kernel is None or not self._stack_modules_fit:
-            return False
-        attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn  # checked by `_stack_modules_fit`
-        return (
-            x.is_contiguous()
-            and small_batch_applies(x, attn.qkv_proj.weight, attn.qkv_proj.bias, self.kernels)
-            and not (torch.is_grad_enabled() and self._stack_needs_grad)
-            and attn.rotary_emb.native_applies(positions, x)
-            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
-        )
-
-    def user_code_ran(self) -> None:
-        """Called by the worker after user code ran on the model (`apply_model`, `collective_rpc` with a
-        callable), which may have added hooks, replaced modules or unfrozen parameters: the native stack's
-        checks on the modules run again before the next step."""
-        for name in ("_stack_modules_fit", "_stack_needs_grad", "_stack_layers"):
-            self.__dict__.pop(name, None)
-
-    @cached_property
-    def _stack_modules_fit(self) -> bool:
-        """Whether every layer is built as `decoder_layers` computes it: the classes of this file and their
-        layers (no subclass, wrapper or per-instance forward), one dtype, no q/k norm, one rank, unquantized, and
-        no forward hook on them or on the final norm."""
-        expected = {"self_attn": LlamaAttention, "mlp": LlamaMLP, "input_layernorm": RMSNorm,
-                    "post_attention_layernorm": RMSNorm}  # fmt: skip
-        for layer in self.layers:
-            if type(layer) is not LlamaDecoderLayer:
-                return False
-            if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
-                return False
-            attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # its type was checked above
-            parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
-                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}  # fmt: skip
-            if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
-                return False
-            if attn.o_proj.parallel is not None or attn.qkv_proj.fp8 or not mlp.gate_up_proj.gate_and_up:
-                return False
-        if type(self.norm) is not RMSNorm or len({p.dtype for p in self.layers.parameters()}) != 1:
-            return False
-        modules = [*self.layers.modules(), self.norm]
-        return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
-
-    @cached_property
-    def _stack_needs_grad(self) -> bool:
-        """Whether a parameter of the layers or the final norm requires grad (the kernels have no backward)."""
-        return any(p.requires_grad for p in [*self.layers.parameters(), *self.norm.parameters()])
-
-    @cached_property
-    def _stack_layers(self) -> list[tuple[nn.Module, ...]]:
-        """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `_native_stack`)."""
-        return [
-            (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
-             cast(LlamaMLP, layer.mlp).gate_up_proj, cast(LlamaMLP, layer.mlp).down_proj, layer.self_attn.rotary_emb,
-             layer.self_attn.attn)
-            for layer in cast(Iterable[LlamaDecoderLayer], self.layers)  # checked by `_stack_modules_fit`
-        ]  # fmt: skip
-
-    def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The layers and the final norm as `decoder_layers` (hotswap/kernels/decoder.cpp): the kernels the
-        modules call, in the same order, so the result and the caches are the same bits (for any step of 4 to 64
-        tokens: decode steps, and short or prefix-cached prefills). The tensors are read from the modules at every
-        call (weights and caches may be replaced), from their dicts directly: the nn.Module attribute lookup is a
-        measurable part of a small step. Every RMSNorm of the model has the config's one epsilon, and every
-        layer the first one's head layout."""
-        tensors: list[torch.Tensor | None] = []
-        k_caches, v_caches = [], []
-        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self._stack_layers:
-            tensors += [
-                norm1._parameters["weight"], qkv._parameters["weight"], qkv._parameters.get("bias"),
-                o._parameters["weight"], o._parameters.get("bias"), norm2._parameters["weight"],
-                gate_up._parameters["weight"], gate_up._parameters.get("bias"), down._parameters["weight"],
-                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
-            ]  # fmt: skip
-            k_caches.append(attn.k_cache)
-            v_caches.append(attn.v_cache)
-        first = cast(LlamaDecoderLayer, self.layers[0]).self_attn  # checked by `_stack_modules_fit`
-        assert self.kernels is not None  # checked by `_native_stack_applies`
-        return self.kernels.decoder_layers(
-            x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
-            meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
-            first.attn.scale, self.norm.eps, self.norm.weight,
-        )  # fmt: skip
 
 
 class LlamaForCausalLM(nn.Module):

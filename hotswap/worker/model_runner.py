@@ -12,9 +12,10 @@ from torch import nn
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
-from hotswap.kernels import native
+from hotswap.kernels import ops
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
+from hotswap.worker.decoder_stack import NativeDecoderStack
 
 
 class ModelRunner:
@@ -24,8 +25,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
-        kernels = native.ops()
-        self.attention_kernel = None if kernels is None else kernels.paged_attention
+        self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None
+        self.stack = NativeDecoderStack(model)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -72,7 +73,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor(model_input.input_ids, dtype=torch.long)
         positions = torch.tensor(model_input.positions, dtype=torch.long)
-        hidden = self.model(input_ids, positions, meta)
+        if self.stack.applies(len(model_input.input_ids), positions, meta):
+            hidden = self.stack.run(self.stack.embed(input_ids), positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         last = torch.tensor(model_input.query_lens).cumsum(0) - 1
         rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
         logits = cast(Any, self.model).compute_logits(hidden[rows])  # every rank takes part in gathering the vocab

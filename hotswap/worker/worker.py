@@ -24,6 +24,7 @@ from torch import nn
 from hotswap.config import EngineConfig, apply_overrides, available_memory_bytes, live_overrides, use_config
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
+from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
@@ -62,6 +63,7 @@ class Worker:
     def load_model(self) -> None:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         torch.manual_seed(self.config.model_config.seed)  # unseeded sampling draws from this process's generator
+        kernel_policy.prepare(self.config.model_config.hf_config)  # which kernels win on this model's shapes
         model = build_model(self.config.model_config)
         if self.config.load_config.huge_pages:
             place_in_huge_pages(model)
@@ -107,16 +109,14 @@ class Worker:
     @in_config_scope
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable. After a callable,
-        the model's modules that keep state about it (`user_code_ran`, e.g. whether forward hooks are set) are
-        told that user code ran on it."""
+        the runner's native decoder stack, which keeps what it checked on the modules (e.g. that no forward hook
+        is set), is told that user code ran on the model."""
         if callable(method):
             try:
                 return method(self, *args, **kwargs)
             finally:
-                for module in self.model.modules() if self.model is not None else ():
-                    hook = getattr(module, "user_code_ran", None)
-                    if callable(hook):
-                        hook()
+                if self.runner is not None:
+                    self.runner.stack.user_code_ran()
         if method.startswith("_") or not callable(getattr(self, method, None)):
             raise ValueError(f"Worker has no public method {method!r}")
         return getattr(self, method)(*args, **kwargs)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.kernels import native
+from hotswap.kernels import ops
 from hotswap.model.layers.rotary import RotaryEmbedding
 
 # Up to this many new tokens per sequence (decode steps, prompts, prefill chunks), attention runs in the native
@@ -109,7 +109,6 @@ class Attention(nn.Module):
         self.expand_index = None if uniform else torch.tensor(kv_of_q, dtype=torch.long)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.kernels = native.ops()
 
     def forward(
         self,
@@ -125,17 +124,13 @@ class Attention(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
-            if meta.kernel is not None and self.kernels is not None and rotary.native_applies(positions, q):
-                return self.kernels.rope_paged_attention(
+            if meta.kernel is not None and ops.rotary_applies(positions, q):
+                return ops.rope_paged_attention(
                     q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                     meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
                 )  # fmt: skip
             q, k = rotary(positions, q, k)
-        if self.kernels is not None and k.device.type == "cpu":
-            self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        else:
-            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.kernel is not None:  # a CPU operator: other devices raise here rather than attend unmasked
             return meta.kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.distributed import current_parallel
-from hotswap.kernels import native
-from hotswap.model.layers.linear import linear
+from hotswap.kernels import ops
 from hotswap.weights.sharded import Narrowing
 
 
@@ -27,7 +26,6 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
         if self.valid < self.rows:
             self.weight.data[self.valid :].zero_()
-        self.kernels = native.ops()
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
         return (self.num_embeddings, self.weight.shape[1])
@@ -55,5 +53,5 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for `hidden` [T, dim] (gathered from every rank)."""
-        local = linear(hidden, self.weight, None, self.kernels).float()
+        local = ops.linear(hidden, self.weight).float()
         return self.tp.all_gather_last_dim(local)[..., : self.num_embeddings]

@@ -13,15 +13,14 @@ into the existing fp8 and scale storage, then frees the stage.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
-from hotswap.kernels import native
+from hotswap.kernels import ops
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
@@ -34,43 +33,6 @@ class ShardSpec(NamedTuple):
     size: int
     ckpt_rows: int
     ckpt_start: int
-
-
-# From SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows (tokens: decode batches, short prefills), float32 products on
-# CPU take the native small-batch kernel, which streams the weight once instead of re-packing it (see
-# hotswap/kernels/linear.cpp). Above that range a BLAS GEMM is faster, and below it the BLAS's matrix-vector path.
-SMALL_BATCH_MIN_ROWS = 4
-SMALL_BATCH_ROWS = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, computed by the native small-batch kernel where it applies (`kernels` from
-    `native.ops()`, see `small_batch_applies`): equal up to float32 rounding."""
-    if small_batch_applies(x, weight, bias, kernels):
-        assert kernels is not None  # checked by `small_batch_applies`
-        return kernels.small_batch_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any | None) -> bool:
-    """Whether the native small-batch kernels take this product: kernels available, a 2-D float32 CPU `x` of
-    SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a contiguous weight, no autograd."""
-    return (
-        kernels is not None
-        and native.wide_vector_kernels_win()
-        and x.dim() == 2
-        and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
-        and x.dtype == weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))  # the kernels have no backward
-    )
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -105,7 +67,6 @@ class Linear(nn.Module):
         self.in_start, self.in_local = 0, in_features
         if self.parallel == "row":  # `in_split` aligns the split with the producer's (e.g. whole heads)
             self.in_start, self.in_local = in_split or split(in_features, self.tp.rank, self.tp.size)
-        self.kernels = native.ops()
         self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
         self.stage_dtype = current_config().model_config.torch_dtype if self.fp8 else None  # fp8: the stage's dtype
@@ -201,8 +162,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.effective_weight(x.dtype)
         if self.parallel != "row":
-            return linear(x, weight, self.bias, self.kernels)
-        out = self.tp.all_reduce(linear(x, weight, None, self.kernels))
+            return ops.linear(x, weight, self.bias)
+        out = self.tp.all_reduce(ops.linear(x, weight, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -247,11 +208,9 @@ class MergedLinear(Linear):
         self.gate_and_up = len(out_sizes) == 2 and out_sizes[0] == out_sizes[1]
 
     def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul). Where the
-        native small-batch kernel applies, the gate is applied as the kernel writes its output (see
-        hotswap/kernels/linear.cpp), so the [tokens, 2 x intermediate] projection never reaches memory."""
+        """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul), as one
+        `ops.gated_linear` (the gate applied as the product is written, where the native kernel takes it)."""
         weight = self.effective_weight(x.dtype)  # dequantized once either way
-        if self.gate_and_up and small_batch_applies(x, weight, self.bias, self.kernels):
-            assert self.kernels is not None  # checked by `small_batch_applies`
-            return self.kernels.small_batch_gated_linear(x, weight, self.bias)
-        return act(linear(x, weight, self.bias, self.kernels))  # column-parallel: forward() is this product
+        if self.gate_and_up:
+            return ops.gated_linear(x, weight, self.bias)
+        return act(ops.linear(x, weight, self.bias))  # column-parallel: forward() is this product

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.kernels import native
+from hotswap.kernels import ops
 
 
 def rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -58,22 +58,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.kernels = native.ops()
-
-    def native_applies(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
-        """Whether the native kernels rotate these tokens (`rotary`, or inside `rope_paged_attention`)."""
-        return self.kernels is not None and q.device.type == "cpu" and positions.dtype == torch.long
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]; returns new contiguous tensors."""
-        if self.native_applies(positions, q):
-            assert self.kernels is not None  # checked by `native_applies`
-            return self.kernels.rotary(q, k, positions, self.cos, self.sin)
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return ops.rotary(q, k, positions, self.cos, self.sin)

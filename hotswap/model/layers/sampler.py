@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hotswap.engine.model_input import SampleResult, SampleSpec
-from hotswap.kernels import native
+from hotswap.kernels import ops
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:
@@ -47,17 +47,10 @@ def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
-    kernels = native.ops()
     plain_greedy = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in specs)
-    if (
-        kernels is not None
-        and plain_greedy
-        and native.wide_vector_kernels_win()
-        and logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-    ):
+    if plain_greedy and ops.greedy_native(logits):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
-        tokens, chosen = kernels.greedy_sample(logits)
+        tokens, chosen = ops.greedy_sample(logits)
         return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1)
     if any(spec.banned_token_ids for spec in specs):

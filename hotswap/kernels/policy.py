@@ -1,0 +1,328 @@
+"""Which path each kernel op takes, decided once per process: the one policy behind the facade (`ops.py`).
+
+The switch is `HOTSWAP_NATIVE_KERNELS` (or `use_mode` in-process, for tests):
+
+- `auto` (default; also 1 / on / yes): an op takes its native kernel only where a calibration measured it
+  faster than its torch path on this machine and build (native time / torch time below `WIN_RATIO`). The
+  calibration times every calibrated op on the model's shapes (`prepare`, called when a worker builds its model;
+  the 125M preset's shapes otherwise) in well under a second, and is cached as JSON beside the build, keyed by
+  the shapes, so later processes read it.
+- `torch` (also 0 / off / false / no): every op takes its torch path.
+- `native` (also force): every op takes its native kernel wherever the kernel applies (tests use it to compare
+  the two paths on every build).
+
+Ops that are not calibrated are decided by a rule, given with its reason in the table: the paged attention
+kernels read the paged cache in place, where the torch path gathers it and pads the batch; the decoder stack
+runs the linear kernels, so it is taken where both linear ops are. `python -m hotswap.kernels --report` prints
+the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hotswap.kernels import native
+
+logger = logging.getLogger(__name__)
+
+CALIBRATED = ("rms_norm", "add_rms_norm", "linear", "gated_linear", "silu_and_mul", "rotary", "greedy_sample")
+RULED = ("write_kv_cache", "paged_attention", "rope_paged_attention", "decoder_stack")
+OPS = CALIBRATED + RULED
+WIN_RATIO = 0.95  # native must be at least 5 % faster: noise must not flip a decision between runs
+BATCHES = (4, 16, 64)  # the small-batch shape class (decode steps, short prefills) the native kernels serve
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model dimensions the calibration times: hidden size, MLP intermediate size, q/k/v width, heads,
+    head size, vocabulary (the sampled logits' width), layers."""
+
+    hidden: int = 576
+    intermediate: int = 1536
+    qkv: int = 960
+    heads: int = 9
+    head_dim: int = 64
+    vocab: int = 16384
+    layers: int = 30
+
+    def layer_weight_bytes(self) -> int:
+        """float32 bytes of one layer's linear weights (q/k/v, o, gate/up, down)."""
+        return 4 * (self.qkv * self.hidden + self.hidden * self.hidden + 3 * self.hidden * self.intermediate)
+
+    @classmethod
+    def of(cls, hf_config: dict[str, Any]) -> Shapes:
+        hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+        head_dim = int(hf_config.get("head_dim") or hidden // heads)
+        kv = int(hf_config.get("num_key_value_heads") or heads)
+        intermediate = int(hf_config.get("intermediate_size") or 4 * hidden)
+        layers = int(hf_config.get("num_hidden_layers", 1))
+        return cls(hidden, intermediate, (heads + 2 * kv) * head_dim, heads, head_dim, int(hf_config["vocab_size"]),
+                   layers)  # fmt: skip
+
+    def key(self) -> str:
+        return "x".join(str(v) for v in asdict(self).values())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Per batch class (the rows of BATCHES; a batch goes to the nearest), whether the op takes its native
+    kernel; `ratios`: native time / torch time as calibrated (empty when decided by rule)."""
+
+    op: str
+    native: dict[int, bool]
+    ratios: dict[int, float]
+    reason: str
+
+    @classmethod
+    def rule(cls, op: str, native: bool, reason: str) -> Decision:
+        return cls(op, dict.fromkeys(BATCHES, native), {}, reason)
+
+
+def batch_class(rows: int) -> int:
+    """The calibrated batch a batch of `rows` is decided by: 4 below 8 rows, 16 below 32, else 64."""
+    return 4 if rows < 8 else 16 if rows < 32 else 64
+
+
+class KernelPolicy:
+    """The decision per op and batch class; `uses(op, rows)` is what the facade asks on every call."""
+
+    def __init__(self, mode: str, decisions: dict[str, Decision], shapes: Shapes | None) -> None:
+        self.mode = mode
+        self.decisions = decisions
+        self.shapes = shapes
+        self._native = {op: d.native for op, d in decisions.items()}
+
+    def uses(self, op: str, rows: int = 64) -> bool:
+        return self._native[op][batch_class(rows)]
+
+    def table(self) -> list[Decision]:
+        return [self.decisions[op] for op in OPS]
+
+
+_lock = threading.Lock()
+_policy: list[KernelPolicy] = []  # the resolved policy, once known
+_forced: list[str] = []  # use_mode() overrides, innermost last
+
+
+def mode() -> str:
+    """The mode `use_mode` forces if active, else the one HOTSWAP_NATIVE_KERNELS names (read now): "auto",
+    "torch" or "native"."""
+    if _forced:
+        return _forced[-1]
+    value = os.environ.get("HOTSWAP_NATIVE_KERNELS", "auto").strip().lower()
+    if value in ("0", "off", "false", "no", "torch"):
+        return "torch"
+    if value in ("native", "force"):
+        return "native"
+    return "auto"
+
+
+_env_mode: list[str] = []  # mode() from the environment as last read (by the first policy() or a prepare())
+
+
+def policy() -> KernelPolicy:
+    """The process's policy, resolved on first use (a calibration with default shapes if `prepare` was not
+    called first). The environment is read once here; `prepare` (every model build) reads it again. Safe from
+    any thread."""
+    wanted = _forced[-1] if _forced else (_env_mode[0] if _env_mode else mode())
+    current = _policy[-1] if _policy else None
+    if current is not None and current.mode == wanted:
+        return current
+    with _lock:
+        if not _forced:
+            _env_mode[:] = [wanted]
+        if not _policy or _policy[-1].mode != wanted:
+            _policy.append(_resolve(wanted, _policy[-1].shapes if _policy else None))
+            del _policy[:-1]
+        return _policy[-1]
+
+
+def prepare(hf_config: dict[str, Any]) -> KernelPolicy:
+    """Resolves the policy for a model (its shapes), reading the switch again; a later model with other shapes
+    re-resolves it."""
+    shapes = Shapes.of(hf_config)
+    wanted = mode()
+    with _lock:
+        if not _forced:
+            _env_mode[:] = [wanted]
+        if not _policy or _policy[-1].shapes != shapes or _policy[-1].mode != wanted:
+            _policy.append(_resolve(wanted, shapes))
+            del _policy[:-1]
+        return _policy[-1]
+
+
+@contextlib.contextmanager
+def use_mode(value: str) -> Iterator[KernelPolicy]:
+    """Inside the block every op follows `value` ("auto", "torch" or "native"); restored on exit."""
+    if value not in ("auto", "torch", "native"):
+        raise ValueError(f"kernel mode must be 'auto', 'torch' or 'native', got {value!r}")
+    _forced.append(value)
+    try:
+        yield policy()
+    finally:
+        _forced.pop()
+
+
+def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
+    kernels = native.ops() if mode_ != "torch" else None
+    if kernels is None:
+        why = "HOTSWAP_NATIVE_KERNELS=0" if mode_ == "torch" else "no native build (see the log)"
+        return KernelPolicy(mode_, {op: Decision.rule(op, False, why) for op in OPS}, shapes)
+    if mode_ == "native":
+        return KernelPolicy(mode_, {op: Decision.rule(op, True, "forced (native mode)") for op in OPS}, shapes)
+    shapes = shapes or Shapes()
+    ratios = _calibration(kernels, shapes)
+    decisions = {}
+    for op in CALIBRATED:
+        by_batch = {b: round(ratios[op][b], 3) for b in BATCHES}
+        native_at = {b: r < WIN_RATIO for b, r in by_batch.items()}
+        reason = "calibrated: native where it measured at least 5 % faster"
+        decisions[op] = Decision(op, native_at, by_batch, reason)
+    attention = "rule: reads the paged cache in place (torch gathers and pads it)"
+    for op in ("write_kv_cache", "paged_attention", "rope_paged_attention"):
+        decisions[op] = Decision.rule(op, True, attention)
+    linear, gated = decisions["linear"].native, decisions["gated_linear"].native
+    decisions["decoder_stack"] = Decision(
+        "decoder_stack", {b: linear[b] and gated[b] for b in BATCHES}, {},
+        "rule: runs the linear kernels, so taken where linear and gated_linear are",
+    )  # fmt: skip
+    return KernelPolicy(mode_, decisions, shapes)
+
+
+def _cache_file() -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(native.build_name(), verbose=False)) / "calibration.json"
+
+
+def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
+    """Ratios per calibrated op and batch for these shapes: from the cache beside the build, else measured and
+    cached."""
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(shapes.key())
+    try:
+        return {op: {b: float(entry[op][str(b)]) for b in BATCHES} for op in CALIBRATED}
+    except (KeyError, TypeError, ValueError):
+        pass
+    start = time.perf_counter()
+    ratios = calibrate(kernels, shapes)
+    logger.info("kernel calibration for %s took %.2f s: %s", shapes.key(), time.perf_counter() - start, ratios)
+    cached[shapes.key()] = {op: {str(b): r for b, r in by_batch.items()} for op, by_batch in ratios.items()}
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: calibrate again next time
+    return ratios
+
+
+def _median(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(kernels: Any, shapes: Shapes, reps: int = 7) -> dict[str, dict[int, float]]:
+    """Times every calibrated op, native against its torch path, at each of BATCHES rows; returns native / torch
+    per op and batch. The linear weights cycle through as many copies as the model has
+    layers (up to 64 MB of them), so that a product finds its weight where a decode step would: in the cache for
+    a small model, streamed from memory for a large one."""
+    h, i, qkv = shapes.hidden, shapes.intermediate, shapes.qkv
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    copies = max(2, min(shapes.layers, (64 << 20) // shapes.layer_weight_bytes()))
+    weights = {name: [torch.full(shape, 0.01) for _ in range(copies)]
+               for name, shape in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}  # fmt: skip
+    turn = [0]
+
+    def w(name: str) -> torch.Tensor:
+        turn[0] += 1
+        return weights[name][turn[0] % copies]
+
+    norm_w = randn(h)
+    positions_max = 2048
+    freqs = torch.arange(positions_max, dtype=torch.float32)[:, None] * torch.rand(shapes.head_dim // 2, generator=gen)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    ratios: dict[str, dict[int, float]] = {op: {} for op in CALIBRATED}
+    for m in BATCHES:
+        for op, (native_fn, torch_fn) in _pairs(kernels, shapes, m, randn, w, norm_w, cos, sin, gen).items():
+            ratios[op][m] = _median(native_fn, reps) / _median(torch_fn, reps)
+    return ratios
+
+
+def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor], w: Callable[[str], torch.Tensor],
+           norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gen: torch.Generator
+           ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:  # fmt: skip
+    """(native call, torch call) per calibrated op, on a batch of `m` rows."""
+    h, i = shapes.hidden, shapes.intermediate
+    x, xi, gu, residual = randn(m, h), randn(m, i), randn(m, 2 * i), randn(m, h)
+    logits = randn(m, shapes.vocab)
+    q, k = randn(m, shapes.heads, shapes.head_dim), randn(m, max(1, shapes.heads // 3), shapes.head_dim)
+    positions = torch.randint(0, cos.shape[0], (m,), generator=gen)
+    return {
+        "rms_norm": (lambda: kernels.rms_norm(x, norm_w, 1e-6), lambda: _torch_rms_norm(x, norm_w, 1e-6)),
+        "add_rms_norm": (lambda: kernels.add_rms_norm(x, residual.clone(), norm_w, 1e-6),
+                         lambda: _torch_rms_norm(residual.clone() + x, norm_w, 1e-6)),
+        "linear": (lambda: (kernels.small_batch_linear(x, w("qkv"), None),
+                            kernels.small_batch_linear(xi, w("down"), None)),
+                   lambda: (F.linear(x, w("qkv")), F.linear(xi, w("down")))),
+        "gated_linear": (lambda: kernels.small_batch_gated_linear(x, w("gate_up"), None),
+                         lambda: _torch_silu_and_mul(F.linear(x, w("gate_up")))),
+        "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: _torch_silu_and_mul(gu)),
+        "rotary": (lambda: kernels.rotary(q, k, positions, cos, sin), lambda: _torch_rotary(q, k, positions, cos, sin)),
+        "greedy_sample": (lambda: kernels.greedy_sample(logits), lambda: _torch_greedy(logits)),
+    }  # fmt: skip
+
+
+# ---- the torch paths the calibration compares against (the facade's own fallbacks compute the same) ------------
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _torch_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    c, s = cos[positions].to(q.dtype).unsqueeze(1), sin[positions].to(q.dtype).unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _torch_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    best = logits.max(dim=-1)
+    return best.indices, best.values - logits.logsumexp(dim=-1)

@@ -1,0 +1,140 @@
+"""The native decoder stack: a Llama-family model's layers and final norm in one kernel call (`decoder_layers`,
+hotswap/kernels/decoder.cpp), run by the model runner in place of the modules where it computes exactly what
+they would.
+
+At decode batch sizes the trips between the modules (Python calls, argument checks, op bindings) cost a few
+milliseconds per step on top of the layers' own work; the kernel runs the same kernels the modules' native paths
+call, in the same order, so the result and the caches are the same bits (for any step of 4 to 64 tokens: decode
+steps, and short or prefix-cached prefills). It is taken where the policy takes the linear kernels it is built
+on (`decoder_stack` in `python -m hotswap.kernels --report`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import cached_property
+from typing import cast
+
+import torch
+from torch import nn
+
+from hotswap.kernels import ops
+from hotswap.model.layers.attention import Attention, AttentionMetadata
+from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
+from hotswap.model.layers.norm import RMSNorm
+from hotswap.model.layers.rotary import RotaryEmbedding
+from hotswap.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+
+class NativeDecoderStack:
+    """Runs `model.model` (a `LlamaModel`) through `decoder_layers` where `applies`. The checks on the modules
+    run once, and again after user code ran on the model (`user_code_ran`): walking the modules at every step
+    would be slow, their dicts being out of cache after a step's weights went by."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.outer = model
+
+    @cached_property
+    def model(self) -> LlamaModel | None:
+        """The decoder (`outer.model`) if it is exactly a `LlamaModel`."""
+        inner = getattr(self.outer, "model", None)
+        return inner if type(inner) is LlamaModel else None
+
+    def user_code_ran(self) -> None:
+        """Called after user code ran on the model (`apply_model`, `collective_rpc` with a callable), which may
+        have added hooks, replaced modules or unfrozen parameters."""
+        for name in ("model", "modules_fit", "needs_grad", "layers"):
+            self.__dict__.pop(name, None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None  # checked by `applies`
+        return self.model.embed_tokens(input_ids)
+
+    def applies(self, num_tokens: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32, a small
+        batch, one rank, unquantized, the native attention, no q/k norm) and no forward hook would see the
+        model or its layers run."""
+        if meta.kernel is None or not ops.decoder_stack_available(num_tokens) or self.model is None:
+            return False
+        if not self.modules_fit:
+            return False
+        qkv = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj  # checked by `modules_fit`
+        return (
+            ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
+            and qkv.weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and self.needs_grad)
+            and positions.dtype == torch.long
+            and positions.device.type == "cpu"
+            and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+        )
+
+    @cached_property
+    def modules_fit(self) -> bool:
+        """Whether every layer is built as `decoder_layers` computes it: the classes of hotswap/model/llama.py and
+        their layers (no subclass, wrapper or per-instance forward), one dtype, no q/k norm, one rank,
+        unquantized, and no forward hook on them, the final norm, the embedding or the model around them."""
+        model = self.model
+        if model is None:
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+               for m in (self.outer, model, model.embed_tokens)):  # fmt: skip
+            return False
+        expected = {"self_attn": LlamaAttention, "mlp": LlamaMLP, "input_layernorm": RMSNorm,
+                    "post_attention_layernorm": RMSNorm}  # fmt: skip
+        for layer in model.layers:
+            if type(layer) is not LlamaDecoderLayer:
+                return False
+            if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
+                return False
+            attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # their types were checked above
+            parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
+                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}  # fmt: skip
+            if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
+                return False
+            if attn.o_proj.parallel is not None or attn.qkv_proj.fp8 or not mlp.gate_up_proj.gate_and_up:
+                return False
+        if type(model.norm) is not RMSNorm or len({p.dtype for p in model.layers.parameters()}) != 1:
+            return False
+        modules = [*model.layers.modules(), model.norm]
+        return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+
+    @cached_property
+    def needs_grad(self) -> bool:
+        """Whether a parameter of the layers or the final norm requires grad (the kernels have no backward)."""
+        assert self.model is not None  # checked by `applies`
+        return any(p.requires_grad for p in [*self.model.layers.parameters(), *self.model.norm.parameters()])
+
+    @cached_property
+    def layers(self) -> list[tuple[nn.Module, ...]]:
+        """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `run`)."""
+        assert self.model is not None  # checked by `applies`
+        return [
+            (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
+             cast(LlamaMLP, layer.mlp).gate_up_proj, cast(LlamaMLP, layer.mlp).down_proj, layer.self_attn.rotary_emb,
+             layer.self_attn.attn)
+            for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
+        ]  # fmt: skip
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`. The tensors are read from
+        the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
+        attribute lookup is a measurable part of a small step. Every RMSNorm of the model has the config's one
+        epsilon, and every layer the first one's head layout."""
+        assert self.model is not None  # checked by `applies`
+        tensors: list[torch.Tensor | None] = []
+        k_caches, v_caches = [], []
+        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
+            tensors += [
+                norm1._parameters["weight"], qkv._parameters["weight"], qkv._parameters.get("bias"),
+                o._parameters["weight"], o._parameters.get("bias"), norm2._parameters["weight"],
+                gate_up._parameters["weight"], gate_up._parameters.get("bias"), down._parameters["weight"],
+                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
+            ]  # fmt: skip
+            k_caches.append(attn.k_cache)
+            v_caches.append(attn.v_cache)
+        first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        return ops.decoder_layers(
+            x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
+            meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
+            first.attn.scale, self.model.norm.eps, self.model.norm.weight,
+        )  # fmt: skip

@@ -1,0 +1,113 @@
+"""The kernel facade's policy: one decision per op and batch class, from a calibration cached beside the build;
+one switch (HOTSWAP_NATIVE_KERNELS / use_mode) forces either path; both paths give the same outputs; and the
+native ops equal their torch paths on every ISA build this machine can run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PROMPTS
+from hotswap import LLM, SamplingParams
+from hotswap.kernels import native, ops, policy
+from hotswap.kernels.policy import BATCHES, CALIBRATED, OPS, WIN_RATIO, Shapes, use_mode
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def built():
+    if native.ops() is None:
+        pytest.skip("native kernels unavailable (no C++ compiler)")
+
+
+def test_the_table_decides_every_op_for_every_batch_class_in_every_mode(built):
+    for mode in ("auto", "torch", "native"):
+        with use_mode(mode) as resolved:
+            table = resolved.table()
+            assert [d.op for d in table] == list(OPS)
+            for decision in table:
+                assert set(decision.native) == set(BATCHES) and decision.reason
+                if mode == "auto" and decision.op in CALIBRATED:
+                    assert set(decision.ratios) == set(BATCHES) and all(r > 0 for r in decision.ratios.values())
+                    assert all(decision.native[b] == (decision.ratios[b] < WIN_RATIO) for b in BATCHES)
+            if mode != "auto":
+                assert all(d.native[b] is (mode == "native") for d in table for b in BATCHES)
+    with pytest.raises(ValueError, match="kernel mode"):
+        use_mode("fast").__enter__()
+
+
+def test_decisions_follow_the_measured_ratios(built, monkeypatch):
+    """Native only where it measured faster, per batch class; the decoder stack only where both linear ops are."""
+    fake = {op: {4: 1.2, 16: 0.5, 64: 0.9} for op in CALIBRATED}
+    fake["gated_linear"] = {4: 0.5, 16: 0.5, 64: 1.5}
+    monkeypatch.setattr(policy, "_calibration", lambda kernels, shapes: fake)
+    resolved = policy._resolve("auto", Shapes())
+    assert resolved.decisions["linear"].native == {4: False, 16: True, 64: True}
+    assert resolved.decisions["decoder_stack"].native == {4: False, 16: True, 64: False}
+    assert resolved.uses("linear", 5) is False and resolved.uses("linear", 20) is True
+    assert resolved.uses("gated_linear", 33) is False and resolved.uses("rms_norm", 500) is True
+    assert all(resolved.decisions[op].native[b] for op in ("paged_attention", "write_kv_cache") for b in BATCHES)
+
+
+def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_build(built, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a fresh cache (the library itself still loads)
+    calls = []
+    real = policy.calibrate
+    monkeypatch.setattr(policy, "calibrate", lambda kernels, shapes: calls.append(shapes) or real(kernels, shapes))
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "vocab_size": 512, "num_hidden_layers": 2}  # fmt: skip
+    first = policy._resolve("auto", Shapes.of(cfg))
+    cache = json.loads(policy._cache_file().read_text())
+    assert calls == [Shapes.of(cfg)] and Shapes.of(cfg).key() in cache
+    second = policy._resolve("auto", Shapes.of(cfg))
+    assert len(calls) == 1 and second.decisions == first.decisions
+
+
+def test_one_switch_forces_each_path_with_the_same_outputs(built, llama_dir, monkeypatch):
+    """`use_mode("torch")` runs no native op, `use_mode("native")` runs them; greedy tokens are the same. The
+    environment variable is the same switch."""
+    calls: list[str] = []
+    real_ops = native.ops()
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real_ops, name)
+
+    monkeypatch.setattr(ops, "_ops", lambda: Counting())
+    tokens = {}
+    for mode in ("torch", "native"):
+        with use_mode(mode):
+            calls.clear()
+            llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
+            tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)]
+            if mode == "torch":
+                assert calls == [] and llm.collective_rpc(lambda w: w.runner.attention_kernel) == [None]
+            else:
+                assert {"rms_norm", "paged_attention", "greedy_sample"} <= set(calls) or "decoder_layers" in calls
+            llm.shutdown()
+    assert tokens["torch"] == tokens["native"]
+    for value, mode in (("0", "torch"), ("torch", "torch"), ("native", "native"), ("1", "auto"), ("auto", "auto")):
+        monkeypatch.setenv("HOTSWAP_NATIVE_KERNELS", value)
+        assert policy.mode() == mode
+
+
+@pytest.mark.slow
+def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
+    """The kernel tests (every op against its torch path, the decoder stack to the bit) on an AVX2-only build
+    (`-march=x86-64-v3`, what AMD Zen 2/3 and older Intel servers run), in a fresh process."""
+    if native.target_isa() == "generic":
+        pytest.skip("this machine cannot run an x86-64-v3 build")
+    env = {**os.environ, "HOTSWAP_KERNEL_MARCH": "x86-64-v3"}
+    probe = "from hotswap.kernels import native; print(native.target_isa(), native.ops().vector_bits())"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["avx2", "256"], out.stderr[-2000:]
+    tests = ["tests/test_kernels.py", "tests/test_decoder_stack.py", "-k", "not stale_build and not failed_build"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
