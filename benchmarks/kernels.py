@@ -1,9 +1,10 @@
 """Native kernels against their torch paths, op by op, on the 125M model's shapes, for the build this process
 loads (`HOTSWAP_KERNEL_MARCH=x86-64-v3` builds for AVX2 hosts on an AVX-512 machine).
 
-The linear ops rotate through enough weight copies (> 64 MB) that every call streams its weight from DRAM, as
-a decode step over 30 layers does. Each figure is the median of `--reps` calls after a warm-up; the ratio is
-native time / torch time (below 1: native wins). Also prints whether the engine takes each op on this build.
+The linear ops rotate through more than 64 MB of weight copies, so a call does not find its weight in the core's
+caches, as in a decode step over 30 layers. Each figure is the median of `--reps` calls after a warm-up; the
+ratio is native time / torch time (below 1: native wins). Also prints the calibration's choice for each op and
+batch (`python -m hotswap.kernels --report` prints the whole table).
 
     python benchmarks/kernels.py [--reps 30]
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hotswap.kernels import native
+from hotswap.kernels import native, policy
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
 
@@ -93,18 +94,22 @@ def main() -> None:
         raise SystemExit("native kernels unavailable (HOTSWAP_NATIVE_KERNELS=0 or no compiler)")
     build = f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit vectors)"
     print(f"build: {build}; torch threads: {torch.get_num_threads()}")
-    figures: dict = {"build": build, "wide_vector_kernels_taken": native.wide_vector_kernels_win(), "ops": {}}
+    figures: dict = {"build": build, "ops": {}}
+    chosen = policy.prepare({"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": 9,
+                             "num_key_value_heads": 3, "vocab_size": VOCAB, "num_hidden_layers": 30})  # fmt: skip
+    op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear"}
     torch.manual_seed(0)
     rows = [row for m in (4, 16, 64) for row in measure(ops, m, args.reps)]
-    print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}")
+    print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}  calibration's choice")
     for label, m, native_us, torch_us in rows:
-        print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}")
+        decision = chosen.decisions[op_of.get(label, label)]
+        choice = f"{'native' if decision.native[m] else 'torch'} ({decision.ratios.get(m, float('nan')):.2f})"
+        print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}  {choice}")
         figures["ops"].setdefault(label, {})[str(m)] = {
-            "native_us": round(native_us, 1), "torch_us": round(torch_us, 1), "ratio": round(native_us / torch_us, 3)
+            "native_us": round(native_us, 1), "torch_us": round(torch_us, 1), "ratio": round(native_us / torch_us, 3),
+            "chosen": "native" if decision.native[m] else "torch",
         }  # fmt: skip
-    taken = "taken" if native.wide_vector_kernels_win() else "not taken (torch paths)"
-    print(f"on this build the engine's 16-lane kernels (linear, gated linear, decoder stack, SwiGLU gate, greedy "
-          f"sampling) are {taken}")
+    print("(the calibration's own ratios, in brackets, rotate through the model's layers' weights, up to 64 MB)")
     print(json.dumps(figures))
 
 

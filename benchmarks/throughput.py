@@ -139,7 +139,7 @@ class TransformersRunner:
 
 def kernel_build() -> dict[str, str]:
     """The CPU model and the native-kernel build this run uses (its target ISA and vector width), or why none."""
-    from hotswap.kernels import native
+    from hotswap.kernels import native, policy
 
     cpu = "unknown CPU"
     try:
@@ -151,9 +151,8 @@ def kernel_build() -> dict[str, str]:
         return {"cpu": cpu, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
     if native.ops() is None:
         return {"cpu": cpu, "build": "unavailable (pure-torch path)"}
-    linear = "taken" if native.wide_vector_kernels_win() else "not taken"
     return {"cpu": cpu, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
-                                 f"vectors, 16-lane kernels {linear})"}  # fmt: skip
+                                 f"vectors, kernel mode {policy.mode()})"}  # fmt: skip
 
 
 def main() -> None:
