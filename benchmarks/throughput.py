@@ -5,9 +5,10 @@ Workloads: (a) a ~9M llama, 64 prompts x 128 tokens; (b) a 125M llama with SmolL
 prompts, each first in turn, so both see the same machine conditions (hotswap's prefix cache is reset before
 each run); the best run of each is reported, with the ratio of every repetition. Also measures this machine's
 fp32 GEMM peak and read bandwidth (at the start and beside each workload, keeping the best seen) and reports the
-fraction of the roofline reached, and the time from `LLM(...)` to ready.
+fraction of the roofline reached, and the time from `LLM(...)` to ready. hotswap with every kernel on its torch
+path runs interleaved too (the `HOTSWAP_NATIVE_KERNELS=0` baseline).
 
-    python benchmarks/throughput.py [--workloads 9m,125m] [--skip-hf] [--reps 3]
+    python benchmarks/throughput.py [--workloads 9m,125m] [--skip-hf] [--skip-torch-path] [--reps 3]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hotswap import LLM, SamplingParams
+from hotswap.kernels import policy
 from hotswap.testing import make_tiny_model
 
 WORKLOADS = {"9m": (64, 128), "125m": (64, 64)}
@@ -114,6 +116,19 @@ class HotswapRunner:
         return len(prompts) * max_tokens / elapsed
 
 
+class TorchPathRunner(HotswapRunner):
+    """hotswap with every kernel on its torch path (`HOTSWAP_NATIVE_KERNELS=0`, switched in-process), interleaved
+    with the others so that it sees the same machine conditions."""
+
+    def __init__(self, path: str) -> None:
+        with policy.use_mode("torch"):
+            super().__init__(path)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> float:
+        with policy.use_mode("torch"):
+            return super().run(prompts, max_tokens)
+
+
 class TransformersRunner:
     def __init__(self, path: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -159,6 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="9m,125m")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-torch-path", action="store_true", help="skip hotswap with every kernel off")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions; the best of each is kept")
     args = parser.parse_args()
     peak, bw = gemm_peak_gflops(), read_bandwidth_gbs()
@@ -181,6 +197,8 @@ def main() -> None:
             engines = {"hotswap": HotswapRunner(path)}
             if not args.skip_hf:
                 engines["transformers"] = TransformersRunner(path)
+            if not args.skip_torch_path:
+                engines["torch path"] = TorchPathRunner(path)
             for engine in engines.values():
                 engine.warm_up(make_prompts(tokenizer, 4, seed=1), max_tokens)
             rates: dict[str, list[float]] = {key: [] for key in engines}
@@ -224,6 +242,10 @@ def main() -> None:
                         "ratio_per_rep": [round(r, 2) for r in per_rep],
                     }
                 )
+            if not args.skip_torch_path:
+                torch_tps = max(rates["torch path"])
+                line += f"; hotswap with every kernel off {torch_tps:.0f} tok/s ({hs_tps / torch_tps:.2f}x)"
+                fig.update({"torch_path_tok_s": round(torch_tps, 1), "over_torch_path": round(hs_tps / torch_tps, 2)})
             print(line)
             figures[name] = fig
             del engines, engine  # free this workload's models before the next one loads

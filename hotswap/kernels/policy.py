@@ -11,10 +11,11 @@ The switch is `HOTSWAP_NATIVE_KERNELS` (or `use_mode` in-process, for tests):
 - `native` (also force): every op takes its native kernel wherever the kernel applies (tests use it to compare
   the two paths on every build).
 
-Ops that are not calibrated are decided by a rule, given with its reason in the table: the paged attention
-kernels read the paged cache in place, where the torch path gathers it and pads the batch; the decoder stack
-runs the linear kernels, so it is taken where both linear ops are. `python -m hotswap.kernels --report` prints
-the table.
+Ops that are not calibrated here are decided by a rule, given with its reason in the table: the paged attention
+kernels read the paged cache in place, where the torch path gathers it and pads the batch. The decoder stack is
+timed as a whole once a worker has its model and KV cache (`calibrate_stack`: one decode step through the
+stack against one through the modules, per batch class, also cached); until then it is taken where both linear
+ops are. `python -m hotswap.kernels --report` prints the table.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 CALIBRATED = ("rms_norm", "add_rms_norm", "linear", "gated_linear", "silu_and_mul", "rotary", "greedy_sample")
 RULED = ("write_kv_cache", "paged_attention", "rope_paged_attention", "decoder_stack")
 OPS = CALIBRATED + RULED
+_STACK_REASON = "calibrated: one decode step through the stack against one through the modules"
 WIN_RATIO = 0.95  # native must be at least 5 % faster: noise must not flip a decision between runs
 BATCHES = (4, 16, 64)  # the small-batch shape class (decode steps, short prefills) the native kernels serve
 
@@ -195,11 +197,63 @@ def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
     for op in ("write_kv_cache", "paged_attention", "rope_paged_attention"):
         decisions[op] = Decision.rule(op, True, attention)
     linear, gated = decisions["linear"].native, decisions["gated_linear"].native
-    decisions["decoder_stack"] = Decision(
-        "decoder_stack", {b: linear[b] and gated[b] for b in BATCHES}, {},
-        "rule: runs the linear kernels, so taken where linear and gated_linear are",
-    )  # fmt: skip
+    stack = _cached(shapes.key(), "decoder_stack")
+    if stack is not None:
+        decisions["decoder_stack"] = Decision(
+            "decoder_stack", {b: r < WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON
+        )
+    else:
+        decisions["decoder_stack"] = Decision(
+            "decoder_stack", {b: linear[b] and gated[b] for b in BATCHES}, {},
+            "rule until timed on a model: taken where linear and gated_linear are",
+        )  # fmt: skip
     return KernelPolicy(mode_, decisions, shapes)
+
+
+def _cached(key: str, op: str) -> dict[int, float] | None:
+    """The cached ratios of `op` for shapes `key`, or None."""
+    try:
+        entry = json.loads(_cache_file().read_text())[key][op]
+        return {b: float(entry[str(b)]) for b in BATCHES}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def calibrate_stack(measure: Callable[[int], tuple[float, float]]) -> KernelPolicy:
+    """Decides the decoder stack from `measure(rows)` -> (seconds through the stack, seconds through the modules)
+    of one step of `rows` tokens, per batch class; cached beside the build with the shapes' other ratios. Only in
+    "auto" mode with a resolved policy; returns the policy."""
+    current = policy()
+    if current.mode != "auto" or current.shapes is None or not any(current.decisions["rms_norm"].native.values()):
+        return current
+    key = current.shapes.key()
+    ratios = _cached(key, "decoder_stack")
+    if ratios is None:
+        ratios = {}
+        for b in BATCHES:
+            stack_s, modules_s = measure(b)
+            ratios[b] = round(stack_s / modules_s, 3)
+        _store(key, "decoder_stack", ratios)
+    decision = Decision("decoder_stack", {b: r < WIN_RATIO for b, r in ratios.items()}, ratios, _STACK_REASON)
+    with _lock:
+        if _policy and _policy[-1] is current:
+            _policy[-1] = KernelPolicy(current.mode, {**current.decisions, "decoder_stack": decision}, current.shapes)
+        return _policy[-1] if _policy else current
+
+
+def _store(key: str, op: str, ratios: dict[int, float]) -> None:
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    cached.setdefault(key, {})[op] = {str(b): r for b, r in ratios.items()}
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: calibrate again next time
 
 
 def _cache_file() -> Path:
@@ -224,13 +278,8 @@ def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
     start = time.perf_counter()
     ratios = calibrate(kernels, shapes)
     logger.info("kernel calibration for %s took %.2f s: %s", shapes.key(), time.perf_counter() - start, ratios)
-    cached[shapes.key()] = {op: {str(b): r for b, r in by_batch.items()} for op, by_batch in ratios.items()}
-    try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: calibrate again next time
+    for op, by_batch in ratios.items():
+        _store(shapes.key(), op, by_batch)
     return ratios
 
 

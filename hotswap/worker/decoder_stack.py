@@ -11,9 +11,10 @@ on (`decoder_stack` in `python -m hotswap.kernels --report`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -114,6 +115,30 @@ class NativeDecoderStack:
              layer.self_attn.attn)
             for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
         ]  # fmt: skip
+
+    def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int) -> tuple[float, float]:
+        """(seconds through the stack, seconds through the modules) of one decode step of `rows` sequences, each
+        in a block of its own (the median of 3 after a warm-up). Writes scratch keys and values into the first
+        `rows` blocks of the cache: only before any request ran."""
+        assert self.model is not None
+        rows = min(rows, num_blocks)
+        meta = AttentionMetadata.build([1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel)
+        ids, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        model = self.model
+
+        def median(fn: Callable[[], object]) -> float:
+            fn()
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[1]
+
+        with torch.inference_mode():
+            stack = median(lambda: self.run(self.embed(ids), positions, meta))
+            modules = median(lambda: model(ids, positions, meta))
+        return stack, modules
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`. The tensors are read from

@@ -13,6 +13,7 @@ from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import ops
+from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
 from hotswap.worker.decoder_stack import NativeDecoderStack
@@ -46,6 +47,17 @@ class ModelRunner:
             attn.k_cache = zeroed(shape, dtype)
             attn.v_cache = zeroed(shape, dtype)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    def calibrate_stack(self) -> None:
+        """Times the native decoder stack against the modules on this model and cache (once per model shapes and
+        build: the result is cached), where the stack could run at all."""
+        if self.attention_kernel is None or self.stack.model is None or not self.stack.modules_fit:
+            return
+        if next(self.model.parameters()).dtype != torch.float32 or current_parallel().size > 1:
+            return
+        kernel_policy.calibrate_stack(
+            lambda rows: self.stack.time_step(rows, self.block_size, self.attention_kernel, self.num_blocks)
+        )
 
     def free_kv_cache(self) -> None:
         for attn in self.attention_layers():

@@ -95,7 +95,11 @@ class Worker:
 
     @in_config_scope
     def initialize_cache(self, num_blocks: int) -> None:
-        self._runner().allocate_kv_cache(num_blocks)
+        """Allocates the KV cache; before any request, the native decoder stack is timed on it (see
+        `ModelRunner.calibrate_stack`)."""
+        runner = self._runner()
+        runner.allocate_kv_cache(num_blocks)
+        runner.calibrate_stack()
 
     @in_config_scope
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
