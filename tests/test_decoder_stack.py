@@ -185,4 +185,23 @@ def test_decoder_layers_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="entries per layer"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8))  # fmt: skip
+                           1.0, 1e-6, torch.ones(8), True, True, True)  # fmt: skip
+
+
+def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch):
+    """With the linear products on torch's BLAS (as on AVX2 builds) and the rest native, the stack still runs the
+    step, with the modules' bits."""
+    from hotswap.kernels import ops as facade
+    from hotswap.kernels import policy
+    from hotswap.kernels.policy import OPS, Decision, KernelPolicy
+
+    decisions = {op: Decision.rule(op, op not in ("linear", "gated_linear"), "test") for op in OPS}
+    mixed = KernelPolicy("native", decisions, None)
+    monkeypatch.setattr(facade, "policy", lambda: mixed)
+    monkeypatch.setattr(policy, "prepare", lambda hf_config: mixed)
+    monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
+    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2")
+    fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)
+    slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
+    assert native_steps > 0
+    assert [o.outputs[0].token_ids for o in fast[0]] == [o.outputs[0].token_ids for o in slow[0]]

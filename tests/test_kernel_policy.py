@@ -42,13 +42,17 @@ def test_the_table_decides_every_op_for_every_batch_class_in_every_mode(built):
 
 
 def test_decisions_follow_the_measured_ratios(built, monkeypatch):
-    """Native only where it measured faster, per batch class; the decoder stack only where both linear ops are."""
+    """Native only where it measured faster, per batch class; the decoder stack where it was timed faster than
+    the modules (taken until timed)."""
     fake = {op: {4: 1.2, 16: 0.5, 64: 0.9} for op in CALIBRATED}
     fake["gated_linear"] = {4: 0.5, 16: 0.5, 64: 1.5}
     monkeypatch.setattr(policy, "_calibration", lambda kernels, shapes: fake)
+    monkeypatch.setattr(policy, "_cached", lambda key, op: None)  # the stack not timed yet: taken
     resolved = policy._resolve("auto", Shapes())
     assert resolved.decisions["linear"].native == {4: False, 16: True, 64: True}
-    assert resolved.decisions["decoder_stack"].native == {4: False, 16: True, 64: False}
+    assert resolved.decisions["decoder_stack"].native == {4: True, 16: True, 64: True}
+    monkeypatch.setattr(policy, "_cached", lambda key, op: {4: 1.1, 16: 0.6, 64: 0.99})  # as timed on a model
+    assert policy._resolve("auto", Shapes()).decisions["decoder_stack"].native == {4: False, 16: True, 64: False}
     assert resolved.uses("linear", 5) is False and resolved.uses("linear", 20) is True
     assert resolved.uses("gated_linear", 33) is False and resolved.uses("rms_norm", 500) is True
     assert all(resolved.decisions[op].native[b] for op in ("paged_attention", "write_kv_cache") for b in BATCHES)

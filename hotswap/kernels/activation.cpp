@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -38,6 +39,10 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
+}  // namespace
+
+namespace hotswap_ops {
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [T, 2 * I] with contiguous rows");
@@ -57,8 +62,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace hotswap_ops
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("silu_and_mul", &hotswap_ops::silu_and_mul); }

@@ -6,11 +6,14 @@
 //
 // decoder_layers(x [T, H], positions [T] int64, layers, k_caches, v_caches, slot_mapping, block_tables,
 //                context_lens, query_lens?, kv_of_q?, num_heads, num_kv_heads, head_dim, scale, eps,
-//                final_norm [H]) -> [T, H]
+//                final_norm [H], native_linear, native_gated, native_silu) -> [T, H]
 // runs every layer on the embedded tokens x and returns the final RMSNorm of the last hidden state. `layers`
 // holds kLayerTensors entries per layer, in the order of LayerTensor (biases may be None); k/v_caches hold each
 // layer's cache; the other attention arguments are those of rope_paged_attention (paged_attention.cpp), shared by
-// every layer. x's storage becomes the residual stream (as in the modules). Each layer is:
+// every layer. x's storage becomes the residual stream (as in the modules). The three flags say which products
+// take the native small-batch kernels and which torch's (at::linear, the BLAS; the SwiGLU gate native or as
+// silu(gate) * up), as the kernel policy chose for this batch: the modules' choice, so the same bits, without
+// the Python between the ops. Each layer is:
 //   h = rms_norm(residual += x)              (the first layer: residual = x, h = rms_norm(x))
 //   q, k, v = split(h · qkvᵀ + qkv_bias)
 //   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
@@ -37,7 +40,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
                           const at::Tensor& block_tables, const at::Tensor& context_lens,
                           const OptTensor& query_lens, const OptTensor& kv_of_q,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-                          const at::Tensor& final_norm) {
+                          const at::Tensor& final_norm, bool native_linear, bool native_gated, bool native_silu) {
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
               " entries per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
@@ -54,6 +57,16 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     TORCH_CHECK(t.has_value(), "decoder_layers: layer ", layer, " lacks tensor ", static_cast<int>(which));
     return *t;
   };
+  auto linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
+    return native_linear ? hotswap_ops::small_batch_linear(a, w, b) : at::linear(a, w, b);
+  };
+  auto gated = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
+    if (native_gated) return hotswap_ops::small_batch_gated_linear(a, w, b);
+    const at::Tensor h = linear(a, w, b);
+    if (native_silu) return hotswap_ops::silu_and_mul(h);
+    const int64_t half = h.size(1) / 2;
+    return at::silu(h.narrow(1, 0, half)) * h.narrow(1, half, half);
+  };
   at::Tensor hidden = x, residual;
   for (int64_t l = 0; l < num_layers; ++l) {
     at::Tensor h;
@@ -63,7 +76,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     } else {
       h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kInputNorm), eps);
     }
-    const at::Tensor qkv = hotswap_ops::small_batch_linear(h, need(l, kQkv), get(l, kQkvBias));
+    const at::Tensor qkv = linear(h, need(l, kQkv), get(l, kQkvBias));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layers: qkv width does not match the head counts");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -71,10 +84,9 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     const at::Tensor attn =
         hotswap_ops::rope_paged_attention(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
                            slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
-    hidden = hotswap_ops::small_batch_linear(attn, need(l, kO), get(l, kOBias));
+    hidden = linear(attn, need(l, kO), get(l, kOBias));
     h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
-    hidden = hotswap_ops::small_batch_linear(hotswap_ops::small_batch_gated_linear(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown),
-                             get(l, kDownBias));
+    hidden = linear(gated(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown), get(l, kDownBias));
   }
   if (num_layers == 0) return hotswap_ops::rms_norm(hidden, final_norm, eps);
   return hotswap_ops::add_rms_norm(hidden, residual, final_norm, eps);
@@ -86,8 +98,8 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
   m.def(
       "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? query_lens, "
-      "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm) "
-      "-> Tensor");
+      "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm, "
+      "bool native_linear, bool native_gated, bool native_silu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -26,6 +26,9 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const st
 // linear.cpp: silu(gate) * up of x · wᵀ (+ bias) for w = [gate; up] [2I, K]: [M, I].
 at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// activation.cpp: silu(x[:, :I]) * x[:, I:] for x [T, 2I] with contiguous rows.
+at::Tensor silu_and_mul(const at::Tensor& x);
+
 // paged_attention.cpp: rotary + write_kv_cache + paged attention in one call.
 at::Tensor rope_paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,

@@ -14,8 +14,9 @@ The switch is `HOTSWAP_NATIVE_KERNELS` (or `use_mode` in-process, for tests):
 Ops that are not calibrated here are decided by a rule, given with its reason in the table: the paged attention
 kernels read the paged cache in place, where the torch path gathers it and pads the batch. The decoder stack is
 timed as a whole once a worker has its model and KV cache (`calibrate_stack`: one decode step through the
-stack against one through the modules, per batch class, also cached); until then it is taken where both linear
-ops are. `python -m hotswap.kernels --report` prints the table.
+stack against one through the modules, per batch class, also cached); until then it is taken. It runs each
+product as the table chose (the native kernel or the BLAS), so it computes what the modules would.
+`python -m hotswap.kernels --report` prints the table.
 """
 
 from __future__ import annotations
@@ -196,17 +197,15 @@ def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
     attention = "rule: reads the paged cache in place (torch gathers and pads it)"
     for op in ("write_kv_cache", "paged_attention", "rope_paged_attention"):
         decisions[op] = Decision.rule(op, True, attention)
-    linear, gated = decisions["linear"].native, decisions["gated_linear"].native
     stack = _cached(shapes.key(), "decoder_stack")
     if stack is not None:
         decisions["decoder_stack"] = Decision(
             "decoder_stack", {b: r < WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON
         )
     else:
-        decisions["decoder_stack"] = Decision(
-            "decoder_stack", {b: linear[b] and gated[b] for b in BATCHES}, {},
-            "rule until timed on a model: taken where linear and gated_linear are",
-        )  # fmt: skip
+        decisions["decoder_stack"] = Decision.rule(
+            "decoder_stack", True, "rule until timed on a model: taken (it runs the products as chosen above)"
+        )
     return KernelPolicy(mode_, decisions, shapes)
 
 

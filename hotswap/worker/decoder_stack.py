@@ -60,8 +60,10 @@ class NativeDecoderStack:
         if not self.modules_fit:
             return False
         qkv = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj  # checked by `modules_fit`
+        policy = ops.policy()
         return (
             ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
+            and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
             and qkv.weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and self.needs_grad)
             and positions.dtype == torch.long
@@ -158,8 +160,10 @@ class NativeDecoderStack:
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        policy, rows = ops.policy(), x.shape[0]
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
-            first.attn.scale, self.model.norm.eps, self.model.norm.weight,
+            first.attn.scale, self.model.norm.eps, self.model.norm.weight, policy.uses("linear", rows),
+            policy.uses("gated_linear", rows), policy.uses("silu_and_mul", rows),
         )  # fmt: skip
