@@ -326,3 +326,26 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
     pusher = Pusher(llm, "torch_dist")
     pusher.push(b_tensors)
     assert serves(llm, ckpts["B"])
+
+
+def test_an_abort_that_lands_before_the_update_waits_is_not_lost(ckpts, b_tensors):
+    """The interrupt of an abort racing an update_weights call (sent before that call began receiving) still ends
+    the wait at once; the next session is not affected by it."""
+    from hotswap.transfer.base import interrupt_waits
+    from hotswap.transfer.shm import ShmSender
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 120})
+    sender = ShmSender()
+    info, _ = sender.prepare(b_tensors)  # declared, never published
+    llm.init_weight_transfer_engine({"backend": "shm"})
+    llm.start_weight_update()
+    interrupt_waits()  # as AsyncLLMEngine.abort_weight_update does, before the update below starts to wait
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="aborted while waiting"):
+        llm.update_weights(info)
+    assert time.monotonic() - start < 5 and serves(llm, ckpts["A"])
+    llm.start_weight_update()  # a new session: the old interrupt is spent
+    llm.update_weights(sender.write(b_tensors))
+    llm.finish_weight_update()
+    assert serves(llm, ckpts["B"])
+    sender.close()

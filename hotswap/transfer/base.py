@@ -93,17 +93,18 @@ _interrupts = [0, 0]  # [interrupts requested, count when the current update beg
 def interrupt_waits() -> None:
     """Makes every transport wait in this process (a trainer that has not published yet) give up at once, with
     an error that ends its update (rolled back). Safe from any thread and from a signal handler. An interrupt
-    that lands before the update began receiving is not seen by it."""
+    that lands while a session is open but before its update began receiving ends that update as soon as it
+    waits (an abort racing an update_weights call is not lost)."""
     _interrupts[0] += 1
 
 
 def clear_interrupt() -> None:
-    """Called as an update starts receiving: an interrupt meant for an earlier wait does not end this one."""
+    """Called as a session opens: an interrupt meant for an earlier session does not end this one's waits."""
     _interrupts[1] = _interrupts[0]
 
 
 def check_interrupt() -> None:
-    """Raises RuntimeError if `interrupt_waits()` was called since the update began; transports call it while
+    """Raises RuntimeError if `interrupt_waits()` was called since the session opened; transports call it while
     they wait."""
     if _interrupts[0] != _interrupts[1]:
         raise RuntimeError("the update was aborted while waiting for the trainer")

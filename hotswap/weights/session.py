@@ -107,6 +107,7 @@ class WeightSession:
 
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
+        clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
         self._open(WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups))
 
     def receive(self, update_info: dict[str, Any], selection: RankSelection) -> int:
@@ -116,7 +117,6 @@ class WeightSession:
         self.expect(SessionState.ACTIVE, call="update_weights")
         engine, update = self.engine, self.update
         assert engine is not None and update is not None
-        clear_interrupt()
         try:
             return update.apply(selection.apply(engine.source(update_info)))
         except BaseException as err:
