@@ -265,6 +265,10 @@ def test_fp8_checkpoints_already_quantized_load_as_they_are(moe, tmp_path, block
     with pytest.raises(ValueError, match="without its weight_scale"):
         loaded.reload_weights(weights_iterator=[(weight, b_quantized[weight])])
     assert loaded.collective_rpc("weight_checksums") == before
+    scale = next(n for n in b_quantized if n.startswith(weight + "_scale"))
+    with pytest.raises(ValueError, match="without its float8 weight"):
+        loaded.reload_weights(weights_iterator=[(scale, b_quantized[scale])])
+    assert loaded.collective_rpc("weight_checksums") == before
     plain = LLM(str(moe["qwen3_moe_A"]), kv_cache_memory_bytes=KV)
     with pytest.raises(ValueError, match="quantization='fp8'"):
         plain.reload_weights(weights_iterator=[(weight, b_quantized[weight])])
@@ -387,6 +391,18 @@ def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
               enable_expert_parallel=expert_parallel)  # fmt: skip
     local = llm.collective_rpc(lambda w: len(w.model.model.layers[0].mlp.experts.local_experts))
     assert local == ([4, 3] if expert_parallel else [7, 7])
+
+    def plan_agrees(worker):  # the shard plan a trainer slices by gives exactly the shapes each rank expects
+        index = WeightIndex.of(worker.model)
+        for name in index.required:
+            target, shape = index.targets[name], list(index.targets[name].full_shape)
+            for dim, _, length in target.narrowings():
+                shape[dim] = length
+            if tuple(shape) != target.local_shape:
+                return name
+        return None
+
+    assert llm.collective_rpc(plan_agrees) == [None, None]
     assert greedy(llm) == hf_tokens(moe7["A"], llm)
     ptrs = llm.collective_rpc(lambda w: [p.data_ptr() for n, p in w.model.named_parameters() if ".experts." in n])
     pusher = Pusher(llm, "torch_dist")
@@ -447,4 +463,6 @@ def test_grouped_products_equal_one_linear_per_expert(monkeypatch, dtype, groupe
     starts = [0, *counts.cumsum(0).tolist()]
     expected = torch.cat([x[starts[e] : starts[e + 1]] @ w[e].T for e in range(6)])
     got = fused_moe.grouped_mm(x, w, counts)
+    if grouped and hasattr(torch, "_grouped_mm") and dtype == torch.float32:
+        assert fused_moe._grouped_mm_works("cpu", dtype)  # the probe itself must not refuse a working op
     torch.testing.assert_close(got, expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)

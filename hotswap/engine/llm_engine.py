@@ -332,7 +332,8 @@ class LLMEngine:
     def begin_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side on every worker without waiting for its trainer."""
         self.weights_rpc("init_weight_transfer_engine", init_info)
-        self._connect_deadline = time.monotonic() + self.config.weight_transfer_config.timeout_s + 10
+        # the store connection and the group's rendezvous may each take up to timeout_s
+        self._connect_deadline = time.monotonic() + 2 * self.config.weight_transfer_config.timeout_s + 10
 
     def weight_transfer_ready(self) -> bool:
         """Whether every worker's transport has connected. If one failed (or the engine-side deadline passed),
@@ -342,8 +343,7 @@ class LLMEngine:
             if not ready and time.monotonic() > self._connect_deadline:
                 raise TimeoutError("the weight transfer engine did not connect to its trainer in time")
         except BaseException:
-            if self.config.parallel_config.tensor_parallel_size > 1:  # ranks still connecting drop theirs too
-                self.executor.collective_rpc("shutdown_weight_transfer_engine")
+            self.executor.collective_rpc("shutdown_weight_transfer_engine")  # ranks still connecting drop theirs
             raise
         return ready
 

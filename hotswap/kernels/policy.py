@@ -76,7 +76,8 @@ class Shapes:
                    layers)  # fmt: skip
 
     def key(self) -> str:
-        return "x".join(str(v) for v in asdict(self).values())
+        """The cache key: the shapes and the threads the ops run on (a tensor-parallel worker has fewer)."""
+        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t"
 
 
 @dataclass(frozen=True)
@@ -303,9 +304,14 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 7) -> dict[str, dict[int
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
-    copies = max(2, min(shapes.layers, (64 << 20) // shapes.layer_weight_bytes()))
-    weights = {name: [torch.full(shape, 0.01) for _ in range(copies)]
-               for name, shape in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}  # fmt: skip
+    copies = max(1, min(shapes.layers, (64 << 20) // shapes.layer_weight_bytes()))
+
+    def rows(n: int, k: int) -> int:  # a weight above 64 MB is timed on its first rows (the cost is per row)
+        r = max(2, min(n, (64 << 20) // (4 * k)))
+        return r - r % 2 if n % 2 == 0 else r  # [gate; up] keeps two halves
+
+    weights = {name: [torch.full((rows(n, k), k), 0.01) for _ in range(copies)]
+               for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}  # fmt: skip
     turn = [0]
 
     def w(name: str) -> torch.Tensor:

@@ -157,9 +157,19 @@ class TorchDistEngine(TransferEngine):
         self._error: BaseException | None = None
         self._closed = False
         self._works: list[Any] = []  # the broadcasts of the update being received
-        args = (address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
-        self._joining = threading.Thread(target=self._join, args=args, name="torch_dist-join", daemon=True)
-        self._joining.start()
+        self._lock = threading.Lock()
+        key = (address, port, 1 + tp.rank)
+        with _joins_lock:
+            earlier = _joins.get(key)
+            if earlier is not None and earlier.is_alive():
+                raise RuntimeError(
+                    f"an earlier init_weight_transfer_engine to {self.where} is still joining as rank {1 + tp.rank} "
+                    f"(for up to {2 * config.timeout_s:g} s); wait for it to end, or use another master_port"
+                )
+            args = (address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
+            self._joining = threading.Thread(target=self._join, args=args, name="torch_dist-join", daemon=True)
+            _joins[key] = self._joining
+            self._joining.start()
 
     def _join(self, *args: Any) -> None:
         try:
@@ -167,8 +177,9 @@ class TorchDistEngine(TransferEngine):
         except BaseException as err:  # reported by ready()
             self._error = err
             return
-        if not self._closed:
-            self.store, self.group = store, group
+        with self._lock:  # against shutdown(): a group joined after it is dropped, never installed
+            if not self._closed:
+                self.store, self.group = store, group
 
     def ready(self) -> bool:
         if self._joining.is_alive():
@@ -211,7 +222,8 @@ class TorchDistEngine(TransferEngine):
         return self.group.broadcast([self._buffers[slot][:size]], _root(0))
 
     def shutdown(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         if any(not work.is_completed() for work in self._works):
             # An interrupted broadcast is still in flight inside the group, writing into these buffers:
             # destroying the group would wait for it (up to its timeout), so both are parked instead.
@@ -224,6 +236,10 @@ class TorchDistEngine(TransferEngine):
 
 
 _abandoned: list[Any] = []  # the last few shut-down groups and their buffers (see TorchDistEngine.shutdown)
+# (address, port, rank) -> the thread joining that group: a second join as the same rank while the first still
+# runs could pair the trainer with the stale one
+_joins: dict[tuple[str, int, int], threading.Thread] = {}
+_joins_lock = threading.Lock()
 
 
 def _wait(work: Any) -> None:

@@ -13,6 +13,7 @@ Weight lifecycle (hotswap/weights): every load, reload and transport update is a
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Iterable
@@ -162,21 +163,32 @@ class Worker:
         (those need a new engine)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="update_config")
         sections = live_overrides(self.config, overrides)
+        previous = {name: copy.deepcopy(getattr(self.config, name)) for name in sections}
         placement = self.config.parallel_config.expert_placement
         apply_overrides(self.config, sections)
         if self.model is not None and self.config.parallel_config.expert_placement != placement:
-            self._move_experts(placement)
+            try:
+                self._move_experts()
+            except BaseException:
+                apply_overrides(self.config, previous)  # the whole change is refused, on every rank
+                raise
 
-    def _move_experts(self, previous: list[list[int]] | None) -> None:
-        """Moves every MoE layer's experts to the live placement, all layers or none: every layer's new experts
-        are gathered from the ranks first (collectives that change nothing; on failure the previous placement is
-        restored in the config and the error raised), then every layer takes them."""
+    def _move_experts(self) -> None:
+        """Moves every MoE layer's experts to the live placement, all layers on all ranks or none: every layer's
+        new experts are gathered from the ranks first (collectives that change nothing), then the ranks agree
+        that all of them gathered (an all-reduce of their verdicts), and only then does every layer take them."""
         layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)] if self.model is not None else []
+        gathered: list[tuple[FusedMoE, dict[str, torch.Tensor] | None]] = []
+        error: BaseException | None = None
         try:
             gathered = [(layer, layer.gather_placement()) for layer in layers]
-        except BaseException:
-            self.config.parallel_config.expert_placement = previous
-            raise
+        except Exception as err:
+            error = err
+        ok = self.parallel.all_reduce(torch.tensor([0 if error is not None else 1]))
+        if error is not None:
+            raise error
+        if int(ok.item()) != self.parallel.size:
+            raise RuntimeError("moving the experts failed on another rank; the previous placement stays")
         for layer, moved in gathered:
             if moved is not None:
                 layer.take_placement(moved)

@@ -73,20 +73,29 @@ def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
     whose result is known)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        a, b = torch.ones(3, 4, dtype=dtype, device=device), torch.ones(2, 4, 5, dtype=dtype, device=device)
+    try:  # [E, N, K] weights transposed, as the layer passes them; 16-byte aligned strides, as torch requires
+        a = torch.ones(3, 8, dtype=dtype, device=device)
+        b = torch.ones(2, 4, 8, dtype=dtype, device=device).transpose(1, 2)
         out = torch._grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32, device=device))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-    return bool(out.shape == (3, 5) and torch.all(out == 4))
+    return bool(out.shape == (3, 4) and torch.all(out == 8))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every stride but the unit one, and the data, are 16-byte aligned (what `_grouped_mm` needs)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in tensors
+    )
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` grouped by expert (`counts[e]` consecutive rows for expert e) times `weights[e]`ᵀ
     ([E, N, K]): [rows, N]."""
-    if _grouped_mm_works(x.device.type, x.dtype):
+    transposed = weights.transpose(1, 2)
+    if _grouped_mm_works(x.device.type, x.dtype) and _aligned(x, transposed):
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weights.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(x, transposed, offs=offs)
     parts, start = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
@@ -249,7 +258,8 @@ class FusedMoE(nn.Module):
         e, part = self._expert_shard(shard_id)
         slot = self.slot.get(e)
         if slot is None:
-            return param.data[:0]
+            view = param.data[0, :0]  # nothing of another rank's expert; the shape a zero-length cut gives
+            return view.unsqueeze(-1) if self._is_scale(param) and self.block is None else view
         view = param.data[slot]
         if part != _DOWN:
             start, rows = self._rows(part)
@@ -337,7 +347,15 @@ class FusedMoE(nn.Module):
         """Raises ValueError for an update that would leave FP8 weights without their scales: a float8 weight
         needs quantization="fp8" and its per-expert scale in the same update (fused names are high precision)."""
         scales = {shard for shard, param, _ in entries if self._is_scale(param)}
+        quantized = {shard for shard, param, dtype in entries if not self._is_scale(param) and dtype == FP8_DTYPE}
+        for shard in scales - quantized:
+            raise ValueError(
+                f"the {self.scale_leaf} of expert shard {shard} arrives without its float8 weight in the same update "
+                "(a scale alone would rescale the weight quantized on load)"
+            )
         for shard, param, dtype in entries:
+            if dtype in (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+                raise ValueError(f"expert weights must be float8_e4m3fn (or high precision), got {dtype} for {shard}")
             if dtype != FP8_DTYPE or self._is_scale(param):
                 continue
             if not self.fp8:
@@ -363,7 +381,10 @@ class FusedMoE(nn.Module):
         if ep != self.expert_parallel or self.fp8 != (config.quant_config.quantization == "fp8"):
             raise RuntimeError("the live config's expert parallelism or quantization differs from this layer's")
         if self._placement(config) != self.placement:
-            raise RuntimeError("the live config places the experts elsewhere; apply_placement() moves them first")
+            raise RuntimeError(
+                "the live config places the experts elsewhere; change the placement through update_config("
+                "{'parallel_config': {'expert_placement': ...}}), which moves them"
+            )
         device = self.w13_weight.device
         expert_map = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
         local = torch.tensor(self.local_experts, dtype=torch.int64, device=device)

@@ -42,7 +42,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     w = weight.float()
     n, k = w.shape[-2:]
     nb, kb = _block_view(w.shape, block)
-    padded = torch.zeros(*w.shape[:-2], nb * block[0], kb * block[1])
+    padded = torch.zeros(*w.shape[:-2], nb * block[0], kb * block[1], device=w.device)
     padded[..., :n, :k] = w
     tiles = padded.view(*w.shape[:-2], nb, block[0], kb, block[1])
     scale = (tiles.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp(min=1e-12)
