@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +27,7 @@ HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (Smo
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return policy.median_seconds(fn, reps) * 1e6
 
 
 def rotating(make: Callable[[], torch.Tensor], min_bytes: int = 64 << 20) -> Callable[[], torch.Tensor]:

@@ -283,7 +283,8 @@ def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
     return ratios
 
 
-def _median(fn: Callable[[], object], reps: int) -> float:
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The median time of `reps` calls of `fn`, after one warm-up call."""
     fn()
     times = []
     for _ in range(reps):
@@ -325,7 +326,7 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 7) -> dict[str, dict[int
     ratios: dict[str, dict[int, float]] = {op: {} for op in CALIBRATED}
     for m in BATCHES:
         for op, (native_fn, torch_fn) in _pairs(kernels, shapes, m, randn, w, norm_w, cos, sin, gen).items():
-            ratios[op][m] = _median(native_fn, reps) / _median(torch_fn, reps)
+            ratios[op][m] = median_seconds(native_fn, reps) / median_seconds(torch_fn, reps)
     return ratios
 
 
