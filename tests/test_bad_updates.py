@@ -70,8 +70,9 @@ def test_out_of_order_calls_name_the_expected_call(ckpts, b_tensors):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
     with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):
         llm.start_weight_update()
-    with pytest.raises(ValueError, match=r"unknown weight transfer backend.*shm"):
-        llm.init_weight_transfer_engine({"backend": "carrier_pigeon"})
+    for backend in ("carrier_pigeon", [], {"x": 1}, None):  # not even a name: still a clear ValueError
+        with pytest.raises(ValueError, match=r"unknown weight transfer backend.*shm"):
+            llm.init_weight_transfer_engine({"backend": backend})
     llm.init_weight_transfer_engine({"backend": "tensors"})
     with pytest.raises(RuntimeError, match="start_weight_update"):
         llm.update_weights({"named_tensors": b_tensors})

@@ -115,7 +115,7 @@ def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> Tr
     if not isinstance(init_info, dict):
         raise ValueError(f"init_info must be a dict with a 'backend' key, got {type(init_info).__name__}")
     backend = init_info.get("backend")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown weight transfer backend {backend!r}; expected one of {sorted(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
     return getattr(importlib.import_module(module_name), class_name)(init_info, config)
