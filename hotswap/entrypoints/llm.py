@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -212,9 +213,16 @@ class LLM:
             self.llm_engine.update_config(overrides)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}."""
+        """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}.
+        Returns once it connected to its trainer; meanwhile the lock is taken only to poll, so other threads'
+        calls (generate) go on."""
         with self._lock:
-            self.llm_engine.init_weight_transfer_engine(init_info)
+            self.llm_engine.begin_weight_transfer_engine(init_info)
+        while True:
+            with self._lock:
+                if self.llm_engine.weight_transfer_ready():
+                    return
+            time.sleep(0.005)
 
     def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session; returns its token, which update/finish/abort may carry (`session_token`) so
