@@ -198,7 +198,7 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     decisions = {op: Decision.rule(op, op not in ("linear", "gated_linear"), "test") for op in OPS}
     mixed = KernelPolicy("native", decisions, None)
     monkeypatch.setattr(facade, "policy", lambda: mixed)
-    monkeypatch.setattr(policy, "prepare", lambda hf_config: mixed)
+    monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
     monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
     test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2")
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)

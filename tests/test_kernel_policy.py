@@ -115,3 +115,17 @@ def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+def test_the_calibration_times_the_models_dtype(built, monkeypatch, tmp_path):
+    """bfloat16 models get their own calibration (the norms, SwiGLU gate and rotary timed in bfloat16)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "vocab_size": 512, "num_hidden_layers": 2}  # fmt: skip
+    import torch
+
+    bf16, fp32 = Shapes.of(cfg, torch.bfloat16), Shapes.of(cfg)
+    assert bf16.dtype == "bfloat16" and bf16.key() != fp32.key()
+    resolved = policy._resolve("auto", bf16)
+    assert all(set(resolved.decisions[op].ratios) == set(BATCHES) for op in CALIBRATED)
+    assert bf16.key() in json.loads(policy._cache_file().read_text())

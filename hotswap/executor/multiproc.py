@@ -81,7 +81,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         # build and calibrate the kernels (if not cached) once here, before the workers would each wait for it
-        kernel_policy.prepare(config.model_config.hf_config)
+        kernel_policy.prepare(config.model_config.hf_config, config.model_config.torch_dtype)
         size = config.parallel_config.tensor_parallel_size
         port = _free_port()
         authkey = os.urandom(32)

@@ -60,20 +60,21 @@ class Shapes:
     head_dim: int = 64
     vocab: int = 16384
     layers: int = 30
+    dtype: str = "float32"  # the activations' dtype, which the norms, SwiGLU gate and rotary are timed in
 
     def layer_weight_bytes(self) -> int:
         """float32 bytes of one layer's linear weights (q/k/v, o, gate/up, down)."""
         return 4 * (self.qkv * self.hidden + self.hidden * self.hidden + 3 * self.hidden * self.intermediate)
 
     @classmethod
-    def of(cls, hf_config: dict[str, Any]) -> Shapes:
+    def of(cls, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32) -> Shapes:
         hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
         head_dim = int(hf_config.get("head_dim") or hidden // heads)
         kv = int(hf_config.get("num_key_value_heads") or heads)
         intermediate = int(hf_config.get("intermediate_size") or 4 * hidden)
         layers = int(hf_config.get("num_hidden_layers", 1))
         return cls(hidden, intermediate, (heads + 2 * kv) * head_dim, heads, head_dim, int(hf_config["vocab_size"]),
-                   layers)  # fmt: skip
+                   layers, str(dtype).removeprefix("torch."))  # fmt: skip
 
     def key(self) -> str:
         """The cache key: the shapes and the threads the ops run on (a tensor-parallel worker has fewer)."""
@@ -154,10 +155,10 @@ def policy() -> KernelPolicy:
         return _policy[-1]
 
 
-def prepare(hf_config: dict[str, Any]) -> KernelPolicy:
-    """Resolves the policy for a model (its shapes), reading the switch again; a later model with other shapes
-    re-resolves it."""
-    shapes = Shapes.of(hf_config)
+def prepare(hf_config: dict[str, Any], dtype: torch.dtype = torch.float32) -> KernelPolicy:
+    """Resolves the policy for a model (its shapes and dtype), reading the switch again; a later model with other
+    shapes re-resolves it."""
+    shapes = Shapes.of(hf_config, dtype)
     wanted = mode()
     with _lock:
         if not _forced:
@@ -335,14 +336,17 @@ def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tens
            ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:  # fmt: skip
     """(native call, torch call) per calibrated op, on a batch of `m` rows."""
     h, i = shapes.hidden, shapes.intermediate
-    x, xi, gu, residual = randn(m, h), randn(m, i), randn(m, 2 * i), randn(m, h)
+    act = getattr(torch, shapes.dtype)  # the products and the logits are float32 on their native paths
+    x, xi, residual = randn(m, h), randn(m, i), randn(m, h).to(act)
+    gu, xa, norm_a = randn(m, 2 * i).to(act), x.to(act), norm_w.to(act)
     logits = randn(m, shapes.vocab)
-    q, k = randn(m, shapes.heads, shapes.head_dim), randn(m, max(1, shapes.heads // 3), shapes.head_dim)
+    q = randn(m, shapes.heads, shapes.head_dim).to(act)
+    k = randn(m, max(1, shapes.heads // 3), shapes.head_dim).to(act)
     positions = torch.randint(0, cos.shape[0], (m,), generator=gen)
     return {
-        "rms_norm": (lambda: kernels.rms_norm(x, norm_w, 1e-6), lambda: _torch_rms_norm(x, norm_w, 1e-6)),
-        "add_rms_norm": (lambda: kernels.add_rms_norm(x, residual.clone(), norm_w, 1e-6),
-                         lambda: _torch_rms_norm(residual.clone() + x, norm_w, 1e-6)),
+        "rms_norm": (lambda: kernels.rms_norm(xa, norm_a, 1e-6), lambda: _torch_rms_norm(xa, norm_a, 1e-6)),
+        "add_rms_norm": (lambda: kernels.add_rms_norm(xa, residual.clone(), norm_a, 1e-6),
+                         lambda: _torch_rms_norm(residual.clone() + xa, norm_a, 1e-6)),
         "linear": (lambda: (kernels.small_batch_linear(x, w("qkv"), None),
                             kernels.small_batch_linear(xi, w("down"), None)),
                    lambda: (F.linear(x, w("qkv")), F.linear(xi, w("down")))),

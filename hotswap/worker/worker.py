@@ -64,7 +64,8 @@ class Worker:
     def load_model(self) -> None:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         torch.manual_seed(self.config.model_config.seed)  # unseeded sampling draws from this process's generator
-        kernel_policy.prepare(self.config.model_config.hf_config)  # which kernels win on this model's shapes
+        mc = self.config.model_config
+        kernel_policy.prepare(mc.hf_config, mc.torch_dtype)  # which kernels win on this model's shapes and dtype
         model = build_model(self.config.model_config)
         if self.config.load_config.huge_pages:
             place_in_huge_pages(model)
