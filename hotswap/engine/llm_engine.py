@@ -321,16 +321,10 @@ class LLMEngine:
             self._leave(EngineState.UPDATING)
         return result
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving side of a transport on every worker and waits until it has connected (bounded by
-        the transport's timeout). `begin_weight_transfer_engine` and `weight_transfer_ready` are the two halves,
-        for a caller that keeps generating while a trainer joins."""
-        self.begin_weight_transfer_engine(init_info)
-        while not self.weight_transfer_ready():
-            time.sleep(0.005)
-
     def begin_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving side on every worker without waiting for its trainer."""
+        """Creates the receiving side of a transport on every worker without waiting for its trainer; the caller
+        polls `weight_transfer_ready` (between steps, with its lock released in between), bounded by the
+        transport's timeout."""
         self.weights_rpc("init_weight_transfer_engine", init_info)
         # the store connection and the group's rendezvous may each take up to timeout_s
         self._connect_deadline = time.monotonic() + 2 * self.config.weight_transfer_config.timeout_s + 10
