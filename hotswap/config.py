@@ -234,6 +234,57 @@ class WeightTransferConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names. `method` None: off. "draft_model": a smaller model (`model`, a
+    checkpoint folder with the target's vocabulary) proposes `num_speculative_tokens` tokens per step, the target
+    verifies them in one pass. "ngram": prompt lookup, no draft weights: the last `prompt_lookup_max` ..
+    `prompt_lookup_min` tokens are searched earlier in the sequence and what followed them is proposed.
+    `draft_tensor_parallel_size` 1 replicates the draft on every rank; equal to the target's it shards it (default:
+    sharded where its heads divide). `draft_staleness`: what happens while the target was updated after the draft
+    ("warn": log once and keep speculating; "disable": decode without speculation until the draft is updated;
+    "allow": keep speculating silently). Outputs never depend on the draft, only the speed does."""
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    draft_tensor_parallel_size: int | None = None
+    draft_staleness: str = "warn"
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "draft_model", "ngram"):
+            raise ValueError(f"speculative_config.method must be 'draft_model' or 'ngram', got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft checkpoint folder)")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: method 'ngram' takes no draft 'model'")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
+        if self.draft_staleness not in ("warn", "disable", "allow"):
+            raise ValueError(
+                f"speculative_config.draft_staleness must be 'warn', 'disable' or 'allow', got {self.draft_staleness!r}"
+            )
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be a positive integer, got {tp!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.method == "draft_model"
+
+
+@dataclass
 class EngineConfig:
     """The whole engine configuration. Cross-section checks run here; derived fields are filled by the engine."""
 
@@ -244,6 +295,9 @@ class EngineConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     quant_config: QuantConfig = field(default_factory=QuantConfig)
     weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # derived: the draft model's own config (method "draft_model"), checked against the target here
+    draft_model_config: ModelConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
@@ -261,6 +315,7 @@ class EngineConfig:
                 f"{mc.max_model_len}; raise it or lower max_model_len (prefills are not chunked)"
             )
         check_expert_placement(self.parallel_config, mc.hf_config)
+        self.draft_model_config = draft_model_config(self) if self.speculative_config.uses_draft else None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -268,6 +323,14 @@ class EngineConfig:
         dict of its fields. Unknown names raise TypeError."""
         sections = SECTIONS
         parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        speculative = kwargs.pop("speculative_config", None) or {}
+        if isinstance(speculative, SpeculativeConfig):
+            speculative = {f.name: getattr(speculative, f.name) for f in fields(speculative)}
+        if not isinstance(speculative, dict):
+            raise ValueError(f"speculative_config must be a dict of its fields, got {type(speculative).__name__}")
+        unknown = sorted(set(speculative) - {f.name for f in fields(SpeculativeConfig)})
+        if unknown:
+            raise ValueError(f"unknown speculative_config field(s) {unknown}")
         transfer = kwargs.pop("weight_transfer_config", None) or {}
         if isinstance(transfer, WeightTransferConfig):
             transfer = {f.name: getattr(transfer, f.name) for f in fields(transfer)}
@@ -287,6 +350,7 @@ class EngineConfig:
             load_config=LoadConfig(**parts["load_config"]),
             quant_config=QuantConfig(**parts["quant_config"]),
             weight_transfer_config=WeightTransferConfig(**parts["weight_transfer_config"]),
+            speculative_config=SpeculativeConfig(**speculative),
         )
 
     def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -321,6 +385,7 @@ SECTIONS: dict[str, type] = {
     "load_config": LoadConfig,
     "quant_config": QuantConfig,
     "weight_transfer_config": WeightTransferConfig,
+    "speculative_config": SpeculativeConfig,
 }
 
 # Config fields that may change on a live engine; everything else needs a new engine.
@@ -329,6 +394,7 @@ LIVE_FIELDS = {
     "load_config": {"load_format"},
     "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
     "parallel_config": {"expert_placement"},
+    "speculative_config": {"draft_staleness"},
 }
 # config.json keys that fix the model's shapes or forward pass: a new checkpoint folder must agree on all.
 MODEL_KEYS = (
@@ -339,6 +405,49 @@ MODEL_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers",
 )  # fmt: skip
+
+
+def draft_model_config(config: EngineConfig) -> ModelConfig:
+    """The draft's ModelConfig: its folder, in the target's dtype and context length. Raises ValueError for a
+    draft whose vocabulary differs from the target's (its proposals would be other tokens)."""
+    spec, target = config.speculative_config, config.model_config
+    assert spec.model is not None and target.max_model_len is not None
+    draft = ModelConfig(
+        model=str(spec.model),
+        dtype=str(target.torch_dtype).removeprefix("torch."),
+        seed=target.seed,
+        tokenizer=target.tokenizer,
+    )
+    if draft.hf_config.get("vocab_size") != target.hf_config.get("vocab_size"):
+        raise ValueError(
+            f"speculative_config.model: the draft's vocab_size {draft.hf_config.get('vocab_size')} differs from "
+            f"the target's {target.hf_config.get('vocab_size')}; a draft must share the target's vocabulary"
+        )
+    draft_vocab = Path(spec.model) / "tokenizer.json"
+    target_vocab = Path(str(target.tokenizer)) / "tokenizer.json"
+    if draft_vocab.is_file() and target_vocab.is_file():
+        a, b = (json.loads(p.read_text()).get("model", {}).get("vocab") for p in (draft_vocab, target_vocab))
+        if a != b:
+            raise ValueError("speculative_config.model: the draft's tokenizer vocabulary differs from the target's")
+    if draft.max_context_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config.model: the draft's context length {draft.max_context_len} is below the target's "
+            f"max_model_len={target.max_model_len}; lower max_model_len"
+        )
+    draft.max_model_len = target.max_model_len
+    heads = int(draft.hf_config.get("num_attention_heads", 1))
+    tp = config.parallel_config.tensor_parallel_size
+    draft_tp = spec.draft_tensor_parallel_size
+    if draft_tp is None:
+        spec.draft_tensor_parallel_size = tp if tp <= heads else 1
+    elif draft_tp not in (1, tp):
+        raise ValueError(
+            f"speculative_config.draft_tensor_parallel_size must be 1 (replicated) or {tp} (sharded like the "
+            f"target), got {draft_tp}"
+        )
+    elif draft_tp > heads:
+        raise ValueError(f"draft_tensor_parallel_size={draft_tp} exceeds the draft's num_attention_heads={heads}")
+    return draft
 
 
 def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) -> None:

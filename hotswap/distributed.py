@@ -29,6 +29,16 @@ class ParallelContext:
             self.group.allreduce([tensor]).wait()
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrites `tensor` on every rank with rank `src`'s, in place (a no-op on one rank)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            self.group.broadcast([tensor], opts).wait()
+        return tensor
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenates every rank's `tensor` along the last dimension, in rank order."""
         if self.size == 1:

@@ -23,6 +23,25 @@ class WeightVersionSpan:
     end_token: int
 
 
+@dataclass
+class SpecStats:
+    """Speculation's effect on one completion (or the engine): tokens proposed, tokens the target accepted, and
+    verification steps. `acceptance_rate` = accepted / proposed; `mean_accepted_length` = tokens emitted per
+    step (accepted + the target's own), 1.0 without speculation."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
 # One dict per generated token: token id -> Logprob (the sampled token plus the requested top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 
@@ -31,7 +50,8 @@ SampleLogprobs = list[dict[int, Logprob]]
 class CompletionOutput:
     """One sampled completion of a request. `finish_reason` is 'stop', 'length', 'abort' or None while running;
     `stop_reason` is the stop string or token id that ended it, None for EOS or length. `weight_versions` are
-    spans over `token_ids` (over the whole output, also in a delta) naming the weight version of each token."""
+    spans over `token_ids` (over the whole output, also in a delta) naming the weight version of each token.
+    `spec_stats`: with speculative decoding on, the proposals and acceptances behind it."""
 
     index: int
     text: str
@@ -41,6 +61,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    spec_stats: SpecStats | None = None  # with speculative decoding on
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -191,8 +191,10 @@ class AsyncLLMEngine:
 
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
-    async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
-        await self._locked(self.engine.reload_weights, weights_path, weights_iterator)
+    async def reload_weights(
+        self, weights_path: str | None = None, weights_iterator: Any = None, target: str = "model"
+    ) -> None:
+        await self._locked(self.engine.reload_weights, weights_path, weights_iterator, target)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._locked(self.engine.update_config, overrides)
@@ -225,8 +227,8 @@ class AsyncLLMEngine:
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._locked(self.engine.weights_rpc, "shutdown_weight_transfer_engine")
 
-    async def get_weight_version(self) -> int:
-        return self.engine.weight_version
+    async def get_weight_version(self, target: str = "model") -> int:
+        return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version
 
     async def reset_prefix_cache(self) -> None:
         await self._locked(self.engine.reset_prefix_cache, True)

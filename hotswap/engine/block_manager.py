@@ -104,7 +104,7 @@ class BlockManager:
         for _ in range(self._blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_computed_tokens = seq.num_draft_computed = seq.num_cached_tokens
         self.prefix_hit_tokens += seq.num_cached_tokens
         self.shared_block_refs += len(hits)
 
@@ -124,25 +124,29 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `seq` can get a writable slot for its last token."""
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether `seq` can get writable slots for its last token and `lookahead` more positions (speculation)."""
         pos = len(seq) - 1
-        if pos // self.block_size >= len(seq.block_table):
-            return self.num_free_blocks >= 1
-        return self.blocks[seq.block_table[pos // self.block_size]].ref_count == 1 or self.num_free_blocks >= 1
+        index = pos // self.block_size
+        new = max(0, self._blocks_needed(len(seq) + lookahead) - len(seq.block_table))
+        if index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1:
+            new += 1  # copy-on-write of the shared block holding the last token
+        return self.num_free_blocks >= new
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Makes the block holding the last token writable by `seq` alone. Call after can_append."""
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Makes the block holding the last token writable by `seq` alone, and gives it blocks up to `lookahead`
+        positions further (those beyond the last token are its own: only the last token's block can be shared
+        after a fork). Call after can_append."""
         index = (len(seq) - 1) // self.block_size
-        if index >= len(seq.block_table):
+        if index < len(seq.block_table):
+            old = self.blocks[seq.block_table[index]]
+            if old.ref_count > 1:
+                new = self._take_free()
+                old.ref_count -= 1
+                seq.block_table[index] = new.block_id
+                self.pending_copies.append((old.block_id, new.block_id))
+        while len(seq.block_table) < self._blocks_needed(len(seq) + lookahead):
             seq.block_table.append(self._take_free().block_id)
-            return
-        old = self.blocks[seq.block_table[index]]
-        if old.ref_count > 1:
-            new = self._take_free()
-            old.ref_count -= 1
-            seq.block_table[index] = new.block_id
-            self.pending_copies.append((old.block_id, new.block_id))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent`; writes are separated later by copy-on-write."""
@@ -151,12 +155,14 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         self.shared_block_refs += len(parent.block_table)
 
-    def commit(self, seq: Sequence) -> None:
-        """Registers the newly full, computed blocks of `seq` in the prefix cache."""
+    def commit(self, seq: Sequence, upto: int | None = None) -> None:
+        """Registers the newly full, computed blocks of `seq` in the prefix cache (those within its first `upto`
+        tokens when given: a draft model's KV, cached in the same blocks, may lag the target's)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        computed = seq.num_computed_tokens if upto is None else min(upto, seq.num_computed_tokens)
+        for i in range(len(seq.block_hashes), computed // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self._chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
             seq.block_hashes.append(h)

@@ -15,10 +15,11 @@ from transformers import AutoTokenizer
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.detokenizer import Detokenizer
-from hotswap.engine.model_input import ModelInput, SampleResult, SampleSpec
+from hotswap.engine.model_input import ModelInput, SampleResult, SampleSpec, SpecInput, SpecOutput
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
 from hotswap.engine.sequence import Request, Sequence
+from hotswap.engine.speculator import Speculator
 from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
@@ -67,6 +68,24 @@ class LLMEngine:
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
         self.weights_valid = True  # every worker's, as of the last weight change
         self._session_token: str | None = None  # of the open update session
+        self._session_target = "model"
+        # speculative decoding: the draft's version is the target version it was last updated for, so the draft
+        # is stale exactly while the two differ
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, mc.max_model_len) if spec.enabled else None
+        self.draft_weight_version = 0
+        self._speculating = False  # in the current step
+        if self.speculator is not None:
+            self.scheduler.lookahead = self._lookahead
+            self.outputs.speculative = True
+
+    @property
+    def draft_stale(self) -> bool:
+        """Whether the target was updated after the draft model (never, without one)."""
+        return self.config.speculative_config.uses_draft and self.draft_weight_version != self.weight_version
+
+    def _lookahead(self, seq: Sequence) -> int:
+        return self.speculator.num_speculative(seq) if self._speculating and self.speculator is not None else 0
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -155,6 +174,9 @@ class LLMEngine:
             raise RuntimeError(f"the engine is asleep ({sorted(self.released)} released); call wake_up() first")
         if not self.state.steps:
             return []
+        self._speculating = self.speculator is not None and self.speculator.active(
+            self.draft_stale, self.weight_version
+        )
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.running or (self.scheduler.waiting and self.scheduler.admit_new):
@@ -219,6 +241,7 @@ class LLMEngine:
             for index in seq.request.sample_indices(seq):
                 sample_rows.append(i)
                 specs.append(self._spec(seq, index))
+        drafting = self._speculating and self.config.speculative_config.uses_draft
         return ModelInput(
             input_ids,
             positions,
@@ -228,12 +251,31 @@ class LLMEngine:
             sample_rows,
             specs,
             batch.block_copies,
+            spec=self._spec_input(batch) if self._speculating and not batch.is_prefill else None,
+            draft_prefill=drafting and batch.is_prefill,
         )
 
-    def _spec(self, seq: Sequence, index: int) -> SampleSpec:
+    def _spec_input(self, batch: SchedulerOutput) -> SpecInput:
+        assert self.speculator is not None
+        ngram = not self.speculator.uses_draft
+        proposals = [self.speculator.proposals(seq) for seq in batch.seqs] if ngram else None
+        num_spec = [len(p) for p in proposals] if proposals is not None else [
+            self.speculator.num_speculative(seq) for seq in batch.seqs
+        ]  # fmt: skip
+        return SpecInput(
+            num_spec=num_spec,
+            specs=[[self._spec(seq, seq.index, j) for j in range(k + 1)] for seq, k in zip(batch.seqs, num_spec,
+                                                                                          strict=True)],
+            proposals=proposals,
+            draft_tokens=None if ngram else [seq.token_ids[seq.num_draft_computed :] for seq in batch.seqs],
+            draft_starts=None if ngram else [seq.num_draft_computed for seq in batch.seqs],
+        )  # fmt: skip
+
+    def _spec(self, seq: Sequence, index: int, ahead: int = 0) -> SampleSpec:
+        """How to sample `seq`'s next token, or (speculation) the one `ahead` positions after it."""
         p = seq.request.params
         banned: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.num_output_tokens + ahead < p.min_tokens:
             banned = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids)))
         return SampleSpec(
             temperature=p.temperature,
@@ -242,17 +284,22 @@ class LLMEngine:
             min_p=p.min_p,
             seed=p.seed,
             sample_index=index,
-            position=seq.num_output_tokens,
+            position=seq.num_output_tokens + ahead,
             banned_token_ids=banned,
             num_logprobs=p.logprobs,
         )
 
-    def _process(self, batch: SchedulerOutput, results: list[SampleResult]) -> list[RequestOutput]:
+    def _process(self, batch: SchedulerOutput, results: list[SampleResult] | SpecOutput) -> list[RequestOutput]:
+        if isinstance(results, SpecOutput):
+            return self._process_spec(batch, results)
         touched: dict[str, Request] = {}
         rows = iter(results)
+        drafting = self._speculating and self.config.speculative_config.uses_draft
         for seq in batch.seqs:
             seq.num_computed_tokens = len(seq)
-            self.block_manager.commit(seq)
+            if drafting and batch.is_prefill:
+                seq.num_draft_computed = len(seq)
+            self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
             request = seq.request
             targets = [seq]
             children = request.fork(seq)
@@ -267,6 +314,33 @@ class LLMEngine:
                     self.scheduler.finish(target)
             touched[request.request_id] = request
         assert next(rows, None) is None, "every sampled row belongs to a sequence"
+        return self._outputs_of(touched)
+
+    def _process_spec(self, batch: SchedulerOutput, out: SpecOutput) -> list[RequestOutput]:
+        """Appends each sequence's emitted tokens (stopping at the first that ends it); the KV of every token but
+        the newest is then valid in the target's cache, and in the draft's up to its last pass (see
+        hotswap/engine/speculator.py)."""
+        assert self.speculator is not None
+        drafting = self.speculator.uses_draft
+        touched: dict[str, Request] = {}
+        for seq, emitted, proposed in zip(batch.seqs, out.tokens, out.num_proposed, strict=True):
+            length = len(seq)
+            for result in emitted:
+                seq.num_computed_tokens = len(seq)
+                self.outputs.append(seq, result, self.weight_version)
+                if seq.finish_reason is not None:
+                    break
+            accepted = len(emitted) - 1
+            if drafting:
+                seq.num_draft_computed = min(length + max(proposed - 1, 0), length + accepted, len(seq) - 1)
+            self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
+            self.speculator.record(seq, proposed, accepted)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request.request_id] = seq.request
+        return self._outputs_of(touched)
+
+    def _outputs_of(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -344,8 +418,10 @@ class LLMEngine:
     def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session on every worker and returns its token: calls that carry another token are
         refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
-        accepted, as clients of the vLLM API send none."""
+        accepted, as clients of the vLLM API send none. `target`: "model", "draft" (the speculative draft alone)
+        or "all" (both, committed or rolled back together)."""
         self.weights_rpc("start_weight_update", target)
+        self._session_target = target
         self._session_token = secrets.token_hex(16)
         return self._session_token
 
@@ -411,19 +487,34 @@ class LLMEngine:
             problem = "the weights are invalid (a failed update, or sleep(2)); reload_weights() restores them"
         return problem
 
-    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
+                       target: str = "model") -> None:  # fmt: skip
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
-        records a new folder only after every worker loaded it. Advances the weight version on success."""
+        records a new folder only after every worker loaded it. Advances the weight version on success; `target`
+        "draft" reloads the speculative draft instead, which then counts as updated for the current version."""
         self._check_can_change("reload_weights")
+        if target not in ("model", "draft"):
+            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
+        if target == "draft" and self.config.draft_model_config is None:
+            raise ValueError("reload_weights(target='draft') needs a draft model (speculative_config 'draft_model')")
         if weights_iterator is not None:
             weights_iterator = list(weights_iterator)
         ok = False
         try:
-            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator)
+            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
+                            target=target)  # fmt: skip
             ok = True
         finally:
             self._weights_changed(failed=not ok)
+        if target == "draft":
+            if weights_path is not None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    self.executor.collective_rpc(_record_draft_folder, (str(weights_path),))
+                assert self.config.draft_model_config is not None
+                self.config.speculative_config.model = self.config.draft_model_config.model = str(weights_path)
+            self.draft_weight_version = self.weight_version
+            return
         if weights_path is not None:
             change = {"model_config": {"model": str(weights_path)}}
             if self.config.parallel_config.tensor_parallel_size > 1:
@@ -452,7 +543,13 @@ class LLMEngine:
         finally:
             self._leave(EngineState.UPDATING)
             self._weights_changed(failed=not ok)
-        self._advance_version(weight_version)
+        parts = {"model"} if self._session_target == "model" else {"draft"} if self._session_target == "draft" else (
+            set(self.executor.collective_rpc(_last_update_parts)[0]) or {"model"}
+        )  # fmt: skip
+        if "model" in parts:
+            self._advance_version(weight_version)
+        if "draft" in parts:
+            self.draft_weight_version = self.weight_version
 
     def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
@@ -590,11 +687,34 @@ class LLMEngine:
             "shared_block_refs": bm.shared_block_refs,
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
+            **(self._spec_stats() if self.speculator is not None else {}),
+        }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        assert self.speculator is not None
+        st = self.speculator.stats
+        return {
+            "spec_draft_tokens": st.num_draft_tokens,
+            "spec_accepted_tokens": st.num_accepted_tokens,
+            "spec_steps": st.num_steps,
+            "spec_acceptance_rate": st.acceptance_rate,
+            "spec_mean_accepted_length": st.mean_accepted_length,
+            "draft_weight_version": self.draft_weight_version,
+            "draft_stale": self.draft_stale,
         }
 
 
 def _weights_valid(worker: Any) -> bool:
     return bool(worker.session.weights_valid)
+
+
+def _last_update_parts(worker: Any) -> list[str]:
+    """Which models ("model", "draft") the worker's last committed update wrote."""
+    return list(worker.last_update_parts)
+
+
+def _record_draft_folder(worker: Any, folder: str) -> None:
+    worker._record_folder(folder, "draft")
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:

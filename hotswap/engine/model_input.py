@@ -33,10 +33,36 @@ class SampleResult:
 
 
 @dataclass
+class SpecInput:
+    """A speculative decode step. Sequence i (one query token, its last, at position context_lens[i] - 1) may
+    have up to `num_spec[i]` tokens proposed and verified; `specs[i]` samples each of its num_spec[i] + 1 output
+    positions. `proposals` (prompt lookup) are given by the engine; otherwise the draft model proposes, first
+    catching up on `draft_tokens[i]`, the tokens from `draft_starts[i]` on that its KV cache lacks (it lags the
+    target by one token after a step that accepted every proposal)."""
+
+    num_spec: list[int]
+    specs: list[list[SampleSpec]]
+    proposals: list[list[int]] | None = None
+    draft_tokens: list[list[int]] | None = None
+    draft_starts: list[int] | None = None
+
+
+@dataclass
+class SpecOutput:
+    """Per sequence of a speculative step: the tokens it emits (accepted proposals, then the target's own) and
+    how many were proposed."""
+
+    tokens: list[list[SampleResult]]
+    num_proposed: list[int]
+
+
+@dataclass
 class ModelInput:
     """A flat batch. Sequence i contributes `query_lens[i]` tokens of `input_ids`/`positions`, has
     `context_lens[i]` tokens in total and its KV in `block_tables[i]`. `sample_rows[j]` is the sequence whose
-    last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass."""
+    last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass.
+    `spec`: a speculative decode step (see SpecInput). `draft_prefill`: the draft model computes its KV for the
+    same tokens (a prefill with a draft model)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -46,6 +72,8 @@ class ModelInput:
     sample_rows: list[int]
     sample_specs: list[SampleSpec]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    spec: SpecInput | None = None
+    draft_prefill: bool = False
 
 
-ModelOutput = list[SampleResult]
+ModelOutput = list[SampleResult] | SpecOutput

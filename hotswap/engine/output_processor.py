@@ -6,7 +6,7 @@ from __future__ import annotations
 from hotswap.engine.detokenizer import Detokenizer, find_stop
 from hotswap.engine.model_input import SampleResult
 from hotswap.engine.sequence import Request, Sequence
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SpecStats, WeightVersionSpan
 
 
 class OutputProcessor:
@@ -16,6 +16,7 @@ class OutputProcessor:
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.speculative = False  # outputs carry SpecStats
 
     def append(self, seq: Sequence, result: SampleResult, weight_version: int) -> None:
         """Appends the sampled token, records its logprobs and weight version, and sets `seq.finish_reason` when a
@@ -87,6 +88,9 @@ class OutputProcessor:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     weight_versions=[WeightVersionSpan(*span) for span in seq.weight_versions],
+                    spec_stats=SpecStats(seq.num_proposed, seq.num_accepted, seq.num_spec_steps)
+                    if self.speculative
+                    else None,
                 )
             )
         return RequestOutput(

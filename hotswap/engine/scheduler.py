@@ -8,6 +8,7 @@ its blocks are freed and it goes back to the front of the queue to be recomputed
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hotswap.config import SchedulerConfig
@@ -30,6 +31,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.admit_new = True  # False while pausing in 'wait' mode: only sequences already in flight run
+        # positions beyond its last token a decoding sequence needs slots for (speculative tokens to verify)
+        self.lookahead: Callable[[Sequence], int] = lambda seq: 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -66,13 +69,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.block_manager.can_append(seq):
+            lookahead = self.lookahead(seq)
+            while not self.block_manager.can_append(seq, lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.append_slot(seq)
+                self.block_manager.append_slot(seq, lookahead)
                 scheduled.append(seq)
         if not scheduled:
             return None
@@ -82,7 +86,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

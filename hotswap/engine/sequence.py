@@ -32,6 +32,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the leading full, computed blocks
         self.num_computed_tokens = 0
+        self.num_draft_computed = 0  # tokens a speculative draft model holds KV for (may lag by one)
+        self.num_proposed = 0  # speculative tokens proposed for it, and how many the target accepted
+        self.num_accepted = 0
+        self.num_spec_steps = 0
         self.num_cached_tokens = 0  # prefix-cache hits at its latest allocation
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []
@@ -72,6 +76,7 @@ class Sequence:
         child = Sequence(self.request, index, self.token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_draft_computed = self.num_draft_computed
         child.block_hashes = list(self.block_hashes)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)

@@ -200,12 +200,16 @@ class LLM:
     # ---- the weight lifecycle (see Worker for the contracts) ----------------------------------------------------
 
     def reload_weights(
-        self, weights_path: str | None = None, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        target: str = "model",
     ) -> None:
         """Updates the weights in place from a checkpoint folder, from (name, tensor) pairs (e.g. a trainer's
-        `model.named_parameters()`), or from the current folder. Advances the weight version on success."""
+        `model.named_parameters()`), or from the current folder. Advances the weight version on success.
+        `target` "draft": the speculative draft model's weights (its own names) instead."""
         with self._lock:
-            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator)
+            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator, target=target)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
@@ -226,7 +230,9 @@ class LLM:
 
     def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session; returns its token, which update/finish/abort may carry (`session_token`) so
-        that no other caller's call lands in it (calls without one are accepted)."""
+        that no other caller's call lands in it (calls without one are accepted). `target` "all" updates the
+        model and the speculative draft together (draft tensors named "draft.<name>", or sent in update calls
+        whose update_info has "target": "draft"); "draft" the draft alone."""
         with self._lock:
             return self.llm_engine.start_weight_update(target)
 
@@ -249,12 +255,16 @@ class LLM:
         with self._lock:
             self.llm_engine.weights_rpc("shutdown_weight_transfer_engine")
 
-    def get_weight_version(self) -> int:
-        return self.llm_engine.weight_version
+    def get_weight_version(self, target: str = "model") -> int:
+        """The served weights' version; `target` "draft": the target version the speculative draft was last
+        updated for (it is stale while the two differ)."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
+        return self.llm_engine.draft_weight_version if target == "draft" else self.llm_engine.weight_version
 
-    def weight_checksums(self) -> dict[str, str]:
-        """SHA-256 of each parameter's bytes (rank 0)."""
-        return self.collective_rpc("weight_checksums")[0]
+    def weight_checksums(self, target: str = "model") -> dict[str, str]:
+        """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
+        return self.collective_rpc("weight_checksums", (target,))[0]
 
 
 class _ApplyModel:

@@ -16,7 +16,9 @@ scale beside it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -104,6 +106,58 @@ class WeightIndex:
             self.targets[alias] = self.targets[canonical]
         ignored = getattr(model, "ignored_checkpoint_names", None)
         self._ignored = ignored if callable(ignored) else (lambda name: False)
+        # the keys whose full load makes the served weights valid again (see WeightUpdate.covers_all)
+        self.validating_keys = frozenset(self.targets[n].key for n in self.required)
+        self._scopes: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {}
+
+    @classmethod
+    def union(
+        cls, parts: dict[str, tuple[WeightIndex, Callable[[], contextlib.AbstractContextManager[object]] | None]]
+    ) -> WeightIndex:
+        """One index over several models, each under a name prefix (e.g. "" for the target, "draft." for the
+        draft model): its checkpoint names, parameters and modules are prefixed, so one update (one rollback, one
+        commit) spans them all. A part's `scope` (when given) is entered around its modules' hooks (post-processing,
+        declaration checks): a draft layer runs under the draft's config. Only the part with prefix "" makes the
+        served weights valid again when fully loaded."""
+        index = cls.__new__(cls)
+        index.targets, index.module_keys, index.modules, index._scopes = {}, {}, {}, {}
+        required: set[str] = set()
+        staging: set[str] = set()
+        validating: set[tuple[str, object]] = set()
+        for prefix, (part, scope) in parts.items():
+            for name, t in part.targets.items():
+                covers = None if t.covers is None else tuple((prefix + p, s) for p, s in t.covers)
+                index.targets[prefix + name] = replace(
+                    t, param_name=prefix + t.param_name, module_name=prefix + t.module_name, covers=covers
+                )
+            for module_name, keys in part.module_keys.items():
+                index.module_keys[prefix + module_name] = frozenset((prefix + p, s) for p, s in keys)
+            for module_name, module in part.modules.items():
+                index.modules[prefix + module_name] = module
+                outer = part._scopes.get(module_name, scope)
+                if outer is not None:
+                    index._scopes[prefix + module_name] = outer
+            required |= {prefix + n for n in part.required}
+            staging |= {prefix + n for n in part.staging_modules}
+            if prefix == "":
+                validating |= part.validating_keys
+        index.required, index.staging_modules = frozenset(required), frozenset(staging)
+        index.validating_keys = frozenset(validating)
+        ordered = sorted(parts.items(), key=lambda item: -len(item[0]))  # the longest matching prefix decides
+
+        def ignored(name: str) -> bool:
+            for prefix, (part, _) in ordered:
+                if name.startswith(prefix):
+                    return part.ignored(name[len(prefix) :])
+            return False
+
+        index._ignored = ignored
+        return index
+
+    def scope(self, module_name: str) -> contextlib.AbstractContextManager[object]:
+        """The context a module's hooks run in (see `union`)."""
+        scope = self._scopes.get(module_name)
+        return scope() if scope is not None else contextlib.nullcontext()
 
     @classmethod
     def of(cls, model: nn.Module) -> WeightIndex:

@@ -30,7 +30,7 @@ import torch
 from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, clear_interrupt, create_engine
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate
+from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, prefixed_source
 
 
 class SessionState(enum.Enum):
@@ -110,15 +110,17 @@ class WeightSession:
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
         self._open(WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups))
 
-    def receive(self, update_info: dict[str, Any], selection: RankSelection) -> int:
-        """One update of the session: its source built by the transport, this rank's entries selected, then
-        applied. Any failure ends the session (rolled back in atomic mode; a transport that cannot survive it is
-        closed) and re-raises. Returns the number of tensors loaded."""
+    def receive(self, update_info: dict[str, Any], selection: RankSelection, prefix: str = "") -> int:
+        """One update of the session: its source built by the transport, this rank's entries selected, `prefix`
+        put before names that lack it (a draft model's tensors), then applied. Any failure ends the session
+        (rolled back in atomic mode; a transport that cannot survive it is closed) and re-raises. Returns the
+        number of tensors loaded."""
         self.expect(SessionState.ACTIVE, call="update_weights")
         engine, update = self.engine, self.update
         assert engine is not None and update is not None
         try:
-            return update.apply(selection.apply(engine.source(update_info)))
+            source = selection.apply(engine.source(update_info))
+            return update.apply(prefixed_source(source, prefix) if prefix else source)
         except BaseException as err:
             self._end()
             if not engine.survives_failure:

@@ -104,6 +104,25 @@ def folder_source(folder: str, complete: bool = True) -> WeightSource:
     )
 
 
+def prefixed_source(source: WeightSource, prefix: str) -> WeightSource:
+    """`source` with `prefix` put before every name that lacks it (draft tensors sent under their own names)."""
+
+    def name(n: str) -> str:
+        return n if n.startswith(prefix) else prefix + n
+
+    inner = source.tensors
+    return WeightSource(
+        declared=[(name(n), d, s) for n, d, s in source.declared],
+        tensors=lambda: ((name(n), t) for n, t in inner()),
+        in_memory=source.in_memory,
+        complete=source.complete,
+        pre_sliced=frozenset(name(n) for n in source.pre_sliced),
+        skip=source.skip,
+        verify=source.verify,
+        description=source.description,
+    )
+
+
 def random_source(shapes: dict[str, tuple[int, ...]], std: float = 0.02) -> WeightSource:
     """Random normal tensors of the given full shapes (load_format "dummy")."""
     return WeightSource(
@@ -228,7 +247,8 @@ class WeightUpdate:
         for module_name, module_entries in per_module.items():
             check = getattr(self.index.modules[module_name], "check_update", None)
             if check is not None:
-                check(module_entries)
+                with self.index.scope(module_name):
+                    check(module_entries)
         if complete:
             missing = sorted(n for n in self.index.required if self.index.targets[n].key not in by_key)
             if missing:
@@ -329,14 +349,16 @@ class WeightUpdate:
     def _post_process(self, module_name: str) -> None:
         hook = getattr(self.index.modules[module_name], "process_weights_after_loading", None)
         if hook is not None:
-            hook()
+            with self.index.scope(module_name):
+                hook()
         self.pending.discard(module_name)
 
     # ---- ending ---------------------------------------------------------------------------------------------
 
     def covers_all(self) -> bool:
-        """Whether every weight of the model was loaded by this update (after `finish`)."""
-        return len(self.loaded_keys) == len(self.index.required)
+        """Whether every weight of the served model was loaded by this update (after `finish`); a draft model's
+        weights alone never count (see `WeightIndex.union`)."""
+        return bool(self.index.validating_keys) and self.index.validating_keys <= self.loaded_keys
 
     def finish(self, keep_copies: bool = False) -> None:
         """Post-processes modules that received part of their tensors (the rest stay as they were); then drops

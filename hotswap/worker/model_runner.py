@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 from typing import Any, cast
@@ -11,7 +12,7 @@ from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
-from hotswap.engine.model_input import ModelInput, ModelOutput
+from hotswap.engine.model_input import ModelInput, SampleResult
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.attention import Attention, AttentionMetadata
@@ -74,27 +75,39 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> ModelOutput:
-        self.copy_blocks(model_input.block_copies)
-        meta = AttentionMetadata.build(
-            model_input.query_lens,
-            model_input.context_lens,
-            model_input.block_tables,
-            self.block_size,
-            self.attention_kernel,
-        )
-        input_ids = torch.tensor(model_input.input_ids, dtype=torch.long)
-        positions = torch.tensor(model_input.positions, dtype=torch.long)
-        if self.stack.applies(len(model_input.input_ids), positions, meta):
-            hidden = self.stack.run(self.stack.embed(input_ids), positions, meta)
+    def forward(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        rows: list[int] | None,
+    ) -> torch.Tensor | None:
+        """Runs the model over a flat batch (writing its KV) and returns the logits [len(rows), V] of the flat
+        token `rows`, on every rank (None for `rows` None: KV only)."""
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        if self.stack.applies(len(input_ids), pos, meta):
+            hidden = self.stack.run(self.stack.embed(ids), pos, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
-        last = torch.tensor(model_input.query_lens).cumsum(0) - 1
-        rows = last[torch.tensor(model_input.sample_rows, dtype=torch.long)]
-        logits = cast(Any, self.model).compute_logits(hidden[rows])  # every rank takes part in gathering the vocab
+            hidden = self.model(ids, pos, meta)
+        if rows is None:
+            return None
+        # every rank takes part in gathering the vocab
+        return cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+
+    def execute(self, model_input: ModelInput) -> list[SampleResult]:
+        self.copy_blocks(model_input.block_copies)
+        mi = model_input
+        last = list(itertools.accumulate(mi.query_lens))
+        rows = [last[r] - 1 for r in mi.sample_rows]
+        logits = self.forward(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables, rows)
+        assert logits is not None
         if current_parallel().rank != 0:
             return []  # the engine reads rank 0's samples
-        return sample(logits, model_input.sample_specs)
+        return sample(logits, mi.sample_specs)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

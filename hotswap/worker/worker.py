@@ -13,16 +13,26 @@ Weight lifecycle (hotswap/weights): every load, reload and transport update is a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from hotswap.config import EngineConfig, apply_overrides, available_memory_bytes, live_overrides, use_config
+from hotswap.config import (
+    EngineConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    apply_overrides,
+    available_memory_bytes,
+    live_overrides,
+    use_config,
+)
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import policy as kernel_policy
@@ -31,9 +41,19 @@ from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.session import SessionState, WeightSession
-from hotswap.weights.update import RankSelection, folder_source, pairs_source, random_source
+from hotswap.weights.update import (
+    RankSelection,
+    folder_source,
+    pairs_source,
+    prefixed_source,
+    random_source,
+)
 from hotswap.worker.memory import discard_pages, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
+from hotswap.worker.speculative import SpeculativeStep
+
+DRAFT_PREFIX = "draft."  # the draft model's checkpoint names, where one update carries both models
+TARGETS = ("model", "draft", "all")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,6 +77,16 @@ class Worker:
         self.model: nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.session = WeightSession()
+        # speculative decoding with a draft model: its model, runner and config (model_config the draft's,
+        # parallel_config the draft's layout; the other sections are the worker's own objects, so live changes
+        # reach it); every draft operation runs inside `_draft_scope`
+        self.draft_model: nn.Module | None = None
+        self.draft_runner: ModelRunner | None = None
+        self.draft_config: EngineConfig | None = None
+        self.draft_parallel = SINGLE
+        self.speculative: SpeculativeStep | None = None
+        self._session_target = "model"
+        self.last_update_parts: list[str] = []  # "model" / "draft": what the last finished update wrote
 
     # ---- model and cache ------------------------------------------------------------------------------------
 
@@ -79,7 +109,45 @@ class Worker:
             self.session.load(index, source, atomic=False, check_finite=check)
         self.model = model
         self.runner = ModelRunner(self.config, model)
+        if self.config.draft_model_config is not None:
+            self._load_draft()
         self.session.weights_valid = True
+
+    def _load_draft(self) -> None:
+        """Builds the draft model in its own scope and loads its folder in full."""
+        spec, dmc = self.config.speculative_config, self.config.draft_model_config
+        assert dmc is not None and self.runner is not None
+        sharded = spec.draft_tensor_parallel_size == self.parallel.size
+        self.draft_parallel = self.parallel if sharded else SINGLE
+        pc = self.config.parallel_config
+        self.draft_config = dataclasses.replace(
+            self.config,
+            model_config=dmc,
+            parallel_config=ParallelConfig(self.draft_parallel.size, pc.rpc_timeout_s),
+            speculative_config=SpeculativeConfig(),
+        )
+        with self._draft_scope():
+            draft = build_model(dmc)
+            if self.config.load_config.huge_pages:
+                place_in_huge_pages(draft)
+            self.draft_model = draft
+            index = self._weight_index("draft")
+            if self.config.load_config.load_format == "dummy":
+                source = random_source({n: index.targets[n].full_shape for n in sorted(index.required)})
+            else:
+                source = prefixed_source(folder_source(dmc.model), DRAFT_PREFIX)
+            check = self.config.weight_transfer_config.check_finite and self.config.load_config.load_format != "dummy"
+            with torch.no_grad():
+                self.session.load(index, source, atomic=False, check_finite=check)
+            self.draft_runner = ModelRunner(self.draft_config, draft)
+        self.speculative = SpeculativeStep(self.runner, self.draft_runner, self._draft_scope, self.parallel)
+
+    @contextlib.contextmanager
+    def _draft_scope(self) -> Iterator[None]:
+        """The draft model's config and parallel context (inside the worker's own scope)."""
+        assert self.draft_config is not None
+        with use_config(self.draft_config), use_parallel(self.draft_parallel):
+            yield
 
     @in_config_scope
     def determine_num_kv_blocks(self) -> int:
@@ -91,6 +159,8 @@ class Worker:
         if budget is None:
             budget = int(available_memory_bytes() * cache.memory_fraction)
         per_block = runner.bytes_per_block()
+        if self.draft_runner is not None:  # the draft's cache is indexed by the same blocks
+            per_block += self.draft_runner.bytes_per_block()
         max_len = self.config.model_config.max_model_len or 1
         cap = self.config.scheduler_config.max_num_seqs * math.ceil(max_len / cache.block_size)
         return min(budget // per_block, cap)
@@ -101,6 +171,9 @@ class Worker:
         `ModelRunner.calibrate_stack`)."""
         runner = self._runner()
         runner.allocate_kv_cache(num_blocks)
+        if self.draft_runner is not None:
+            with self._draft_scope():
+                self.draft_runner.allocate_kv_cache(num_blocks)
         runner.calibrate_stack()
 
     @in_config_scope
@@ -110,7 +183,15 @@ class Worker:
                 "the weights are inconsistent after a failed non-atomic update; call reload_weights() to restore "
                 "a full checkpoint before generating"
             )
-        return self._runner().execute(model_input)
+        runner = self._runner()
+        if model_input.spec is not None:
+            if self.speculative is None:
+                self.speculative = SpeculativeStep(runner, None, contextlib.nullcontext, self.parallel)
+            return self.speculative.run(model_input)
+        results = runner.execute(model_input)
+        if model_input.draft_prefill and self.speculative is not None and self.draft_runner is not None:
+            self.speculative.prefill_draft(model_input)
+        return results
 
     @in_config_scope
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -135,27 +216,43 @@ class Worker:
         weights_path: str | None = None,
         weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         commit: bool = True,
+        target: str = "model",
     ) -> int:
         """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
         success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
         current folder. Returns the number of tensors loaded. Validates before mutating; see the module doc for
         failure behaviour. `commit` False keeps the update open with its rollback copies until
         `finish_weight_update()` or `abort_weight_update()` (how the engine makes worker processes change
-        together), and leaves recording a new folder to the caller."""
+        together), and leaves recording a new folder to the caller. `target` "draft" reloads the speculative draft
+        model instead (its own checkpoint names, in its config scope)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
+        if target not in ("model", "draft"):
+            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
+        config = self._config_of(target)
         if weights_iterator is not None:
             source = pairs_source(weights_iterator)
         else:
             if weights_path is not None:
-                live_overrides(self.config, {"model_config": {"model": str(weights_path)}})  # same model shape
-            source = folder_source(str(weights_path or self.config.model_config.model))
+                live_overrides(config, {"model_config": {"model": str(weights_path)}})  # same model shape
+            source = folder_source(str(weights_path or config.model_config.model))
+        if target == "draft":
+            source = prefixed_source(source, DRAFT_PREFIX)
         wt = self.config.weight_transfer_config
-        update = self.session.load(self._index(), source, wt.atomic, wt.check_finite, commit=commit)
+        update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit)
         if weights_path is not None and commit:  # uncommitted: the engine records it once every rank committed
-            self.config.model_config.model = str(weights_path)
+            self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
+
+    def _record_folder(self, folder: str, target: str = "model") -> None:
+        """Records `folder` as the checkpoint of the target model or the draft (after a committed reload)."""
+        if target == "draft":
+            assert self.draft_config is not None
+            self.draft_config.model_config.model = folder
+            self.config.speculative_config.model = folder
+        else:
+            self.config.model_config.model = folder
 
     @in_config_scope
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
@@ -213,25 +310,38 @@ class Worker:
 
     @in_config_scope
     def start_weight_update(self, target: str = "model") -> None:
-        """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback."""
-        if target != "model":
-            raise ValueError(f"start_weight_update target must be 'model', got {target!r}")
-        self.session.start(self._index(), self.config.weight_transfer_config)
+        """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback.
+        `target`: "model" (the served model), "draft" (the speculative draft) or "all" (both, committed or rolled
+        back together; draft tensors are named "draft.<name>" or sent in update calls with "target": "draft")."""
+        self._weight_index(target)  # validates the target
+        self.session.start(self._weight_index(target), self.config.weight_transfer_config)
+        self._session_target = target
 
     @in_config_scope
     def update_weights(self, update_info: dict[str, Any]) -> int:
         """Receives one update of the session: declaration validated first, then data copied in place.
         Any failure ends the session (rolled back in atomic mode) and re-raises. Returns tensors loaded."""
         selection = RankSelection.from_update_info(update_info, self.parallel.rank, self.parallel.size)
+        part = update_info.get("target") if isinstance(update_info, dict) else None
+        if part not in (None, "model", "draft"):
+            raise ValueError(f"update_info target must be 'model' or 'draft', got {part!r}")
+        if part is not None and self._session_target not in (part, "all"):
+            raise ValueError(f"this update carries {part!r} weights, but the session was started for "
+                             f"{self._session_target!r}; start it with target={part!r} or 'all'")  # fmt: skip
+        draft = part == "draft" or self._session_target == "draft"
         with torch.no_grad():
-            return self.session.receive(update_info, selection)
+            return self.session.receive(update_info, selection, DRAFT_PREFIX if draft else "")
 
     @in_config_scope
     def finish_weight_update(self, commit: bool = True) -> int:
         """Completes post-processing of partially updated layers and closes the session; returns the number of
         tensor names updated in it. `commit` False post-processes but keeps the update open with its rollback
         copies, for a second call (commit) or `abort_weight_update()`."""
-        return len(self.session.finish(commit).loaded_names)
+        update = self.session.finish(commit)
+        self.last_update_parts = sorted(
+            {"draft" if n.startswith(DRAFT_PREFIX) else "model" for n in update.loaded_names}
+        )
+        return len(update.loaded_names)
 
     @in_config_scope
     def abort_weight_update(self) -> bool:
@@ -255,12 +365,17 @@ class Worker:
         full update. Rollback buffers are freed too. Returns the bytes released from weights."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="sleep")
         self._runner().free_kv_cache()
+        if self.draft_runner is not None:
+            self.draft_runner.free_kv_cache()
         model = self._model()
         self.session.release_backups()
         released = 0
         if level >= 2:
             with torch.no_grad():
-                for param in model.parameters():
+                params = list(model.parameters())
+                if self.draft_model is not None:
+                    params += list(self.draft_model.parameters())
+                for param in params:
                     released += discard_pages(param.data)
             self.session.weights_valid = False
         return released
@@ -272,13 +387,16 @@ class Worker:
         runner = self._runner()
         if "kv_cache" in tags and not runner.kv_caches:
             runner.allocate_kv_cache(runner.num_blocks)
+            if self.draft_runner is not None:
+                with self._draft_scope():
+                    self.draft_runner.allocate_kv_cache(runner.num_blocks)
 
     @in_config_scope
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 per checkpoint tensor name, over the bytes the engine holds for it (a fused layer's slice),
         so a trainer can compare with `tensor_sha256` of what it sent, cast to the engine's dtype. fp8 layers
-        report their quantized bytes."""
-        index = self._index()
+        report their quantized bytes. `target` "draft" / "all": the draft's tensors, named "draft.<name>"."""
+        index = self._weight_index(target)
         return {name: tensor_sha256(index.targets[name].local_view()) for name in sorted(index.required)}
 
     @in_config_scope
@@ -292,6 +410,27 @@ class Worker:
 
     def _index(self) -> WeightIndex:
         return WeightIndex.of(self._model())
+
+    def _weight_index(self, target: str) -> WeightIndex:
+        """The index an update of `target` goes through: the model's own, or a union naming the draft's tensors
+        "draft.<name>", whose post-processing runs in the draft's scope."""
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
+        if target == "model":
+            return self._index()
+        if self.draft_model is None:
+            raise ValueError(f"target {target!r} needs a draft model (speculative_config method 'draft_model')")
+        draft = (WeightIndex.of(self.draft_model), self._draft_scope)
+        if target == "draft":
+            return WeightIndex.union({DRAFT_PREFIX: draft})
+        return WeightIndex.union({"": (self._index(), None), DRAFT_PREFIX: draft})
+
+    def _config_of(self, target: str) -> EngineConfig:
+        if target == "draft":
+            self._weight_index(target)  # raises without a draft
+            assert self.draft_config is not None
+            return self.draft_config
+        return self.config
 
     def _model(self) -> nn.Module:
         if self.model is None:

@@ -53,11 +53,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
         tokens, chosen = ops.greedy_sample(logits)
         return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1)
-    if any(spec.banned_token_ids for spec in specs):
-        logits = logits.clone()
-        for row, spec in enumerate(specs):
-            if spec.banned_token_ids:
-                logits[row, spec.banned_token_ids] = float("-inf")
+    logits = banned(logits, specs)
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, but in one vectorised pass
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if random_rows:
@@ -71,6 +67,12 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
                 gen = torch.Generator().manual_seed(_row_seed(spec.seed, spec.sample_index, spec.position))
                 noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
         tokens[rows] = (probs / noise).argmax(dim=-1)
+    return results_for(logprobs, tokens, specs)
+
+
+def results_for(logprobs: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
+    """One SampleResult per row: `tokens[r]` with its logprob under `logprobs` [R, V] (the raw distribution), and
+    its rank and the top-k where `specs[r].num_logprobs` asks."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     token_list, chosen_list = tokens.tolist(), chosen.tolist()
     results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list, strict=True)]
@@ -83,3 +85,41 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
             top = logprobs[row].topk(spec.num_logprobs)
             res.top_ids, res.top_logprobs = top.indices.tolist(), top.values.tolist()
     return results
+
+
+def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """`logits` with each row's banned tokens (min_tokens) at -inf (a copy when any row bans)."""
+    if any(spec.banned_token_ids for spec in specs):
+        logits = logits.clone()
+        for row, spec in enumerate(specs):
+            if spec.banned_token_ids:
+                logits[row, spec.banned_token_ids] = float("-inf")
+    return logits
+
+
+def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """The distribution each row samples from (after banned tokens, temperature, min-p, top-k, top-p): a point
+    mass on the argmax for greedy rows. `logits` [R, V] float32."""
+    logits = banned(logits, specs)
+    probs = torch.zeros_like(logits)
+    greedy = [r for r, s in enumerate(specs) if s.temperature == 0]
+    if greedy:
+        rows = torch.tensor(greedy)
+        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+    random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        sub = [specs[r] for r in random_rows]
+        temps = torch.tensor([s.temperature for s in sub], dtype=logits.dtype)
+        probs[rows] = _filter(logits[rows] / temps[:, None], sub).softmax(dim=-1)
+    return probs
+
+
+def noise_for(spec: SampleSpec, size: int, stream: int = 0, position: int | None = None) -> torch.Tensor:
+    """Exp(1) noise for one row: from the request's seed (keyed by sample index, output position and `stream`, so
+    it never depends on the batch) or, unseeded, from the process's generator."""
+    if spec.seed is None:
+        return torch.empty(size).exponential_()
+    pos = spec.position if position is None else position
+    gen = torch.Generator().manual_seed(_row_seed(spec.seed ^ stream, spec.sample_index, pos))
+    return torch.empty(size).exponential_(generator=gen)

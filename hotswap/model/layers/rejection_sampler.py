@@ -1,0 +1,120 @@
+"""Speculative decoding's sampling: drawing a draft's proposals, and verifying them against the target.
+
+Proposal j of a sequence, drawn from the draft's distribution q_j (a point mass for prompt lookup), is accepted
+with probability min(1, p_j(d) / q_j(d)), where p_j is the target's distribution at that position after
+temperature, filters and banned tokens, exactly as the plain sampler draws. At the first rejection the token is
+drawn from norm(max(0, p_j - q_j)); when all are accepted, one more is drawn from the target's next distribution.
+The emitted tokens then follow the target's distribution exactly, whatever the draft (Leviathan et al., Chen et
+al., 2023). Greedy rows accept while the proposal is the target's argmax and emit the argmax at the first
+mismatch: their tokens are those of decoding without speculation. Seeded rows draw every random number from
+streams keyed by (seed, sample index, output position), so their outputs do not depend on the batch. Logprobs are
+the target's, of its raw distribution, as without speculation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotswap.engine.model_input import SampleResult, SampleSpec
+from hotswap.kernels import ops
+from hotswap.model.layers.sampler import _row_seed, banned, distribution, noise_for, results_for
+
+ACCEPT_STREAM = 0x5EC1  # the uniform draws deciding acceptance
+DRAFT_STREAM = 0x5EC2  # the draft's own sampling noise
+
+
+def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], torch.Tensor | None]:
+    """One draft token per row of `logits` [R, V], drawn from the distribution q that row's settings give the
+    draft's logits (greedy rows: the argmax). Returns the tokens and q [R, V] (None when every row is greedy:
+    greedy verification needs no q)."""
+    logits = logits.float()
+    if all(s.temperature == 0 for s in specs):
+        return banned(logits, specs).argmax(dim=-1).tolist(), None
+    q = distribution(logits, specs)
+    noise = torch.empty_like(q).exponential_()
+    for row, spec in enumerate(specs):
+        if spec.seed is not None:
+            noise[row] = noise_for(spec, q.shape[1], DRAFT_STREAM)
+    return (q / noise).argmax(dim=-1).tolist(), q
+
+
+def _uniform(spec: SampleSpec) -> float:
+    if spec.seed is None:
+        return float(torch.rand(()))
+    gen = torch.Generator().manual_seed(_row_seed(spec.seed ^ ACCEPT_STREAM, spec.sample_index, spec.position))
+    return float(torch.rand((), generator=gen))
+
+
+def verify(
+    logits: torch.Tensor,
+    proposals: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    specs: list[list[SampleSpec]],
+) -> list[list[SampleResult]]:
+    """The tokens each sequence emits this step: its accepted proposals, then one drawn by the target.
+
+    Sequence i owns len(proposals[i]) + 1 consecutive rows of `logits` [N, V] (the target at its last token and
+    at each proposal) and as many `specs[i]` (one per output position). `draft_probs[i]` [len(proposals[i]), V]
+    is the distribution each proposal was drawn from, None for a point mass (prompt lookup)."""
+    flat = [spec for seq_specs in specs for spec in seq_specs]
+    assert logits.shape[0] == len(flat) == sum(len(p) + 1 for p in proposals), "one row per verified position"
+    logits = logits.float()
+    plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in flat)
+    if plain and ops.greedy_native(logits):
+        tokens, chosen = ops.greedy_sample(logits)
+        argmax, chosen_list = tokens.tolist(), chosen.tolist()
+        out: list[list[SampleResult]] = []
+        offset = 0
+        for props in proposals:
+            accepted = 0
+            while accepted < len(props) and argmax[offset + accepted] == props[accepted]:
+                accepted += 1
+            out.append([SampleResult(argmax[r], chosen_list[r]) for r in range(offset, offset + accepted + 1)])
+            offset += len(props) + 1
+        return out
+    p = distribution(logits, flat)
+    argmax = p.argmax(dim=-1).tolist()
+    rows: list[int] = []
+    tokens_out: list[int] = []
+    counts: list[int] = []
+    offset = 0
+    for props, q, seq_specs in zip(proposals, draft_probs, specs, strict=True):
+        emitted = 0
+        for j, d in enumerate(props):
+            row, spec = offset + j, seq_specs[j]
+            if spec.temperature == 0:
+                token = argmax[row]
+            else:
+                qd = 1.0 if q is None else float(q[j, d])
+                if qd > 0 and _uniform(spec) * qd < float(p[row, d]):
+                    token = d
+                else:
+                    residual = p[row].clone()
+                    if q is None:
+                        residual[d] = 0.0
+                    else:
+                        residual = (residual - q[j]).clamp_min_(0.0)
+                    if not float(residual.sum()) > 0:
+                        residual = p[row]
+                    token = int((residual / noise_for(spec, residual.shape[0])).argmax())
+            rows.append(row)
+            tokens_out.append(token)
+            emitted += 1
+            if token != d:
+                break
+        else:
+            row, spec = offset + len(props), seq_specs[len(props)]
+            token = argmax[row] if spec.temperature == 0 else int((p[row] / noise_for(spec, p.shape[1])).argmax())
+            rows.append(row)
+            tokens_out.append(token)
+            emitted += 1
+        counts.append(emitted)
+        offset += len(props) + 1
+    index = torch.tensor(rows, dtype=torch.long)
+    results = results_for(logits[index].log_softmax(dim=-1), torch.tensor(tokens_out), [flat[r] for r in rows])
+    out = []
+    start = 0
+    for count in counts:
+        out.append(results[start : start + count])
+        start += count
+    return out
