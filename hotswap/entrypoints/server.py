@@ -80,8 +80,30 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# engine stats -> Prometheus names, with speculative decoding on
+SPEC_METRICS = {
+    "spec_draft_tokens": "hotswap_spec_draft_tokens",
+    "spec_accepted_tokens": "hotswap_spec_accepted_tokens",
+    "spec_steps": "hotswap_spec_steps",
+    "spec_acceptance_rate": "hotswap_spec_acceptance_rate",
+    "spec_mean_accepted_length": "hotswap_spec_mean_accepted_length",
+    "draft_weight_version": "hotswap_draft_weight_version",
+    "draft_stale": "hotswap_draft_stale",
+}
+SPEC_METRIC_HELP = {
+    "hotswap_spec_draft_tokens": ("counter", "Speculative tokens proposed"),
+    "hotswap_spec_accepted_tokens": ("counter", "Speculative tokens the target accepted"),
+    "hotswap_spec_steps": ("counter", "Speculative verification steps (one per sequence and step)"),
+    "hotswap_spec_acceptance_rate": ("gauge", "Accepted / proposed speculative tokens since start"),
+    "hotswap_spec_mean_accepted_length": ("gauge", "Tokens emitted per verification step since start"),
+    "hotswap_draft_weight_version": ("gauge", "The target weight version the draft model was last updated for"),
+    "hotswap_draft_stale": ("gauge", "1 while the target was updated after the draft model"),
+}
+
+
 class ReloadBody(_Body):
     weights_path: str | None = None
+    target: str = Field(default="model", pattern="^(model|draft)$")
 
 
 class InitBody(_Body):
@@ -89,7 +111,7 @@ class InitBody(_Body):
 
 
 class StartBody(_Body):
-    target: str = "model"
+    target: str = Field(default="model", pattern="^(model|draft|all)$")
 
 
 class UpdateBody(_Body):
@@ -187,6 +209,8 @@ def create_app(
     metrics.describe("hotswap_generation_tokens", "counter", "Tokens generated")
     metrics.describe("hotswap_request_latency_seconds", "summary", "End-to-end latency of generation requests")
     metrics.describe("hotswap_weight_version", "gauge", "Weight version being served")
+    for name, (kind, text) in SPEC_METRIC_HELP.items():
+        metrics.describe(name, kind, text)
     metrics.describe("hotswap_requests_running", "gauge", "Requests queued or being generated")
     metrics.describe("hotswap_weight_update_seconds", "summary", "Duration of weight updates (start to finish)")
     metrics.set("hotswap_weight_version", 0)
@@ -339,6 +363,10 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
         metrics.set("hotswap_requests_running", len(engine.engine.requests))
+        stats = engine.engine.stats()
+        for key, name in SPEC_METRICS.items():
+            if key in stats:
+                metrics.set(name, float(stats[key]))
         return metrics.render()
 
     @app.get("/v1/models", dependencies=[Depends(user_auth)])
@@ -519,13 +547,22 @@ def create_app(
     def version_changed() -> None:
         metrics.set("hotswap_weight_version", engine.engine.weight_version)
 
+    def versions() -> dict[str, Any]:
+        """The served version, and with a speculative draft model the version it was last updated for."""
+        out: dict[str, Any] = {"weight_version": engine.engine.weight_version}
+        if engine.engine.config.draft_model_config is not None:
+            out["draft_weight_version"] = engine.engine.draft_weight_version
+            out["draft_stale"] = engine.engine.draft_stale
+        return out
+
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
         start = time.perf_counter()
-        await guarded(engine.reload_weights(weights_path=(body or ReloadBody()).weights_path))
+        body = body or ReloadBody()
+        await guarded(engine.reload_weights(weights_path=body.weights_path, target=body.target))
         metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
         version_changed()
-        return {"weight_version": engine.engine.weight_version}
+        return versions()
 
     @app.post("/init_weight_transfer_engine", dependencies=admin)
     async def init_weight_transfer_engine(body: InitBody) -> dict[str, str]:
@@ -550,7 +587,7 @@ def create_app(
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())
         version_changed()
-        return {"weight_version": engine.engine.weight_version}
+        return versions()
 
     @app.post("/abort_weight_update", dependencies=admin)
     async def abort_weight_update(body: AbortBody | None = None) -> dict[str, str]:
@@ -595,8 +632,8 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/get_weight_version", dependencies=admin)
-    async def get_weight_version() -> dict[str, int]:
-        return {"weight_version": await engine.get_weight_version()}
+    async def get_weight_version() -> dict[str, Any]:
+        return versions()
 
     @app.get("/get_world_size", dependencies=admin)
     async def get_world_size() -> dict[str, int]:
@@ -657,6 +694,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a request waits while generation is paused before it gets 503")  # fmt: skip
     parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                         help="on SIGTERM, how long requests in flight may take before they are cut")  # fmt: skip
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        'or \'{"method": "draft_model", "model": DRAFT_DIR}\'')  # fmt: skip
     parser.add_argument("--log-level", default="warning")
 
 
@@ -688,6 +728,7 @@ def serve(args: argparse.Namespace) -> int:
         prefix_cache_policy=args.prefix_cache_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,
+        speculative_config=args.speculative_config,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     limits = RequestLimits(
