@@ -9,6 +9,7 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, EngineConfig, SamplingParams, current_config, use_config
+from hotswap.engine.model_input import ModelInput
 from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.update import WeightUpdate
@@ -88,7 +89,11 @@ def scope_cases(worker: Worker, probe):
             lambda m, p: m.setattr(runner, "allocate_kv_cache", p()),
             lambda: worker.initialize_cache(4),
         ),
-        "execute_model": (None, lambda m, p: m.setattr(runner, "execute", p()), lambda: worker.execute_model(None)),
+        "execute_model": (
+            None,
+            lambda m, p: m.setattr(runner, "execute", p()),
+            lambda: worker.execute_model(ModelInput([], [], [], [], [], [], [])),
+        ),
         "execute_method": (
             None,
             lambda m, p: m.setattr(worker, "_probe", p(), raising=False),
