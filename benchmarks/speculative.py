@@ -10,6 +10,13 @@ Engines, each its own `LLM` on the same random-weight 125M checkpoint (fp32, gre
 
 Batch sizes 1 and 8 (speculation pays where a step is bound by reading the weights, not by compute).
 
+A random-weight target's greedy output is unpredictable (a bigram table fitted on 20k of its own tokens predicts
+0.1 % of the next ones), so no small draft can be trained to agree with it here, and its outputs do not repeat.
+The benchmark therefore also measures the step costs speculation is made of (a target step of B tokens, a
+verification of B x (k+1), a 9M draft pass) and prints the speed-up they imply for a draft of that cost at a
+given acceptance rate: E[tokens per step] = (1 - a^(k+1)) / (1 - a), time per step = k draft passes + one
+verification. Those lines are a projection from measured costs, labelled as such.
+
     python benchmarks/speculative.py [--reps 2] [--tokens 96] [--batches 1,8]
 
 Prints human-readable lines and ends with one JSON line of figures.
@@ -50,6 +57,31 @@ def run(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, float, float]
     accepted = sum(s.num_accepted_tokens for s in stats if s is not None)
     steps = sum(s.num_steps for s in stats if s is not None)
     return len(prompts) * tokens / elapsed, accepted / max(proposed, 1), (accepted + steps) / max(steps, 1)
+
+
+def step_costs(llm: LLM, batch: int, k: int, context: int = 64, reps: int = 5) -> dict[str, float]:
+    """Seconds of one target pass over `batch` tokens, of one verification pass over batch x (k+1), and of one
+    draft pass over `batch` tokens, measured on the engine's own runners and caches."""
+    worker = llm.llm_engine.executor.worker
+    blocks = -(-(context + k + 1) // llm.config.cache_config.block_size)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+
+    def timed(runner, n: int) -> float:
+        ids = [5] * (batch * n)
+        pos = [p for _ in range(batch) for p in range(context - 1, context - 1 + n)]
+        args = (ids, pos, [n] * batch, [context - 1 + n] * batch, tables, list(range(batch * n)))
+        runner.forward(*args)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            runner.forward(*args)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    costs = {"target": timed(worker.runner, 1), "verify": timed(worker.runner, k + 1)}
+    with worker._draft_scope():
+        costs["draft"] = timed(worker.draft_runner, 1)
+    return costs
 
 
 def main() -> None:
@@ -96,6 +128,21 @@ def main() -> None:
                     "acceptance": round(rate, 3),
                     "tokens_per_step": round(length, 2),
                 }
+            k = 3
+            costs = step_costs(engines["draft=9m"], batch, k)
+            print(f"batch {batch:>2} step costs: target {costs['target'] * 1e3:.1f} ms, verification of {k + 1} "
+                  f"tokens each {costs['verify'] * 1e3:.1f} ms ({costs['verify'] / costs['target']:.2f}x), 9M draft "
+                  f"pass {costs['draft'] * 1e3:.2f} ms")  # fmt: skip
+            projected = {}
+            for a in (0.5, 0.7, 0.9):
+                tokens = (1 - a ** (k + 1)) / (1 - a)
+                projected[a] = tokens * costs["target"] / (k * costs["draft"] + costs["verify"])
+            print(
+                f"batch {batch:>2} projection for a 9M-cost draft, k={k}: "
+                + ", ".join(f"acceptance {a}: {r:.2f}x" for a, r in projected.items())
+            )
+            results[f"b{batch}_step_ms"] = {n: round(v * 1e3, 2) for n, v in costs.items()}
+            results[f"b{batch}_projected"] = {str(a): round(r, 2) for a, r in projected.items()}
     print(json.dumps(results))
 
 
