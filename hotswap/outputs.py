@@ -78,3 +78,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     admission_weight_version: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -14,7 +14,13 @@ class SamplingParams:
     `seed` makes the request reproducible whatever else is batched with it. `stop` strings end generation and
     are cut from the text; `stop_token_ids` end it too (the token is kept in token_ids). EOS ends generation
     unless `ignore_eos`. `min_tokens` suppresses EOS and stop tokens/strings until that many tokens exist.
-    `logprobs` k returns the sampled token's logprob plus the top-k. `output_kind` says what a streaming
+    `logprobs` k returns the sampled token's logprob plus the top-k; `prompt_logprobs` k returns, for every prompt
+    token after the first, its logprob under the model given the tokens before it, plus the top-k (such a request
+    does not reuse the prefix cache, whose positions are never computed). `repetition_penalty` (> 0, 1 off) divides
+    positive and multiplies negative logits of every token in the prompt or output; `presence_penalty` and
+    `frequency_penalty` ([-2, 2]) subtract per output token seen, once and per occurrence; `logit_bias` maps token
+    ids to values added to their logits ([-100, 100]). `include_stop_str_in_output` keeps a matched stop string in
+    the text. Logprobs are of the raw distribution, before these. `output_kind` says what a streaming
     consumer gets after each step: the whole output so far ("cumulative"), only what is new ("delta"), or
     nothing until it finishes ("final_only"). Invalid values raise ValueError naming the field.
     """
@@ -31,6 +37,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
@@ -60,6 +72,37 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < 0
+        ):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+        for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (math.isfinite(rp) and rp > 0):
+            raise ValueError(f"repetition_penalty must be a positive number, got {rp!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token = int(key)  # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                if (
+                    token < 0
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not -100 <= value <= 100
+                ):
+                    raise ValueError(f"logit_bias[{key!r}] must be a number in [-100, 100] for a token id >= 0")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
@@ -78,3 +121,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logits depend on the tokens so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -53,8 +53,9 @@ class BlockManager:
         return hash((prev, tokens))
 
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
-        """(block id, hash) of the leading cached blocks of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """(block id, hash) of the leading cached blocks of `seq`, leaving at least one token to compute. None for
+        a request whose prompt logprobs are still to be computed: every prompt position must run."""
+        if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs:
             return []
         hits: list[tuple[int, int]] = []
         prev: int | None = self.salt

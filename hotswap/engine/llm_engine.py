@@ -116,12 +116,16 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
         if any(t >= vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         limit = self.config.model_config.max_logprobs
-        if params.logprobs is not None and params.logprobs > (vocab if limit == -1 else min(limit, vocab)):
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise it with "
-                "LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > (vocab if limit == -1 else min(limit, vocab)):
+                raise ValueError(
+                    f"{name}={value} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise it with "
+                    "LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)"
+                )
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab} (use -1 to disable top-k)")
         if params.n > self.config.scheduler_config.max_num_seqs:
@@ -242,6 +246,11 @@ class LLMEngine:
                 sample_rows.append(i)
                 specs.append(self._spec(seq, index))
         drafting = self._speculating and self.config.speculative_config.uses_draft
+        prompt_logprobs = [
+            (i, seq.request.params.prompt_logprobs or 0)
+            for i, seq in enumerate(batch.seqs)
+            if batch.is_prefill and seq.request.needs_prompt_logprobs and seq.num_computed_tokens == 0
+        ]
         return ModelInput(
             input_ids,
             positions,
@@ -253,6 +262,7 @@ class LLMEngine:
             batch.block_copies,
             spec=self._spec_input(batch) if self._speculating and not batch.is_prefill else None,
             draft_prefill=drafting and batch.is_prefill,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _spec_input(self, batch: SchedulerOutput) -> SpecInput:
@@ -287,6 +297,12 @@ class LLMEngine:
             position=seq.num_output_tokens + ahead,
             banned_token_ids=banned,
             num_logprobs=p.logprobs,
+            logit_bias=p.logit_bias,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seen_token_ids=seq.token_ids if p.penalized else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
         )
 
     def _process(self, batch: SchedulerOutput, results: list[SampleResult] | SpecOutput) -> list[RequestOutput]:
@@ -308,7 +324,10 @@ class LLMEngine:
                 self.scheduler.add_running(child)
             targets += children
             for target in targets:
-                self.outputs.append(target, next(rows), self.weight_version)
+                result = next(rows)
+                if result.prompt_logprobs is not None:
+                    request.prompt_logprobs = result.prompt_logprobs
+                self.outputs.append(target, result, self.weight_version)
             for target in targets:
                 if target.finish_reason is not None:
                     self.scheduler.finish(target)

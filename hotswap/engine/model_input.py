@@ -19,6 +19,28 @@ class SampleSpec:
     position: int = 0
     banned_token_ids: list[int] = field(default_factory=list)
     num_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # with a penalty: the sequence's tokens so far (prompt, then the first `len - num_prompt_tokens` outputs)
+    seen_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether its logits are biased or penalized before sampling."""
+        return self.logit_bias is not None or self.seen_token_ids is not None
+
+
+@dataclass
+class PromptLogprobs:
+    """For prompt tokens 1..L-1: each one's logprob given the tokens before it, its rank, and the top-k."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass
@@ -30,6 +52,7 @@ class SampleResult:
     rank: int | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first row of a sequence that asked for them
 
 
 @dataclass
@@ -62,7 +85,8 @@ class ModelInput:
     `context_lens[i]` tokens in total and its KV in `block_tables[i]`. `sample_rows[j]` is the sequence whose
     last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass.
     `spec`: a speculative decode step (see SpecInput). `draft_prefill`: the draft model computes its KV for the
-    same tokens (a prefill with a draft model)."""
+    same tokens (a prefill with a draft model). `prompt_logprobs` (sequence i, k): sequence i's whole prompt is in
+    this prefill and its prompt logprobs are returned on its first sample row."""
 
     input_ids: list[int]
     positions: list[int]
@@ -74,6 +98,7 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     spec: SpecInput | None = None
     draft_prefill: bool = False
+    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)  # (sequence, top-k) of a prefill
 
 
 ModelOutput = list[SampleResult] | SpecOutput

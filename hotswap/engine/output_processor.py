@@ -52,10 +52,26 @@ class OutputProcessor:
                 hit = find_stop(seq.text, params.stop_strings, new_chars)
                 if hit is not None:
                     seq.finish_reason, seq.stop_reason = "stop", hit[0]
-                    seq.text = seq.text[: hit[1]]
+                    seq.text = seq.text[: hit[1] + (len(hit[0]) if params.include_stop_str_in_output else 0)]
                     return
         if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"
+
+    def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token, then {token: Logprob} with the prompt token first and
+        the top-k after it."""
+        computed = request.prompt_logprobs
+        if computed is None:
+            return None
+        text = self.detokenizer.token_text
+        out: list[dict[int, Logprob] | None] = [None]
+        for i, token in enumerate(request.prompt_token_ids[1:]):
+            entry = {token: Logprob(computed.logprobs[i], computed.ranks[i], text(token))}
+            if computed.top_ids:
+                for rank, (tid, lp) in enumerate(zip(computed.top_ids[i], computed.top_logprobs[i], strict=True), 1):
+                    entry.setdefault(tid, Logprob(lp, rank, text(tid)))
+            out.append(entry)
+        return out
 
     def output(self, request: Request) -> RequestOutput:
         """The request's output now: everything so far, or for output_kind 'delta' what is new since the last
@@ -94,6 +110,7 @@ class OutputProcessor:
                 )
             )
         return RequestOutput(
+            prompt_logprobs=self.prompt_logprobs(request),
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,

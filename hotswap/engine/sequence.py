@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from hotswap.engine.model_input import PromptLogprobs
 from hotswap.outputs import Logprob
 from hotswap.sampling_params import SamplingParams
 
@@ -98,6 +99,11 @@ class Request:
     forked: bool = False
     admission_weight_version: int = 0
     stream: bool = False  # deliver an output after every step, not only at the end
+    prompt_logprobs: PromptLogprobs | None = None  # computed at its first prefill, when asked for
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def width(self) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
-from hotswap.engine.model_input import ModelInput, SampleResult
+from hotswap.engine.model_input import ModelInput, PromptLogprobs, SampleResult
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.attention import Attention, AttentionMetadata
@@ -75,6 +75,28 @@ class ModelRunner:
             v[dst] = v[src]
 
     @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]."""
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        if self.stack.applies(len(input_ids), pos, meta):
+            return self.stack.run(self.stack.embed(ids), pos, meta)
+        return cast(torch.Tensor, self.model(ids, pos, meta))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The logits [len(rows), V] of those rows of `hidden`, on every rank (every rank takes part in
+        gathering the vocab)."""
+        return cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+
     def forward(
         self,
         input_ids: list[int],
@@ -84,30 +106,45 @@ class ModelRunner:
         block_tables: list[list[int]],
         rows: list[int] | None,
     ) -> torch.Tensor | None:
-        """Runs the model over a flat batch (writing its KV) and returns the logits [len(rows), V] of the flat
-        token `rows`, on every rank (None for `rows` None: KV only)."""
-        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        if self.stack.applies(len(input_ids), pos, meta):
-            hidden = self.stack.run(self.stack.embed(ids), pos, meta)
-        else:
-            hidden = self.model(ids, pos, meta)
-        if rows is None:
-            return None
-        # every rank takes part in gathering the vocab
-        return cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        """`hidden_states`, then the logits of the flat token `rows` (None for `rows` None: KV only)."""
+        hidden = self.hidden_states(input_ids, positions, query_lens, context_lens, block_tables)
+        return None if rows is None else self.logits(hidden, rows)
 
     def execute(self, model_input: ModelInput) -> list[SampleResult]:
         self.copy_blocks(model_input.block_copies)
         mi = model_input
-        last = list(itertools.accumulate(mi.query_lens))
-        rows = [last[r] - 1 for r in mi.sample_rows]
-        logits = self.forward(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables, rows)
-        assert logits is not None
+        ends = list(itertools.accumulate(mi.query_lens))
+        hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
+        logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
+        prompt = {seq: self.prompt_logprobs(hidden, mi, ends[seq] - mi.query_lens[seq], ends[seq], k)
+                  for seq, k in mi.prompt_logprobs}  # fmt: skip
         if current_parallel().rank != 0:
             return []  # the engine reads rank 0's samples
-        return sample(logits, mi.sample_specs)
+        results = sample(logits, mi.sample_specs)
+        for seq, entries in prompt.items():
+            results[mi.sample_rows.index(seq)].prompt_logprobs = entries
+        return results
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput, start: int, end: int, k: int) -> PromptLogprobs:
+        """Logprobs of the prompt tokens start+1 .. end-1 of the flat batch given those before them (raw, like
+        sampled logprobs), a chunk of rows at a time so that [rows, V] stays bounded."""
+        out = PromptLogprobs([], [], [], [])
+        targets = torch.tensor(mi.input_ids[start + 1 : end], dtype=torch.long)
+        for first in range(start, end - 1, PROMPT_LOGPROB_CHUNK):
+            last = min(first + PROMPT_LOGPROB_CHUNK, end - 1)
+            logprobs = self.logits(hidden, list(range(first, last))).float().log_softmax(dim=-1)
+            chosen = logprobs.gather(1, targets[first - start : last - start, None])
+            out.logprobs += chosen.squeeze(1).tolist()
+            out.ranks += ((logprobs > chosen).sum(dim=1) + 1).tolist()
+            if k > 0:
+                top = logprobs.topk(k, dim=-1)
+                out.top_ids += top.indices.tolist()
+                out.top_logprobs += top.values.tolist()
+        return out
+
+
+PROMPT_LOGPROB_CHUNK = 256  # prompt rows whose logits are computed at once (memory: rows x vocab floats)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

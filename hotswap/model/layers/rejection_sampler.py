@@ -17,7 +17,7 @@ import torch
 
 from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
-from hotswap.model.layers.sampler import _row_seed, banned, distribution, noise_for, results_for
+from hotswap.model.layers.sampler import _row_seed, adjusted, banned, distribution, noise_for, results_for
 
 ACCEPT_STREAM = 0x5EC1  # the uniform draws deciding acceptance
 DRAFT_STREAM = 0x5EC2  # the draft's own sampling noise
@@ -29,7 +29,7 @@ def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], t
     greedy verification needs no q)."""
     logits = logits.float()
     if all(s.temperature == 0 for s in specs):
-        return banned(logits, specs).argmax(dim=-1).tolist(), None
+        return banned(adjusted(logits, specs), specs).argmax(dim=-1).tolist(), None
     q = distribution(logits, specs)
     noise = torch.empty_like(q).exponential_()
     for row, spec in enumerate(specs):
@@ -59,7 +59,8 @@ def verify(
     flat = [spec for seq_specs in specs for spec in seq_specs]
     assert logits.shape[0] == len(flat) == sum(len(p) + 1 for p in proposals), "one row per verified position"
     logits = logits.float()
-    plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in flat)
+    plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts
+                for s in flat)  # fmt: skip
     if plain and ops.greedy_native(logits):
         tokens, chosen = ops.greedy_sample(logits)
         argmax, chosen_list = tokens.tolist(), chosen.tolist()

@@ -45,15 +45,41 @@ def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return logits
 
 
+def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """`logits` with each row's logit bias, then its penalties applied (vLLM's order; a copy when any row has
+    them): repetition over the prompt and output tokens, presence and frequency over the output tokens."""
+    if not any(spec.adjusts for spec in specs):
+        return logits
+    logits = logits.clone()
+    for row, spec in enumerate(specs):
+        if spec.logit_bias:
+            ids = torch.tensor(list(spec.logit_bias), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(spec.logit_bias.values()), dtype=logits.dtype)
+        if spec.seen_token_ids is None:
+            continue
+        line = logits[row]
+        if spec.repetition_penalty != 1.0 and spec.seen_token_ids:
+            seen = torch.tensor(sorted(set(spec.seen_token_ids)), dtype=torch.long)
+            values = line[seen]
+            line[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+        outputs = spec.seen_token_ids[spec.num_prompt_tokens :]
+        if outputs and (spec.presence_penalty or spec.frequency_penalty):
+            counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=line.shape[0]).to(line.dtype)
+            line -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).to(line.dtype)
+    return logits
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
-    plain_greedy = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None for s in specs)
+    plain_greedy = all(
+        s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts for s in specs
+    )
     if plain_greedy and ops.greedy_native(logits):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
         tokens, chosen = ops.greedy_sample(logits)
         return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1)
-    logits = banned(logits, specs)
+    logits = banned(adjusted(logits, specs), specs)
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, but in one vectorised pass
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if random_rows:
@@ -100,7 +126,7 @@ def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """The distribution each row samples from (after banned tokens, temperature, min-p, top-k, top-p): a point
     mass on the argmax for greedy rows. `logits` [R, V] float32."""
-    logits = banned(logits, specs)
+    logits = banned(adjusted(logits, specs), specs)
     probs = torch.zeros_like(logits)
     greedy = [r for r, s in enumerate(specs) if s.temperature == 0]
     if greedy:
