@@ -224,3 +224,96 @@ def test_max_logprobs_bounds_requests_and_minus_one_allows_the_vocabulary(llama_
     assert len(out.logprobs[0]) >= vocab
     with pytest.raises(ValueError, match="max_logprobs"):
         LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22, max_logprobs=-2)
+
+
+# ---- penalties, logit bias, prompt logprobs (vLLM's SamplingParams fields) -----------------------------------
+
+
+def _hf_greedy_with(path, ids: list[int], steps: int, adjust) -> list[int]:
+    """Greedy decoding with transformers' logits, `adjust(logits, tokens_so_far)` applied before each argmax."""
+    from conftest import hf_model
+
+    model, tokens = hf_model(str(path)), list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            tokens.append(int(adjust(logits, tokens).argmax()))
+    return tokens[len(ids) :]
+
+
+def test_penalties_and_logit_bias_equal_their_definitions(llm, llama_dir):
+    """repetition_penalty (over prompt and output), presence and frequency penalties (over the output) and
+    logit_bias, on transformers' logits step by step, give the same greedy tokens."""
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+
+    def repetition(logits, tokens):
+        seen = torch.tensor(sorted(set(tokens)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.4, logits[seen] * 1.4)
+        return logits
+
+    def presence_frequency(logits, tokens):
+        counts = torch.bincount(torch.tensor(tokens[len(ids) :], dtype=torch.long), minlength=logits.shape[0])
+        return logits - 0.9 * counts - 0.6 * (counts > 0)
+
+    def bias(logits, tokens):
+        logits[7] += 25.0
+        logits[9] -= 100.0
+        return logits
+
+    cases = [
+        (dict(repetition_penalty=1.4), repetition),
+        (dict(presence_penalty=0.6, frequency_penalty=0.9), presence_frequency),
+        (dict(logit_bias={"7": 25.0, 9: -100}), bias),
+    ]
+    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    for fields, adjust in cases:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **fields)
+        got = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == _hf_greedy_with(llama_dir, ids, 16, adjust), fields
+        assert got != plain, f"{fields} changed nothing: the case cannot fail"
+
+
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(llm, llama_dir):
+    from conftest import hf_model
+
+    ids = llm.get_tokenizer().encode(PROMPTS[7] + " " + PROMPTS[3])
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, n=2, prompt_logprobs=3),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert out.num_cached_tokens == 0
+    with torch.no_grad():
+        ref = hf_model(str(llama_dir))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+        assert entry[ids[pos]].rank == int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
+        top = ref[pos - 1].topk(3).indices.tolist()
+        assert set(top) <= set(entry)
+    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+
+
+def test_include_stop_str_in_output_and_validation(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
+    stop = text[5:8]
+    cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop), use_tqdm=False)
+    kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop,
+                                                   include_stop_str_in_output=True), use_tqdm=False)  # fmt: skip
+    assert kept[0].outputs[0].text == cut[0].outputs[0].text + stop
+    for bad, match in [
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(frequency_penalty="x"), "frequency_penalty"),
+        (dict(logit_bias={"a": 1}), "logit_bias keys"),
+        (dict(logit_bias={1: 200}), "logit_bias"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="below the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs=50 exceeds max_logprobs"):
+        llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=50), use_tqdm=False)
