@@ -337,7 +337,7 @@ class EngineConfig:
         parts["weight_transfer_config"].update(transfer)
         for key, value in kwargs.items():
             for name, klass in sections.items():
-                if key in {f.name for f in fields(klass)}:
+                if name != "speculative_config" and key in {f.name for f in fields(klass)}:
                     parts[name][key] = value
                     break
             else:

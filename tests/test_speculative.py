@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 
 import httpx
 import openai
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from conftest import PROMPTS, serves
 from hotswap import LLM, EngineConfig, SamplingParams, current_config
@@ -171,17 +173,22 @@ def test_emitted_tokens_follow_the_target_distribution(setting, drafted):
         assert pvalue > 1e-3, (setting, j, counts.tolist(), expected.tolist())
 
 
-def test_sampled_outputs_are_seeded_and_batch_independent(llama_dir, drafts):
-    """A seeded request under speculation gives the same tokens alone and in a batch; with the target as its own
-    draft every sampled proposal is accepted (p == q)."""
-    llm = spec_llm(llama_dir, llama_dir, k=3)
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=5, ignore_eos=True)
-    alone = token_ids(llm, PROMPTS[:1], params)
-    batched = token_ids(llm, PROMPTS, params)
-    assert batched[0] == alone[0]
-    assert llm.llm_engine.stats()["spec_acceptance_rate"] == 1.0
-    other = spec_llm(llama_dir, drafts["llama"], k=3)
-    assert token_ids(other, PROMPTS, params)[0] == token_ids(other, PROMPTS[:1], params)[0]
+def test_seeded_outputs_equal_plain_sampling_whatever_the_batch(llama_dir, drafts):
+    """A seeded request's tokens under speculation are those of plain seeded sampling (verified against the
+    token the plain sampler draws at each position), alone, in a batch and through preemption; with the target as
+    its own draft (coupled to the same noise) every proposal is accepted."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=5, ignore_eos=True)
+    plain = token_ids(LLM(str(llama_dir), kv_cache_memory_bytes=KV), PROMPTS, params)
+    same = spec_llm(llama_dir, llama_dir, k=3)
+    assert token_ids(same, PROMPTS, params) == plain
+    assert token_ids(same, PROMPTS[:1], params) == plain[:1]
+    assert same.llm_engine.stats()["spec_acceptance_rate"] == 1.0
+    for llm in (spec_llm(llama_dir, drafts["llama"], k=3), spec_llm(llama_dir, k=3)):
+        assert token_ids(llm, PROMPTS, params) == plain
+    config = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}
+    crowded = LLM(str(llama_dir), kv_cache_memory_bytes=150_000, max_model_len=128, speculative_config=config)
+    assert token_ids(crowded, PROMPTS, params) == plain
+    assert crowded.llm_engine.stats()["num_preemptions"] > 0
 
 
 def test_engine_features_keep_working(llama_dir, drafts):
@@ -215,6 +222,8 @@ def test_a_draft_with_another_vocabulary_is_refused(llama_dir, tmp_path):
         EngineConfig.from_kwargs(str(llama_dir), speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="unknown speculative_config"):
         EngineConfig.from_kwargs(str(llama_dir), speculative_config={"method": "ngram", "k": 3})
+    with pytest.raises(TypeError, match="unknown engine argument 'method'"):
+        EngineConfig.from_kwargs(str(llama_dir), method="ngram")
 
 
 # ---- the draft's weights ------------------------------------------------------------------------------------
@@ -276,10 +285,39 @@ def test_a_failure_mid_session_rolls_back_both(ckpts, a_copy, b_tensors):
     assert llm.weight_checksums("all") == before
     assert serves(llm, ckpts["A"]) and acceptance(llm) == 1.0
     assert (llm.get_weight_version(), llm.get_weight_version("draft")) == (0, 0)
-    with pytest.raises(ValueError, match="started for 'model'"):
-        llm.start_weight_update()
+    llm.start_weight_update()
+    llm.update_weights(tensors_update_info(b_tensors[:2]))
+    with pytest.raises(ValueError, match=r"started for 'model'.*rolled back"):
         llm.update_weights({**tensors_update_info(b_tensors[:1]), "target": "draft"})
     assert llm.weight_checksums("all") == before
+    assert llm.llm_engine.executor.worker.session.state.value == "ready", "the failed update ended the session"
+    llm.start_weight_update("draft")  # a new session opens
+    llm.abort_weight_update()
+    assert llm.get_weight_version() == 0
+
+
+def test_a_failed_draft_update_never_stops_serving(ckpts, a_copy, b_tensors):
+    """Without rollback copies (atomic off) a streamed draft update that fails half-way (a NaN in its second
+    file) leaves the draft part-written, yet the engine serves on (outputs never depend on the draft), and a draft
+    reload repairs it."""
+    config = {"method": "draft_model", "model": str(a_copy), "num_speculative_tokens": 3}
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV, weight_transfer_config={"atomic": False},
+              speculative_config=config)  # fmt: skip
+    before = llm.weight_checksums("draft")
+    llm.init_weight_transfer_engine({"backend": "disk"})
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(dict(b_tensors[:3]), f"{tmp}/a.safetensors")
+        name, tensor = b_tensors[3]
+        save_file({name: torch.full_like(tensor, float("nan"))}, f"{tmp}/b.safetensors")
+        llm.start_weight_update("draft")
+        with pytest.raises(ValueError, match="NaN"):
+            llm.update_weights({"path": tmp})
+    after = llm.weight_checksums("draft")
+    assert any(after[f"draft.{n}"] != before[f"draft.{n}"] for n, _ in b_tensors[:3]), "nothing was written"
+    assert llm.llm_engine.health_problem() is None
+    assert serves(llm, ckpts["A"])
+    llm.reload_weights(weights_path=str(a_copy), target="draft")
+    assert llm.weight_checksums("draft") == before and acceptance(llm) == 1.0
 
 
 def test_reload_the_draft_and_staleness_policies(ckpts, a_copy, b_tensors):

@@ -128,7 +128,8 @@ class AsyncLLMEngine:
                 raise EngineUnavailable("the engine is asleep; retry after wake_up")
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, text, token_ids, params, stream=True)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            self.engine.add_request(request_id, text, token_ids, params, stream=True, cache_salt=salt)
             self._queues[request_id] = queue
         self._wake.set()
         finished = False

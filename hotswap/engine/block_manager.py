@@ -58,7 +58,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs:
             return []
         hits: list[tuple[int, int]] = []
-        prev: int | None = self.salt
+        prev: int | None = self._root(seq)
         bs = self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -69,6 +69,11 @@ class BlockManager:
             hits.append((block_id, h))
             prev = h
         return hits
+
+    def _root(self, seq: Sequence) -> int | None:
+        """Where `seq`'s hash chain starts: the weight salt, and the request's own cache salt when it has one."""
+        salt = seq.request.cache_salt
+        return self.salt if salt is None else hash((self.salt, "cache_salt", salt))
 
     def _take_free(self) -> Block:
         if self.empty:
@@ -101,7 +106,7 @@ class BlockManager:
             self._ref(block_id)
         seq.block_table = [b for b, _ in hits]
         seq.block_hashes = [h for _, h in hits]
-        seq.cache_salt = self.salt
+        seq.cache_salt = self._root(seq)
         for _ in range(self._blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
         seq.num_cached_tokens = len(hits) * self.block_size

@@ -138,13 +138,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Queues a request (it starts when the engine is running and capacity allows). With `stream`, `step`
-        returns its output after every step that advanced it; otherwise only when it finishes."""
+        returns its output after every step that advanced it; otherwise only when it finishes. Requests with
+        different `cache_salt`s never share prefix-cache blocks (vLLM's per-user isolation)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.validate_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt)
         request.admission_weight_version = self.weight_version
         seq = Sequence(request, 0, prompt_token_ids)
         request.seqs.append(seq)
@@ -349,7 +353,7 @@ class LLMEngine:
                 self.outputs.append(seq, result, self.weight_version)
                 if seq.finish_reason is not None:
                     break
-            accepted = len(emitted) - 1
+            accepted = min(len(emitted) - 1, len(seq) - length)  # proposals kept (a finish may cut the rest)
             if drafting:
                 seq.num_draft_computed = min(length + max(proposed - 1, 0), length + accepted, len(seq) - 1)
             self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
@@ -548,6 +552,8 @@ class LLMEngine:
         new_sections = live_overrides(self.config, overrides)
         self.executor.collective_rpc("update_config", (overrides,))
         apply_overrides(self.config, new_sections)
+        if "speculative_config" in new_sections:  # blocks cached while not speculating lack the draft's KV
+            self.reset_prefix_cache(force=True)
 
     def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix

@@ -100,6 +100,7 @@ class Request:
     admission_weight_version: int = 0
     stream: bool = False  # deliver an output after every step, not only at the end
     prompt_logprobs: PromptLogprobs | None = None  # computed at its first prefill, when asked for
+    cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
 
     @property
     def needs_prompt_logprobs(self) -> bool:

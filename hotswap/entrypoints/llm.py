@@ -50,9 +50,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (a string or {"prompt_token_ids": [...]}) and returns outputs in prompt
-        order. `sampling_params` is one for all prompts or one per prompt. Every prompt is validated before any
-        is queued, so a bad one raises ValueError and leaves the engine as it was."""
+        """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt") and
+        returns outputs in prompt order. `sampling_params` is one for all prompts or one per prompt. Every prompt
+        is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -71,12 +71,15 @@ class LLM:
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids = self._tokenize(prompt)
             engine.validate_prompt(token_ids, params)
-            staged.append((text, token_ids, params))
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+            staged.append((text, token_ids, params, salt))
         ids = []
         with self._lock:
-            for text, token_ids, params in staged:
+            for text, token_ids, params, salt in staged:
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, text, token_ids, params)
+                engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 

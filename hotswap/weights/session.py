@@ -157,7 +157,7 @@ class WeightSession:
         update = self._end()
         if update.atomic:
             update.rollback()
-        if (not update.atomic or update.unprotected) and update.loaded_names:
+        if (not update.atomic or update.unprotected) and update.wrote_served():
             self.weights_valid = False
         return True
 
@@ -190,20 +190,24 @@ class WeightSession:
             self.weights_valid = True
 
     def _fail(self, update: WeightUpdate, err: BaseException) -> NoReturn:
-        """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached."""
+        """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached. A
+        speculative draft's weights alone never invalidate: outputs do not depend on them."""
         if update.atomic and update.unprotected and update.loaded_names:
             update.rollback()
-            self.weights_valid = False
-            outcome = (
-                "it failed after writing without rollback copies, so the engine refuses to generate until a "
-                "successful reload_weights()"
-            )
+            if update.wrote_served():
+                self.weights_valid = False
+                outcome = ("it failed after writing without rollback copies, so the engine refuses to generate "
+                           "until a successful reload_weights()")  # fmt: skip
+            else:
+                outcome = "it failed after writing without rollback copies: reload the draft model"
         elif update.atomic:
             update.rollback()
             outcome = "the previous weights were restored"
-        elif update.loaded_names:
+        elif update.loaded_names and update.wrote_served():
             self.weights_valid = False
             outcome = "atomic mode is off, so the engine refuses to generate until a successful reload_weights()"
+        elif update.loaded_names:
+            outcome = "atomic mode is off: the draft model is left part-updated (outputs are unaffected); reload it"
         else:
             outcome = "no weight had been changed"
         if isinstance(err, (ValueError, TimeoutError)):

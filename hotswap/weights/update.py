@@ -355,6 +355,10 @@ class WeightUpdate:
 
     # ---- ending ---------------------------------------------------------------------------------------------
 
+    def wrote_served(self) -> bool:
+        """Whether this update wrote any weight of the served model (not only a draft's)."""
+        return bool(self.loaded_keys & self.index.validating_keys)
+
     def covers_all(self) -> bool:
         """Whether every weight of the served model was loaded by this update (after `finish`); a draft model's
         weights alone never count (see `WeightIndex.union`)."""

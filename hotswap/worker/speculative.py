@@ -35,10 +35,9 @@ class SpeculativeStep:
         self.parallel = parallel
 
     def prefill_draft(self, mi: ModelInput) -> None:
-        """The draft computes its KV for a prefill batch's tokens (no logits)."""
+        """The draft computes its KV for a prefill batch's tokens (no logits; the block copies ran already)."""
         assert self.draft is not None
         with self.draft_scope():
-            self.draft.copy_blocks(mi.block_copies)
             self.draft.forward(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables, None)
 
     def run(self, mi: ModelInput) -> SpecOutput:

@@ -188,6 +188,8 @@ class Worker:
             if self.speculative is None:
                 self.speculative = SpeculativeStep(runner, None, contextlib.nullcontext, self.parallel)
             return self.speculative.run(model_input)
+        if self.draft_runner is not None:  # copy-on-write reaches the draft's cache, speculating or not
+            self.draft_runner.copy_blocks(model_input.block_copies)
         results = runner.execute(model_input)
         if model_input.draft_prefill and self.speculative is not None and self.draft_runner is not None:
             self.speculative.prefill_draft(model_input)
@@ -323,11 +325,16 @@ class Worker:
         Any failure ends the session (rolled back in atomic mode) and re-raises. Returns tensors loaded."""
         selection = RankSelection.from_update_info(update_info, self.parallel.rank, self.parallel.size)
         part = update_info.get("target") if isinstance(update_info, dict) else None
+        problem = None
         if part not in (None, "model", "draft"):
-            raise ValueError(f"update_info target must be 'model' or 'draft', got {part!r}")
-        if part is not None and self._session_target not in (part, "all"):
-            raise ValueError(f"this update carries {part!r} weights, but the session was started for "
-                             f"{self._session_target!r}; start it with target={part!r} or 'all'")  # fmt: skip
+            problem = f"update_info target must be 'model' or 'draft', got {part!r}"
+        elif part is not None and self._session_target not in (part, "all"):
+            problem = (f"this update carries {part!r} weights, but the session was started for "
+                       f"{self._session_target!r}; start it with target={part!r} or 'all'")  # fmt: skip
+        if problem is not None:
+            self.session.expect(SessionState.ACTIVE, call="update_weights")
+            self.session.abort()  # like any failed update, it ends the session (rolled back)
+            raise ValueError(f"{problem} (the session was rolled back)")
         draft = part == "draft" or self._session_target == "draft"
         with torch.no_grad():
             return self.session.receive(update_info, selection, DRAFT_PREFIX if draft else "")

@@ -17,10 +17,7 @@ import torch
 
 from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
-from hotswap.model.layers.sampler import _row_seed, adjusted, banned, distribution, noise_for, results_for
-
-ACCEPT_STREAM = 0x5EC1  # the uniform draws deciding acceptance
-DRAFT_STREAM = 0x5EC2  # the draft's own sampling noise
+from hotswap.model.layers.sampler import adjusted, banned, distribution, noise_for, results_for
 
 
 def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], torch.Tensor | None]:
@@ -34,15 +31,8 @@ def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], t
     noise = torch.empty_like(q).exponential_()
     for row, spec in enumerate(specs):
         if spec.seed is not None:
-            noise[row] = noise_for(spec, q.shape[1], DRAFT_STREAM)
+            noise[row] = noise_for(spec, q.shape[1])  # the target's own noise at this position: the coupling
     return (q / noise).argmax(dim=-1).tolist(), q
-
-
-def _uniform(spec: SampleSpec) -> float:
-    if spec.seed is None:
-        return float(torch.rand(()))
-    gen = torch.Generator().manual_seed(_row_seed(spec.seed ^ ACCEPT_STREAM, spec.sample_index, spec.position))
-    return float(torch.rand((), generator=gen))
 
 
 def verify(
@@ -75,6 +65,9 @@ def verify(
         return out
     p = distribution(logits, flat)
     argmax = p.argmax(dim=-1).tolist()
+    for row, spec in enumerate(flat):  # seeded rows: the token plain sampling draws here (see the module doc)
+        if spec.temperature > 0 and spec.seed is not None:
+            argmax[row] = int((p[row] / noise_for(spec, p.shape[1])).argmax())
     rows: list[int] = []
     tokens_out: list[int] = []
     counts: list[int] = []
@@ -83,11 +76,11 @@ def verify(
         emitted = 0
         for j, d in enumerate(props):
             row, spec = offset + j, seq_specs[j]
-            if spec.temperature == 0:
+            if spec.temperature == 0 or spec.seed is not None:
                 token = argmax[row]
             else:
                 qd = 1.0 if q is None else float(q[j, d])
-                if qd > 0 and _uniform(spec) * qd < float(p[row, d]):
+                if qd > 0 and float(torch.rand(())) * qd < float(p[row, d]):
                     token = d
                 else:
                     residual = p[row].clone()
@@ -105,7 +98,8 @@ def verify(
                 break
         else:
             row, spec = offset + len(props), seq_specs[len(props)]
-            token = argmax[row] if spec.temperature == 0 else int((p[row] / noise_for(spec, p.shape[1])).argmax())
+            random_draw = spec.temperature > 0 and spec.seed is None
+            token = int((p[row] / noise_for(spec, p.shape[1])).argmax()) if random_draw else argmax[row]
             rows.append(row)
             tokens_out.append(token)
             emitted += 1
