@@ -160,7 +160,9 @@ class AsyncLLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids'")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self._tokenize(prompt["prompt"])
+        raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'")
 
     # ---- pause and resume -----------------------------------------------------------------------------------
 

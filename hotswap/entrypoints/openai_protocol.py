@@ -4,16 +4,47 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hotswap.outputs import CompletionOutput, RequestOutput
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 from hotswap.sampling_params import SamplingParams
+
+# Fields that would change what is generated and that hotswap does not implement: refused with a 400 naming the
+# field, never silently ignored (a constrained-decoding request answered unconstrained is a wrong answer).
+UNSUPPORTED = (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+    "suffix", "use_beam_search", "length_penalty", "logits_processors", "bad_words", "allowed_token_ids",
+    "truncate_prompt_tokens", "prompt_embeds", "logprob_token_ids", "functions", "function_call",
+)  # fmt: skip
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNSUPPORTED:
+                if data.get(name) not in (None, False, [], {}):
+                    raise ValueError(f"{name!r} is not supported by this server (it would change the output)")
+            fmt = data.get("response_format")
+            if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise ValueError("'response_format' other than {'type': 'text'} is not supported")
+            best_of = data.get("best_of")
+            if best_of not in (None, 1) and best_of != data.get("n", 1):
+                raise ValueError("'best_of' other than n is not supported")
+        return data
 
     model: str
     n: int = Field(1, ge=1)
@@ -27,30 +58,87 @@ class _Request(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    return_weight_versions: bool = False
+    cache_salt: str | None = None
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(..., min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    # a text, a list of texts, token ids, or a list of token-id lists (a batch: choices are prompt-major)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., min_length=1)
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=-1)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one per batch entry."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [cast(Any, p)]
+        return list(cast(Any, p))
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, ... pass to the chat template
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text; content parts other than text are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice not in (None, "none"):
+            raise ValueError(
+                f"'tool_choice' {self.tool_choice!r} is not supported (tool calls are not parsed); send 'none'"
+            )
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
 
 
-def sampling_params(request: _Request, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
-    """Raises ValueError (a 400) for combinations SamplingParams rejects."""
+def sampling_params(
+    request: _Request, logprobs: int | None, max_tokens: int | None, vocab: int, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    """Raises ValueError (a 400) for combinations SamplingParams rejects. A logprobs count of -1 means the whole
+    vocabulary (vLLM's convention; the server's --max-logprobs still bounds it)."""
+    logprobs = vocab if logprobs == -1 else logprobs
+    if prompt_logprobs is None:
+        prompt_logprobs = request.prompt_logprobs
+    prompt_logprobs = vocab if prompt_logprobs == -1 else prompt_logprobs
     return SamplingParams(
         n=request.n,
         temperature=request.temperature,
@@ -63,6 +151,14 @@ def sampling_params(request: _Request, logprobs: int | None, max_tokens: int | N
         stop=request.stop,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        stop_token_ids=request.stop_token_ids,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=cast(Any, request.logit_bias),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
         output_kind="delta" if request.stream else "cumulative",
     )
 
@@ -71,79 +167,156 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def spans(completion: CompletionOutput) -> list[list[int]]:
+@dataclass(frozen=True)
+class Shape:
+    """What a response carries beyond the OpenAI basics (vLLM's extensions)."""
+
+    token_ids: bool = False  # choices' token_ids and prompt_token_ids
+    as_ids: bool = False  # logprob tokens as "token_id:<id>"
+    vllm_versions: bool = False  # weight_versions as vLLM's [{"version", "start", "end"}]
+    echo: bool = False  # completions: the prompt before the text, its logprobs before the output's
+    drop_output: bool = False  # echo with max_tokens 0: only the prompt
+
+    @classmethod
+    def of(cls, request: _Request, echo: bool = False, drop_output: bool = False) -> Shape:
+        return cls(request.return_token_ids, request.return_tokens_as_token_ids, request.return_weight_versions,
+                   echo, drop_output)  # fmt: skip
+
+
+def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
+    if shape is not None and shape.vllm_versions:
+        return [{"version": str(s.version), "start": s.start_token, "end": s.end_token}
+                for s in completion.weight_versions]  # fmt: skip
     return [[s.version, s.start_token, s.end_token] for s in completion.weight_versions]
 
 
-def completion_logprobs(completion: CompletionOutput, offset: int) -> dict[str, Any] | None:
-    """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
+def _token(lp: Logprob, token_id: int, shape: Shape) -> str:
+    return f"token_id:{token_id}" if shape.as_ids else (lp.decoded_token or "")
+
+
+def completion_logprobs(
+    completion: CompletionOutput,
+    offset: int,
+    shape: Shape = Shape(),
+    prompt: RequestOutput | None = None,
+    first_text: str = "",
+) -> dict[str, Any] | None:
+    """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset); with `echo`,
+    the prompt's tokens first (the first has no logprob)."""
     if completion.logprobs is None:
         return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    entries: list[tuple[int, dict[int, Logprob] | None]] = []
+    if prompt is not None and prompt.prompt_logprobs is not None:
+        entries += list(zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True))
+    if not shape.drop_output:
+        entries += list(zip(completion.token_ids, completion.logprobs, strict=True))
+    for token_id, entry in entries:
+        if entry is None:  # the first prompt token
+            text = first_text
+            tokens.append(f"token_id:{token_id}" if shape.as_ids else text)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(text)
+            continue
         chosen = entry[token_id]
-        tokens.append(chosen.decoded_token or "")
+        tokens.append(_token(chosen, token_id, shape))
         token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        top.append({_token(lp, tid, shape): lp.logprob for tid, lp in entry.items()})
         offsets.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(completion: CompletionOutput, top_n: int) -> dict[str, Any] | None:
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: None for the first token, then {"<token id>": {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]  # fmt: skip
+
+
+def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape()) -> dict[str, Any] | None:
     if completion.logprobs is None:
         return None
     content = []
     for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
         chosen = entry[token_id]
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:top_n]
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)[:top_n]
         content.append(
             {
-                "token": chosen.decoded_token or "",
+                "token": _token(chosen, token_id, shape),
                 "logprob": chosen.logprob,
                 "bytes": list((chosen.decoded_token or "").encode()),
                 "top_logprobs": [
                     {
-                        "token": lp.decoded_token or "",
+                        "token": _token(lp, tid, shape),
                         "logprob": lp.logprob,
                         "bytes": list((lp.decoded_token or "").encode()),
                     }
-                    for lp in ranked
+                    for tid, lp in ranked
                 ],
             }
         )
     return {"content": content}
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(out: RequestOutput, model: str, request_id: str) -> dict[str, Any]:
+def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape: Shape,
+                      prompt_text: str, first_text: str = "") -> dict[str, Any]:  # fmt: skip
+    """One choice of a completions response (or a stream chunk: `c` a delta; `prompt_text` "" after the first).
+    `first_text`: the text of the first prompt token (echoed logprobs)."""
+    text = "" if shape.drop_output else c.text
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": (prompt_text + text) if shape.echo else text,
+        "logprobs": completion_logprobs(c, 0, shape, out if shape.echo else None, first_text),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "weight_versions": spans(c, shape),
+    }
+    if shape.token_ids:
+        choice["token_ids"] = [] if shape.drop_output else list(c.token_ids)
+        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+    if out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(out)
+    return choice
+
+
+def completion_response(outs: list[RequestOutput], model: str, request_id: str, shape: Shape,
+                        prompt_texts: list[str], first_texts: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Choices prompt-major: prompt i's sample j has index i * n + j."""
+    choices = []
+    for i, (out, text, first) in enumerate(zip(outs, prompt_texts, first_texts, strict=True)):
+        n = len(out.outputs)
+        choices += [completion_choice(out, c, i * n + c.index, shape, text, first) for c in out.outputs]
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(c, 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-                "weight_versions": spans(c),
-            }
-            for c in out.outputs
-        ],
-        "usage": usage(out),
+        "choices": choices,
+        "usage": usage(outs),
     }
 
 
-def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int) -> dict[str, Any]:
-    return {
+def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, shape: Shape = Shape()
+                  ) -> dict[str, Any]:  # fmt: skip
+    response: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -152,15 +325,19 @@ def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int) -
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, top_n),
+                "logprobs": chat_logprobs(c, top_n, shape),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "weight_versions": spans(c),
+                "weight_versions": spans(c, shape),
+                **({"token_ids": list(c.token_ids)} if shape.token_ids else {}),
             }
             for c in out.outputs
         ],
-        "usage": usage(out),
+        "usage": usage([out]),
     }
+    if shape.token_ids:
+        response["prompt_token_ids"] = list(out.prompt_token_ids)
+    return response
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -24,9 +24,9 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,8 +120,37 @@ class UpdateBody(_Body):
 
 
 class FinishBody(_Body):
-    weight_version: int | None = None
+    weight_version: int | str | None = None  # vLLM and SGLang send strings; they must hold an integer here
     session_token: str | None = None
+
+
+def integer_version(value: int | str | None) -> int | None:
+    """A weight version from a client: an int, or a string holding one (vLLM's and SGLang's are strings)."""
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ApiError(400, f"weight_version must be an integer (or a string holding one), got {value!r}") from None
+
+
+class VersionBody(_Body):
+    new_version: int | str
+
+
+class AbortRequestsBody(_Body):
+    request_ids: list[str] | None = None
+
+
+class TokenizeBody(_Body):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(_Body):
+    tokens: list[int]
 
 
 class AbortBody(_Body):
@@ -371,10 +400,19 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(user_auth)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "hotswap"}]}
+        max_len = engine.engine.config.model_config.max_model_len
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "hotswap",
+                                            "max_model_len": max_len}]}  # fmt: skip
 
     async def run(
-        prompt: Any, params: Any, request_id: str, make_chunk: Any, make_full: Any, stream: bool, http: Request
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        make_chunk: Any,
+        make_full: Any,
+        stream: bool,
+        http: Request,
+        final_chunk: Any = None,
     ) -> Any:
         start = time.perf_counter()
         # an async generator function: its iterator has aclose()
@@ -431,6 +469,8 @@ def create_app(
                     yield f"data: {json.dumps(make_chunk(out))}\n\n"
                     account(out)
                     if out.finished:
+                        if final_chunk is not None:  # stream_options.include_usage
+                            yield f"data: {json.dumps(final_chunk())}\n\n"
                         break
                     pending = asyncio.ensure_future(generator.__anext__())
                     while not (await asyncio.wait({pending}, timeout=0.5))[0]:
@@ -448,93 +488,148 @@ def create_app(
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    vocab = int(engine.engine.config.model_config.hf_config.get("vocab_size", 0))
+
+    def engine_prompt(prompt: str | list[int], salt: str | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        if salt is not None:
+            entry["cache_salt"] = salt
+        return entry
+
+    def usage_chunk(request_id: str, created: int, kind: str, counts: dict[str, int]) -> dict[str, Any]:
+        total = counts["prompt"] + counts["completion"]
+        return {"id": request_id, "object": kind, "created": created, "model": served_model_name, "choices": [],
+                "usage": {"prompt_tokens": counts["prompt"], "completion_tokens": counts["completion"],
+                          "total_tokens": total}}  # fmt: skip
+
     @app.post("/v1/completions", dependencies=[Depends(user_auth)])
     async def completions(body: oai.CompletionRequest, http: Request) -> Any:
         check_model(body.model)
+        prompts = body.prompts()
+        echo_only = body.echo and body.max_tokens == 0
         try:
-            if isinstance(body.prompt, str):
-                check_unicode(body.prompt, "the prompt")
-            params = oai.sampling_params(body, body.logprobs, body.max_tokens)
+            if body.max_tokens == 0 and not body.echo:
+                raise ValueError("max_tokens=0 needs echo=true (the prompt is all there is to return)")
+            for p in prompts:
+                if isinstance(p, str):
+                    check_unicode(p, "the prompt")
+            echo_logprobs = None
+            if body.echo and body.logprobs is not None:  # the prompt's logprobs, in the same top-k shape
+                echo_logprobs = max(body.logprobs, 0) if body.prompt_logprobs is None else body.prompt_logprobs
+            params = oai.sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens, vocab,
+                                         echo_logprobs)  # fmt: skip
             check_limits(body.stop, params)
+            if body.stream and len(prompts) > 1:
+                raise ValueError("stream=true takes one prompt per request; send a batch without streaming")
+            if body.stream and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs (and echo with logprobs) are not available with stream=true")
         except ValueError as err:
             raise ApiError(400, str(err)) from err
-        prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
+        shape = oai.Shape.of(body, echo=body.echo, drop_output=echo_only)
         request_id = oai.new_id("cmpl")
         created = int(time.time())
+        tok = engine.tokenizer
+        texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else [""] * len(prompts)
+
+        if not body.stream:
+            try:
+                async with asyncio.TaskGroup() as group:  # one failing prompt cancels the others
+                    tasks = [group.create_task(run(engine_prompt(p, body.cache_salt), params, f"{request_id}-{i}",
+                                                   None, lambda o: o, False, http))
+                             for i, p in enumerate(prompts)]  # fmt: skip
+            except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
+                raise group_error.exceptions[0] from None
+            outs = [task.result() for task in tasks]
+            firsts = [engine.engine.detokenizer.token_text(o.prompt_token_ids[0]) if body.echo else "" for o in outs]
+            return oai.completion_response(outs, served_model_name, request_id, shape, texts, firsts)
+
+        counts = {"prompt": 0, "completion": 0}
+        echoed = [False]
 
         def chunk(out: Any) -> dict[str, Any]:
-            return {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": served_model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "logprobs": oai.completion_logprobs(c, 0),
-                        "finish_reason": c.finish_reason,
-                        "weight_versions": oai.spans(c),
-                    }
-                    for c in out.outputs
-                ],
-            }
+            counts["prompt"] = len(out.prompt_token_ids)
+            counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
+            prefix = texts[0] if not echoed[0] else ""
+            echoed[0] = True
+            choices = [oai.completion_choice(out, c, c.index, shape, prefix) for c in out.outputs]
+            return {"id": request_id, "object": "text_completion", "created": created, "model": served_model_name,
+                    "choices": choices}  # fmt: skip
 
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await run(
-            prompt,
-            params,
-            request_id,
-            chunk,
-            lambda o: oai.completion_response(o, served_model_name, request_id),
-            body.stream,
-            http,
-        )
+            engine_prompt(prompts[0], body.cache_salt), params, request_id, chunk, None, True, http,
+            (lambda: usage_chunk(request_id, created, "text_completion", counts)) if include_usage else None,
+        )  # fmt: skip
 
     @app.post("/v1/chat/completions", dependencies=[Depends(user_auth)])
     async def chat_completions(body: oai.ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
         top_n = body.top_logprobs or 0
+        top_n = vocab if top_n == -1 else top_n
         try:
             params = oai.sampling_params(
-                body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens
+                body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens, vocab
             )
             check_limits(body.stop, params)
-            for message in body.messages:
-                check_unicode(message.content, "a message's content")
+            if body.stream and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not available with stream=true")
+            messages = body.template_messages()
+            for message in messages:
+                check_unicode(message["content"], "a message's content")
             ids = await asyncio.to_thread(  # CPU work off the event loop
-                engine.tokenizer.apply_chat_template,
-                [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True, return_dict=False,
+                engine.tokenizer.apply_chat_template, messages, tools=body.tools, chat_template=body.chat_template,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message, tokenize=True, return_dict=False,
+                **(body.chat_template_kwargs or {}),
             )  # fmt: skip
         except ValueError as err:
             raise ApiError(400, str(err)) from err
+        except Exception as err:  # a template that cannot render these messages (jinja errors)
+            raise ApiError(400, f"the chat template failed on these messages: {err}") from err
+        shape = oai.Shape.of(body)
         request_id = oai.new_id("chatcmpl")
         created = int(time.time())
         sent_role: set[int] = set()
+        counts = {"prompt": 0, "completion": 0}
 
         def chunk(out: Any) -> dict[str, Any]:
+            counts["prompt"] = len(out.prompt_token_ids)
+            counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
             choices = []
             for c in out.outputs:
                 delta: dict[str, Any] = {"content": c.text}
                 if c.index not in sent_role:
                     delta["role"] = "assistant"
                     sent_role.add(c.index)
-                choices.append(
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": oai.chat_logprobs(c, top_n),
-                        "finish_reason": c.finish_reason,
-                        "weight_versions": oai.spans(c),
-                    }
-                )
-            return {
+                choice = {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": oai.chat_logprobs(c, top_n, shape),
+                    "finish_reason": c.finish_reason,
+                    "weight_versions": oai.spans(c, shape),
+                }
+                if shape.token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
+            response = {
                 "id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": served_model_name, "choices": choices,
             }  # fmt: skip
+            if shape.token_ids and not counts.get("sent_prompt"):  # the first chunk carries the prompt's ids
+                response["prompt_token_ids"] = list(out.prompt_token_ids)
+                counts["sent_prompt"] = 1
+            return response
 
+        def full(out: Any) -> dict[str, Any]:
+            response = oai.chat_response(out, served_model_name, request_id, top_n, shape)
+            if out.prompt_logprobs is not None:
+                response["prompt_logprobs"] = oai.prompt_logprobs_json(out)
+            return response
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await run(
-            {"prompt_token_ids": list(ids)}, params, request_id, chunk,
-            lambda o: oai.chat_response(o, served_model_name, request_id, top_n), body.stream, http,
+            engine_prompt(list(ids), body.cache_salt), params, request_id, chunk, full, body.stream, http,
+            (lambda: usage_chunk(request_id, created, "chat.completion.chunk", counts)) if include_usage else None,
         )  # fmt: skip
 
     if not enable_admin:
@@ -583,7 +678,7 @@ def create_app(
     @app.post("/finish_weight_update", dependencies=admin)
     async def finish_weight_update(body: FinishBody | None = None) -> dict[str, Any]:
         body = body or FinishBody()
-        await guarded(engine.finish_weight_update(body.weight_version, body.session_token))
+        await guarded(engine.finish_weight_update(integer_version(body.weight_version), body.session_token))
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())
         version_changed()
@@ -602,34 +697,111 @@ def create_app(
         return {"status": "ok"}
 
     @app.post("/pause", dependencies=admin)
-    async def pause(body: PauseBody | None = None) -> dict[str, bool]:
+    async def pause(
+        body: PauseBody | None = None,
+        mode: str | None = Query(None, pattern="^(abort|wait|keep)$"),
+        clear_cache: bool | None = Query(None),
+    ) -> dict[str, Any]:
+        """Pauses generation; `mode` and `clear_cache` from the query string (vLLM's form) or the JSON body."""
         body = body or PauseBody()
-        await guarded(engine.pause_generation(body.mode, body.clear_cache))
-        return {"paused": True}
+        await guarded(
+            engine.pause_generation(mode or body.mode, body.clear_cache if clear_cache is None else clear_cache)
+        )
+        return {"paused": True, "status": "paused"}
 
     @app.post("/resume", dependencies=admin)
-    async def resume() -> dict[str, bool]:
+    async def resume() -> dict[str, Any]:
         await guarded(engine.resume_generation())
-        return {"paused": False}
+        return {"paused": False, "status": "resumed"}
 
     @app.get("/is_paused", dependencies=admin)
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": await engine.is_paused()}
 
     @app.post("/sleep", dependencies=admin)
-    async def sleep(body: SleepBody | None = None) -> dict[str, str]:
-        await guarded(engine.sleep((body or SleepBody()).level))
-        return {"status": "ok"}
+    async def sleep(
+        body: SleepBody | None = None,
+        level: int | None = Query(None, ge=1, le=2),
+        mode: str | None = Query(None, pattern="^(abort|wait)$"),
+    ) -> dict[str, Any]:
+        """Releases memory (`level` from the query or the body); with `mode`, generation is paused that way first
+        (requests in flight otherwise refuse the sleep)."""
+        level = level or (body or SleepBody()).level
+        if mode is not None:
+            await guarded(engine.pause_generation(mode))
+        await guarded(engine.sleep(level))
+        return {"status": "sleeping", "level": level}
 
     @app.post("/wake_up", dependencies=admin)
-    async def wake_up(body: WakeBody | None = None) -> dict[str, str]:
-        await guarded(engine.wake_up((body or WakeBody()).tags))
-        return {"status": "ok"}
+    async def wake_up(body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
+                      ) -> dict[str, Any]:  # fmt: skip
+        """Re-allocates what sleep released: `tags` (repeatable query parameter, or the body; none: all)."""
+        chosen = tags if tags is not None else (body or WakeBody()).tags
+        await guarded(engine.wake_up(chosen))
+        return {"status": "sleeping" if engine.engine.is_asleep() else "awake", "tags": chosen}
+
+    @app.get("/is_sleeping", dependencies=admin)
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": engine.engine.is_asleep()}
 
     @app.post("/reset_prefix_cache", dependencies=admin)
-    async def reset_prefix_cache() -> dict[str, str]:
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Drops the prefix cache (query parameters and a body, as vLLM clients send them, are accepted)."""
         await guarded(engine.reset_prefix_cache())
-        return {"status": "ok"}
+        return {"status": "ok", "success": True}
+
+    @app.post("/abort_requests", dependencies=admin)
+    async def abort_requests(body: AbortRequestsBody | None = None) -> dict[str, Any]:
+        """Ends the named requests (none named: all of them) with finish_reason 'abort'."""
+        wanted = (body or AbortRequestsBody()).request_ids
+        ids = list(engine.engine.requests) if not wanted else [r for r in wanted if r in engine.engine.requests]
+        for request_id in ids:
+            await engine.abort(request_id)
+        return {"status": "aborted", "aborted": len(ids)}
+
+    @app.post("/update_weight_version", dependencies=admin)
+    async def update_weight_version(body: VersionBody) -> dict[str, Any]:
+        """Relabels the served weights (no weight changes)."""
+        version = integer_version(body.new_version)
+        assert version is not None
+        engine.engine.weight_version = version
+        version_changed()
+        return {"success": True, "new_version": str(version)}
+
+    @app.get("/weight_info", dependencies=admin)
+    async def weight_info() -> dict[str, Any]:
+        return {"weight_version": str(engine.engine.weight_version)}
+
+    @app.get("/server_info", dependencies=admin)
+    async def server_info(config_format: str = Query("json", pattern="^(json|text)$")) -> dict[str, Any]:
+        """The engine's configuration in vLLM's shape (`vllm_config`), which RL clients read for the dtype, the
+        context length and whether a weight transport is configured."""
+        config = vllm_config(engine.engine.config, served_model_name)
+        return {"vllm_config": config if config_format == "json" else json.dumps(config), "vllm_env": {},
+                "system_env": {}}  # fmt: skip
+
+    @app.post("/tokenize", dependencies=[Depends(user_auth)])
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        tok = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give 'prompt' or 'messages'")
+        try:
+            if body.messages is not None:
+                ids = tok.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                              tokenize=True, return_dict=False)  # fmt: skip
+            else:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except Exception as err:
+            raise ApiError(400, f"cannot tokenize: {err}") from err
+        max_len = engine.engine.config.model_config.max_model_len
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": max_len}
+
+    @app.post("/detokenize", dependencies=[Depends(user_auth)])
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+        vocab_size = int(engine.engine.config.model_config.hf_config.get("vocab_size", 0))
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab_size})")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/get_weight_version", dependencies=admin)
     async def get_weight_version() -> dict[str, Any]:
@@ -656,6 +828,29 @@ def create_app(
         return {"results": results}
 
     return app
+
+
+def vllm_config(config: Any, served_name: str) -> dict[str, Any]:
+    """The fields of vLLM's `vllm_config` that RL clients read, from hotswap's config."""
+    mc, pc, cc = config.model_config, config.parallel_config, config.cache_config
+    spec = config.speculative_config
+    return {
+        "model_config": {
+            "model": mc.model, "served_model_name": served_name, "dtype": str(mc.torch_dtype),
+            "max_model_len": mc.max_model_len, "max_logprobs": mc.max_logprobs, "seed": mc.seed,
+        },
+        "parallel_config": {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": 1,
+                            "data_parallel_size": 1, "world_size": pc.tensor_parallel_size,
+                            "enable_expert_parallel": pc.enable_expert_parallel},
+        "cache_config": {"block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
+                         "num_gpu_blocks": cc.num_kv_blocks},
+        # every transport is available on request; clients only check that one is configured
+        "weight_transfer_config": {"backend": "torch_dist", "backends": ["tensors", "shm", "torch_dist", "disk"],
+                                   "atomic": config.weight_transfer_config.atomic},
+        "speculative_config": None if not spec.enabled else {
+            "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},
+        "quant_config": {"quantization": config.quant_config.quantization},
+    }  # fmt: skip
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
