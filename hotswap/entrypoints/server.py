@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
@@ -76,8 +76,24 @@ class RequestLimits:
     max_tokens: int | None = None
 
 
+_IGNORED_LOGGED: set[tuple[str, str]] = set()
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Admin bodies are lenient, as vLLM's and RL frameworks' clients need (TRL sends `is_checkpoint_format`,
+    AReaL a `pp_rank`): unknown fields are ignored, and logged once per route model and field."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in sorted(set(data) - set(cls.model_fields)):
+                if (cls.__name__, key) not in _IGNORED_LOGGED:
+                    _IGNORED_LOGGED.add((cls.__name__, key))
+                    logger.info("ignoring field %r of a %s request (not used by hotswap)", key, cls.__name__)
+        return data
 
 
 # engine stats -> Prometheus names, with speculative decoding on

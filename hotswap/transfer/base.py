@@ -37,9 +37,11 @@ def parse_dtype(name: Any) -> torch.dtype:
 
 
 def declared_from_info(update_info: dict[str, Any]) -> Declared:
-    """Reads `names`, `dtypes`, `shapes` (equal lengths) from an update. Raises ValueError if malformed."""
+    """Reads `names`, `dtypes` (or vLLM's `dtype_names`), `shapes` (equal lengths) from an update. Raises
+    ValueError if malformed."""
     try:
-        names, dtypes, shapes = update_info["names"], update_info["dtypes"], update_info["shapes"]
+        dtypes = update_info["dtypes"] if "dtypes" in update_info else update_info["dtype_names"]
+        names, shapes = update_info["names"], update_info["shapes"]
     except (KeyError, TypeError) as err:
         raise ValueError(f"update_info must declare 'names', 'dtypes' and 'shapes'; missing {err}") from None
     if not (len(names) == len(dtypes) == len(shapes)):
@@ -111,10 +113,13 @@ def check_interrupt() -> None:
 
 
 def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> TransferEngine:
-    """The engine named by `init_info["backend"]`. Raises ValueError listing the backends for another name."""
+    """The engine named by `init_info["backend"]` (torch_dist for an init_info without one that names a
+    master_address, as vLLM's clients send it). Raises ValueError listing the backends for another name."""
     if not isinstance(init_info, dict):
         raise ValueError(f"init_info must be a dict with a 'backend' key, got {type(init_info).__name__}")
     backend = init_info.get("backend")
+    if backend is None and "master_address" in init_info:  # vLLM's clients name no backend: a trainer's group
+        backend = "torch_dist"
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown weight transfer backend {backend!r}; expected one of {sorted(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")

@@ -149,6 +149,9 @@ class TorchDistEngine(TransferEngine):
         if not 0 < port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {port}")
         self.device = str(init_info.get("device", "cpu"))
+        offset = init_info.get("rank_offset", 1)  # vLLM's name: the trainer is rank 0, workers follow
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
+            raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
         self.where = f"{address}:{port}"
         tp = current_parallel()
         self.store: TCPStore | None = None  # set once joined; None again once shut down
@@ -158,15 +161,19 @@ class TorchDistEngine(TransferEngine):
         self._closed = False
         self._works: list[Any] = []  # the broadcasts of the update being received
         self._lock = threading.Lock()
-        key = (address, port, 1 + tp.rank)
+        key = (address, port, offset + tp.rank)
+        world = init_info.get("world_size", offset + tp.size)
+        if not isinstance(world, int) or world < offset + tp.size:
+            raise ValueError(f"world_size must be an integer >= rank_offset + {tp.size} workers, got {world!r}")
         with _joins_lock:
             earlier = _joins.get(key)
             if earlier is not None and earlier.is_alive():
                 raise RuntimeError(
-                    f"an earlier init_weight_transfer_engine to {self.where} is still joining as rank {1 + tp.rank} "
-                    f"(for up to {2 * config.timeout_s:g} s); wait for it to end, or use another master_port"
+                    f"an earlier init_weight_transfer_engine to {self.where} is still joining as rank "
+                    f"{offset + tp.rank} (for up to {2 * config.timeout_s:g} s); wait for it to end, or use another "
+                    "master_port"
                 )
-            args = (address, port, 1 + tp.rank, 1 + tp.size, config.timeout_s, self.device)
+            args = (address, port, offset + tp.rank, world, config.timeout_s, self.device)
             self._joining = threading.Thread(target=self._join, args=args, name="torch_dist-join", daemon=True)
             _joins[key] = self._joining
             self._joining.start()
