@@ -270,10 +270,12 @@ def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape
     return {"content": content}
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, int]:
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(out.prompt_token_ids) for out in outs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(out.num_cached_tokens for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape: Shape,
