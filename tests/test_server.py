@@ -218,7 +218,7 @@ def test_trainer_pushes_over_shm_and_torch_dist_while_a_client_streams(server, c
         for prompt in PROMPTS:
             assert completion_text(client, prompt) == reference_text(ckpts[target], tokenizer, prompt)
     version = httpx.get(f"{server}/get_weight_version", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
-    assert version["weight_version"] == report["version"] == 3
+    assert version["weight_version"] == str(report["version"]) == "3"
     assert len(used) == 2 and not used & shm_segments()  # the shm trainers unlinked their buffers
 
 
@@ -239,7 +239,8 @@ def test_refuses_admin_on_a_public_host_without_key(ckpts):
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(ckpts):
     """Property-based requests generated from the server's OpenAPI schema, admin routes included (with the
-    admin key): none may produce a 5xx."""
+    admin key): none may produce a 5xx. SGLang's group init is left out: a generated address that accepts
+    connections makes each example wait out the join timeout (its bad input is tested in test_sglang_compat)."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
@@ -248,7 +249,8 @@ def test_schemathesis_finds_no_server_error(ckpts):
     ) as base:
         schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
         failures: list[str] = []
-        operations = [result.ok() for result in schema.get_all_operations()]
+        waits = {"/init_weights_update_group"}
+        operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.path not in waits]
         assert len(operations) >= 20
         for operation in operations:
 

@@ -180,7 +180,7 @@ def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
         second = httpx.post(f"{base}/start_weight_update", headers=ADMIN)
         assert second.status_code == 409  # one session at a time
         done = httpx.post(f"{base}/finish_weight_update", headers=ADMIN, json={"session_token": token})
-        assert done.status_code == 200 and done.json()["weight_version"] == 1
+        assert done.status_code == 200 and done.json()["weight_version"] == "1"
 
 
 def test_configured_limits_are_named_and_a_long_pause_gets_503(ckpts):

@@ -411,14 +411,14 @@ def test_server_with_speculation(ckpts, a_copy):
         metrics = httpx.get(f"{base}/metrics").text
         assert "hotswap_spec_acceptance_rate 1.0" in metrics and "hotswap_draft_stale 0.0" in metrics
         r = httpx.post(f"{base}/reload_weights", json={"weights_path": str(ckpts["B"])})
-        assert r.json() == {"weight_version": 1, "draft_weight_version": 0, "draft_stale": True}
+        assert r.json() == {"weight_version": "1", "draft_weight_version": "0", "draft_stale": True}
         assert "hotswap_draft_stale 1.0" in httpx.get(f"{base}/metrics").text
         assert httpx.post(f"{base}/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}).is_success
         assert httpx.post(f"{base}/start_weight_update", json={"target": "all"}).is_success
         r = httpx.post(f"{base}/update_weights", json={"update_info": {"path": str(ckpts["B"]), "target": "draft"}})
         assert r.is_success, r.text
         r = httpx.post(f"{base}/finish_weight_update")
-        assert r.json() == {"weight_version": 1, "draft_weight_version": 1, "draft_stale": False}
+        assert r.json() == {"weight_version": "1", "draft_weight_version": "1", "draft_stale": False}
         assert httpx.get(f"{base}/get_weight_version").json()["draft_stale"] is False
         r = httpx.post(f"{base}/reload_weights", json={"weights_path": str(ckpts["A"]), "target": "draft"})
         assert r.status_code == 200, r.text

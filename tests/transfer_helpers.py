@@ -160,3 +160,36 @@ def torch_dist_trainer_dies_mid_stream(queue, go, port, named, bucket_size, buck
     go.get()  # the engine is receiving
     sender.send(named[:count])
     os._exit(1)
+
+
+def sglang_trainer(port: int, world_size: int, group_name: str, checkpoint_file: str, commands, done) -> None:
+    """A trainer the way slime / AReaL build theirs for SGLang: `init_custom_process_group` (rendezvous over
+    tcp://, a store prefixed with the group name, a gloo group, rank 0), then per command from `commands`
+    ("names": one async broadcast per tensor in list order; "bucket": one flattened uint8 buffer; "stop") it sends
+    the checkpoint's tensors and reports on `done`."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=60)
+    store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world, rank, [], "gloo", PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    tensors = list(load_file(checkpoint_file).items())
+    while True:
+        command = commands.get()
+        if command == "stop":
+            return
+        if command == "names":
+            works = [dist.broadcast(t.contiguous(), 0, group=group, async_op=True) for _, t in tensors]
+            for work in works:
+                work.wait()
+        else:
+            flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in tensors])
+            dist.broadcast(flat, 0, group=group)
+        done.put(command)

@@ -53,7 +53,7 @@ class AdminClient:
         return response.json()
 
     def reload_weights(self, weights_path: str | None = None) -> int:
-        return self._call("POST", "/reload_weights", {"weights_path": weights_path})["weight_version"]
+        return int(self._call("POST", "/reload_weights", {"weights_path": weights_path})["weight_version"])
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self._call("POST", "/pause", {"mode": mode, "clear_cache": clear_cache})
@@ -65,7 +65,7 @@ class AdminClient:
         return self._call("GET", "/is_paused")["is_paused"]
 
     def get_weight_version(self) -> int:
-        return self._call("GET", "/get_weight_version")["weight_version"]
+        return int(self._call("GET", "/get_weight_version")["weight_version"])
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 per checkpoint tensor name, as the engine holds it."""
@@ -104,7 +104,7 @@ class AdminClient:
             try:
                 self._send(backend, named, token)
                 body = {"weight_version": weight_version, "session_token": token}
-                return self._call("POST", "/finish_weight_update", body)["weight_version"]
+                return int(self._call("POST", "/finish_weight_update", body)["weight_version"])
             except BaseException:
                 try:
                     self._call("POST", "/abort_weight_update", {"session_token": token})  # ours only

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
+from hotswap.entrypoints.sglang_routes import add_sglang_routes
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
 
@@ -148,10 +149,6 @@ def integer_version(value: int | str | None) -> int | None:
         return int(value)
     except ValueError:
         raise ApiError(400, f"weight_version must be an integer (or a string holding one), got {value!r}") from None
-
-
-class VersionBody(_Body):
-    new_version: int | str
 
 
 class AbortRequestsBody(_Body):
@@ -649,6 +646,7 @@ def create_app(
         )  # fmt: skip
 
     if not enable_admin:
+        add_sglang_routes(app, engine, None, user_auth, guarded, lambda: None, served_model_name)
         return app
 
     # ---- admin routes ---------------------------------------------------------------------------------------
@@ -659,12 +657,15 @@ def create_app(
         metrics.set("hotswap_weight_version", engine.engine.weight_version)
 
     def versions() -> dict[str, Any]:
-        """The served version, and with a speculative draft model the version it was last updated for."""
-        out: dict[str, Any] = {"weight_version": engine.engine.weight_version}
+        """The served version, and with a speculative draft model the version it was last updated for (strings, as
+        vLLM's and SGLang's clients compare them)."""
+        out: dict[str, Any] = {"weight_version": str(engine.engine.weight_version)}
         if engine.engine.config.draft_model_config is not None:
-            out["draft_weight_version"] = engine.engine.draft_weight_version
+            out["draft_weight_version"] = str(engine.engine.draft_weight_version)
             out["draft_stale"] = engine.engine.draft_stale
         return out
+
+    add_sglang_routes(app, engine, admin, user_auth, guarded, version_changed, served_model_name)
 
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
@@ -775,15 +776,6 @@ def create_app(
             await engine.abort(request_id)
         return {"status": "aborted", "aborted": len(ids)}
 
-    @app.post("/update_weight_version", dependencies=admin)
-    async def update_weight_version(body: VersionBody) -> dict[str, Any]:
-        """Relabels the served weights (no weight changes)."""
-        version = integer_version(body.new_version)
-        assert version is not None
-        engine.engine.weight_version = version
-        version_changed()
-        return {"success": True, "new_version": str(version)}
-
     @app.get("/weight_info", dependencies=admin)
     async def weight_info() -> dict[str, Any]:
         return {"weight_version": str(engine.engine.weight_version)}
@@ -793,8 +785,13 @@ def create_app(
         """The engine's configuration in vLLM's shape (`vllm_config`), which RL clients read for the dtype, the
         context length and whether a weight transport is configured."""
         config = vllm_config(engine.engine.config, served_model_name)
+        tp = engine.engine.config.parallel_config.tensor_parallel_size
+        sglang = {"tp_size": tp, "tensor_parallel_size": tp, "pp_size": 1, "dp_size": 1, "ep_size": 1,
+                  "moe_dp_size": 1, "num_gpus": 0, "disaggregation_mode": "null", "encoder_only": False,
+                  "model_path": engine.engine.config.model_config.model,
+                  "weight_version": str(engine.engine.weight_version)}  # fmt: skip
         return {"vllm_config": config if config_format == "json" else json.dumps(config), "vllm_env": {},
-                "system_env": {}}  # fmt: skip
+                "system_env": {}, **sglang}  # fmt: skip
 
     @app.post("/tokenize", dependencies=[Depends(user_auth)])
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -831,7 +828,7 @@ def create_app(
     @app.get("/weight_checksums", dependencies=admin)
     async def weight_checksums() -> dict[str, Any]:
         (checksums,) = await guarded(engine.collective_rpc("weight_checksums"))
-        return {"weight_version": engine.engine.weight_version, "checksums": checksums}
+        return {"weight_version": str(engine.engine.weight_version), "checksums": checksums}
 
     @app.post("/collective_rpc", dependencies=admin)
     async def collective_rpc(body: RpcBody) -> dict[str, Any]:

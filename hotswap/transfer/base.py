@@ -21,6 +21,7 @@ BACKENDS = {
     "shm": "hotswap.transfer.shm:ShmEngine",
     "torch_dist": "hotswap.transfer.torch_dist:TorchDistEngine",
     "disk": "hotswap.transfer.disk:DiskEngine",
+    "sglang_dist": "hotswap.transfer.sglang_dist:SglangDistEngine",
 }
 
 

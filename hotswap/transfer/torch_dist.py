@@ -178,9 +178,13 @@ class TorchDistEngine(TransferEngine):
             _joins[key] = self._joining
             self._joining.start()
 
+    def _connect(self, *args: Any) -> tuple[Any, Any]:
+        """Joins the trainer's group: (store, process group)."""
+        return _group(*args)
+
     def _join(self, *args: Any) -> None:
         try:
-            store, group = _group(*args)
+            store, group = self._connect(*args)
         except BaseException as err:  # reported by ready()
             self._error = err
             return
