@@ -206,3 +206,47 @@ def test_llm_accepts_cache_salt(llama_dir):
     assert again.num_cached_tokens > 0 and other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": ids, "cache_salt": 3}, params, use_tqdm=False)
+
+
+def test_new_requests_get_503_during_an_abort_or_wait_pause(server):
+    body = {"model": "A", "prompt": PROMPTS[0], "max_tokens": 2}
+    for mode in ("abort", "wait"):
+        assert httpx.post(f"{server}/pause", params={"mode": mode}).status_code == 200
+        refused = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"], mode
+        assert httpx.post(f"{server}/resume").status_code == 200
+        assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_update_info_per_worker_and_empty_repeats_the_last(ckpts, b_tensors):
+    """vLLM 0.33's forms: update_info as a list (one per worker) and an empty declaration meaning the previous
+    one; the second round (checkpoint A again, declared empty) restores A."""
+    from safetensors.torch import load_file
+
+    from conftest import serves
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    port = free_port()
+    init = threading.Thread(target=llm.init_weight_transfer_engine,
+                            args=({"master_address": "127.0.0.1", "master_port": port},))  # fmt: skip
+    init.start()
+    sender = TorchDistSender("127.0.0.1", port)
+    init.join(60)
+    a_tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+    for tensors, info in ((b_tensors, [sender.update_info(b_tensors)]),
+                          (a_tensors, {"names": [], "dtype_names": [], "shapes": []})):  # fmt: skip
+        order = {n: i for i, (n, _) in enumerate(b_tensors)}
+        tensors = sorted(tensors, key=lambda item: order[item[0]])  # the declared order of the first round
+        llm.start_weight_update()
+        send = threading.Thread(target=sender.send, args=(tensors,))
+        send.start()
+        llm.update_weights(info)
+        send.join(60)
+        llm.finish_weight_update()
+    assert serves(llm, ckpts["A"])
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match="identical declaration"):
+        llm.update_weights([sender.update_info(b_tensors[:1]), sender.update_info(b_tensors[1:2])])
+    assert not llm.llm_engine.state.value == "updating" and serves(llm, ckpts["A"])
+    sender.close()
+    llm.shutdown_weight_transfer_engine()

@@ -213,7 +213,7 @@ class AsyncLLMEngine:
         """Opens an update session and returns its token (see `LLM.start_weight_update`)."""
         return str(await self._locked(self.engine.start_weight_update, target))
 
-    async def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
+    async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
         await self._locked(self.engine.update_weights, update_info, session_token)
 
     async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:

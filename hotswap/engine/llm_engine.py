@@ -69,6 +69,8 @@ class LLMEngine:
         self.weights_valid = True  # every worker's, as of the last weight change
         self._session_token: str | None = None  # of the open update session
         self._session_target = "model"
+        self._last_update_info: dict[str, Any] | None = None  # the declaration an empty one repeats
+        self.pause_mode = "keep"  # of the latest pause (the server refuses new requests during abort / wait ones)
         # speculative decoding: the draft's version is the target version it was last updated for, so the draft
         # is stale exactly while the two differ
         spec = config.speculative_config
@@ -459,10 +461,23 @@ class LLMEngine:
                 "or abort it without a token"
             )
 
-    def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
-        """One update of the open session, if `session_token` (when given) is that session's."""
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None
+                       ) -> None:  # fmt: skip
+        """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
+        accepted: a list with one update_info per worker (identical declarations), and an empty declaration
+        meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
         self.check_session(session_token)
+        if isinstance(update_info, list):
+            if not update_info or any(entry != update_info[0] for entry in update_info):
+                self.weights_rpc("abort_weight_update")  # like any failed update, it ends the session
+                raise ValueError("update_info given per worker must hold one identical declaration per worker "
+                                 "(the session was rolled back)")  # fmt: skip
+            update_info = update_info[0]
+        if isinstance(update_info, dict) and self._last_update_info is not None and _empty_declaration(update_info):
+            update_info = {**self._last_update_info, **{k: v for k, v in update_info.items() if v}}
         self.weights_rpc("update_weights", update_info)
+        if isinstance(update_info, dict) and "names" in update_info:
+            self._last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
 
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
@@ -613,6 +628,12 @@ class LLMEngine:
         """Whether sleep() released something not woken yet (also while an update runs on top of it)."""
         return self.state is EngineState.ASLEEP or EngineState.ASLEEP in self._return_to
 
+    def refusing_new_requests(self) -> bool:
+        """Whether generation is paused (or draining) in 'abort' or 'wait' mode, in which vLLM's server answers
+        new requests 503 rather than queueing them ('keep' queues them)."""
+        state = self._serving_state()
+        return state in (EngineState.PAUSED, EngineState.DRAINING) and self.pause_mode in ("abort", "wait")
+
     def is_paused(self) -> bool:
         """Whether generation is paused (also while an update runs or the engine sleeps on top of a pause)."""
         return self._serving_state() is EngineState.PAUSED
@@ -626,6 +647,7 @@ class LLMEngine:
         flight finished (the caller keeps stepping). Requests added while paused wait for resume."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self.pause_mode = mode
         outputs: list[RequestOutput] = []
         if mode == "abort":
             outputs = [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
@@ -727,6 +749,16 @@ class LLMEngine:
             "draft_weight_version": self.draft_weight_version,
             "draft_stale": self.draft_stale,
         }
+
+
+_DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
+
+
+def _empty_declaration(update_info: dict[str, Any]) -> bool:
+    """{} or {"names": [], "dtype_names": [], "shapes": []} (vLLM 0.33: "the same as last time")."""
+    return all(not update_info.get(k) for k in _DECLARATION) and not any(
+        isinstance(v, (list, dict)) and v for k, v in update_info.items() if k not in _DECLARATION and k != "target"
+    )
 
 
 def _weights_valid(worker: Any) -> bool:

@@ -132,7 +132,7 @@ class StartBody(_Body):
 
 
 class UpdateBody(_Body):
-    update_info: dict[str, Any]
+    update_info: dict[str, Any] | list[dict[str, Any]]  # vLLM: one per worker, or empty to repeat the last
     session_token: str | None = None
 
 
@@ -428,6 +428,9 @@ def create_app(
         final_chunk: Any = None,
     ) -> Any:
         start = time.perf_counter()
+        if engine.engine.refusing_new_requests():
+            raise ApiError(503, f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
+                           "service_unavailable", {"Retry-After": "1"})  # fmt: skip
         # an async generator function: its iterator has aclose()
         generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id))
 
@@ -874,8 +877,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, help="required as 'Authorization: Bearer' on admin routes")
     parser.add_argument(
         "--admin-auth", default="key", choices=["key", "none"],
-        help="'none' opens the admin routes without a key (loopback hosts only: a trusted network)",
+        help="'none' opens the admin routes without a key (loopback hosts, or with --trusted-network)",
     )  # fmt: skip
+    parser.add_argument("--trusted-network", action="store_true",
+                        help="allow --admin-auth none on a non-loopback address: everyone who can reach the port "
+                        "may change the weights (frameworks send no key; a private network only)")  # fmt: skip
     parser.add_argument(
         "--allowed-host", action="append", default=[],
         help="a Host header name admin routes answer to, besides localhost / 127.0.0.1 / ::1 (repeatable)",
@@ -916,9 +922,16 @@ def serve(args: argparse.Namespace) -> int:
 
     enable_admin = not args.disable_admin
     check_keys(args.api_key, args.admin_key)
-    if enable_admin and args.admin_auth == "none" and not is_loopback(args.host):
-        raise ValueError(f"--admin-auth none is refused on non-loopback host {args.host!r}; use --admin-key")
-    if enable_admin and args.admin_key is None and not is_loopback(args.host):
+    trusted = getattr(args, "trusted_network", False)
+    if enable_admin and args.admin_auth == "none" and not is_loopback(args.host) and not trusted:
+        raise ValueError(f"--admin-auth none is refused on non-loopback host {args.host!r}; use --admin-key (or "
+                         "--trusted-network on a private network)")  # fmt: skip
+    if (
+        enable_admin
+        and args.admin_key is None
+        and not is_loopback(args.host)
+        and not (trusted and args.admin_auth == "none")
+    ):
         raise ValueError(f"admin routes on non-loopback host {args.host!r} need --admin-key (or pass --disable-admin)")
     # bound to loopback, only loopback names are expected (another Host is a DNS-rebinding page); on a public
     # address the admin key protects the routes, and --allowed-host narrows the names if given
