@@ -4,6 +4,8 @@ scoring), generation control, and the weight routes, including a gloo /init_weig
 
 from __future__ import annotations
 
+import itertools
+import json
 import multiprocessing as mp
 import threading
 import time
@@ -68,6 +70,19 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tok, ckpts):
     assert r.status_code == 400 and "regex" in r.text
 
 
+def test_generate_streams_cumulative_results(server, tok):
+    ids = tok.encode(PROMPT)
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                                                                  "ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) > 1 and chunks[-1]["output_ids"] == greedy_ids(server, ids, 5)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(len(a["output_ids"]) <= len(b["output_ids"]) for a, b in itertools.pairwise(chunks))
+    refused = post(server, "/generate", input_ids=[10**9], stream=True, sampling_params={"max_new_tokens": 2})
+    assert refused.status_code == 400
+
+
 def test_generation_control_loads_and_info(server, tok):
     ids = tok.encode(PROMPT)
     result: dict = {}
@@ -126,6 +141,18 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tok, ckpts):
             assert r.status_code == 200 and r.json()["success"], r.text
             assert done.get(timeout=60) == command
             assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == version
+        # an explicit session: two calls receive one stream, committed together at /end_weight_update
+        assert post(server, "/begin_weight_update", selector="all").json()["success"]
+        commands.put("names")
+        half = len(declared["names"]) // 2
+        for part in (slice(0, half), slice(half, None)):
+            fields = {k: declared[k][part] for k in ("names", "dtypes", "shapes")}
+            r = post(server, "/update_weights_from_distributed", **fields, group_name="update_weight_group")
+            assert r.json()["success"], r.text
+        assert done.get(timeout=60) == "names"
+        assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "8", "committed only at end"
+        assert post(server, "/end_weight_update").json()["success"]
+        assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "9"
         assert post(server, "/continue_generation").json()["status"] == "ok"
         assert greedy_ids(server, ids) == hf_greedy(str(ckpts["B"]), tuple(ids), 8)[0]
         before = httpx.get(f"{server}/weight_checksums").json()["checksums"]
@@ -133,18 +160,18 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tok, ckpts):
         r = post(server, "/update_weights_from_distributed", **bad)
         assert r.status_code == 400 and r.json()["success"] is False and "shape" in r.json()["message"]
         assert httpx.get(f"{server}/weight_checksums").json()["checksums"] == before
-        assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "8"
+        assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "9"
         assert post(server, "/destroy_weights_update_group", group_name="update_weight_group").json()["success"]
         commands.put("stop")
     finally:
         trainer.join(30)
         if trainer.is_alive():
             trainer.kill()
-    r = post(server, "/update_weights_from_disk", model_path=str(ckpts["A"]), weight_version="9",
+    r = post(server, "/update_weights_from_disk", model_path=str(ckpts["A"]), weight_version="10",
              abort_all_requests=True)  # fmt: skip
     assert r.json() == {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
     assert greedy_ids(server, ids) == hf_greedy(str(ckpts["A"]), tuple(ids), 8)[0]
-    assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "9"
+    assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "10"
     r = post(server, "/update_weights_from_disk", model_path="/nonexistent")
     assert r.status_code == 400 and r.json()["success"] is False
     assert post(server, "/update_weight_version", new_version="0").json()["new_version"] == "0"
