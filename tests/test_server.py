@@ -68,7 +68,7 @@ def test_completion_fields_n_logprobs_stream(client):
     for choice in out.choices:
         assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) >= 1
         assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
-        assert choice.model_extra["weight_versions"][0][0] == 0
+        assert choice.model_extra["weight_versions"][0][0] == "0"
     assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
     again = client.completions.create(model="A", prompt=PROMPTS[0], max_tokens=8, n=3, temperature=1.0, seed=5)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
@@ -214,7 +214,7 @@ def test_trainer_pushes_over_shm_and_torch_dist_while_a_client_streams(server, c
         text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
         spans = rest[-1].choices[0].model_extra["weight_versions"]
         assert rest[-1].choices[0].finish_reason == "length" and text
-        assert len(spans) == 2 and spans[1][0] == report["version"]  # the stream crossed the update
+        assert len(spans) == 2 and spans[1][0] == str(report["version"])  # the stream crossed the update
         for prompt in PROMPTS:
             assert completion_text(client, prompt) == reference_text(ckpts[target], tokenizer, prompt)
     version = httpx.get(f"{server}/get_weight_version", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()

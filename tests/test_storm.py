@@ -36,10 +36,11 @@ def stream_once(base: str, rng: random.Random) -> dict:
     return {"finish": finish, "spans": spans, "max_tokens": body["max_tokens"]}
 
 
-def valid_spans(spans: list[list[int]], tokens: int) -> bool:
-    """Spans cover [0, tokens) in order, without gaps, with versions that only go up."""
+def valid_spans(spans: list[list], tokens: int) -> bool:
+    """Spans cover [0, tokens) in order, without gaps, with versions (strings holding integers) that only go up."""
     position, version = 0, -1
-    for v, start, end in spans:
+    for label, start, end in spans:
+        v = int(label)
         if start != position or end <= start or v <= version:
             return False
         position, version = end, v

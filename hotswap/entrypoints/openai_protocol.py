@@ -184,10 +184,12 @@ class Shape:
 
 
 def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
+    """The output's weight-version spans: [[version, start, end]], or vLLM's objects with return_weight_versions;
+    versions are strings, as vLLM's and SGLang's clients compare them."""
     if shape is not None and shape.vllm_versions:
         return [{"version": str(s.version), "start": s.start_token, "end": s.end_token}
                 for s in completion.weight_versions]  # fmt: skip
-    return [[s.version, s.start_token, s.end_token] for s in completion.weight_versions]
+    return [[str(s.version), s.start_token, s.end_token] for s in completion.weight_versions]
 
 
 def _token(lp: Logprob, token_id: int, shape: Shape) -> str:
