@@ -175,3 +175,42 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tok, ckpts):
     r = post(server, "/update_weights_from_disk", model_path="/nonexistent")
     assert r.status_code == 400 and r.json()["success"] is False
     assert post(server, "/update_weight_version", new_version="0").json()["new_version"] == "0"
+
+
+def test_refused_versions_never_leave_a_session_open(server, tok):
+    """A weight_version that is not an integer is refused before anything moves (SGLang's routes), or ends the
+    session it would have closed (vLLM's finish): the server keeps generating and takes the next update."""
+    ids = tok.encode(PROMPT)
+    before = greedy_ids(server, ids)
+    bad = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "v1"}
+    r = post(server, "/update_weights_from_distributed", **bad)
+    assert r.status_code == 400 and "weight_version" in r.json()["message"]
+    assert post(server, "/update_weights_from_disk", model_path="/x", weight_version="v1").status_code == 400
+    assert post(server, "/init_weight_transfer_engine", init_info={"backend": "disk"}).status_code == 200
+    assert post(server, "/start_weight_update").status_code == 200
+    assert post(server, "/finish_weight_update", weight_version="v1").status_code == 400
+    assert post(server, "/start_weight_update").status_code == 200, "the refused finish ended its session"
+    assert post(server, "/abort_weight_update").status_code == 200
+    assert post(server, "/end_weight_update").json()["success"] is False  # no /begin_weight_update session
+    assert greedy_ids(server, ids) == before
+
+
+def test_released_weights_come_back_through_bucketed_updates(ckpts):
+    """After the weights' memory was released (AReaL's /release_memory_occupation {}), a re-send in several
+    committed updates (one per bucket) restores them; until the last bucket the engine refuses to generate."""
+    from safetensors.torch import load_file
+
+    from conftest import serves
+    from hotswap import LLM, SamplingParams
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    llm.sleep(2)
+    llm.wake_up()
+    tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+    half = len(tensors) // 2
+    llm.reload_weights(weights_iterator=tensors[:half])
+    assert llm.llm_engine.health_problem() is not None
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.reload_weights(weights_iterator=tensors[half:])
+    assert llm.llm_engine.health_problem() is None and serves(llm, ckpts["A"])

@@ -90,10 +90,10 @@ class _Body(BaseModel):
     @classmethod
     def _log_ignored(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for key in sorted(set(data) - set(cls.model_fields)):
-                if (cls.__name__, key) not in _IGNORED_LOGGED:
+            for key in sorted(set(data) - set(cls.model_fields))[:8]:
+                if (cls.__name__, key) not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < 256:
                     _IGNORED_LOGGED.add((cls.__name__, key))
-                    logger.info("ignoring field %r of a %s request (not used by hotswap)", key, cls.__name__)
+                    logger.info("ignoring field %r of a %s request (not used by hotswap)", key[:64], cls.__name__)
         return data
 
 
@@ -649,7 +649,7 @@ def create_app(
         )  # fmt: skip
 
     if not enable_admin:
-        add_sglang_routes(app, engine, None, user_auth, guarded, lambda: None, served_model_name)
+        add_sglang_routes(app, engine, None, user_auth, guarded, lambda: None, served_model_name, check_limits)
         return app
 
     # ---- admin routes ---------------------------------------------------------------------------------------
@@ -668,7 +668,7 @@ def create_app(
             out["draft_stale"] = engine.engine.draft_stale
         return out
 
-    add_sglang_routes(app, engine, admin, user_auth, guarded, version_changed, served_model_name)
+    add_sglang_routes(app, engine, admin, user_auth, guarded, version_changed, served_model_name, check_limits)
 
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
@@ -698,7 +698,12 @@ def create_app(
     @app.post("/finish_weight_update", dependencies=admin)
     async def finish_weight_update(body: FinishBody | None = None) -> dict[str, Any]:
         body = body or FinishBody()
-        await guarded(engine.finish_weight_update(integer_version(body.weight_version), body.session_token))
+        try:
+            version = integer_version(body.weight_version)
+        except ApiError:
+            await guarded(engine.abort_weight_update(body.session_token))  # never leave the session hanging
+            raise
+        await guarded(engine.finish_weight_update(version, body.session_token))
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())
         version_changed()
@@ -749,7 +754,12 @@ def create_app(
         level = level or (body or SleepBody()).level
         if mode is not None:
             await guarded(engine.pause_generation(mode))
-        await guarded(engine.sleep(level))
+        try:
+            await guarded(engine.sleep(level))
+        except ApiError:
+            if mode is not None:
+                await engine.resume_generation()  # the pause was only for the sleep
+            raise
         return {"status": "sleeping", "level": level}
 
     @app.post("/wake_up", dependencies=admin)
@@ -774,7 +784,8 @@ def create_app(
     async def abort_requests(body: AbortRequestsBody | None = None) -> dict[str, Any]:
         """Ends the named requests (none named: all of them) with finish_reason 'abort'."""
         wanted = (body or AbortRequestsBody()).request_ids
-        ids = list(engine.engine.requests) if not wanted else [r for r in wanted if r in engine.engine.requests]
+        current = list(engine.engine.requests)  # a snapshot: the step thread removes finished requests
+        ids = current if not wanted else [r for r in wanted if r in current]
         for request_id in ids:
             await engine.abort(request_id)
         return {"status": "aborted", "aborted": len(ids)}

@@ -181,6 +181,7 @@ def add_sglang_routes(
     guarded: Callable[[Any], Any],
     version_changed: Callable[[], None],
     served_model_name: str,
+    check_limits: Callable[[Any, SamplingParams], None],
 ) -> None:
     """Registers SGLang's routes on `app`: /generate and /health_generate behind `user`; with `admin` (None: the
     admin routes are off) generation control and the weight routes behind it."""
@@ -206,9 +207,9 @@ def add_sglang_routes(
         await engine.pause_generation("abort" if abort else "wait", clear_cache=False)
         return True
 
-    def set_version(version: str | int | None) -> None:
+    def set_version(version: int | None) -> None:
         if version is not None:
-            inner.weight_version = _integer(version)
+            inner.weight_version = version
             version_changed()
 
     # ---- generation --------------------------------------------------------------------------------------
@@ -224,8 +225,11 @@ def add_sglang_routes(
                 if body.logprob_start_len >= 0:
                     params.prompt_logprobs = body.top_logprobs_num
             params.__post_init__()
+            check_limits(params.stop, params)
         except (ValueError, TypeError) as err:
             return JSONResponse({"error": {"message": str(err)}}, 400)
+        except Exception as err:  # a limit (--max-n, --max-tokens, stop strings): an ApiError
+            return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, getattr(err, "status", 400))
         batch = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))  # type: ignore[index]
         raw = body.text if body.text is not None else body.input_ids
         prompts: list[Any] = list(raw) if batch else [raw]  # type: ignore[arg-type]
@@ -268,11 +272,14 @@ def add_sglang_routes(
             return final
 
         try:
-            outs = await asyncio.gather(*(guarded(one(e, f"{rid}-{i}" if batch else rid))
-                                          for i, e in enumerate(entries)))  # fmt: skip
-        except Exception as err:
-            status = getattr(err, "status", 400)
-            return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, status)
+            async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
+                tasks = [group.create_task(guarded(one(e, f"{rid}-{i}" if batch else rid)))
+                         for i, e in enumerate(entries)]  # fmt: skip
+            outs = [task.result() for task in tasks]
+        except BaseExceptionGroup as errors:
+            first = errors.exceptions[0]
+            status = getattr(first, "status", 400)
+            return JSONResponse({"error": {"message": getattr(first, "message", str(first))}}, status)
         results = [response(o, c, body, text_of, inner.weight_version) for o in outs for c in o.outputs]
         return results if batch or params.n > 1 else results[0]
 
@@ -314,7 +321,7 @@ def add_sglang_routes(
     async def abort_request(body: AbortBody | None = None) -> Any:
         body = body or AbortBody()
         rid = body.rid
-        ids = [r for r in inner.requests if body.abort_all or (rid and (r == rid or r.startswith(f"{rid}-")))]
+        ids = [r for r in list(inner.requests) if body.abort_all or (rid and (r == rid or r.startswith(f"{rid}-")))]
         for request_id in ids:
             await engine.abort(request_id)
         return {"success": True, "aborted": len(ids)}
@@ -333,6 +340,10 @@ def add_sglang_routes(
     async def update_weights_from_disk(body: DiskBody) -> Any:
         if body.load_format not in (None, "auto", "safetensors"):
             return fail(ValueError(f"load_format {body.load_format!r} is not supported (safetensors folders)"))
+        try:
+            version = _integer_or_none(body.weight_version)  # checked before anything moves
+        except ValueError as err:
+            return fail(err)
         resume = await paused(body.abort_all_requests)
         try:
             _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path))
@@ -341,7 +352,7 @@ def add_sglang_routes(
                 await engine.resume_generation()
         if error is not None:
             return error
-        set_version(body.weight_version)
+        set_version(version)
         version_changed()
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
@@ -369,9 +380,19 @@ def add_sglang_routes(
         state["session"] = token
         return {"success": True, "message": "Weight update session started."}
 
+    def session_token() -> str | None:
+        """The /begin_weight_update session's token while that session is the engine's open one."""
+        token = state["session"]
+        if token is not None and token != inner._session_token:
+            state["session"] = token = None  # it ended another way (abort, destroy, a vLLM-route finish)
+        return token
+
     @app.post("/end_weight_update", dependencies=admin)
     async def end_weight_update() -> Any:
-        token, state["session"] = state["session"], None
+        token = session_token()
+        state["session"] = None
+        if token is None:
+            return fail(ValueError("no weight update session is open; call /begin_weight_update first"))
         _, error = await ok_or_400(engine.finish_weight_update(None, token))
         if error is not None:
             return error
@@ -381,8 +402,15 @@ def add_sglang_routes(
     @app.post("/update_weights_from_distributed", dependencies=admin)
     async def update_weights_from_distributed(body: DistributedBody) -> Any:
         info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format}
-        if state["session"] is not None:  # inside /begin_weight_update: one more update of that session
-            _, error = await ok_or_400(engine.update_weights(info, state["session"]))
+        try:
+            version = _integer_or_none(body.weight_version)  # checked before anything moves
+        except ValueError as err:
+            return fail(err)
+        if not body.names:  # an empty bucket changes nothing (and nothing is broadcast for it)
+            return {"success": True, "message": "Nothing to update."}
+        token = session_token()
+        if token is not None:  # inside /begin_weight_update: one more update of that session
+            _, error = await ok_or_400(engine.update_weights(info, token))
             if error is not None:
                 state["session"] = None  # the failed update ended (and rolled back) the session
             return error or {"success": True, "message": "Succeeded to update parameter online."}
@@ -392,8 +420,10 @@ def add_sglang_routes(
             if error is None:
                 _, error = await ok_or_400(engine.update_weights(info, token))
             if error is None:
-                _, error = await ok_or_400(engine.finish_weight_update(_integer_or_none(body.weight_version), token))
+                _, error = await ok_or_400(engine.finish_weight_update(version, token))
         finally:
+            if token is not None and inner._session_token == token:  # never leave the implicit session open
+                await engine.abort_weight_update(token)
             if resume:
                 await engine.resume_generation()
         if error is not None:
@@ -404,7 +434,7 @@ def add_sglang_routes(
     @app.post("/update_weight_version", dependencies=admin)
     async def update_weight_version(body: VersionBody) -> Any:
         try:
-            set_version(body.new_version)
+            set_version(_integer(body.new_version))
         except ValueError as err:
             return fail(err)
         return {"success": True, "message": "Weight version updated.", "new_version": str(inner.weight_version)}

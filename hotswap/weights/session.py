@@ -17,7 +17,8 @@ every rank.
 
 A call out of order raises RuntimeError naming the call that was expected. The session owns the rollback
 buffers (reused across updates, so steady-state updates fault in no fresh memory) and `weights_valid`: False
-after a failed non-atomic update wrote something, until an update that covers every weight succeeds.
+after a failed non-atomic update wrote something (or sleep(2) released the weights), until committed updates
+have rewritten every weight (one full update, or several partial ones: bucketed senders commit per bucket).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class WeightSession:
         self.update: WeightUpdate | None = None
         self.backups: dict[str, torch.Tensor] = {}
         self.weights_valid = True
+        self._rewritten: set[tuple[str, object]] = set()  # served weights committed since they became invalid
         self._idle = SessionState.NO_ENGINE  # the state an open update returns to
 
     def expect(self, *states: SessionState, call: str) -> None:
@@ -158,7 +160,7 @@ class WeightSession:
         if update.atomic:
             update.rollback()
         if (not update.atomic or update.unprotected) and update.wrote_served():
-            self.weights_valid = False
+            self.invalidate()
         return True
 
     def shutdown_engine(self) -> None:
@@ -185,9 +187,20 @@ class WeightSession:
         self.state = self._idle
         return update
 
+    def invalidate(self) -> None:
+        """The served weights can no longer be trusted (a failed non-atomic update, memory released): the worker
+        refuses to execute until every weight was rewritten, by one update or by several committed ones."""
+        self.weights_valid = False
+        self._rewritten = set()
+
     def _settle(self, update: WeightUpdate) -> None:
         if update.covers_all():
             self.weights_valid = True
+        elif not self.weights_valid:  # bucketed updates (one session per bucket) rewrite it piece by piece
+            self._rewritten |= update.loaded_keys & update.index.validating_keys
+            self.weights_valid = bool(update.index.validating_keys) and update.index.validating_keys <= self._rewritten
+        if self.weights_valid:
+            self._rewritten = set()
 
     def _fail(self, update: WeightUpdate, err: BaseException) -> NoReturn:
         """Rolls back (atomic) or invalidates the weights, then re-raises `err` with the outcome attached. A
@@ -195,7 +208,7 @@ class WeightSession:
         if update.atomic and update.unprotected and update.loaded_names:
             update.rollback()
             if update.wrote_served():
-                self.weights_valid = False
+                self.invalidate()
                 outcome = ("it failed after writing without rollback copies, so the engine refuses to generate "
                            "until a successful reload_weights()")  # fmt: skip
             else:
@@ -204,7 +217,7 @@ class WeightSession:
             update.rollback()
             outcome = "the previous weights were restored"
         elif update.loaded_names and update.wrote_served():
-            self.weights_valid = False
+            self.invalidate()
             outcome = "atomic mode is off, so the engine refuses to generate until a successful reload_weights()"
         elif update.loaded_names:
             outcome = "atomic mode is off: the draft model is left part-updated (outputs are unaffected); reload it"

@@ -384,7 +384,7 @@ class Worker:
                     params += list(self.draft_model.parameters())
                 for param in params:
                     released += discard_pages(param.data)
-            self.session.weights_valid = False
+            self.session.invalidate()
         return released
 
     @in_config_scope
