@@ -12,6 +12,7 @@ backend), so both sides meet on the same keys.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -59,7 +60,7 @@ class SglangDistEngine(TorchDistEngine):
         fmt = update_info.get("load_format")
         if fmt not in (None, "flattened_bucket"):
             raise ValueError(f"load_format must be None or 'flattened_bucket', got {fmt!r}")
-        sizes = [torch.empty((), dtype=d).element_size() * _numel(s) for _, d, s in declared]
+        sizes = [torch.empty((), dtype=d).element_size() * math.prod(s) for _, d, s in declared]
 
         def per_name() -> Iterator[tuple[str, torch.Tensor]]:
             self._joining.join()
@@ -99,10 +100,3 @@ class SglangDistEngine(TorchDistEngine):
                 dist.destroy_process_group(group)  # frees the group name for a later init
             except Exception:  # already gone with its peers
                 pass
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
