@@ -73,6 +73,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(ckpts: dict[str, Path]):
+    """Checkpoint A's tokenizer (the one the servers in the HTTP tests serve)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ckpts["A"]))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
 

@@ -31,13 +31,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(ckpts):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(ckpts["A"]))
-
-
 def completion_text(client, prompt: str, n_tokens: int = 12) -> str:
     out = client.completions.create(
         model="A", prompt=prompt, max_tokens=n_tokens, temperature=0, extra_body={"ignore_eos": True}

@@ -27,13 +27,6 @@ def server(ckpts):
         yield base
 
 
-@pytest.fixture(scope="module")
-def tok(ckpts):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(ckpts["A"]))
-
-
 def post(base: str, path: str, **body):
     return httpx.post(f"{base}{path}", json=body, timeout=120)
 
@@ -43,8 +36,8 @@ def greedy_ids(base: str, ids: list[int], n: int = 8) -> list[int]:
     return post(base, "/generate", **body).json()["output_ids"]
 
 
-def test_slime_rollout_and_areal_scoring_payloads(server, tok, ckpts):
-    ids = tok.encode(PROMPT)
+def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
+    ids = tokenizer.encode(PROMPT)
     rollout = post(server, "/generate", input_ids=ids, return_logprob=True, sampling_params={  # slime's keys
         "temperature": 0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "stop_token_ids": [], "no_stop_trim": True,
         "skip_special_tokens": False, "spaces_between_special_tokens": False, "ignore_eos": True, "sampling_seed": 3,
@@ -70,8 +63,8 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tok, ckpts):
     assert r.status_code == 400 and "regex" in r.text
 
 
-def test_generate_streams_cumulative_results(server, tok):
-    ids = tok.encode(PROMPT)
+def test_generate_streams_cumulative_results(server, tokenizer):
+    ids = tokenizer.encode(PROMPT)
     body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0,
                                                                   "ignore_eos": True}}  # fmt: skip
     with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as response:
@@ -83,8 +76,8 @@ def test_generate_streams_cumulative_results(server, tok):
     assert refused.status_code == 400
 
 
-def test_generation_control_loads_and_info(server, tok):
-    ids = tok.encode(PROMPT)
+def test_generation_control_loads_and_info(server, tokenizer):
+    ids = tokenizer.encode(PROMPT)
     result: dict = {}
 
     def long_request():
@@ -113,11 +106,11 @@ def test_generation_control_loads_and_info(server, tok):
     assert len(greedy_ids(server, ids)) == 8
 
 
-def test_distributed_update_round_trip_and_a_refused_one(server, tok, ckpts):
+def test_distributed_update_round_trip_and_a_refused_one(server, tokenizer, ckpts):
     """A gloo group from an AReaL/slime-style trainer (master_port as a string, an extra pp_rank): per-name
     broadcasts, then one flattened bucket, each an atomic versioned update; the server then serves B. A
     declaration of the wrong shape is a 400 and changes nothing."""
-    ids = tok.encode(PROMPT)
+    ids = tokenizer.encode(PROMPT)
     port, ctx = free_port(), mp.get_context("spawn")
     commands, done = ctx.Queue(), ctx.Queue()
     checkpoint = str(ckpts["B"] / "model.safetensors")
@@ -177,10 +170,10 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tok, ckpts):
     assert post(server, "/update_weight_version", new_version="0").json()["new_version"] == "0"
 
 
-def test_refused_versions_never_leave_a_session_open(server, tok):
+def test_refused_versions_never_leave_a_session_open(server, tokenizer):
     """A weight_version that is not an integer is refused before anything moves (SGLang's routes), or ends the
     session it would have closed (vLLM's finish): the server keeps generating and takes the next update."""
-    ids = tok.encode(PROMPT)
+    ids = tokenizer.encode(PROMPT)
     before = greedy_ids(server, ids)
     bad = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "v1"}
     r = post(server, "/update_weights_from_distributed", **bad)

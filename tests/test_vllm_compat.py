@@ -27,22 +27,15 @@ def server(ckpts):
         yield base
 
 
-@pytest.fixture(scope="module")
-def tok(ckpts):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(ckpts["A"]))
-
-
 def post(base: str, path: str, **body):
     return httpx.post(f"{base}{path}", json=body, timeout=60)
 
 
-def test_batched_prompts_token_ids_and_their_shapes(server, tok, ckpts):
+def test_batched_prompts_token_ids_and_their_shapes(server, tokenizer, ckpts):
     """A batch of texts or of token-id lists gives prompt-major choices (n each), equal to one request per
     prompt; return_token_ids adds token_ids and prompt_token_ids; return_tokens_as_token_ids names logprob tokens
     "token_id:<id>"; return_weight_versions gives vLLM's span objects."""
-    ids = [tok.encode(p) for p in PROMPTS]
+    ids = [tokenizer.encode(p) for p in PROMPTS]
     body = dict(model="A", max_tokens=6, temperature=0, n=2, ignore_eos=True, return_token_ids=True, logprobs=2,
                 return_tokens_as_token_ids=True, return_weight_versions=True)  # fmt: skip
     by_text = post(server, "/v1/completions", prompt=PROMPTS, **body).json()
@@ -63,10 +56,10 @@ def test_batched_prompts_token_ids_and_their_shapes(server, tok, ckpts):
     assert single["choices"][0]["text"] == by_ids["choices"][2]["text"]
 
 
-def test_echo_and_prompt_logprobs_are_transformers_log_softmax(server, tok, ckpts):
+def test_echo_and_prompt_logprobs_are_transformers_log_softmax(server, tokenizer, ckpts):
     """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1) and max_tokens=0: the prompt's token
     logprobs equal log_softmax of transformers' logits within 1e-4; prompt_logprobs has vLLM's shape."""
-    ids = tok.encode(PROMPTS[1] + " and then some")
+    ids = tokenizer.encode(PROMPTS[1] + " and then some")
     with torch.no_grad():
         ref = hf_model(str(ckpts["A"]))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     for max_tokens in (1, 0):
@@ -78,7 +71,7 @@ def test_echo_and_prompt_logprobs_are_transformers_log_softmax(server, tok, ckpt
             assert abs(lp["token_logprobs"][pos] - ref[pos - 1, ids[pos]].item()) < 1e-4
             best = max(lp["top_logprobs"][pos].items(), key=lambda kv: kv[1])[1]
             assert abs(best - ref[pos - 1].max().item()) < 1e-4
-        assert out["text"].startswith(tok.decode(ids))
+        assert out["text"].startswith(tokenizer.decode(ids))
     out = post(server, "/v1/completions", model="A", prompt=ids, max_tokens=1, prompt_logprobs=2).json()
     plp = out["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
@@ -86,8 +79,8 @@ def test_echo_and_prompt_logprobs_are_transformers_log_softmax(server, tok, ckpt
     assert set(entry) == {"logprob", "rank", "decoded_token"} and abs(entry["logprob"] - ref[2, ids[3]].item()) < 1e-4
 
 
-def test_sampling_fields_and_refused_fields(server, tok):
-    ids = tok.encode(PROMPTS[0])
+def test_sampling_fields_and_refused_fields(server, tokenizer):
+    ids = tokenizer.encode(PROMPTS[0])
     base = dict(model="A", prompt=ids, max_tokens=8, temperature=0, ignore_eos=True)
     plain = post(server, "/v1/completions", **base).json()["choices"][0]["text"]
     for extra in ({"repetition_penalty": 1.5}, {"logit_bias": {"7": 40}}):
@@ -96,9 +89,9 @@ def test_sampling_fields_and_refused_fields(server, tok):
         assert r.json()["choices"][0]["text"] != plain, extra
     penalized = post(server, "/v1/completions", **base, presence_penalty=1.0, frequency_penalty=1.5)
     assert penalized.status_code == 200  # their definitions are checked in test_sampling.py
-    assert post(server, "/v1/completions", **base, logit_bias={"7": 40}).json()["choices"][0]["text"] == tok.decode(
-        [7] * 8
-    )
+    assert post(server, "/v1/completions", **base, logit_bias={"7": 40}).json()["choices"][0][
+        "text"
+    ] == tokenizer.decode([7] * 8)
     for field, value in [("structured_outputs", {"regex": "a+"}), ("guided_json", {"type": "object"}),
                          ("response_format", {"type": "json_object"}), ("use_beam_search", True)]:  # fmt: skip
         r = post(server, "/v1/completions", **base, **{field: value})
@@ -110,7 +103,7 @@ def test_sampling_fields_and_refused_fields(server, tok):
     assert post(server, "/v1/completions", **{**base, "max_tokens": 0}).status_code == 400
 
 
-def test_chat_token_ids_content_parts_usage_and_cache_salt(server, tok):
+def test_chat_token_ids_content_parts_usage_and_cache_salt(server, tokenizer):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
     r = post(server, "/v1/chat/completions", model="A", messages=messages, max_tokens=5, temperature=0,
              return_token_ids=True, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True,
@@ -158,7 +151,7 @@ def test_query_parameter_admin_routes_and_info(server, ckpts):
     post(server, "/update_weight_version", new_version=0)
 
 
-def test_trl_async_grpo_client_weight_cycle(server, ckpts, b_tensors, tok):
+def test_trl_async_grpo_client_weight_cycle(server, ckpts, b_tensors, tokenizer):
     """TRL's own AsyncGRPO `VLLMClient` (requests only: no vLLM import) drives the whole cycle; the weights go
     over hotswap's torch_dist sender from a vLLM-shaped init_info (no backend named, rank_offset 1). The server
     then serves checkpoint B."""
@@ -184,7 +177,7 @@ def test_trl_async_grpo_client_weight_cycle(server, ckpts, b_tensors, tok):
     update.join(60)
     client.finish_weight_update()  # no body
     client.resume()
-    ids = tok.encode(PROMPTS[0])
+    ids = tokenizer.encode(PROMPTS[0])
     rollout = post(server, "/v1/completions", model="A", prompt=ids, max_tokens=8, temperature=0, top_p=1.0, top_k=0,
                    repetition_penalty=1.0, n=1, return_token_ids=True, logprobs=0, seed=12345).json()  # fmt: skip
     choice = rollout["choices"][0]

@@ -163,6 +163,17 @@ def sampling_params(
     )
 
 
+def integer_version(value: int | str | None) -> int | None:
+    """A weight version from a client: an int, or a string holding one (vLLM's and SGLang's are strings; hotswap's
+    are integers). Raises ValueError for another label."""
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"weight_version must be an integer (or a string holding one), got {value!r}") from None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -141,16 +141,6 @@ class FinishBody(_Body):
     session_token: str | None = None
 
 
-def integer_version(value: int | str | None) -> int | None:
-    """A weight version from a client: an int, or a string holding one (vLLM's and SGLang's are strings)."""
-    if value is None or isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ApiError(400, f"weight_version must be an integer (or a string holding one), got {value!r}") from None
-
-
 class AbortRequestsBody(_Body):
     request_ids: list[str] | None = None
 
@@ -699,10 +689,10 @@ def create_app(
     async def finish_weight_update(body: FinishBody | None = None) -> dict[str, Any]:
         body = body or FinishBody()
         try:
-            version = integer_version(body.weight_version)
-        except ApiError:
+            version = oai.integer_version(body.weight_version)
+        except ValueError as err:
             await guarded(engine.abort_weight_update(body.session_token))  # never leave the session hanging
-            raise
+            raise ApiError(400, str(err)) from None
         await guarded(engine.finish_weight_update(version, body.session_token))
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())

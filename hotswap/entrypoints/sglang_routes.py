@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.openai_protocol import integer_version
 from hotswap.outputs import CompletionOutput, RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -341,7 +342,7 @@ def add_sglang_routes(
         if body.load_format not in (None, "auto", "safetensors"):
             return fail(ValueError(f"load_format {body.load_format!r} is not supported (safetensors folders)"))
         try:
-            version = _integer_or_none(body.weight_version)  # checked before anything moves
+            version = integer_version(body.weight_version)  # checked before anything moves
         except ValueError as err:
             return fail(err)
         resume = await paused(body.abort_all_requests)
@@ -403,7 +404,7 @@ def add_sglang_routes(
     async def update_weights_from_distributed(body: DistributedBody) -> Any:
         info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format}
         try:
-            version = _integer_or_none(body.weight_version)  # checked before anything moves
+            version = integer_version(body.weight_version)  # checked before anything moves
         except ValueError as err:
             return fail(err)
         if not body.names:  # an empty bucket changes nothing (and nothing is broadcast for it)
@@ -434,7 +435,7 @@ def add_sglang_routes(
     @app.post("/update_weight_version", dependencies=admin)
     async def update_weight_version(body: VersionBody) -> Any:
         try:
-            set_version(_integer(body.new_version))
+            set_version(integer_version(body.new_version))
         except ValueError as err:
             return fail(err)
         return {"success": True, "message": "Weight version updated.", "new_version": str(inner.weight_version)}
@@ -457,17 +458,3 @@ def add_sglang_routes(
     async def resume_memory_occupation(body: TagsBody | None = None) -> Any:
         await guarded(engine.wake_up((body or TagsBody()).tags))
         return {"success": True}
-
-
-def _integer(value: str | int) -> int:
-    """A weight version: an int, or a string holding one."""
-    if isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"weight_version must be an integer (or a string holding one), got {value!r}") from None
-
-
-def _integer_or_none(value: str | int | None) -> int | None:
-    return None if value is None else _integer(value)

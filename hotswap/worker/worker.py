@@ -315,8 +315,7 @@ class Worker:
         """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback.
         `target`: "model" (the served model), "draft" (the speculative draft) or "all" (both, committed or rolled
         back together; draft tensors are named "draft.<name>" or sent in update calls with "target": "draft")."""
-        self._weight_index(target)  # validates the target
-        self.session.start(self._weight_index(target), self.config.weight_transfer_config)
+        self.session.start(self._weight_index(target), self.config.weight_transfer_config)  # raises for a bad target
         self._session_target = target
 
     @in_config_scope
