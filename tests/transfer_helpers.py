@@ -25,6 +25,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def workers_of(llm) -> int:
+    """Workers a group transport's trainer broadcasts to: an engine's tensor_parallel_size, every replica's in a
+    fleet."""
+    return llm.get_world_size() if hasattr(llm, "get_world_size") else llm.config.parallel_config.tensor_parallel_size
+
+
 class Pusher:
     """Drives `llm` through init -> start -> update(s) -> finish for one backend, sending from this process
     (a thread for torch_dist). Keeps the sender between pushes so buffers are reused."""
@@ -52,7 +58,7 @@ class Pusher:
                         port,
                         self.bucket_size_bytes,
                         self.sender_timeout_s,
-                        num_workers=self.llm.config.parallel_config.tensor_parallel_size,
+                        num_workers=workers_of(self.llm),
                     ),
                 )
             )
@@ -147,12 +153,12 @@ def start_shm_trainer(checkpoint_file: str):
     )
 
 
-def torch_dist_trainer_dies_mid_stream(queue, go, port, named, bucket_size, buckets_to_send) -> None:
+def torch_dist_trainer_dies_mid_stream(queue, go, port, named, bucket_size, buckets_to_send, num_workers=1) -> None:
     """Declares all of `named` but broadcasts only the first `buckets_to_send` buckets, then exits."""
     from hotswap.transfer.base import declared_from_info
     from hotswap.transfer.torch_dist import bucket_layout
 
-    sender = TorchDistSender("127.0.0.1", port, bucket_size, timeout_s=30)
+    sender = TorchDistSender("127.0.0.1", port, bucket_size, timeout_s=30, num_workers=num_workers)
     info = sender.update_info(named)
     queue.put(info)
     layout = bucket_layout(declared_from_info(info), bucket_size)

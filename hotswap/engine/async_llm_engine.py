@@ -48,6 +48,15 @@ class AsyncLLMEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def world_size(self) -> int:
+        """Workers a group transport's trainer broadcasts to (the trainer not counted)."""
+        return self.config.parallel_config.tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
     # ---- the loop -----------------------------------------------------------------------------------------
 
     def _ensure_loop(self) -> None:
@@ -111,10 +120,11 @@ class AsyncLLMEngine:
         prompt: str | dict[str, Any],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        routing_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes (the last has `finished` True). A request that
         arrives while the engine is paused waits for resume; one while it is asleep raises EngineUnavailable.
-        Cancelling the iteration aborts the request."""
+        Cancelling the iteration aborts the request. (`routing_key` is a fleet's; one engine ignores it.)"""
         params = sampling_params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
         if self.engine.is_asleep():  # would wait for a wake_up that may never come
@@ -218,6 +228,24 @@ class AsyncLLMEngine:
 
     async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
         await self._locked(self.engine.finish_weight_update, weight_version, session_token)
+
+    async def prepare_weight_update(self, session_token: str | None = None) -> None:
+        """Phase one of a two-phase finish (see `LLMEngine.prepare_weight_update`)."""
+        await self._locked(self.engine.prepare_weight_update, session_token)
+
+    async def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+        """Phase one of a two-phase reload (see `LLMEngine.prepare_reload`)."""
+        await self._locked(self.engine.prepare_reload, weights_path, weights_iterator)
+
+    async def commit_weight_update(self, weight_version: int | None = None) -> None:
+        """Phase two: commits what was prepared (see `LLMEngine.commit_weight_update`)."""
+        await self._locked(self.engine.commit_weight_update, weight_version)
+
+    async def export_weights(self) -> list[dict[str, Any]]:
+        return list(await self._locked(self.engine.export_weights))
+
+    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int) -> None:
+        await self._locked(self.engine.adopt_weights, states, weight_version)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails

@@ -10,6 +10,7 @@ import secrets
 import time
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
@@ -70,6 +71,8 @@ class LLMEngine:
         self._session_token: str | None = None  # of the open update session
         self._session_target = "model"
         self._last_update_info: dict[str, Any] | None = None  # the declaration an empty one repeats
+        # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
+        self._prepared: tuple[str, str | None] | None = None
         self.pause_mode = "keep"  # of the latest pause (the server refuses new requests during abort / wait ones)
         # speculative decoding: the draft's version is the target version it was last updated for, so the draft
         # is stale exactly while the two differ
@@ -554,10 +557,7 @@ class LLMEngine:
             self.draft_weight_version = self.weight_version
             return
         if weights_path is not None:
-            change = {"model_config": {"model": str(weights_path)}}
-            if self.config.parallel_config.tensor_parallel_size > 1:
-                self.executor.collective_rpc("update_config", (change,))
-            apply_overrides(self.config, live_overrides(self.config, change))
+            self._record_model_folder(str(weights_path))
         self._advance_version(None)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
@@ -574,8 +574,9 @@ class LLMEngine:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
         cache is invalidated and the version advances (or takes `weight_version`)."""
         self.check_session(session_token)
-        if weight_version is not None and not isinstance(weight_version, int):
-            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        _check_version(weight_version)
+        if self._prepared is not None:
+            raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
         ok = False
         try:
             self._two_phase("finish_weight_update")
@@ -583,6 +584,70 @@ class LLMEngine:
         finally:
             self._leave(EngineState.UPDATING)
             self._weights_changed(failed=not ok)
+        self._versions_after_commit(weight_version)
+
+    # ---- two-phase changes for a fleet of engines ------------------------------------------------------------
+
+    def prepare_weight_update(self, session_token: str | None = None) -> None:
+        """Phase one of finishing the open session: every worker post-processes what it received and keeps its
+        rollback copies (nothing can fail after this but the process itself). The session stays open, serving
+        nothing new, until `commit_weight_update()` or `abort_weight_update()`. A failure rolls every rank back
+        and ends the session."""
+        self.check_session(session_token)
+        if self.state is not EngineState.UPDATING:
+            raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
+        if self._prepared is not None:
+            raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
+        self._prepare("finish_weight_update", {})
+        self._prepared = ("session", None)
+
+    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+        """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
+        place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
+        or `abort_weight_update()`. A failure rolls every rank back."""
+        self._check_can_change("reload_weights")
+        if self.state is EngineState.UPDATING:
+            raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
+        if weights_iterator is not None:
+            weights_iterator = list(weights_iterator)
+        self._enter(EngineState.UPDATING)
+        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator})
+        self._prepared = ("reload", None if weights_path is None else str(weights_path))
+
+    def _prepare(self, method: str, kwargs: dict[str, Any]) -> None:
+        try:
+            self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
+        except BaseException:
+            try:
+                self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too
+            finally:
+                self._leave(EngineState.UPDATING)
+                self._weights_changed(failed=True)
+            raise
+
+    def commit_weight_update(self, weight_version: int | None = None) -> None:
+        """Phase two: every worker commits the prepared change (it drops its rollback copies); the prefix cache is
+        invalidated and the version advances (or takes `weight_version`, as a fleet gives every replica one)."""
+        _check_version(weight_version)
+        if self._prepared is None:
+            raise RuntimeError("nothing is prepared; call prepare_weight_update() or prepare_reload() first")
+        kind, folder = self._prepared
+        ok = False
+        try:
+            self.executor.collective_rpc("finish_weight_update")
+            ok = True
+        finally:
+            self._leave(EngineState.UPDATING)
+            self._weights_changed(failed=not ok)
+        if kind == "reload":
+            if folder is not None:
+                self._record_model_folder(folder)
+            self._advance_version(weight_version)
+        else:
+            self._versions_after_commit(weight_version)
+
+    def _versions_after_commit(self, weight_version: int | None) -> None:
+        """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
         parts = {"model"} if self._session_target == "model" else {"draft"} if self._session_target == "draft" else (
             set(self.executor.collective_rpc(_last_update_parts)[0]) or {"model"}
         )  # fmt: skip
@@ -590,6 +655,39 @@ class LLMEngine:
             self._advance_version(weight_version)
         if "draft" in parts:
             self.draft_weight_version = self.weight_version
+
+    def _record_model_folder(self, folder: str) -> None:
+        change = {"model_config": {"model": folder}}
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            self.executor.collective_rpc("update_config", (change,))
+        apply_overrides(self.config, live_overrides(self.config, change))
+
+    # ---- copying weights between engines of the same config (a fleet's restarted replica) --------------------
+
+    def export_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Copies of every worker's parameters and persistent buffers (the draft's prefixed "draft."), in rank
+        order: what `adopt_weights` of an engine with the same config takes."""
+        return self.executor.collective_rpc(_export_state)
+
+    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int) -> None:
+        """Copies weights exported by an engine with the same config into this one's storage (no parameter is
+        rebound) and serves them as `weight_version`, the draft's included. Raises ValueError, changing nothing,
+        when the ranks, names, shapes or dtypes differ."""
+        self._check_can_change("adopt_weights")
+        _check_version(weight_version)
+        if self.state is EngineState.UPDATING:
+            raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
+        if len(states) != self.config.parallel_config.tensor_parallel_size:
+            raise ValueError(f"got the weights of {len(states)} ranks for "
+                             f"{self.config.parallel_config.tensor_parallel_size}")  # fmt: skip
+        ok = False
+        try:
+            self.executor.collective_rpc(_import_state, (states,))
+            ok = True
+        finally:
+            self._weights_changed(failed=not ok)
+        self.weight_version = weight_version
+        self.draft_weight_version = weight_version
 
     def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
@@ -605,6 +703,7 @@ class LLMEngine:
         """Leaves UPDATING or ASLEEP (no-op when not in it) for the state it was entered from."""
         if state is EngineState.UPDATING:
             self._session_token = None
+            self._prepared = None
         if self.state is state:
             self.state = self._return_to.pop()
             self._settle_drain()
@@ -749,6 +848,38 @@ class LLMEngine:
             "draft_weight_version": self.draft_weight_version,
             "draft_stale": self.draft_stale,
         }
+
+
+def _worker_state(worker: Any) -> dict[str, torch.Tensor]:
+    """The worker's parameters and persistent buffers by name, the draft's under "draft." (tensors, not copies)."""
+    state = dict(worker.model.state_dict())
+    if worker.draft_model is not None:
+        state.update({f"draft.{k}": v for k, v in worker.draft_model.state_dict().items()})
+    return state
+
+
+def _export_state(worker: Any) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in _worker_state(worker).items()}
+
+
+def _import_state(worker: Any, states: list[dict[str, torch.Tensor]]) -> None:
+    """Copies `states[rank]` into the worker's tensors in place, after checking every name, shape and dtype."""
+    given, mine = states[worker.rank], _worker_state(worker)
+    if given.keys() != mine.keys():
+        missing, extra = sorted(mine.keys() - given.keys()), sorted(given.keys() - mine.keys())
+        raise ValueError(f"the weights name other tensors (missing {missing[:5]}, unexpected {extra[:5]})")
+    for name, tensor in given.items():
+        if tensor.shape != mine[name].shape or tensor.dtype != mine[name].dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
+                             f"{tuple(mine[name].shape)} {mine[name].dtype}")  # fmt: skip
+    with torch.no_grad():
+        for name, tensor in given.items():
+            mine[name].copy_(tensor)
+
+
+def _check_version(weight_version: int | None) -> None:
+    if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)):
+        raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
 
 
 _DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")

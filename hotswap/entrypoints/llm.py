@@ -25,10 +25,26 @@ class LLM:
 
     Keyword arguments are the fields of the config sections (dtype, max_model_len, block_size,
     enable_prefix_caching, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, seed, ...); an
-    unknown one raises TypeError and an invalid value ValueError.
+    unknown one raises TypeError and an invalid value ValueError. With `data_parallel_size` > 1 the result is a
+    `hotswap.fleet.Fleet` of that many replicas (see `__new__`).
     """
 
+    def __new__(cls, model: str, **kwargs: Any) -> Any:
+        """`data_parallel_size` > 1 (or `distributed_executor_backend` "ray") makes a `hotswap.fleet.Fleet`: that
+        many replicas on Ray, with this class's methods."""
+        backend = kwargs.get("distributed_executor_backend")
+        if backend not in (None, "mp", "uni", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp', 'uni' or 'ray', got {backend!r}")
+        if kwargs.get("data_parallel_size", 1) != 1 or backend == "ray":
+            from hotswap.fleet import Fleet
+
+            kwargs.pop("distributed_executor_backend", None)
+            return Fleet(model, num_replicas=kwargs.pop("data_parallel_size", 1), **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: str, **kwargs: Any) -> None:
+        kwargs.pop("distributed_executor_backend", None)  # one replica runs its workers as local processes
+        kwargs.pop("data_parallel_size", None)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.config)
         # generate() may run in one thread while another pauses, updates or resumes: engine state is only

@@ -36,6 +36,7 @@ from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.entrypoints.sglang_routes import add_sglang_routes
+from hotswap.fleet.async_fleet import AsyncFleet
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
 
@@ -115,6 +116,27 @@ SPEC_METRIC_HELP = {
     "hotswap_spec_mean_accepted_length": ("gauge", "Tokens emitted per verification step since start"),
     "hotswap_draft_weight_version": ("gauge", "The target weight version the draft model was last updated for"),
     "hotswap_draft_stale": ("gauge", "1 while the target was updated after the draft model"),
+}
+
+# a fleet's stats -> Prometheus names (and per replica, labelled replica="i": up, weight version, requests routed)
+FLEET_METRICS = {
+    "fleet_replicas": "hotswap_fleet_replicas",
+    "fleet_replicas_up": "hotswap_fleet_replicas_up",
+    "fleet_updates_committed": "hotswap_fleet_updates_committed",
+    "fleet_updates_failed": "hotswap_fleet_updates_failed",
+    "fleet_replica_failures": "hotswap_fleet_replica_failures",
+    "fleet_replica_restarts": "hotswap_fleet_replica_restarts",
+}
+FLEET_METRIC_HELP = {
+    "hotswap_fleet_replicas": ("gauge", "Replicas in the fleet"),
+    "hotswap_fleet_replicas_up": ("gauge", "Replicas taking requests (up, at the fleet's weight version)"),
+    "hotswap_fleet_updates_committed": ("counter", "Fleet-wide weight changes committed on every replica"),
+    "hotswap_fleet_updates_failed": ("counter", "Fleet-wide weight changes rolled back on every replica"),
+    "hotswap_fleet_replica_failures": ("counter", "Replicas found dead or unresponsive"),
+    "hotswap_fleet_replica_restarts": ("counter", "Replicas restarted and brought to the fleet's version"),
+    "hotswap_fleet_replica_up": ("gauge", "1 while the replica takes requests"),
+    "hotswap_fleet_replica_weight_version": ("gauge", "The weight version the replica holds"),
+    "hotswap_fleet_replica_requests_routed": ("counter", "Requests routed to the replica"),
 }
 
 
@@ -209,7 +231,7 @@ def check_keys(api_key: str | None, admin_key: str | None) -> None:
 
 
 def create_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncLLMEngine | AsyncFleet,
     served_model_name: str,
     api_key: str | None = None,
     admin_key: str | None = None,
@@ -243,6 +265,9 @@ def create_app(
     metrics.describe("hotswap_weight_version", "gauge", "Weight version being served")
     for name, (kind, text) in SPEC_METRIC_HELP.items():
         metrics.describe(name, kind, text)
+    if isinstance(engine, AsyncFleet):
+        for name, (kind, text) in FLEET_METRIC_HELP.items():
+            metrics.describe(name, kind, text)
     metrics.describe("hotswap_requests_running", "gauge", "Requests queued or being generated")
     metrics.describe("hotswap_weight_update_seconds", "summary", "Duration of weight updates (start to finish)")
     metrics.set("hotswap_weight_version", 0)
@@ -399,6 +424,14 @@ def create_app(
         for key, name in SPEC_METRICS.items():
             if key in stats:
                 metrics.set(name, float(stats[key]))
+        if isinstance(engine, AsyncFleet):
+            for key, name in FLEET_METRICS.items():
+                metrics.set(name, float(stats[key]))
+            for replica in engine.fleet.replica_status():
+                label = str(replica["index"])
+                metrics.set("hotswap_fleet_replica_up", float(replica["routable"]), replica=label)
+                metrics.set("hotswap_fleet_replica_weight_version", float(replica["weight_version"]), replica=label)
+                metrics.set("hotswap_fleet_replica_requests_routed", float(replica["routed"]), replica=label)
         return metrics.render()
 
     @app.get("/v1/models", dependencies=[Depends(user_auth)])
@@ -422,7 +455,9 @@ def create_app(
             raise ApiError(503, f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
                            "service_unavailable", {"Retry-After": "1"})  # fmt: skip
         # an async generator function: its iterator has aclose()
-        generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id))
+        # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
+        key = http.headers.get("x-session-id")
+        generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key))
 
         async def next_output() -> Any:
             """The request's next output; a client that went away meanwhile (e.g. while generation is paused)
@@ -639,7 +674,8 @@ def create_app(
         )  # fmt: skip
 
     if not enable_admin:
-        add_sglang_routes(app, engine, None, user_auth, guarded, lambda: None, served_model_name, check_limits)
+        if isinstance(engine, AsyncLLMEngine):
+            add_sglang_routes(app, engine, None, user_auth, guarded, lambda: None, served_model_name, check_limits)
         return app
 
     # ---- admin routes ---------------------------------------------------------------------------------------
@@ -658,7 +694,14 @@ def create_app(
             out["draft_stale"] = engine.engine.draft_stale
         return out
 
-    add_sglang_routes(app, engine, admin, user_auth, guarded, version_changed, served_model_name, check_limits)
+    if isinstance(engine, AsyncLLMEngine):  # SGLang's routes reach into one engine's scheduler and session
+        add_sglang_routes(app, engine, admin, user_auth, guarded, version_changed, served_model_name, check_limits)
+    else:
+
+        @app.get("/fleet_status", dependencies=admin)
+        async def fleet_status() -> dict[str, Any]:
+            """The fleet's version and, per replica, its state, version, routing and last health report."""
+            return {"weight_version": str(engine.fleet.version), "replicas": engine.fleet.replica_status()}
 
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
@@ -788,7 +831,7 @@ def create_app(
     async def server_info(config_format: str = Query("json", pattern="^(json|text)$")) -> dict[str, Any]:
         """The engine's configuration in vLLM's shape (`vllm_config`), which RL clients read for the dtype, the
         context length and whether a weight transport is configured."""
-        config = vllm_config(engine.engine.config, served_model_name)
+        config = vllm_config(engine.engine.config, served_model_name, engine.data_parallel_size)
         tp = engine.engine.config.parallel_config.tensor_parallel_size
         sglang = {"tp_size": tp, "tensor_parallel_size": tp, "pp_size": 1, "dp_size": 1, "ep_size": 1,
                   "moe_dp_size": 1, "num_gpus": 0, "disaggregation_mode": "null", "encoder_only": False,
@@ -827,7 +870,7 @@ def create_app(
     @app.get("/get_world_size", dependencies=admin)
     async def get_world_size() -> dict[str, int]:
         """Worker processes a torch_dist trainer broadcasts to (the engine's tensor_parallel_size)."""
-        return {"world_size": engine.config.parallel_config.tensor_parallel_size}
+        return {"world_size": engine.world_size}
 
     @app.get("/weight_checksums", dependencies=admin)
     async def weight_checksums() -> dict[str, Any]:
@@ -847,7 +890,7 @@ def create_app(
     return app
 
 
-def vllm_config(config: Any, served_name: str) -> dict[str, Any]:
+def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> dict[str, Any]:
     """The fields of vLLM's `vllm_config` that RL clients read, from hotswap's config."""
     mc, pc, cc = config.model_config, config.parallel_config, config.cache_config
     spec = config.speculative_config
@@ -857,7 +900,8 @@ def vllm_config(config: Any, served_name: str) -> dict[str, Any]:
             "max_model_len": mc.max_model_len, "max_logprobs": mc.max_logprobs, "seed": mc.seed,
         },
         "parallel_config": {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": 1,
-                            "data_parallel_size": 1, "world_size": pc.tensor_parallel_size,
+                            "data_parallel_size": data_parallel_size,
+                            "world_size": pc.tensor_parallel_size * data_parallel_size,
                             "enable_expert_parallel": pc.enable_expert_parallel},
         "cache_config": {"block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
                          "num_gpu_blocks": cc.num_kv_blocks},
@@ -893,6 +937,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engine replicas on Ray behind this server (a fleet; needs hotswap[ray])")  # fmt: skip
+    parser.add_argument("--ray-address", default=None,
+                        help="a Ray cluster to run the fleet on ('auto', 'ray://host:port'; default: a local Ray)")
+    parser.add_argument("--num-cpus-per-worker", type=float, default=1.0,
+                        help="CPUs each worker of a fleet replica reserves in its placement group")  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
@@ -939,8 +989,7 @@ def serve(args: argparse.Namespace) -> int:
     allowed: frozenset[str] | None = None
     if is_loopback(args.host) or args.allowed_host:
         allowed = frozenset(LOOPBACK_NAMES | {args.host, *args.allowed_host})
-    engine = AsyncLLMEngine.from_kwargs(
-        args.model,
+    engine_kwargs = dict(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -952,6 +1001,14 @@ def serve(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         speculative_config=args.speculative_config,
     )
+    engine: AsyncLLMEngine | AsyncFleet
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        from hotswap.fleet import Fleet
+
+        engine = AsyncFleet(Fleet(args.model, num_replicas=args.data_parallel_size, address=args.ray_address,
+                                  num_cpus_per_worker=args.num_cpus_per_worker, **engine_kwargs))  # fmt: skip
+    else:
+        engine = AsyncLLMEngine.from_kwargs(args.model, **engine_kwargs)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     limits = RequestLimits(
         args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s,

@@ -1,0 +1,212 @@
+"""The fleet behind the OpenAI server: `AsyncLLMEngine`'s interface over a `Fleet`.
+
+Requests stream from their replica through Ray's streaming generators; a client that goes away cancels the
+replica's call, which aborts the request there. A replica that dies before a request's first output has the
+request started again on another; one that dies later ends the request with finish_reason 'abort' (its tokens so
+far and their version spans kept). Everything else runs the fleet's blocking methods in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from hotswap.config import EngineConfig
+from hotswap.engine.detokenizer import Detokenizer
+from hotswap.fleet.fleet import Fleet, _cause, _first_line, _ray
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+
+class FleetView:
+    """What the server reads off its engine without awaiting, answered from the fleet's own state (replica
+    figures are those of the last health check)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.fleet.config
+
+    @property
+    def detokenizer(self) -> Detokenizer:
+        return self.fleet.detokenizer
+
+    @property
+    def weight_version(self) -> int:
+        return self.fleet.version
+
+    def _statuses(self) -> list[dict[str, Any]]:
+        return [m.status for m in self.fleet.members if m.state == "up" and m.status]
+
+    @property
+    def draft_weight_version(self) -> int:
+        return min((s["draft_weight_version"] for s in self._statuses()), default=self.fleet.version)
+
+    @property
+    def draft_stale(self) -> bool:
+        return any(s["draft_stale"] for s in self._statuses())
+
+    @property
+    def requests(self) -> list[str]:
+        return self.fleet.router.in_flight()
+
+    @property
+    def pause_mode(self) -> str:
+        return self.fleet.pause_mode
+
+    def health_problem(self) -> str | None:
+        return self.fleet.health_problem()
+
+    def stats(self) -> dict[str, Any]:
+        return self.fleet.stats()
+
+    def refusing_new_requests(self) -> bool:
+        return self.fleet.paused and self.fleet.pause_mode in ("abort", "wait")
+
+    def is_paused(self) -> bool:
+        return self.fleet.paused
+
+    def is_asleep(self) -> bool:
+        return self.fleet.asleep
+
+
+class AsyncFleet:
+    """A `Fleet` with the coroutine methods `create_app` calls on an `AsyncLLMEngine`."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.engine = FleetView(fleet)
+        self.config = fleet.config
+        self.tokenizer: Any = fleet.tokenizer
+
+    @property
+    def world_size(self) -> int:
+        """Workers a group transport's trainer broadcasts to: every replica's."""
+        return self.fleet.get_world_size()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.fleet.num_replicas
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams one request's outputs from the replica the router chose (see the module docstring)."""
+        ray = _ray()
+        fleet = self.fleet
+        params = sampling_params or SamplingParams()
+        request_id = request_id or fleet.next_request_id()
+        staged = await asyncio.to_thread(fleet.prepare_prompt, prompt)
+        tried: set[int] = set()
+        last: RequestOutput | None = None
+        while True:
+            member = fleet.route(staged, params, request_id, routing_key, avoid=tried)
+            stream = member.actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
+            finished, produced = False, 0
+            try:
+                async for ref in stream:
+                    out: RequestOutput = await ref
+                    total = sum(len(c.token_ids) for c in out.outputs)
+                    fleet.router.progressed(request_id, total if params.output_kind == "delta" else total - produced)
+                    produced = total if params.output_kind != "delta" else produced + total
+                    last, finished = out, out.finished
+                    yield out
+                return
+            except ray.exceptions.RayActorError as err:
+                fleet._failed(member, f"its actor died while generating: {_first_line(err)}")
+                if last is None:  # nothing delivered yet: the request starts again on another replica
+                    tried.add(member.index)
+                    continue
+                finished = True
+                yield _aborted(last, params)
+                return
+            except ray.exceptions.RayTaskError as err:
+                raise _cause(err) from None
+            finally:
+                fleet.router.finished(request_id)
+                if not finished:  # the consumer went away: the replica aborts the request
+                    ray.cancel(stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
+        index = self.fleet.router.replica_of(request_id)
+        if index is not None:
+            await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self._run(self.fleet.pause_generation, mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._run(self.fleet.resume_generation)
+
+    async def is_paused(self) -> bool:
+        return self.fleet.is_paused()
+
+    async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
+                             target: str = "model") -> None:  # fmt: skip
+        await self._run(self.fleet.reload_weights, weights_path, weights_iterator, target)
+
+    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        await self._run(self.fleet.update_config, overrides)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._run(self.fleet.init_weight_transfer_engine, init_info)
+
+    async def start_weight_update(self, target: str = "model") -> str:
+        return str(await self._run(self.fleet.start_weight_update, target))
+
+    async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
+        await self._run(self.fleet.update_weights, update_info, session_token)
+
+    async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+        await self._run(self.fleet.finish_weight_update, weight_version, session_token)
+
+    async def abort_weight_update(self, session_token: str | None = None) -> None:
+        await self._run(self.fleet.abort_weight_update, session_token)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._run(self.fleet.shutdown_weight_transfer_engine)
+
+    async def get_weight_version(self, target: str = "model") -> int:
+        return self.fleet.get_weight_version(target)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._run(self.fleet.reset_prefix_cache)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._run(self.fleet.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._run(self.fleet.wake_up, tags)
+
+    async def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return list(await self._run(self.fleet.collective_rpc, method, args, kwargs))
+
+    async def shutdown(self) -> None:
+        await self._run(self.fleet.shutdown)
+
+
+def _aborted(last: RequestOutput, params: SamplingParams) -> RequestOutput:
+    """The final output of a request whose replica died: unfinished completions end with 'abort' (a delta
+    carries no new tokens; version spans still cover the whole output)."""
+    outputs = []
+    for c in last.outputs:
+        c = dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
+        if params.output_kind == "delta":
+            c = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
+        outputs.append(c)
+    return dataclasses.replace(last, outputs=outputs, finished=True)
+

@@ -1,0 +1,719 @@
+"""A fleet: N engine replicas as Ray actors behind one router, changing weights together.
+
+Each replica is one Ray actor (`ReplicaServer`) in a placement group of its own that reserves its
+tensor_parallel_size workers' resources on one node (STRICT_PACK); the workers are the actor's processes, since
+a replica's tensor-parallel group never spans nodes. `ray.init()` is called only when Ray is not initialized:
+`address=None` starts (or joins, with RAY_ADDRESS) a local Ray, `address="auto"` or "ray://..." a cluster.
+
+Fleet-wide weight changes are two-phase. A change is first prepared on every replica that holds the fleet's
+version (received, validated, post-processed, rollback copies kept, nothing served from it); only if every one
+prepared is it committed everywhere, with one version. If any replica fails, times out or dies before that,
+every replica rolls back and the fleet goes on serving the previous version.
+
+    IDLE --init_weight_transfer_engine()--> (transport on every replica; the group is fixed until shutdown)
+    IDLE --start_weight_update()--> SESSION --update_weights()*--> SESSION --finish_weight_update()-->
+         PREPARE (all replicas) --all prepared--> COMMIT (all, one version) --> IDLE
+         any failure before COMMIT --> every replica aborts (rolled back) --> IDLE
+    IDLE --reload_weights()--> PREPARE --> COMMIT | roll back everywhere --> IDLE
+
+A replica is routable only while it is up and holds the fleet's version. A replica that dies (its actor dies,
+or it does not answer a health check within `health_check_timeout_s`) leaves routing at once, is restarted by
+the fleet in its placement group, brought to the fleet's version (from the checkpoint folder when the version
+came from one, else copied from a live replica and checked against its checksums) outside any weight change,
+paused if the fleet is, and only then routed to again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hotswap.config import EngineConfig, live_overrides
+from hotswap.engine.async_llm_engine import EngineUnavailable
+from hotswap.fleet.replica import ReplicaServer
+from hotswap.fleet.router import Router, request_cost
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+from hotswap.weights.session import WeightUpdateFailed
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class FleetUpdateFailed(WeightUpdateFailed):
+    """A fleet-wide weight change failed on some replica; every replica was rolled back (HTTP 409)."""
+
+
+@dataclasses.dataclass
+class _Member:
+    index: int
+    actor: Any
+    placement_group: Any
+    state: str = "starting"  # starting | up | down
+    version: int = 0
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    error: str | None = None
+    ping: Any = None  # the health check in flight, and when it was sent
+    ping_sent: float = 0.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as err:  # pragma: no cover - depends on the installation
+        raise ImportError("a fleet runs on Ray: pip install 'hotswap[ray]'") from err
+    return ray
+
+
+class Fleet:
+    """N replicas of one model behind a router, with `LLM`'s methods (generate, chat, the weight lifecycle,
+    pause/resume, sleep) applied fleet-wide.
+
+    `engine_kwargs` are `LLM`'s keyword arguments, given to every replica; they are validated here first (a bad
+    one raises before any actor starts). `num_cpus_per_worker` / `num_gpus_per_worker` size each worker's share
+    of the placement group (GPU: default 1 where CUDA is configured, else 0)."""
+
+    def __init__(
+        self,
+        model: str,
+        num_replicas: int = 1,
+        tensor_parallel_size: int = 1,
+        *,
+        address: str | None = None,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float | None = None,
+        placement_strategy: str = "STRICT_PACK",
+        health_check_interval_s: float = 1.0,
+        health_check_timeout_s: float = 30.0,
+        start_timeout_s: float = 600.0,
+        restart_replicas: bool = True,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        for name, value in (("health_check_interval_s", health_check_interval_s),
+                            ("health_check_timeout_s", health_check_timeout_s), ("start_timeout_s", start_timeout_s),
+                            ("num_cpus_per_worker", num_cpus_per_worker)):  # fmt: skip
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.engine_kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
+        self.config = EngineConfig.from_kwargs(model, **self.engine_kwargs)  # raises before anything starts
+        self.model = str(model)
+        self.num_replicas = num_replicas
+        self.tensor_parallel_size = tensor_parallel_size
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=address, **{"include_dashboard": False, **(ray_init_kwargs or {})})
+        gpus = num_gpus_per_worker
+        if gpus is None:
+            import torch
+
+            gpus = 1.0 if torch.cuda.is_available() else 0.0
+        self._bundle = {"CPU": num_cpus_per_worker * tensor_parallel_size}
+        if gpus:
+            self._bundle["GPU"] = gpus * tensor_parallel_size
+        self._strategy = placement_strategy
+        self._health_interval = float(health_check_interval_s)
+        self._health_timeout = float(health_check_timeout_s)
+        self._start_timeout = float(start_timeout_s)
+        self._restart = restart_replicas
+        # the environment that selects kernels and caches travels to every replica
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(("HOTSWAP_", "TORCH_EXTENSIONS_DIR"))}
+
+        from transformers import AutoTokenizer
+
+        from hotswap.engine.detokenizer import Detokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.router = Router()
+        self.version = 0
+        # where the fleet's version came from: the folder to start a replica from, and whether the folder alone
+        # holds it (else a restarted replica copies a live one's weights)
+        self._folder = self.model
+        self._folder_current = True
+        self._lock = threading.RLock()  # members and fleet state
+        self._change = threading.Lock()  # one weight change (or a replica's catch-up) at a time
+        self._session: dict[str, Any] | None = None  # the open update session: members, token
+        self._group: list[int] | None = None  # replicas whose transports joined the current transfer group
+        self.paused = False
+        self.pause_mode = "keep"
+        self.asleep = False
+        self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0}
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self.members = [self._spawn(i, self.model) for i in range(num_replicas)]
+        try:
+            for member in self.members:
+                member.status = ray.get(member.actor.status.remote(), timeout=self._start_timeout)
+                member.state = "up"
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="hotswap-fleet-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- replicas -----------------------------------------------------------------------------------------
+
+    def _spawn(self, index: int, folder: str, placement_group: Any = None) -> _Member:
+        ray = _ray()
+        from ray.util.placement_group import placement_group as new_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if placement_group is None:
+            placement_group = new_group([dict(self._bundle)], strategy=self._strategy)
+            ray.get(placement_group.ready(), timeout=self._start_timeout)
+        actor = (
+            ray.remote(ReplicaServer)
+            .options(
+                num_cpus=self._bundle["CPU"],
+                num_gpus=self._bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0),
+                runtime_env={"env_vars": self._env} if self._env else None,
+                max_restarts=0,
+            )
+            .remote(folder, self.engine_kwargs, index)
+        )
+        return _Member(index, actor, placement_group)
+
+    def routable(self) -> list[int]:
+        """Replicas that may take requests now: up, and holding the fleet's version."""
+        with self._lock:
+            return [m.index for m in self.members if m.state == "up" and m.version == self.version]
+
+    def _up(self) -> list[_Member]:
+        with self._lock:
+            return [m for m in self.members if m.state == "up"]
+
+    def _failed(self, member: _Member, reason: str) -> None:
+        """Takes a replica out of routing at once; the monitor restarts it."""
+        ray = _ray()
+        with self._lock:
+            if member.state == "down":
+                return
+            member.state, member.error = "down", reason
+            self.counters["replica_failures"] += 1
+        logger.warning("fleet replica %d is down: %s", member.index, reason)
+        with contextlib.suppress(Exception):
+            ray.kill(member.actor, no_restart=True)
+
+    def _call(
+        self,
+        members: Sequence[_Member],
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        each: Sequence[tuple[Any, ...]] | None = None,
+    ) -> tuple[dict[int, Any], dict[int, BaseException]]:
+        """Calls `method` on every member concurrently (with `args`, or member k with `each[k]`): (results,
+        errors) by replica index. A replica whose actor died (or that did not answer within `timeout`) is marked
+        down."""
+        ray = _ray()
+        calls = each if each is not None else [args] * len(members)
+        refs = {m.index: getattr(m.actor, method).remote(*a) for m, a in zip(members, calls, strict=True)}
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for member in members:
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results[member.index] = ray.get(refs[member.index], timeout=left)
+            except ray.exceptions.RayActorError as err:
+                self._failed(member, f"its actor died during {method}(): {_first_line(err)}")
+                errors[member.index] = err
+            except ray.exceptions.GetTimeoutError as err:
+                self._failed(member, f"{method}() did not answer within {timeout:g} s")
+                errors[member.index] = TimeoutError(str(err))
+            except ray.exceptions.RayTaskError as err:
+                errors[member.index] = _cause(err)
+        return results, errors
+
+    def _all(self, members: Sequence[_Member], method: str, *args: Any) -> dict[int, Any]:
+        """`_call` that raises the first error (a user error as itself)."""
+        results, errors = self._call(members, method, *args)
+        if errors:
+            index, err = next(iter(errors.items()))
+            raise _with_replica(err, index, method)
+        return results
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def next_request_id(self) -> str:
+        return f"fleet-{next(self._ids)}"
+
+    def prepare_prompt(self, prompt: PromptType) -> dict[str, Any]:
+        """The prompt as replicas take it, tokenized once here: {"prompt", "prompt_token_ids", "cache_salt"?}."""
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=True)}
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return {**prompt, "prompt_token_ids": list(ids)}
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return {**prompt, **self.prepare_prompt(prompt["prompt"])}
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def route(self, prompt: dict[str, Any], params: SamplingParams, request_id: str, key: str | None = None,
+              avoid: Iterable[int] = ()) -> _Member:  # fmt: skip
+        """Chooses the request's replica and books its cost. Raises EngineUnavailable when none is routable."""
+        salt = prompt.get("cache_salt")
+        routable = [r for r in self.routable() if r not in set(avoid)]
+        try:
+            index = self.router.pick(routable, key if key is not None else salt)
+        except RuntimeError as err:
+            raise EngineUnavailable(str(err)) from None
+        max_tokens = params.max_tokens if params.max_tokens is not None else 16
+        self.router.started(request_id, index, request_cost(len(prompt["prompt_token_ids"]), max_tokens, params.n))
+        return self.members[index]
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """As `LLM.generate`: outputs in prompt order, spread over the replicas (a replica that dies meanwhile
+        has its prompts generated again by the others)."""
+        ray = _ray()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                                 "give one or one per prompt")  # fmt: skip
+        staged = [self.prepare_prompt(p) for p in prompts]
+        results: dict[int, RequestOutput] = {}
+        pending = list(range(len(prompts)))
+        avoid: set[int] = set()
+        while pending:
+            groups: dict[int, list[tuple[int, str]]] = {}
+            for i in pending:
+                request_id = self.next_request_id()
+                member = self.route(staged[i], params_list[i], request_id, avoid=avoid)
+                groups.setdefault(member.index, []).append((i, request_id))
+            calls = {
+                index: self.members[index].actor.generate_batch.remote(
+                    [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
+                for index, group in groups.items()
+            }  # fmt: skip
+            pending = []
+            for index, ref in calls.items():
+                try:
+                    for (i, _), out in zip(groups[index], ray.get(ref), strict=True):
+                        results[i] = out
+                except ray.exceptions.RayActorError as err:
+                    self._failed(self.members[index], f"its actor died while generating: {_first_line(err)}")
+                    avoid.add(index)
+                    pending += [i for i, _ in groups[index]]
+                except ray.exceptions.RayTaskError as err:
+                    raise _cause(err) from None
+                finally:
+                    for _, request_id in groups[index]:
+                        self.router.finished(request_id)
+        return [results[i] for i in range(len(prompts))]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:  # fmt: skip
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": list(self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
+                return_dict=False))}
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- pause, resume, sleep, config ------------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pauses every replica (modes as `LLM.pause_generation`; 'wait' returns once every replica drained)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        with self._lock:
+            self.paused, self.pause_mode = True, mode
+        self._all(self._up(), "pause_generation", mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        with self._lock:
+            self.paused = False
+        self._all(self._up(), "resume_generation")
+
+    def is_paused(self) -> bool:
+        return self.paused
+
+    def sleep(self, level: int = 1) -> None:
+        self._all(self._up(), "sleep", level)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._all(self._up(), "wake_up", tags)
+        statuses = self._all(self._up(), "status")
+        self.asleep = any(s["asleep"] for s in statuses.values())
+
+    def reset_prefix_cache(self) -> None:
+        self._all(self._up(), "reset_prefix_cache")
+
+    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
+        """Applies a live config change on every replica (validated here first)."""
+        live_overrides(self.config, overrides)
+        with self._change:
+            self._all(self._up(), "update_config", overrides)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:  # fmt: skip
+        """Runs a Worker method on every worker of every up replica: results in replica, then rank, order."""
+        members = self._up()
+        results = self._all(members, "collective_rpc", method, tuple(args), kwargs)
+        return [r for m in members for r in results[m.index]]
+
+    # ---- weights ------------------------------------------------------------------------------------------
+
+    def get_weight_version(self, target: str = "model") -> int:
+        """The fleet's version: every routable replica serves it."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
+        return self.version
+
+    def weight_checksums(self, target: str = "model") -> dict[str, str]:
+        """A routable replica's checksums (every routable replica holds the same weights)."""
+        index = self.router.pick(self.routable())
+        return self._all([self.members[index]], "weight_checksums", target)[index]
+
+    def replica_checksums(self, target: str = "model") -> dict[int, dict[str, str]]:
+        """Each up replica's checksums, by replica index."""
+        return self._all(self._up(), "weight_checksums", target)
+
+    def reload_weights(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Iterable[tuple[str, Any]] | None = None,
+        target: str = "model",
+    ) -> None:
+        """Reloads every replica in place, two-phase: all of them commit one new version, or none changes. As
+        for one engine, requests in flight refuse it: pause first."""
+        if target != "model":
+            raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
+                             "updated through a session with target 'all'")  # fmt: skip
+        ray = _ray()
+        with self._change:
+            self._check_no_session("reload_weights")
+            members = self._current()
+            weights = None if weights_iterator is None else ray.put(list(weights_iterator))
+            self._two_phase(members, "prepare_reload", weights_path, weights)
+            if weights_path is not None:
+                self._folder, self._folder_current = str(weights_path), True
+            else:
+                self._folder_current = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates every replica's receiving side. A group transport (init_info with master_address: torch_dist,
+        sglang_dist) gets one group spanning the trainer and every replica's workers, so the trainer sends each
+        byte once: replica r's workers join at rank_offset + r * tensor_parallel_size, and the group's world_size
+        is rank_offset + replicas * tensor_parallel_size (`get_world_size()` without the trainer)."""
+        if not isinstance(init_info, dict):
+            raise ValueError("init_info must be a JSON object")
+        with self._change:
+            self._check_no_session("init_weight_transfer_engine")
+            members = self._current()
+            infos = [init_info] * len(members)
+            if "master_address" in init_info:
+                offset = init_info.get("rank_offset", 1)
+                if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
+                    raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
+                world = offset + len(members) * self.tensor_parallel_size
+                if init_info.get("world_size", world) != world:
+                    raise ValueError(f"world_size must be {world}: the trainer's rank(s) before rank_offset={offset} "
+                                     f"and {len(members)} replicas x {self.tensor_parallel_size} workers, got "
+                                     f"{init_info['world_size']!r}")  # fmt: skip
+                infos = [{**init_info, "rank_offset": offset + k * self.tensor_parallel_size, "world_size": world}
+                         for k in range(len(members))]  # fmt: skip
+            _, errors = self._call(members, "init_weight_transfer_engine", each=[(info,) for info in infos])
+            if errors:
+                self._call(self._up(), "shutdown_weight_transfer_engine")
+                self._group = None
+                index, err = next(iter(errors.items()))
+                raise _with_replica(err, index, "init_weight_transfer_engine")
+            self._group = [m.index for m in members]
+
+    def get_world_size(self) -> int:
+        """Workers a group transport's trainer broadcasts to: every replica's (the trainer not counted)."""
+        return len(self._current()) * self.tensor_parallel_size
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        with self._change:
+            self._check_no_session("shutdown_weight_transfer_engine")
+            self._group = None
+            self._all(self._up(), "shutdown_weight_transfer_engine")
+
+    def start_weight_update(self, target: str = "model") -> str:
+        """Opens a session on every replica that holds the fleet's version (those of the transfer group, when
+        one was joined); returns the fleet's session token."""
+        with self._change:
+            self._check_no_session("start_weight_update")
+            members = self._current()
+            if self._group is not None:
+                if [m.index for m in members] != self._group:
+                    raise FleetUpdateFailed(
+                        f"the transfer group was joined by replicas {self._group}, but {[m.index for m in members]} "
+                        "hold the fleet's version now; call init_weight_transfer_engine() again"
+                    )
+            results, errors = self._call(members, "start_weight_update", target)
+            if errors:
+                self._call([m for m in members if m.index in results], "abort_weight_update")
+                index, err = next(iter(errors.items()))
+                raise _with_replica(err, index, "start_weight_update")
+            token = secrets.token_hex(16)
+            self._session = {"members": members, "token": token}
+            return token
+
+    def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
+        """One update of the open session on every replica at once; a failure anywhere rolls every replica back
+        and ends the session."""
+        with self._change:
+            members = self._session_members(session_token, "update_weights")
+            _, errors = self._call(members, "update_weights", update_info)
+            if errors:
+                self._roll_back(members, errors, "update_weights")
+
+    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+        """Prepares the session's update on every replica, then commits it on all with one version (the fleet's
+        next, or `weight_version`); if any replica fails to prepare, all roll back."""
+        if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)):
+            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        with self._change:
+            members = self._session_members(session_token, "finish_weight_update")
+            self._session = None
+            self._two_phase(members, "prepare_weight_update", version=weight_version)
+            self._folder_current = False
+
+    def abort_weight_update(self, session_token: str | None = None) -> None:
+        """Ends the open session on every replica, restoring their weights."""
+        with self._change:
+            if self._session is None:
+                return
+            if session_token is not None and session_token != self._session["token"]:
+                raise RuntimeError("this weight-update session belongs to another caller (its session_token differs)")
+            members = self._session["members"]
+            self._session = None
+            self._call([m for m in members if m.state == "up"], "abort_weight_update")
+
+    def _check_no_session(self, method: str) -> None:
+        if self._session is not None:
+            raise RuntimeError(f"{method}() while a fleet weight-update session is open; finish or abort it first")
+
+    def _current(self) -> list[_Member]:
+        """The replicas a weight change runs on: up and holding the fleet's version. Raises when there is none."""
+        with self._lock:
+            members = [m for m in self.members if m.state == "up" and m.version == self.version]
+        if not members:
+            raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting)")
+        return members
+
+    def _session_members(self, session_token: str | None, method: str) -> list[_Member]:
+        if self._session is None:
+            raise RuntimeError(f"{method}() without an open session; call start_weight_update() first")
+        if session_token is not None and session_token != self._session["token"]:
+            raise RuntimeError("this weight-update session belongs to another caller (its session_token differs)")
+        members: list[_Member] = self._session["members"]
+        return members
+
+    def _roll_back(self, members: list[_Member], errors: dict[int, BaseException], method: str) -> None:
+        """After `method` failed on some replicas: every other one aborts (restoring its weights); raises."""
+        self._session = None
+        self._call([m for m in members if m.index not in errors and m.state == "up"], "abort_weight_update")
+        with self._lock:
+            self.counters["updates_failed"] += 1
+        index, err = next(iter(errors.items()))
+        if isinstance(err, (ValueError, TypeError)):
+            raise _with_replica(err, index, method)
+        raise FleetUpdateFailed(
+            f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica was "
+            f"rolled back and the fleet serves version {self.version}"
+        ) from err
+
+    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: int | None = None) -> None:
+        """Prepares on every member, then commits all with one version, or rolls all back."""
+        results, errors = self._call(members, prepare, *args)
+        if errors:
+            self._roll_back(members, errors, prepare)
+        new_version = self.version + 1 if version is None else version
+        results, errors = self._call(members, "commit_weight_update", new_version)
+        for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
+            self._failed(self.members[index], f"commit failed ({type(err).__name__}: {err})")
+        with self._lock:
+            self.version = new_version
+            for m in members:
+                if m.index in results:
+                    m.version = new_version
+            self.counters["updates_committed"] += 1
+
+    # ---- health, restarts ---------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        ray = _ray()
+        while not self._stopping.wait(self._health_interval):
+            for member in list(self.members):
+                if member.state != "up":
+                    continue
+                if member.ping is None:
+                    member.ping, member.ping_sent = member.actor.status.remote(), time.monotonic()
+                    continue
+                ready, _ = ray.wait([member.ping], timeout=0)
+                if ready:
+                    try:
+                        member.status = ray.get(member.ping)
+                    except Exception as err:
+                        self._failed(member, f"its health check failed: {err}")
+                    member.ping = None
+                elif time.monotonic() - member.ping_sent > self._health_timeout:
+                    member.ping = None
+                    self._failed(member, f"no answer to a health check within {self._health_timeout:g} s")
+            if self._restart:
+                for member in list(self.members):
+                    if member.state == "down" and not self._stopping.is_set():
+                        self._replace(member)
+
+    def _replace(self, member: _Member) -> None:
+        """Starts a new actor for a dead replica and brings it to the fleet's version before routing to it."""
+        ray = _ray()
+        with self._lock:
+            member.state, member.ping = "starting", None
+        new: _Member | None = None
+        try:
+            with self._change:  # no weight change meanwhile: the version it is brought to stays the fleet's
+                while self._session is not None:  # a session holds no lock between its calls: wait for its end
+                    self._change.release()
+                    try:
+                        if self._stopping.wait(0.05):
+                            return
+                    finally:
+                        self._change.acquire()
+                folder_current = self._folder_current
+                new = self._spawn(member.index, self._folder if folder_current else self.model,
+                                  member.placement_group)  # fmt: skip
+                ray.get(new.actor.status.remote(), timeout=self._start_timeout)
+                if folder_current:
+                    ray.get(new.actor.set_weight_version.remote(self.version))
+                else:
+                    source = next(m for m in self.members if m.state == "up" and m.version == self.version)
+                    states = source.actor.export_weights.remote()
+                    ray.get(new.actor.adopt_weights.remote(states, self.version), timeout=self._start_timeout)
+                    which = "all" if self.config.draft_model_config is not None else "model"
+                    theirs, mine = ray.get([source.actor.weight_checksums.remote(which),
+                                            new.actor.weight_checksums.remote(which)])  # fmt: skip
+                    if theirs != mine:
+                        raise RuntimeError("the copied weights' checksums differ from the source replica's")
+                if self.paused:
+                    ray.get(new.actor.pause_generation.remote(self.pause_mode, True))
+                with self._lock:
+                    member.actor, member.version, member.error = new.actor, self.version, None
+                    member.state, member.status = "up", ray.get(new.actor.status.remote())
+                    member.restarts += 1
+                    self.counters["replica_restarts"] += 1
+                logger.warning("fleet replica %d is back at version %d", member.index, self.version)
+        except StopIteration:
+            with self._lock:
+                member.state, member.error = "down", (
+                    f"no live replica holds version {self.version}, which no checkpoint folder holds; reload the "
+                    "fleet from a folder to bring it back")  # fmt: skip
+        except Exception as err:
+            with self._lock:
+                member.state, member.error = "down", f"restart failed: {err}"
+            if new is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(new.actor, no_restart=True)
+
+    def health_problem(self) -> str | None:
+        """Why the fleet cannot serve (no routable replica), or None; answers at once."""
+        if self.routable():
+            return None
+        with self._lock:
+            reasons = "; ".join(f"replica {m.index} {m.state}" + (f" ({m.error})" if m.error else "")
+                                for m in self.members)  # fmt: skip
+        return f"no replica can serve: {reasons}"
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Per replica: index, state, version, routable, restarts, error, and its last health report."""
+        routable = set(self.routable())
+        with self._lock:
+            return [{"index": m.index, "state": m.state, "weight_version": m.version, "routable": m.index in routable,
+                     "restarts": m.restarts, "error": m.error, "routed": self.router.routed.get(m.index, 0),
+                     "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
+                    for m in self.members]  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine statistics summed, with the fleet's own."""
+        totals: dict[str, Any] = {}
+        with self._lock:
+            members = list(self.members)
+        for m in members:
+            for key, value in (m.status.get("stats") or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
+                    totals[key] = totals.get(key, 0) + value
+        fleet = {"replicas": len(members), "replicas_up": len(self.routable()), "weight_version": self.version,
+                 **self.counters}  # fmt: skip
+        return {**totals, **{f"fleet_{k}": v for k, v in fleet.items()}}
+
+    def shutdown(self) -> None:
+        """Stops the monitor and every replica, and releases their placement groups."""
+        ray = _ray()
+        self._stopping.set()
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout=5)
+        from ray.util.placement_group import remove_placement_group
+
+        for member in getattr(self, "members", []):
+            with contextlib.suppress(Exception):
+                ray.get(member.actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(member.actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(member.placement_group)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The exception a replica's method raised, out of Ray's wrapper (RayTaskError.cause)."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
+    """`err` as the caller should see it: user errors (ValueError, TypeError, RuntimeError for wrong order,
+    TimeoutError) keep their type, with the replica named."""
+    for kind in (ValueError, TypeError, TimeoutError, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable,
+                 RuntimeError):  # fmt: skip
+        if isinstance(err, kind):
+            return kind(f"replica {index}: {err}")
+    return RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")

@@ -1,0 +1,228 @@
+"""A fleet of two replicas on a local Ray: routing, fleet-wide two-phase updates, replica death and restart."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, hf_greedy
+from hotswap import LLM, SamplingParams
+from hotswap.fleet.router import Router, request_cost
+from transfer_helpers import Pusher, free_port, torch_dist_trainer_dies_mid_stream
+
+ray = pytest.importorskip("ray")
+
+from hotswap.fleet import Fleet, FleetUpdateFailed  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+# ---- the router, without Ray ---------------------------------------------------------------------------------
+
+
+def test_router_sends_a_request_to_the_replica_with_fewest_outstanding_tokens():
+    router = Router()
+    router.started("a", 0, request_cost(100, 50, 1))
+    assert router.pick([0, 1]) == 1
+    router.started("b", 1, request_cost(10, 10, 1))
+    assert router.pick([0, 1]) == 1  # 20 outstanding against 150
+    router.progressed("a", 140)
+    assert router.pick([0, 1]) == 0  # 10 against 20
+    router.finished("a")
+    router.finished("b")
+    assert router.outstanding(0) == router.outstanding(1) == 0
+    assert router.in_flight() == []
+
+
+def test_router_keeps_a_key_on_one_replica_and_moves_only_the_keys_of_one_that_left():
+    router = Router()
+    keys = [f"salt-{i}" for i in range(64)]
+    placed = {k: router.pick([0, 1, 2], k) for k in keys}
+    assert set(placed.values()) == {0, 1, 2}
+    assert all(router.pick([0, 1, 2], k) == r for k, r in placed.items())
+    after = {k: router.pick([0, 2], k) for k in keys}
+    assert all(after[k] == r for k, r in placed.items() if r != 1)
+    with pytest.raises(RuntimeError, match="no replica"):
+        router.pick([], "salt-0")
+
+
+# ---- a fleet of two replicas ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fleet(ckpts):
+    f = Fleet(
+        str(ckpts["A"]),
+        num_replicas=2,
+        health_check_interval_s=0.2,
+        health_check_timeout_s=30,
+        ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
+        weight_transfer_config={"timeout_s": 20},
+    )
+    yield f
+    f.shutdown()
+    ray.shutdown()
+
+
+def replica_serves(fleet: Fleet, index: int, path: Path) -> bool:
+    """Whether replica `index` itself generates transformers' greedy continuations for the checkpoint at `path`."""
+    tok = fleet.get_tokenizer()
+    prompts = [fleet.prepare_prompt(p) for p in PROMPTS[:2]]
+    ids = [f"probe-{index}-{time.monotonic_ns()}-{i}" for i in range(2)]
+    outs = ray.get(fleet.members[index].actor.generate_batch.remote(prompts, [GREEDY] * 2, ids))
+    return all(
+        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), 12)[0]
+        for p, o in zip(PROMPTS[:2], outs, strict=True)
+    )
+
+
+def wait_routable(fleet: Fleet, count: int = 2, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while len(fleet.routable()) < count:
+        assert time.monotonic() < deadline, fleet.replica_status()
+        time.sleep(0.2)
+
+
+def same_weights(fleet: Fleet) -> dict[str, str]:
+    """Both replicas' checksums, asserted equal."""
+    sums = fleet.replica_checksums()
+    assert sums[0] == sums[1]
+    return sums[0]
+
+
+def test_fleet_outputs_equal_one_llm_and_requests_spread_over_both_replicas(fleet, ckpts):
+    before = dict(fleet.router.routed)
+    outs = fleet.generate(PROMPTS, GREEDY)
+    single = LLM(str(ckpts["A"]))
+    try:
+        expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        single.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].weight_versions for o in outs] == [o.outputs[0].weight_versions for o in expected]
+    spread = {r: fleet.router.routed.get(r, 0) - before.get(r, 0) for r in (0, 1)}
+    assert spread[0] > 0 and spread[1] > 0 and sum(spread.values()) == len(PROMPTS)
+    # one cache_salt: every request of it on one replica (its prefix cache), with the same outputs
+    before = dict(fleet.router.routed)
+    salted = fleet.generate([{"prompt_token_ids": [5, 6, 7, 8], "cache_salt": "user-1"}] * 4, GREEDY)
+    moved = [fleet.router.routed.get(r, 0) - before.get(r, 0) for r in (0, 1)]
+    assert sorted(moved) == [0, 4]
+    assert len({tuple(o.outputs[0].token_ids) for o in salted}) == 1
+
+
+def test_fleet_update_over_torch_dist_is_one_broadcast_group_and_commits_one_version(fleet, ckpts, b_tensors):
+    version = fleet.get_weight_version()
+    pusher = Pusher(fleet, "torch_dist", bucket_size_bytes=1 << 20)
+    try:
+        assert pusher.dist.group.size() == 1 + 2  # the trainer and both replicas' workers: each byte sent once
+        pusher.push(b_tensors)
+    finally:
+        pusher.close()
+    assert fleet.get_weight_version() == version + 1
+    assert [m.version for m in fleet.members] == [version + 1] * 2
+    assert replica_serves(fleet, 0, ckpts["B"]) and replica_serves(fleet, 1, ckpts["B"])
+    same_weights(fleet)
+
+
+def test_fleet_update_over_shm_reaches_both_replicas(fleet, ckpts):
+    from safetensors.torch import load_file
+
+    a_tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+    pusher = Pusher(fleet, "shm")
+    try:
+        pusher.push(a_tensors, weight_version=10)
+    finally:
+        pusher.close()
+    assert fleet.get_weight_version() == 10 and [m.version for m in fleet.members] == [10, 10]
+    assert replica_serves(fleet, 0, ckpts["A"]) and replica_serves(fleet, 1, ckpts["A"])
+    outs = fleet.generate(PROMPTS[:4], GREEDY)
+    assert all(o.outputs[0].weight_versions[0].version == 10 for o in outs)
+
+
+def test_a_trainer_dying_mid_broadcast_rolls_the_whole_fleet_back(fleet, ckpts, b_tensors):
+    before, version = same_weights(fleet), fleet.get_weight_version()
+    ctx = multiprocessing.get_context("spawn")
+    queue, go, port = ctx.Queue(), ctx.Queue(), free_port()
+    trainer = ctx.Process(target=torch_dist_trainer_dies_mid_stream,
+                          args=(queue, go, port, b_tensors, 1 << 16, 2, fleet.get_world_size()))  # fmt: skip
+    trainer.start()
+    try:
+        fleet.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1",
+                                           "master_port": port})  # fmt: skip
+        info = queue.get(timeout=60)
+        fleet.start_weight_update()
+        go.put(True)
+        with pytest.raises(FleetUpdateFailed, match="rolled back"):
+            fleet.update_weights(info)
+    finally:
+        trainer.join(timeout=30)
+        fleet.shutdown_weight_transfer_engine()
+    assert same_weights(fleet) == before
+    assert fleet.get_weight_version() == version and fleet.counters["updates_failed"] >= 1
+    assert replica_serves(fleet, 0, ckpts["A"]) and replica_serves(fleet, 1, ckpts["A"])
+
+
+def _slow_norm_post_processing(worker) -> None:
+    worker.model.model.norm.process_weights_after_loading = lambda: time.sleep(5)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cannot import this test module
+
+
+def test_a_replica_killed_while_preparing_rolls_the_other_back_and_comes_back_at_the_fleet_version(
+    fleet, ckpts, b_tensors
+):
+    wait_routable(fleet)
+    before, version = same_weights(fleet), fleet.get_weight_version()
+    restarts = fleet.counters["replica_restarts"]
+    victim = fleet.members[1].actor
+    ray.get(victim.collective_rpc.remote(_slow_norm_post_processing, (), None))
+    pusher = Pusher(fleet, "tensors")
+    try:
+        fleet.start_weight_update()
+        killer = threading.Timer(2.0, lambda: ray.kill(victim))  # while replica 1 post-processes what it got
+        killer.start()
+        with pytest.raises(FleetUpdateFailed, match=r"replica 1 .*rolled back"):
+            pusher.update(b_tensors)
+        killer.join()
+    finally:
+        pusher.close()
+    assert fleet.get_weight_version() == version
+    assert fleet.replica_checksums()[0] == before  # the survivor rolled back, bit for bit
+    assert replica_serves(fleet, 0, ckpts["A"])
+    outs = fleet.generate(PROMPTS[:4], GREEDY)  # the fleet keeps serving, on the survivor
+    assert all(o.finished for o in outs)
+    # the dead replica is restarted and, since the fleet's weights came from a session (no folder holds them),
+    # copied from the live replica, checked against its checksums, before it takes requests again
+    wait_routable(fleet)
+    assert fleet.counters["replica_restarts"] == restarts + 1
+    assert fleet.members[1].version == version and fleet.members[1].actor is not victim
+    assert same_weights(fleet) == before
+    assert replica_serves(fleet, 1, ckpts["A"])
+
+
+def test_fleet_reload_commits_on_both_and_a_bad_one_changes_neither(fleet, ckpts, tmp_path):
+    wait_routable(fleet)
+    before, version = same_weights(fleet), fleet.get_weight_version()
+    with pytest.raises(ValueError, match="replica"):
+        fleet.reload_weights(str(tmp_path / "missing"))
+    assert same_weights(fleet) == before and fleet.get_weight_version() == version
+    bad = [("model.norm.weight", torch.ones(3))]
+    with pytest.raises(ValueError, match="shape"):
+        fleet.reload_weights(weights_iterator=bad)
+    assert same_weights(fleet) == before
+    fleet.pause_generation("keep")
+    try:
+        fleet.reload_weights(str(ckpts["B"]))
+    finally:
+        fleet.resume_generation()
+    assert fleet.get_weight_version() == version + 1 and [m.version for m in fleet.members] == [version + 1] * 2
+    assert replica_serves(fleet, 0, ckpts["B"]) and replica_serves(fleet, 1, ckpts["B"])
+    stats = fleet.stats()
+    assert stats["fleet_replicas_up"] == 2 and stats["fleet_updates_committed"] >= 3
