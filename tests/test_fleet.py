@@ -57,14 +57,16 @@ def test_router_keeps_a_key_on_one_replica_and_moves_only_the_keys_of_one_that_l
 
 @pytest.fixture(scope="module")
 def fleet(ckpts):
-    f = Fleet(
+    f = LLM(  # vLLM's spelling of a fleet; the fleet's own settings pass through
         str(ckpts["A"]),
-        num_replicas=2,
+        data_parallel_size=2,
+        distributed_executor_backend="ray",
         health_check_interval_s=0.2,
         health_check_timeout_s=30,
         ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
         weight_transfer_config={"timeout_s": 20},
     )
+    assert isinstance(f, Fleet) and f.num_replicas == 2
     yield f
     f.shutdown()
     ray.shutdown()
@@ -226,3 +228,35 @@ def test_fleet_reload_commits_on_both_and_a_bad_one_changes_neither(fleet, ckpts
     assert replica_serves(fleet, 0, ckpts["B"]) and replica_serves(fleet, 1, ckpts["B"])
     stats = fleet.stats()
     assert stats["fleet_replicas_up"] == 2 and stats["fleet_updates_committed"] >= 3
+
+
+def test_an_abort_pause_ends_requests_on_every_replica_and_resume_serves_again(fleet):
+    wait_routable(fleet)
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.setdefault("outs", fleet.generate(PROMPTS[:4], long)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while sum(m.status.get("requests", 0) for m in fleet.members) < 4 or min(
+            m.status.get("requests", 0) for m in fleet.members) == 0:  # fmt: skip
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    fleet.pause_generation("abort")
+    worker.join(timeout=60)
+    assert fleet.is_paused()
+    assert [o.outputs[0].finish_reason for o in box["outs"]] == ["abort"] * 4
+    fleet.resume_generation()
+    assert all(o.outputs[0].finish_reason == "length" for o in fleet.generate(PROMPTS[:2], GREEDY))
+
+
+def test_a_replica_whose_version_a_folder_holds_restarts_from_that_folder(fleet, ckpts):
+    wait_routable(fleet)
+    version = fleet.get_weight_version()
+    assert fleet._folder == str(ckpts["B"]) and fleet._folder_current  # the reload above
+    ray.kill(fleet.members[0].actor)
+    outs = fleet.generate(PROMPTS[:2], GREEDY)  # served by replica 1 meanwhile
+    assert all(o.outputs[0].weight_versions[0].version == version for o in outs)
+    wait_routable(fleet)
+    assert fleet.members[0].version == version
+    assert replica_serves(fleet, 0, ckpts["B"])
+    same_weights(fleet)

@@ -874,7 +874,7 @@ def create_app(
 
     @app.get("/weight_checksums", dependencies=admin)
     async def weight_checksums() -> dict[str, Any]:
-        (checksums,) = await guarded(engine.collective_rpc("weight_checksums"))
+        checksums = (await guarded(engine.collective_rpc("weight_checksums")))[0]  # rank 0 (of replica 0)
         return {"weight_version": str(engine.engine.weight_version), "checksums": checksums}
 
     @app.post("/collective_rpc", dependencies=admin)

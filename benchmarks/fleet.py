@@ -1,0 +1,136 @@
+"""A fleet on a local Ray against one engine: aggregate throughput at N=1 and N=2 replicas, and the time of a
+fleet-wide weight update against one engine's for the same bytes.
+
+Throughput: fp32 greedy, fixed output length, the same prompts for one `LLM` in this process and for fleets of 1
+and 2 replicas (each replica an actor with one worker). Updates: a full session (start -> update -> finish) of
+checkpoint B then A, alternating, through shm (written once, read by every replica) and torch_dist (one group
+spanning the trainer and every replica: each bucket broadcast once), median of `--reps`. On a machine with
+fewer cores than replicas, the replicas share cores: the figures are as measured.
+
+    python benchmarks/fleet.py [--preset 9m] [--prompts 64] [--max-tokens 64] [--reps 5] [--replicas 1,2]
+
+Prints human-readable lines and ends with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+from throughput import kernel_build, make_prompts
+from weight_update import free_port
+
+from hotswap import LLM, SamplingParams
+from hotswap.testing import make_tiny_model
+from hotswap.transfer.shm import ShmSender
+from hotswap.transfer.torch_dist import TorchDistSender
+
+
+def tokens_per_second(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    engine.generate(batch[:4], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def session_seconds(engine, backend: str, checkpoints: list[list], reps: int, workers: int) -> float:
+    """Median time of one full update session, alternating checkpoints, the sender in this process."""
+    times = []
+    if backend == "shm":
+        shm = ShmSender()
+        engine.init_weight_transfer_engine({"backend": "shm"})
+        for i in range(reps):
+            named = checkpoints[i % 2]
+            start = time.perf_counter()
+            engine.start_weight_update()
+            engine.update_weights(shm.write(named))
+            engine.finish_weight_update()
+            times.append(time.perf_counter() - start)
+        shm.close()
+    else:
+        port, box = free_port(), {}
+        joiner = threading.Thread(target=lambda: box.setdefault("s", TorchDistSender("127.0.0.1", port,
+                                                                                     num_workers=workers)))  # fmt: skip
+        joiner.start()
+        engine.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1",
+                                            "master_port": port})  # fmt: skip
+        joiner.join()
+        sender = box["s"]
+        for i in range(reps):
+            named = checkpoints[i % 2]
+            start = time.perf_counter()
+            engine.start_weight_update()
+            info = sender.update_info(named)
+            send = threading.Thread(target=sender.send, args=(named,))
+            send.start()
+            engine.update_weights(info)
+            send.join()
+            engine.finish_weight_update()
+            times.append(time.perf_counter() - start)
+        sender.close()
+    engine.shutdown_weight_transfer_engine()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="9m")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--replicas", default="1,2")
+    args = parser.parse_args()
+    import ray
+
+    from hotswap.fleet import Fleet
+
+    build = kernel_build()
+    print(f"CPU: {build['cpu']}; kernels: {build['build']}")
+    figures: dict = {"cpu": build["cpu"], "build": build["build"], "preset": args.preset}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [str(make_tiny_model(Path(tmp) / k, arch="llama", preset=args.preset, seed=s))
+                 for k, s in (("A", 0), ("B", 1))]  # fmt: skip
+        checkpoints = [list(load_file(f"{p}/model.safetensors").items()) for p in reversed(paths)]  # B, then A
+        megabytes = sum(t.numel() * t.element_size() for _, t in checkpoints[0]) / 1e6
+        figures["update_megabytes"] = round(megabytes, 1)
+        single = LLM(paths[0])
+        prompts = make_prompts(single.get_tokenizer(), args.prompts)
+        tps = tokens_per_second(single, prompts, args.max_tokens)
+        updates = {b: session_seconds(single, b, checkpoints, args.reps, 1) for b in ("shm", "torch_dist")}
+        single.shutdown()
+        print(f"one LLM: {tps:.0f} tok/s; update {megabytes:.0f} MB: shm {updates['shm'] * 1e3:.1f} ms, "
+              f"torch_dist {updates['torch_dist'] * 1e3:.1f} ms")  # fmt: skip
+        figures["single"] = {"tokens_per_s": round(tps, 1),
+                             **{f"update_{b}_ms": round(s * 1e3, 2) for b, s in updates.items()}}  # fmt: skip
+        ray.init(include_dashboard=False)
+        for n in (int(x) for x in args.replicas.split(",")):
+            start = time.perf_counter()
+            fleet = Fleet(paths[0], num_replicas=n)
+            ready = time.perf_counter() - start
+            tps_n = tokens_per_second(fleet, prompts, args.max_tokens)
+            ups = {b: session_seconds(fleet, b, checkpoints, args.reps, fleet.get_world_size())
+                   for b in ("shm", "torch_dist")}  # fmt: skip
+            fleet.shutdown()
+            print(f"fleet N={n}: ready in {ready:.1f} s; {tps_n:.0f} tok/s ({tps_n / tps:.2f}x one LLM); update: shm "
+                  f"{ups['shm'] * 1e3:.1f} ms ({ups['shm'] / updates['shm']:.2f}x one LLM), torch_dist "
+                  f"{ups['torch_dist'] * 1e3:.1f} ms ({ups['torch_dist'] / updates['torch_dist']:.2f}x)")  # fmt: skip
+            figures[f"fleet_{n}"] = {
+                "ready_s": round(ready, 2), "tokens_per_s": round(tps_n, 1), "vs_single": round(tps_n / tps, 3),
+                **{f"update_{b}_ms": round(s * 1e3, 2) for b, s in ups.items()},
+                **{f"update_{b}_vs_single": round(s / updates[b], 3) for b, s in ups.items()},
+            }  # fmt: skip
+        ray.shutdown()
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
