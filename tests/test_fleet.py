@@ -62,7 +62,7 @@ def fleet(ckpts):
         data_parallel_size=2,
         distributed_executor_backend="ray",
         health_check_interval_s=0.2,
-        health_check_timeout_s=30,
+        health_check_timeout_s=10,
         ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
         weight_transfer_config={"timeout_s": 20},
     )
@@ -260,3 +260,28 @@ def test_a_replica_whose_version_a_folder_holds_restarts_from_that_folder(fleet,
     assert fleet.members[0].version == version
     assert replica_serves(fleet, 0, ckpts["B"])
     same_weights(fleet)
+
+
+def test_a_replica_that_stops_answering_is_taken_out_of_routing_and_replaced(fleet, ckpts):
+    import os
+    import signal
+
+    wait_routable(fleet)
+    failures, version = fleet.counters["replica_failures"], fleet.get_weight_version()
+    pid = fleet.members[1].status["pid"]
+    os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to the health check
+    try:
+        deadline = time.monotonic() + 60
+        while fleet.members[1].state == "up":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert fleet.routable() == [0] and fleet.counters["replica_failures"] == failures + 1
+        assert "health check" in (fleet.members[1].error or "") or fleet.members[1].state == "starting"
+        outs = fleet.generate(PROMPTS[:2], GREEDY)
+        assert all(o.finished for o in outs)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # a no-op once the fleet killed it
+    wait_routable(fleet)
+    assert fleet.members[1].status["pid"] != pid and fleet.members[1].version == version
+    same_weights(fleet)
+    assert fleet._folder_current and replica_serves(fleet, 1, Path(fleet._folder))  # the folder holds the version

@@ -112,7 +112,8 @@ class AsyncFleet:
         last: RequestOutput | None = None
         while True:
             member = fleet.route(staged, params, request_id, routing_key, avoid=tried)
-            stream = member.actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
+            actor = member.actor
+            stream = actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
             finished, produced = False, 0
             try:
                 async for ref in stream:
@@ -124,7 +125,7 @@ class AsyncFleet:
                     yield out
                 return
             except ray.exceptions.RayActorError as err:
-                fleet._failed(member, f"its actor died while generating: {_first_line(err)}")
+                fleet._failed(member, f"its actor died while generating: {_first_line(err)}", actor)
                 if last is None:  # nothing delivered yet: the request starts again on another replica
                     tried.add(member.index)
                     continue

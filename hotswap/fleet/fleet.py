@@ -63,8 +63,11 @@ class _Member:
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     restarts: int = 0
     error: str | None = None
-    ping: Any = None  # the health check in flight, and when it was sent
+    ping: Any = None  # the health check in flight, the actor it was sent to, and when
+    ping_actor: Any = None
     ping_sent: float = 0.0
+    retry_at: float = 0.0  # a failed restart is retried from then on (backing off up to a minute)
+    backoff: float = 0.0
 
 
 def _ray() -> Any:
@@ -196,11 +199,12 @@ class Fleet:
         with self._lock:
             return [m for m in self.members if m.state == "up"]
 
-    def _failed(self, member: _Member, reason: str) -> None:
-        """Takes a replica out of routing at once; the monitor restarts it."""
+    def _failed(self, member: _Member, reason: str, actor: Any = None) -> None:
+        """Takes a replica out of routing at once (the monitor restarts it). `actor`: the handle that failed; a
+        late failure of a replica's previous actor leaves its replacement alone."""
         ray = _ray()
         with self._lock:
-            if member.state == "down":
+            if member.state != "up" or (actor is not None and actor is not member.actor):
                 return
             member.state, member.error = "down", reason
             self.counters["replica_failures"] += 1
@@ -221,7 +225,8 @@ class Fleet:
         down."""
         ray = _ray()
         calls = each if each is not None else [args] * len(members)
-        refs = {m.index: getattr(m.actor, method).remote(*a) for m, a in zip(members, calls, strict=True)}
+        actors = {m.index: m.actor for m in members}
+        refs = {m.index: getattr(actors[m.index], method).remote(*a) for m, a in zip(members, calls, strict=True)}
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -230,10 +235,10 @@ class Fleet:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 results[member.index] = ray.get(refs[member.index], timeout=left)
             except ray.exceptions.RayActorError as err:
-                self._failed(member, f"its actor died during {method}(): {_first_line(err)}")
+                self._failed(member, f"its actor died during {method}(): {_first_line(err)}", actors[member.index])
                 errors[member.index] = err
             except ray.exceptions.GetTimeoutError as err:
-                self._failed(member, f"{method}() did not answer within {timeout:g} s")
+                self._failed(member, f"{method}() did not answer within {timeout:g} s", actors[member.index])
                 errors[member.index] = TimeoutError(str(err))
             except ray.exceptions.RayTaskError as err:
                 errors[member.index] = _cause(err)
@@ -310,8 +315,9 @@ class Fleet:
                 request_id = self.next_request_id()
                 member = self.route(staged[i], params_list[i], request_id, avoid=avoid)
                 groups.setdefault(member.index, []).append((i, request_id))
+            actors = {index: self.members[index].actor for index in groups}
             calls = {
-                index: self.members[index].actor.generate_batch.remote(
+                index: actors[index].generate_batch.remote(
                     [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
                 for index, group in groups.items()
             }  # fmt: skip
@@ -321,7 +327,8 @@ class Fleet:
                     for (i, _), out in zip(groups[index], ray.get(ref), strict=True):
                         results[i] = out
                 except ray.exceptions.RayActorError as err:
-                    self._failed(self.members[index], f"its actor died while generating: {_first_line(err)}")
+                    self._failed(self.members[index], f"its actor died while generating: {_first_line(err)}",
+                                 actors[index])  # fmt: skip
                     avoid.add(index)
                     pending += [i for i, _ in groups[index]]
                 except ray.exceptions.RayTaskError as err:
@@ -576,72 +583,85 @@ class Fleet:
                 if member.state != "up":
                     continue
                 if member.ping is None:
-                    member.ping, member.ping_sent = member.actor.status.remote(), time.monotonic()
+                    actor = member.actor
+                    member.ping, member.ping_actor, member.ping_sent = actor.status.remote(), actor, time.monotonic()
                     continue
                 ready, _ = ray.wait([member.ping], timeout=0)
                 if ready:
                     try:
-                        member.status = ray.get(member.ping)
+                        status = ray.get(member.ping)
+                        if member.ping_actor is member.actor:
+                            member.status = status
                     except Exception as err:
-                        self._failed(member, f"its health check failed: {err}")
+                        self._failed(member, f"its health check failed: {_first_line(err)}", member.ping_actor)
                     member.ping = None
                 elif time.monotonic() - member.ping_sent > self._health_timeout:
                     member.ping = None
-                    self._failed(member, f"no answer to a health check within {self._health_timeout:g} s")
+                    self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
+                                 member.ping_actor)  # fmt: skip
             if self._restart:
                 for member in list(self.members):
-                    if member.state == "down" and not self._stopping.is_set():
-                        self._replace(member)
+                    with self._lock:
+                        due = member.state == "down" and time.monotonic() >= member.retry_at
+                        if due:
+                            member.state, member.ping = "starting", None
+                            folder = self._folder if self._folder_current else self.model
+                    if due and not self._stopping.is_set():
+                        threading.Thread(target=self._replace, args=(member, folder), daemon=True,
+                                         name=f"hotswap-fleet-restart-{member.index}").start()  # fmt: skip
 
-    def _replace(self, member: _Member) -> None:
-        """Starts a new actor for a dead replica and brings it to the fleet's version before routing to it."""
+    def _replace(self, member: _Member, folder: str) -> None:
+        """Starts a new actor for a dead replica (loading `folder`) and, holding the change lock outside any
+        session, brings it to the fleet's version before routing to it. A failure leaves it down, retried later."""
         ray = _ray()
-        with self._lock:
-            member.state, member.ping = "starting", None
-        new: _Member | None = None
+        actor = None
         try:
+            new = self._spawn(member.index, folder, member.placement_group)
+            actor = new.actor
+            ray.get(actor.status.remote(), timeout=self._start_timeout)
             with self._change:  # no weight change meanwhile: the version it is brought to stays the fleet's
                 while self._session is not None:  # a session holds no lock between its calls: wait for its end
                     self._change.release()
                     try:
                         if self._stopping.wait(0.05):
-                            return
+                            raise RuntimeError("the fleet is shutting down")
                     finally:
                         self._change.acquire()
-                folder_current = self._folder_current
-                new = self._spawn(member.index, self._folder if folder_current else self.model,
-                                  member.placement_group)  # fmt: skip
-                ray.get(new.actor.status.remote(), timeout=self._start_timeout)
-                if folder_current:
-                    ray.get(new.actor.set_weight_version.remote(self.version))
+                if self._folder_current and self._folder == folder:
+                    ray.get(actor.set_weight_version.remote(self.version))
                 else:
-                    source = next(m for m in self.members if m.state == "up" and m.version == self.version)
-                    states = source.actor.export_weights.remote()
-                    ray.get(new.actor.adopt_weights.remote(states, self.version), timeout=self._start_timeout)
-                    which = "all" if self.config.draft_model_config is not None else "model"
-                    theirs, mine = ray.get([source.actor.weight_checksums.remote(which),
-                                            new.actor.weight_checksums.remote(which)])  # fmt: skip
-                    if theirs != mine:
-                        raise RuntimeError("the copied weights' checksums differ from the source replica's")
+                    self._copy_weights(actor)
                 if self.paused:
-                    ray.get(new.actor.pause_generation.remote(self.pause_mode, True))
+                    ray.get(actor.pause_generation.remote(self.pause_mode, True))
+                status = ray.get(actor.status.remote())
                 with self._lock:
-                    member.actor, member.version, member.error = new.actor, self.version, None
-                    member.state, member.status = "up", ray.get(new.actor.status.remote())
+                    member.actor, member.version, member.error, member.status = actor, self.version, None, status
+                    member.state, member.backoff = "up", 0.0
                     member.restarts += 1
                     self.counters["replica_restarts"] += 1
-                logger.warning("fleet replica %d is back at version %d", member.index, self.version)
-        except StopIteration:
-            with self._lock:
-                member.state, member.error = "down", (
-                    f"no live replica holds version {self.version}, which no checkpoint folder holds; reload the "
-                    "fleet from a folder to bring it back")  # fmt: skip
+            logger.warning("fleet replica %d is back at version %d", member.index, self.version)
         except Exception as err:
             with self._lock:
-                member.state, member.error = "down", f"restart failed: {err}"
-            if new is not None:
+                member.backoff = min(60.0, max(1.0, 2 * member.backoff))
+                member.state, member.error = "down", f"restart failed: {_first_line(err)}"
+                member.retry_at = time.monotonic() + member.backoff
+            if actor is not None:
                 with contextlib.suppress(Exception):
-                    ray.kill(new.actor, no_restart=True)
+                    ray.kill(actor, no_restart=True)
+
+    def _copy_weights(self, actor: Any) -> None:
+        """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
+        ray = _ray()
+        source = next((m for m in self.members if m.state == "up" and m.version == self.version), None)
+        if source is None:
+            raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
+                               "reload the fleet from a folder to bring replicas back")  # fmt: skip
+        ray.get(actor.adopt_weights.remote(source.actor.export_weights.remote(), self.version),
+                timeout=self._start_timeout)  # fmt: skip
+        which = "all" if self.config.draft_model_config is not None else "model"
+        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)])
+        if theirs != mine:
+            raise RuntimeError("the copied weights' checksums differ from the source replica's")
 
     def health_problem(self) -> str | None:
         """Why the fleet cannot serve (no routable replica), or None; answers at once."""
