@@ -56,20 +56,24 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"][0]["weight_versions"] == [["0", 0, 6]]
-    # a client that goes away aborts its request on its replica
+    # a client that goes away aborts its request on its replica (paused, the request could not end otherwise)
     body = {"model": "A", "prompt": "count", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
+        httpx.post(f"{base}/pause?mode=keep", headers=ADMIN, timeout=60).raise_for_status()
         deadline = time.monotonic() + 60
-        while not any(r["status"]["requests"] for r in replicas(base)):  # its replica reports it running
+        while not any(r["status"]["requests"] for r in replicas(base)):  # its replica reports it held
             assert time.monotonic() < deadline, replicas(base)
             time.sleep(0.2)
-    deadline = time.monotonic() + 60
-    while any(r["status"]["requests"] for r in replicas(base)):
-        assert time.monotonic() < deadline, replicas(base)
-        time.sleep(0.2)
+    try:
+        deadline = time.monotonic() + 60
+        while any(r["status"]["requests"] for r in replicas(base)):
+            assert time.monotonic() < deadline, replicas(base)
+            time.sleep(0.2)
+    finally:
+        httpx.post(f"{base}/resume", headers=ADMIN, timeout=60).raise_for_status()
     # the admin and metrics surfaces speak for the fleet
     assert httpx.get(f"{base}/get_world_size", headers=ADMIN).json() == {"world_size": 2}
     info = httpx.get(f"{base}/server_info", headers=ADMIN).json()

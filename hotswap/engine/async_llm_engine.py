@@ -244,8 +244,9 @@ class AsyncLLMEngine:
     async def export_weights(self) -> list[dict[str, Any]]:
         return list(await self._locked(self.engine.export_weights))
 
-    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int) -> None:
-        await self._locked(self.engine.adopt_weights, states, weight_version)
+    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int,
+                            draft_weight_version: int | None = None) -> None:  # fmt: skip
+        await self._locked(self.engine.adopt_weights, states, weight_version, draft_weight_version)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails

@@ -381,6 +381,9 @@ class LLMEngine:
     # ---- weights ----------------------------------------------------------------------------------------------
 
     def _check_can_change(self, method: str) -> None:
+        if self._prepared is not None:
+            raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
+                               "abort_weight_update()")  # fmt: skip
         if self._serving_state().steps and self.scheduler.num_in_flight() + len(self.scheduler.running):
             raise RuntimeError(
                 f"{method}() while {len(self.requests)} request(s) are being generated; call "
@@ -470,6 +473,9 @@ class LLMEngine:
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
         meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
         self.check_session(session_token)
+        if self._prepared is not None:
+            raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
+                               "abort_weight_update()")  # fmt: skip
         if isinstance(update_info, list):
             if not update_info or any(entry != update_info[0] for entry in update_info):
                 self.weights_rpc("abort_weight_update")  # like any failed update, it ends the session
@@ -669,10 +675,11 @@ class LLMEngine:
         order: what `adopt_weights` of an engine with the same config takes."""
         return self.executor.collective_rpc(_export_state)
 
-    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int) -> None:
+    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,
+                      draft_weight_version: int | None = None) -> None:  # fmt: skip
         """Copies weights exported by an engine with the same config into this one's storage (no parameter is
-        rebound) and serves them as `weight_version`, the draft's included. Raises ValueError, changing nothing,
-        when the ranks, names, shapes or dtypes differ."""
+        rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
+        Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
         self._check_can_change("adopt_weights")
         _check_version(weight_version)
         if self.state is EngineState.UPDATING:
@@ -687,7 +694,7 @@ class LLMEngine:
         finally:
             self._weights_changed(failed=not ok)
         self.weight_version = weight_version
-        self.draft_weight_version = weight_version
+        self.draft_weight_version = weight_version if draft_weight_version is None else draft_weight_version
 
     def _advance_version(self, weight_version: int | None) -> None:
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
@@ -859,7 +866,8 @@ def _worker_state(worker: Any) -> dict[str, torch.Tensor]:
 
 
 def _export_state(worker: Any) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in _worker_state(worker).items()}
+    """Host copies (a live replica on a GPU does not double its device memory)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in _worker_state(worker).items()}
 
 
 def _import_state(worker: Any, states: list[dict[str, torch.Tensor]]) -> None:

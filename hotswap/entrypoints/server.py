@@ -1002,6 +1002,8 @@ def serve(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config,
     )
     engine: AsyncLLMEngine | AsyncFleet
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1 or args.ray_address is not None:
         from hotswap.fleet import Fleet
 

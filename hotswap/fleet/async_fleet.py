@@ -9,6 +9,7 @@ far and their version spans kept). Everything else runs the fleet's blocking met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -112,10 +113,10 @@ class AsyncFleet:
         last: RequestOutput | None = None
         while True:
             member = fleet.route(staged, params, request_id, routing_key, avoid=tried)
-            actor = member.actor
-            stream = actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
+            actor, stream = member.actor, None
             finished, produced = False, 0
             try:
+                stream = actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
                 async for ref in stream:
                     out: RequestOutput = await ref
                     total = sum(len(c.token_ids) for c in out.outputs)
@@ -124,26 +125,29 @@ class AsyncFleet:
                     last, finished = out, out.finished
                     yield out
                 return
-            except ray.exceptions.RayActorError as err:
-                fleet._failed(member, f"its actor died while generating: {_first_line(err)}", actor)
+            except ray.exceptions.RayTaskError as err:
+                raise _cause(err) from None
+            except ray.exceptions.RayError as err:  # the replica died (or Ray lost the call)
+                fleet._failed(member, f"it failed while generating: {_first_line(err)}", actor)
+                finished = True  # nothing left to cancel there
                 if last is None:  # nothing delivered yet: the request starts again on another replica
                     tried.add(member.index)
                     continue
-                finished = True
                 yield _aborted(last, params)
                 return
-            except ray.exceptions.RayTaskError as err:
-                raise _cause(err) from None
             finally:
                 fleet.router.finished(request_id)
-                if not finished:  # the consumer went away: the replica aborts the request
-                    ray.cancel(stream)
+                if not finished and stream is not None:  # the consumer went away: the replica aborts the request
+                    with contextlib.suppress(Exception):
+                        ray.cancel(stream)
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
         index = self.fleet.router.replica_of(request_id)
         if index is not None:
-            await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
+            # a replica that is gone took its requests with it (their streams end with 'abort')
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         await self._run(self.fleet.pause_generation, mode, clear_cache)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from hotswap.config import EngineConfig, live_overrides
+from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.async_llm_engine import EngineUnavailable
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router, request_cost
@@ -53,6 +53,10 @@ class FleetUpdateFailed(WeightUpdateFailed):
     """A fleet-wide weight change failed on some replica; every replica was rolled back (HTTP 409)."""
 
 
+class ReplicaDown(EngineUnavailable):
+    """A replica died (or stopped answering) during a call; the fleet restarts it (HTTP 503)."""
+
+
 @dataclasses.dataclass
 class _Member:
     index: int
@@ -63,6 +67,7 @@ class _Member:
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     restarts: int = 0
     error: str | None = None
+    restored_from: str | None = None  # after a restart: "folder" or "copy" (of a live replica's weights)
     ping: Any = None  # the health check in flight, the actor it was sent to, and when
     ping_actor: Any = None
     ping_sent: float = 0.0
@@ -112,6 +117,7 @@ class Fleet:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         self.engine_kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
         self.config = EngineConfig.from_kwargs(model, **self.engine_kwargs)  # raises before anything starts
+        _check_atomic(self.config.weight_transfer_config.atomic)
         self.model = str(model)
         self.num_replicas = num_replicas
         self.tensor_parallel_size = tensor_parallel_size
@@ -131,6 +137,7 @@ class Fleet:
         self._health_timeout = float(health_check_timeout_s)
         self._start_timeout = float(start_timeout_s)
         self._restart = restart_replicas
+        self._rpc_timeout = float(self.config.parallel_config.rpc_timeout_s)
         # the environment that selects kernels and caches travels to every replica
         self._env = {k: v for k, v in os.environ.items() if k.startswith(("HOTSWAP_", "TORCH_EXTENSIONS_DIR"))}
 
@@ -142,22 +149,30 @@ class Fleet:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.router = Router()
         self.version = 0
-        # where the fleet's version came from: the folder to start a replica from, and whether the folder alone
-        # holds it (else a restarted replica copies a live one's weights)
+        self.draft_version = 0
+        # the last checkpoint folder the replicas loaded (a restarted replica starts from it), and whether it alone
+        # holds the fleet's version (else a restarted replica copies a live one's weights)
         self._folder = self.model
         self._folder_current = True
-        self._lock = threading.RLock()  # members and fleet state
-        self._change = threading.Lock()  # one weight change (or a replica's catch-up) at a time
+        self._overrides: list[dict[str, dict[str, Any]]] = []  # live config changes, replayed on a restart
+        # Lock order: _change, then _lock. _change: one weight change, pause / resume / sleep, or a replica's
+        # catch-up at a time; _lock: the members and the fleet's state, held briefly.
+        self._lock = threading.RLock()
+        self._change = threading.Lock()
         self._session: dict[str, Any] | None = None  # the open update session: members, token
-        self._group: list[int] | None = None  # replicas whose transports joined the current transfer group
+        self._group: list[Any] | None = None  # the actors a group transport (torch_dist) joined, in rank order
+        self._transport: dict[str, Any] | None = None  # a non-group transport's init_info (shm, tensors, disk)
         self.paused = False
         self.pause_mode = "keep"
         self.asleep = False
         self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0}
         self._ids = itertools.count()
         self._stopping = threading.Event()
-        self.members = [self._spawn(i, self.model) for i in range(num_replicas)]
+        self._check_resources(ray)
+        self.members: list[_Member] = []
         try:
+            for i in range(num_replicas):
+                self.members.append(self._spawn(i, self.model))
             for member in self.members:
                 member.status = ray.get(member.actor.status.remote(), timeout=self._start_timeout)
                 member.state = "up"
@@ -169,6 +184,18 @@ class Fleet:
 
     # ---- replicas -----------------------------------------------------------------------------------------
 
+    def _check_resources(self, ray: Any) -> None:
+        """Raises ValueError when the cluster cannot hold every replica's placement group."""
+        total = ray.cluster_resources()
+        for resource, amount in self._bundle.items():
+            if total.get(resource, 0) + 1e-9 < amount * self.num_replicas:
+                raise ValueError(
+                    f"{self.num_replicas} replicas x {amount:g} {resource} (tensor_parallel_size "
+                    f"{self.tensor_parallel_size} x the per-worker share) exceed the Ray cluster's "
+                    f"{total.get(resource, 0):g} {resource}; lower num_replicas, num_cpus_per_worker or "
+                    "num_gpus_per_worker"
+                )
+
     def _spawn(self, index: int, folder: str, placement_group: Any = None) -> _Member:
         ray = _ray()
         from ray.util.placement_group import placement_group as new_group
@@ -176,7 +203,11 @@ class Fleet:
 
         if placement_group is None:
             placement_group = new_group([dict(self._bundle)], strategy=self._strategy)
-            ray.get(placement_group.ready(), timeout=self._start_timeout)
+            try:
+                ray.get(placement_group.ready(), timeout=self._start_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"replica {index}'s placement group {self._bundle} could not be placed within "
+                                   f"{self._start_timeout:g} s (start_timeout_s)") from None  # fmt: skip
         actor = (
             ray.remote(ReplicaServer)
             .options(
@@ -206,11 +237,12 @@ class Fleet:
         with self._lock:
             if member.state != "up" or (actor is not None and actor is not member.actor):
                 return
-            member.state, member.error = "down", reason
+            member.state, member.error, member.version = "down", reason, -1
             self.counters["replica_failures"] += 1
+            dead = member.actor
         logger.warning("fleet replica %d is down: %s", member.index, reason)
         with contextlib.suppress(Exception):
-            ray.kill(member.actor, no_restart=True)
+            ray.kill(dead, no_restart=True)
 
     def _call(
         self,
@@ -221,8 +253,8 @@ class Fleet:
         each: Sequence[tuple[Any, ...]] | None = None,
     ) -> tuple[dict[int, Any], dict[int, BaseException]]:
         """Calls `method` on every member concurrently (with `args`, or member k with `each[k]`): (results,
-        errors) by replica index. A replica whose actor died (or that did not answer within `timeout`) is marked
-        down."""
+        errors) by replica index; what the replica's method raised comes back as itself. A replica that died, did
+        not answer within `timeout` or failed in Ray itself is marked down and its error is a `ReplicaDown`."""
         ray = _ray()
         calls = each if each is not None else [args] * len(members)
         actors = {m.index: m.actor for m in members}
@@ -231,22 +263,32 @@ class Fleet:
         errors: dict[int, BaseException] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         for member in members:
+            index = member.index
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                results[member.index] = ray.get(refs[member.index], timeout=left)
-            except ray.exceptions.RayActorError as err:
-                self._failed(member, f"its actor died during {method}(): {_first_line(err)}", actors[member.index])
-                errors[member.index] = err
-            except ray.exceptions.GetTimeoutError as err:
-                self._failed(member, f"{method}() did not answer within {timeout:g} s", actors[member.index])
-                errors[member.index] = TimeoutError(str(err))
+                results[index] = ray.get(refs[index], timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                reason = f"{method}() did not answer within {timeout:g} s"
+                self._failed(member, reason, actors[index])
+                with contextlib.suppress(Exception):
+                    ray.cancel(refs[index], force=True)
+                errors[index] = ReplicaDown(f"replica {index}: {reason}")
             except ray.exceptions.RayTaskError as err:
-                errors[member.index] = _cause(err)
+                errors[index] = _cause(err)
+            except Exception as err:  # its actor died, or Ray lost the call: either way the replica is replaced
+                reason = f"{method}() failed in Ray ({type(err).__name__}: {_first_line(err)})"
+                self._failed(member, reason, actors[index])
+                errors[index] = ReplicaDown(f"replica {index}: {reason}")
+                errors[index].__cause__ = err
         return results, errors
 
-    def _all(self, members: Sequence[_Member], method: str, *args: Any) -> dict[int, Any]:
-        """`_call` that raises the first error (a user error as itself)."""
-        results, errors = self._call(members, method, *args)
+    def _all(self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None,
+             down_ok: bool = False) -> dict[int, Any]:  # fmt: skip
+        """`_call` that raises the first error (as `_with_replica` names it). `down_ok`: a replica that went down
+        is left out instead (its restart re-applies what the fleet state says: pause, config)."""
+        results, errors = self._call(members, method, *args, timeout=timeout)
+        if down_ok:
+            errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
         if errors:
             index, err = next(iter(errors.items()))
             raise _with_replica(err, index, method)
@@ -309,33 +351,41 @@ class Fleet:
         results: dict[int, RequestOutput] = {}
         pending = list(range(len(prompts)))
         avoid: set[int] = set()
-        while pending:
-            groups: dict[int, list[tuple[int, str]]] = {}
-            for i in pending:
-                request_id = self.next_request_id()
-                member = self.route(staged[i], params_list[i], request_id, avoid=avoid)
-                groups.setdefault(member.index, []).append((i, request_id))
-            actors = {index: self.members[index].actor for index in groups}
-            calls = {
-                index: actors[index].generate_batch.remote(
-                    [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
-                for index, group in groups.items()
-            }  # fmt: skip
-            pending = []
-            for index, ref in calls.items():
-                try:
-                    for (i, _), out in zip(groups[index], ray.get(ref), strict=True):
-                        results[i] = out
-                except ray.exceptions.RayActorError as err:
-                    self._failed(self.members[index], f"its actor died while generating: {_first_line(err)}",
-                                 actors[index])  # fmt: skip
-                    avoid.add(index)
-                    pending += [i for i, _ in groups[index]]
-                except ray.exceptions.RayTaskError as err:
-                    raise _cause(err) from None
-                finally:
-                    for _, request_id in groups[index]:
-                        self.router.finished(request_id)
+        booked: list[str] = []
+        calls: dict[int, Any] = {}
+        try:
+            while pending:
+                groups: dict[int, list[tuple[int, str]]] = {}
+                for i in pending:
+                    request_id = self.next_request_id()
+                    member = self.route(staged[i], params_list[i], request_id, avoid=avoid)
+                    booked.append(request_id)
+                    groups.setdefault(member.index, []).append((i, request_id))
+                actors = {index: self.members[index].actor for index in groups}
+                calls = {
+                    index: actors[index].generate_batch.remote(
+                        [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
+                    for index, group in groups.items()
+                }  # fmt: skip
+                pending = []
+                for index, ref in list(calls.items()):
+                    try:
+                        for (i, _), out in zip(groups[index], ray.get(ref), strict=True):
+                            results[i] = out
+                    except ray.exceptions.RayTaskError as err:
+                        raise _cause(err) from None
+                    except ray.exceptions.RayError as err:  # the replica died: its prompts go to the others
+                        self._failed(self.members[index], f"it failed while generating: {_first_line(err)}",
+                                     actors[index])  # fmt: skip
+                        avoid.add(index)
+                        pending += [i for i, _ in groups[index]]
+                    del calls[index]
+        finally:
+            for ref in calls.values():  # left unread after an error: stop them
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+            for request_id in booked:
+                self.router.finished(request_id)
         return [results[i] for i in range(len(prompts))]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -353,57 +403,73 @@ class Fleet:
     # ---- pause, resume, sleep, config ------------------------------------------------------------------------
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pauses every replica (modes as `LLM.pause_generation`; 'wait' returns once every replica drained)."""
+        """Pauses every replica (modes as `LLM.pause_generation`; 'wait' returns once every replica drained). A
+        replica restarted while the fleet is paused is paused the same way before it is routed to."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        with self._lock:
-            self.paused, self.pause_mode = True, mode
-        self._all(self._up(), "pause_generation", mode, clear_cache)
+        with self._change:
+            with self._lock:
+                self.paused, self.pause_mode = True, mode
+            self._all(self._up(), "pause_generation", mode, clear_cache, down_ok=True)
 
     def resume_generation(self) -> None:
-        with self._lock:
-            self.paused = False
-        self._all(self._up(), "resume_generation")
+        with self._change:
+            with self._lock:
+                self.paused = False
+            self._all(self._up(), "resume_generation", down_ok=True)
 
     def is_paused(self) -> bool:
         return self.paused
 
     def sleep(self, level: int = 1) -> None:
-        self._all(self._up(), "sleep", level)
-        self.asleep = True
+        """Every replica sleeps (see `LLM.sleep`); dead replicas are restarted only once the fleet is awake."""
+        with self._change:
+            self._all(self._up(), "sleep", level, down_ok=True)
+            self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._all(self._up(), "wake_up", tags)
-        statuses = self._all(self._up(), "status")
-        self.asleep = any(s["asleep"] for s in statuses.values())
+        with self._change:
+            self._all(self._up(), "wake_up", tags, down_ok=True)
+            statuses = self._all(self._up(), "status", down_ok=True)
+            self.asleep = any(s["asleep"] for s in statuses.values())
 
     def reset_prefix_cache(self) -> None:
-        self._all(self._up(), "reset_prefix_cache")
+        self._all(self._up(), "reset_prefix_cache", down_ok=True)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        """Applies a live config change on every replica (validated here first)."""
-        live_overrides(self.config, overrides)
+        """Applies a live config change on every replica (validated here first; replayed on restarted replicas).
+        A fleet keeps atomic updates: `weight_transfer_config.atomic` False is refused."""
+        sections = live_overrides(self.config, overrides)
+        if "weight_transfer_config" in sections:
+            _check_atomic(sections["weight_transfer_config"].atomic)
         with self._change:
-            self._all(self._up(), "update_config", overrides)
+            self._check_no_session("update_config")
+            self._all(self._up(), "update_config", overrides, timeout=self._rpc_timeout, down_ok=True)
+            apply_overrides(self.config, sections)
+            self._overrides.append(overrides)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:  # fmt: skip
         """Runs a Worker method on every worker of every up replica: results in replica, then rank, order."""
         members = self._up()
-        results = self._all(members, "collective_rpc", method, tuple(args), kwargs)
+        results = self._all(members, "collective_rpc", method, tuple(args), kwargs, timeout=timeout)
         return [r for m in members for r in results[m.index]]
 
     # ---- weights ------------------------------------------------------------------------------------------
 
     def get_weight_version(self, target: str = "model") -> int:
-        """The fleet's version: every routable replica serves it."""
+        """The fleet's version: every routable replica serves it. `target` "draft": the version the draft models
+        were last updated for."""
         if target not in ("model", "draft"):
             raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
-        return self.version
+        return self.draft_version if target == "draft" else self.version
 
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """A routable replica's checksums (every routable replica holds the same weights)."""
-        index = self.router.pick(self.routable())
+        try:
+            index = self.router.pick(self.routable())
+        except RuntimeError as err:
+            raise EngineUnavailable(str(err)) from None
         return self._all([self.members[index]], "weight_checksums", target)[index]
 
     def replica_checksums(self, target: str = "model") -> dict[int, dict[str, str]]:
@@ -417,14 +483,20 @@ class Fleet:
         target: str = "model",
     ) -> None:
         """Reloads every replica in place, two-phase: all of them commit one new version, or none changes. As
-        for one engine, requests in flight refuse it: pause first."""
+        for one engine, requests in flight refuse it: pause first. With a folder, this also brings the fleet
+        back when no replica holds its version any more: the replicas restart from the folder."""
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
                              "updated through a session with target 'all'")  # fmt: skip
+        if weights_path is not None:
+            live_overrides(self.config, {"model_config": {"model": str(weights_path)}})  # a folder of this model
         ray = _ray()
         with self._change:
             self._check_no_session("reload_weights")
-            members = self._current()
+            members = self._current(required=weights_path is None)
+            if not members:
+                self._reseed(str(weights_path))
+                return
             weights = None if weights_iterator is None else ray.put(list(weights_iterator))
             self._two_phase(members, "prepare_reload", weights_path, weights)
             if weights_path is not None:
@@ -432,18 +504,33 @@ class Fleet:
             else:
                 self._folder_current = False
 
+    def _reseed(self, folder: str) -> None:
+        """No replica holds the fleet's version: every replica restarts from `folder`, at a new version."""
+        with self._lock:
+            self._folder, self._folder_current = folder, True
+            self.version += 1
+            stale = [m for m in self.members if m.state == "up"]
+            for m in self.members:
+                m.retry_at = m.backoff = 0.0
+        for member in stale:
+            self._failed(member, f"restarted from {folder}, which no live replica held")
+        logger.warning("no replica held the fleet's weights: every replica restarts from %s (version %d)", folder,
+                       self.version)  # fmt: skip
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates every replica's receiving side. A group transport (init_info with master_address: torch_dist,
         sglang_dist) gets one group spanning the trainer and every replica's workers, so the trainer sends each
         byte once: replica r's workers join at rank_offset + r * tensor_parallel_size, and the group's world_size
-        is rank_offset + replicas * tensor_parallel_size (`get_world_size()` without the trainer)."""
+        is rank_offset + replicas * tensor_parallel_size (`get_world_size()` without the trainer). Other
+        transports are created on restarted replicas too."""
         if not isinstance(init_info, dict):
             raise ValueError("init_info must be a JSON object")
         with self._change:
             self._check_no_session("init_weight_transfer_engine")
             members = self._current()
+            group = "master_address" in init_info
             infos = [init_info] * len(members)
-            if "master_address" in init_info:
+            if group:
                 offset = init_info.get("rank_offset", 1)
                 if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
                     raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
@@ -454,39 +541,42 @@ class Fleet:
                                      f"{init_info['world_size']!r}")  # fmt: skip
                 infos = [{**init_info, "rank_offset": offset + k * self.tensor_parallel_size, "world_size": world}
                          for k in range(len(members))]  # fmt: skip
-            _, errors = self._call(members, "init_weight_transfer_engine", each=[(info,) for info in infos])
+            connect = 2 * self.config.weight_transfer_config.timeout_s + 30  # the engine's own connect deadline
+            _, errors = self._call(members, "init_weight_transfer_engine", timeout=connect,
+                                   each=[(info,) for info in infos])  # fmt: skip
             if errors:
-                self._call(self._up(), "shutdown_weight_transfer_engine")
-                self._group = None
+                self._call(self._up(), "shutdown_weight_transfer_engine", timeout=self._rpc_timeout)
+                self._group = self._transport = None
                 index, err = next(iter(errors.items()))
                 raise _with_replica(err, index, "init_weight_transfer_engine")
-            self._group = [m.index for m in members]
+            self._group = [m.actor for m in members] if group else None
+            self._transport = None if group else dict(init_info)
 
     def get_world_size(self) -> int:
-        """Workers a group transport's trainer broadcasts to: every replica's (the trainer not counted)."""
-        return len(self._current()) * self.tensor_parallel_size
+        """Workers a group transport's trainer broadcasts to: every replica's that holds the fleet's version (the
+        trainer not counted)."""
+        return len(self.routable()) * self.tensor_parallel_size
 
     def shutdown_weight_transfer_engine(self) -> None:
         with self._change:
             self._check_no_session("shutdown_weight_transfer_engine")
-            self._group = None
-            self._all(self._up(), "shutdown_weight_transfer_engine")
+            self._group = self._transport = None
+            self._all(self._up(), "shutdown_weight_transfer_engine", timeout=self._rpc_timeout, down_ok=True)
 
     def start_weight_update(self, target: str = "model") -> str:
-        """Opens a session on every replica that holds the fleet's version (those of the transfer group, when
-        one was joined); returns the fleet's session token."""
+        """Opens a session on every replica that holds the fleet's version; returns the fleet's session token.
+        With a group transport, those must be the replicas (the same actors) that joined the group."""
         with self._change:
             self._check_no_session("start_weight_update")
             members = self._current()
-            if self._group is not None:
-                if [m.index for m in members] != self._group:
-                    raise FleetUpdateFailed(
-                        f"the transfer group was joined by replicas {self._group}, but {[m.index for m in members]} "
-                        "hold the fleet's version now; call init_weight_transfer_engine() again"
-                    )
-            results, errors = self._call(members, "start_weight_update", target)
+            if self._group is not None and [m.actor for m in members] != self._group:
+                raise FleetUpdateFailed(
+                    "a replica restarted (or left) since the transfer group was joined, so the group's ranks no "
+                    "longer match the live replicas; call init_weight_transfer_engine() again"
+                )
+            results, errors = self._call(members, "start_weight_update", target, timeout=self._rpc_timeout)
             if errors:
-                self._call([m for m in members if m.index in results], "abort_weight_update")
+                self._abort([m for m in members if m.index in results])
                 index, err = next(iter(errors.items()))
                 raise _with_replica(err, index, "start_weight_update")
             token = secrets.token_hex(16)
@@ -498,7 +588,7 @@ class Fleet:
         and ends the session."""
         with self._change:
             members = self._session_members(session_token, "update_weights")
-            _, errors = self._call(members, "update_weights", update_info)
+            _, errors = self._call(members, "update_weights", update_info, timeout=self._rpc_timeout)
             if errors:
                 self._roll_back(members, errors, "update_weights")
 
@@ -522,18 +612,20 @@ class Fleet:
                 raise RuntimeError("this weight-update session belongs to another caller (its session_token differs)")
             members = self._session["members"]
             self._session = None
-            self._call([m for m in members if m.state == "up"], "abort_weight_update")
+            self._abort(members)
 
     def _check_no_session(self, method: str) -> None:
         if self._session is not None:
             raise RuntimeError(f"{method}() while a fleet weight-update session is open; finish or abort it first")
 
-    def _current(self) -> list[_Member]:
-        """The replicas a weight change runs on: up and holding the fleet's version. Raises when there is none."""
+    def _current(self, required: bool = True) -> list[_Member]:
+        """The replicas a weight change runs on: up and holding the fleet's version. With `required`, raises
+        EngineUnavailable when there is none."""
         with self._lock:
             members = [m for m in self.members if m.state == "up" and m.version == self.version]
-        if not members:
-            raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting)")
+        if not members and required:
+            raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting); a "
+                                    "reload from a checkpoint folder brings the fleet back")  # fmt: skip
         return members
 
     def _session_members(self, session_token: str | None, method: str) -> list[_Member]:
@@ -544,82 +636,111 @@ class Fleet:
         members: list[_Member] = self._session["members"]
         return members
 
+    def _abort(self, members: Sequence[_Member]) -> None:
+        """Rolls back the open change on `members`; one that cannot is replaced (its weights are unknown)."""
+        live = [m for m in members if m.state == "up"]
+        _, errors = self._call(live, "abort_weight_update", timeout=self._rpc_timeout)
+        for index, err in errors.items():
+            self._failed(self.members[index], f"its rollback failed ({type(err).__name__}: {_first_line(err)})")
+
     def _roll_back(self, members: list[_Member], errors: dict[int, BaseException], method: str) -> None:
         """After `method` failed on some replicas: every other one aborts (restoring its weights); raises."""
         self._session = None
-        self._call([m for m in members if m.index not in errors and m.state == "up"], "abort_weight_update")
+        self._abort([m for m in members if m.index not in errors])
         with self._lock:
             self.counters["updates_failed"] += 1
         index, err = next(iter(errors.items()))
         if isinstance(err, (ValueError, TypeError)):
             raise _with_replica(err, index, method)
-        raise FleetUpdateFailed(
-            f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica was "
-            f"rolled back and the fleet serves version {self.version}"
-        ) from err
+        message = (f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica "
+                   f"was rolled back and the fleet serves version {self.version}")  # fmt: skip
+        if all(isinstance(e, TimeoutError) and not isinstance(e, ReplicaDown) for e in errors.values()):
+            raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
+        raise FleetUpdateFailed(message) from err
 
     def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: int | None = None) -> None:
         """Prepares on every member, then commits all with one version, or rolls all back."""
-        results, errors = self._call(members, prepare, *args)
+        try:
+            _, errors = self._call(members, prepare, *args, timeout=self._rpc_timeout)
+        except BaseException:
+            self._abort(members)
+            raise
         if errors:
             self._roll_back(members, errors, prepare)
-        new_version = self.version + 1 if version is None else version
-        results, errors = self._call(members, "commit_weight_update", new_version)
+        proposed = self.version + 1 if version is None else version
+        results, errors = self._call(members, "commit_weight_update", proposed, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
-            self._failed(self.members[index], f"commit failed ({type(err).__name__}: {err})")
+            self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
         with self._lock:
-            self.version = new_version
+            if results:  # (model version, draft version), as the replicas' commits advanced them
+                self.version, self.draft_version = next(iter(results.values()))
             for m in members:
                 if m.index in results:
-                    m.version = new_version
+                    if tuple(results[m.index]) == (self.version, self.draft_version):
+                        m.version = self.version
+                    else:  # cannot happen for replicas of one config; never route to one that disagrees
+                        self._failed(m, f"it committed versions {results[m.index]}, the others "
+                                        f"{(self.version, self.draft_version)}")  # fmt: skip
             self.counters["updates_committed"] += 1
 
     # ---- health, restarts ---------------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        ray = _ray()
         while not self._stopping.wait(self._health_interval):
-            for member in list(self.members):
-                if member.state != "up":
-                    continue
-                if member.ping is None:
-                    actor = member.actor
-                    member.ping, member.ping_actor, member.ping_sent = actor.status.remote(), actor, time.monotonic()
-                    continue
-                ready, _ = ray.wait([member.ping], timeout=0)
-                if ready:
-                    try:
-                        status = ray.get(member.ping)
-                        if member.ping_actor is member.actor:
-                            member.status = status
-                    except Exception as err:
-                        self._failed(member, f"its health check failed: {_first_line(err)}", member.ping_actor)
-                    member.ping = None
-                elif time.monotonic() - member.ping_sent > self._health_timeout:
-                    member.ping = None
-                    self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
-                                 member.ping_actor)  # fmt: skip
-            if self._restart:
-                for member in list(self.members):
-                    with self._lock:
-                        due = member.state == "down" and time.monotonic() >= member.retry_at
-                        if due:
-                            member.state, member.ping = "starting", None
-                            folder = self._folder if self._folder_current else self.model
-                    if due and not self._stopping.is_set():
-                        threading.Thread(target=self._replace, args=(member, folder), daemon=True,
-                                         name=f"hotswap-fleet-restart-{member.index}").start()  # fmt: skip
+            try:
+                self._check_health()
+            except Exception:  # never let one surprise end the monitoring
+                logger.exception("fleet health check failed")
+
+    def _check_health(self) -> None:
+        ray = _ray()
+        for member in list(self.members):
+            if member.state != "up":
+                continue
+            if member.ping is None:
+                actor = member.actor
+                member.ping, member.ping_actor, member.ping_sent = actor.status.remote(), actor, time.monotonic()
+                continue
+            ready, _ = ray.wait([member.ping], timeout=0)
+            if ready:
+                try:
+                    status = ray.get(member.ping)
+                except Exception as err:
+                    self._failed(member, f"its health check failed: {_first_line(err)}", member.ping_actor)
+                else:
+                    if member.ping_actor is member.actor:
+                        member.status = status
+                        if status["health_problem"] and not status["asleep"]:
+                            self._failed(member, f"unhealthy: {status['health_problem']}", member.ping_actor)
+                member.ping = None
+            elif time.monotonic() - member.ping_sent > self._health_timeout:
+                member.ping = None
+                self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
+                             member.ping_actor)  # fmt: skip
+        if not self._restart or self.asleep:
+            return
+        for member in list(self.members):
+            with self._lock:
+                due = member.state == "down" and time.monotonic() >= member.retry_at
+                if due:
+                    member.state, member.ping = "starting", None
+                    folder = self._folder
+            if due and not self._stopping.is_set():
+                threading.Thread(target=self._replace, args=(member, folder), daemon=True,
+                                 name=f"hotswap-fleet-restart-{member.index}").start()  # fmt: skip
 
     def _replace(self, member: _Member, folder: str) -> None:
-        """Starts a new actor for a dead replica (loading `folder`) and, holding the change lock outside any
-        session, brings it to the fleet's version before routing to it. A failure leaves it down, retried later."""
+        """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
+        outside any session, brings it to the fleet's state: its config changes, its version (the folder's when
+        it alone holds it, else a copy of a live replica's weights), its transport, its pause. Only then is it
+        routed to. A failure leaves it down, retried with a growing delay."""
         ray = _ray()
         actor = None
         try:
             new = self._spawn(member.index, folder, member.placement_group)
             actor = new.actor
             ray.get(actor.status.remote(), timeout=self._start_timeout)
-            with self._change:  # no weight change meanwhile: the version it is brought to stays the fleet's
+            with self._change:
                 while self._session is not None:  # a session holds no lock between its calls: wait for its end
                     self._change.release()
                     try:
@@ -627,19 +748,25 @@ class Fleet:
                             raise RuntimeError("the fleet is shutting down")
                     finally:
                         self._change.acquire()
+                for overrides in self._overrides:
+                    ray.get(actor.update_config.remote(overrides), timeout=self._rpc_timeout)
                 if self._folder_current and self._folder == folder:
-                    ray.get(actor.set_weight_version.remote(self.version))
+                    ray.get(actor.set_weight_version.remote(self.version, self.draft_version), timeout=60)
+                    restored = "folder"
                 else:
                     self._copy_weights(actor)
+                    restored = "copy"
+                if self._transport is not None:
+                    ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
                 if self.paused:
-                    ray.get(actor.pause_generation.remote(self.pause_mode, True))
-                status = ray.get(actor.status.remote())
+                    ray.get(actor.pause_generation.remote(self.pause_mode, True), timeout=self._rpc_timeout)
+                status = ray.get(actor.status.remote(), timeout=60)
                 with self._lock:
                     member.actor, member.version, member.error, member.status = actor, self.version, None, status
-                    member.state, member.backoff = "up", 0.0
+                    member.state, member.backoff, member.restored_from = "up", 0.0, restored
                     member.restarts += 1
                     self.counters["replica_restarts"] += 1
-            logger.warning("fleet replica %d is back at version %d", member.index, self.version)
+            logger.warning("fleet replica %d is back at version %d (%s)", member.index, self.version, restored)
         except Exception as err:
             with self._lock:
                 member.backoff = min(60.0, max(1.0, 2 * member.backoff))
@@ -652,14 +779,16 @@ class Fleet:
     def _copy_weights(self, actor: Any) -> None:
         """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
         ray = _ray()
-        source = next((m for m in self.members if m.state == "up" and m.version == self.version), None)
+        source = next((m for m in self.members if m.state == "up" and m.version == self.version
+                       and not m.status.get("asleep")), None)  # fmt: skip
         if source is None:
             raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
                                "reload the fleet from a folder to bring replicas back")  # fmt: skip
-        ray.get(actor.adopt_weights.remote(source.actor.export_weights.remote(), self.version),
-                timeout=self._start_timeout)  # fmt: skip
+        states = source.actor.export_weights.remote()
+        ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version), timeout=self._start_timeout)
         which = "all" if self.config.draft_model_config is not None else "model"
-        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)])
+        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
+                               timeout=self._start_timeout)  # fmt: skip
         if theirs != mine:
             raise RuntimeError("the copied weights' checksums differ from the source replica's")
 
@@ -677,7 +806,8 @@ class Fleet:
         routable = set(self.routable())
         with self._lock:
             return [{"index": m.index, "state": m.state, "weight_version": m.version, "routable": m.index in routable,
-                     "restarts": m.restarts, "error": m.error, "routed": self.router.routed.get(m.index, 0),
+                     "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
+                     "routed": self.router.routed.get(m.index, 0),
                      "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
                     for m in self.members]  # fmt: skip
 
@@ -718,6 +848,12 @@ class Fleet:
         self.shutdown()
 
 
+def _check_atomic(atomic: bool) -> None:
+    if not atomic:
+        raise ValueError("a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
+                         "one's rollback copies")  # fmt: skip
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -730,10 +866,15 @@ def _cause(err: BaseException) -> BaseException:
 
 
 def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
-    """`err` as the caller should see it: user errors (ValueError, TypeError, RuntimeError for wrong order,
-    TimeoutError) keep their type, with the replica named."""
-    for kind in (ValueError, TypeError, TimeoutError, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable,
-                 RuntimeError):  # fmt: skip
+    """`err` as the caller should see it, naming the replica: user errors (ValueError, TypeError, RuntimeError for
+    a wrong order, TimeoutError) and EngineUnavailable (a replica down) keep their type; the original is the
+    cause."""
+    new: BaseException = RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
+    for kind in (ReplicaDown, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable, ValueError, TypeError,
+                 TimeoutError, RuntimeError):  # fmt: skip
         if isinstance(err, kind):
-            return kind(f"replica {index}: {err}")
-    return RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
+            new = err if str(err).startswith(f"replica {index}") else kind(f"replica {index}: {err}")
+            break
+    if new is not err:
+        new.__cause__ = err
+    return new

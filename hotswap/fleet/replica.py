@@ -117,21 +117,26 @@ class ReplicaServer:
     async def prepare_reload(self, weights_path: str | None, weights_iterator: Any) -> None:
         await self.engine.prepare_reload(weights_path, weights_iterator)
 
-    async def commit_weight_update(self, weight_version: int) -> None:
+    async def commit_weight_update(self, weight_version: int) -> tuple[int, int]:
+        """Commits the prepared change; returns the (model, draft) versions it left (a draft-only session leaves
+        the model's)."""
         await self.engine.commit_weight_update(weight_version)
+        return self.engine.engine.weight_version, self.engine.engine.draft_weight_version
 
     async def abort_weight_update(self) -> None:
         await self.engine.abort_weight_update()
 
-    async def set_weight_version(self, weight_version: int) -> None:
-        """Labels the served weights (all replicas hold the same ones; the fleet keeps their labels equal)."""
+    async def set_weight_version(self, weight_version: int, draft_weight_version: int) -> None:
+        """Labels the served weights (a restarted replica that loaded the folder holding the fleet's version)."""
         self.engine.engine.weight_version = weight_version
+        self.engine.engine.draft_weight_version = draft_weight_version
 
     async def export_weights(self) -> list[dict[str, Any]]:
         return await self.engine.export_weights()
 
-    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int) -> None:
-        await self.engine.adopt_weights(states, weight_version)
+    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int, draft_weight_version: int
+                            ) -> None:  # fmt: skip
+        await self.engine.adopt_weights(states, weight_version, draft_weight_version)
 
     async def weight_checksums(self, target: str) -> dict[str, str]:
         return (await self.engine.collective_rpc("weight_checksums", (target,)))[0]
