@@ -61,6 +61,7 @@ def fleet(ckpts):
         str(ckpts["A"]),
         data_parallel_size=2,
         distributed_executor_backend="ray",
+        num_gpus_per_worker=0,
         health_check_interval_s=0.2,
         health_check_timeout_s=10,
         ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
@@ -87,6 +88,14 @@ def replica_serves(fleet: Fleet, index: int, path: Path) -> bool:
 def wait_routable(fleet: Fleet, count: int = 2, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while len(fleet.routable()) < count:
+        assert time.monotonic() < deadline, fleet.replica_status()
+        time.sleep(0.2)
+
+
+def wait_replaced(fleet: Fleet, index: int, old_actor, timeout: float = 180) -> None:
+    """Until replica `index` runs a new actor and every replica is routable again."""
+    deadline = time.monotonic() + timeout
+    while fleet.members[index].actor is old_actor or len(fleet.routable()) < len(fleet.members):
         assert time.monotonic() < deadline, fleet.replica_status()
         time.sleep(0.2)
 
@@ -174,6 +183,12 @@ def _slow_norm_post_processing(worker) -> None:
     worker.model.model.norm.process_weights_after_loading = lambda: time.sleep(5)
 
 
+def kill_after_reading(fleet: Fleet, victim, seen: dict) -> None:
+    """Records replica 0's checksums (what it holds mid-change), then kills replica 1's actor."""
+    seen["survivor"] = ray.get(fleet.members[0].actor.weight_checksums.remote("model"))
+    ray.kill(victim)
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cannot import this test module
 
 
@@ -183,18 +198,19 @@ def test_a_replica_killed_while_receiving_rolls_the_other_back_and_comes_back_at
     wait_routable(fleet)
     before, version = same_weights(fleet), fleet.get_weight_version()
     restarts = fleet.counters["replica_restarts"]
-    victim = fleet.members[1].actor
+    victim, seen = fleet.members[1].actor, {}
     ray.get(victim.collective_rpc.remote(_slow_norm_post_processing, (), None))
     pusher = Pusher(fleet, "tensors")
     try:
         fleet.start_weight_update()
-        killer = threading.Timer(2.0, lambda: ray.kill(victim))  # while replica 1 post-processes what it got
+        killer = threading.Timer(2.0, kill_after_reading, (fleet, victim, seen))  # replica 1 post-processes
         killer.start()
         with pytest.raises(FleetUpdateFailed, match=r"replica 1 failed in update_weights.*rolled back"):
             pusher.update(b_tensors)
         killer.join()
     finally:
         pusher.close()
+    assert seen["survivor"] != before  # replica 0 had taken B when replica 1 died
     assert fleet.get_weight_version() == version
     assert fleet.replica_checksums()[0] == before  # the survivor rolled back, bit for bit
     assert replica_serves(fleet, 0, ckpts["A"])
@@ -213,17 +229,18 @@ def test_a_replica_killed_while_receiving_rolls_the_other_back_and_comes_back_at
 def test_a_replica_killed_while_preparing_a_reload_rolls_back_the_one_that_prepared(fleet, ckpts):
     wait_routable(fleet)
     before, version = same_weights(fleet), fleet.get_weight_version()
-    victim = fleet.members[1].actor
+    victim, seen = fleet.members[1].actor, {}
     ray.get(victim.collective_rpc.remote(_slow_norm_post_processing, (), None))
     fleet.pause_generation("keep")
     try:
-        killer = threading.Timer(2.0, lambda: ray.kill(victim))  # replica 0 has prepared; replica 1 is preparing
+        killer = threading.Timer(2.0, kill_after_reading, (fleet, victim, seen))  # replica 1 still preparing
         killer.start()
         with pytest.raises(FleetUpdateFailed, match=r"replica 1 failed in prepare_reload.*rolled back"):
             fleet.reload_weights(str(ckpts["B"]))
         killer.join()
         assert fleet.get_weight_version() == version and fleet.counters["updates_failed"] >= 1
-        assert fleet.replica_checksums()[0] == before  # prepared with B, rolled back to A bit for bit
+        assert seen["survivor"] != before  # replica 0 had prepared B
+        assert fleet.replica_checksums()[0] == before  # and rolled back to A, bit for bit
     finally:
         fleet.resume_generation()
     assert replica_serves(fleet, 0, ckpts["A"])
@@ -277,10 +294,11 @@ def test_a_replica_whose_version_a_folder_holds_restarts_from_that_folder(fleet,
     wait_routable(fleet)
     version = fleet.get_weight_version()
     assert fleet._folder == str(ckpts["B"]) and fleet._folder_current  # the reload above
-    ray.kill(fleet.members[0].actor)
+    old = fleet.members[0].actor
+    ray.kill(old)
     outs = fleet.generate(PROMPTS[:2], GREEDY)  # served by replica 1 meanwhile
     assert all(o.outputs[0].weight_versions[0].version == version for o in outs)
-    wait_routable(fleet)
+    wait_replaced(fleet, 0, old)
     assert fleet.members[0].version == version and fleet.members[0].restored_from == "folder"
     assert replica_serves(fleet, 0, ckpts["B"])
     same_weights(fleet)
@@ -309,3 +327,37 @@ def test_a_replica_that_stops_answering_is_taken_out_of_routing_and_replaced(fle
     assert fleet.members[1].status["pid"] != pid and fleet.members[1].version == version
     same_weights(fleet)
     assert fleet._folder_current and replica_serves(fleet, 1, Path(fleet._folder))  # the folder holds the version
+
+
+def test_restarted_replicas_get_the_fleets_config_and_transport_and_a_folder_brings_back_a_dead_fleet(
+    fleet, ckpts, b_tensors
+):
+    wait_routable(fleet)
+    fleet.update_config({"weight_transfer_config": {"timeout_s": 17.0}})
+    pusher = Pusher(fleet, "tensors")  # a non-group transport: restarted replicas get one too
+    try:
+        pusher.push(b_tensors)  # a session: no folder holds this version
+        version, old = fleet.get_weight_version(), fleet.members[0].actor
+        ray.kill(old)
+        wait_replaced(fleet, 0, old)
+        assert fleet.members[0].restored_from == "copy" and fleet.members[0].version == version
+        timeouts = ray.get(fleet.members[0].actor.collective_rpc.remote(
+            lambda w: w.config.weight_transfer_config.timeout_s, (), None))  # fmt: skip
+        assert timeouts == [17.0]
+        pusher.push(b_tensors)  # the restarted replica received it over its re-created transport
+        assert [m.version for m in fleet.members] == [version + 1] * 2
+    finally:
+        pusher.close()
+    # every replica dies; the version came from a session, so nothing can restore it until a folder is given
+    for member in fleet.members:
+        ray.kill(member.actor)
+    deadline = time.monotonic() + 60
+    while fleet.routable() or not all("no live replica" in (m.error or "") for m in fleet.members):
+        assert time.monotonic() < deadline, fleet.replica_status()
+        time.sleep(0.2)
+    assert fleet.health_problem() is not None
+    fleet.reload_weights(str(ckpts["A"]))  # returns once a replica is back from the folder
+    assert fleet.get_weight_version() == version + 2
+    wait_routable(fleet)
+    assert all(m.restored_from == "folder" for m in fleet.members)
+    assert replica_serves(fleet, 0, ckpts["A"]) and replica_serves(fleet, 1, ckpts["A"])

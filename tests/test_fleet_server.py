@@ -24,8 +24,9 @@ ADMIN = {"Authorization": "Bearer k"}
 
 @pytest.fixture(scope="module")
 def fleet_server(ckpts):
-    with running_server(str(ckpts["A"]), "--data-parallel-size", "2", "--admin-key", "k", "--served-model-name", "A",
-                        "--kv-cache-memory-bytes", str(1 << 23)) as base:  # fmt: skip
+    with running_server(str(ckpts["A"]), "--data-parallel-size", "2", "--num-gpus-per-worker", "0",
+                        "--admin-key", "k", "--served-model-name", "A", "--kv-cache-memory-bytes", str(1 << 23)
+                        ) as base:  # fmt: skip
         yield base
 
 
@@ -64,8 +65,9 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
             pass
         httpx.post(f"{base}/pause?mode=keep", headers=ADMIN, timeout=60).raise_for_status()
         deadline = time.monotonic() + 60
-        while not any(r["status"]["requests"] for r in replicas(base)):  # its replica reports it held
-            assert time.monotonic() < deadline, replicas(base)
+        while not all(r["status"]["paused"] for r in replicas(base)) or not any(
+                r["status"]["requests"] for r in replicas(base)):  # fmt: skip
+            assert time.monotonic() < deadline, replicas(base)  # its replica reports it held, paused
             time.sleep(0.2)
     try:
         deadline = time.monotonic() + 60

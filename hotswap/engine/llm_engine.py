@@ -672,7 +672,10 @@ class LLMEngine:
 
     def export_weights(self) -> list[dict[str, torch.Tensor]]:
         """Copies of every worker's parameters and persistent buffers (the draft's prefixed "draft."), in rank
-        order: what `adopt_weights` of an engine with the same config takes."""
+        order: what `adopt_weights` of an engine with the same config takes. Raises RuntimeError while the weights
+        are invalid or released (a failed update, sleep(2))."""
+        if not self.weights_valid or "weights" in self.released:
+            raise RuntimeError("the weights are invalid or released; there is nothing to export")
         return self.executor.collective_rpc(_export_state)
 
     def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,

@@ -943,6 +943,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Ray cluster to run the fleet on ('auto', 'ray://host:port'; default: a local Ray)")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0,
                         help="CPUs each worker of a fleet replica reserves in its placement group")  # fmt: skip
+    parser.add_argument("--num-gpus-per-worker", type=float, default=None,
+                        help="GPUs each worker of a fleet replica reserves (default: 1 where CUDA is available)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
@@ -1008,7 +1010,8 @@ def serve(args: argparse.Namespace) -> int:
         from hotswap.fleet import Fleet
 
         engine = AsyncFleet(Fleet(args.model, num_replicas=args.data_parallel_size, address=args.ray_address,
-                                  num_cpus_per_worker=args.num_cpus_per_worker, **engine_kwargs))  # fmt: skip
+                                  num_cpus_per_worker=args.num_cpus_per_worker,
+                                  num_gpus_per_worker=args.num_gpus_per_worker, **engine_kwargs))  # fmt: skip
     else:
         engine = AsyncLLMEngine.from_kwargs(args.model, **engine_kwargs)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

@@ -45,7 +45,7 @@ class FleetView:
 
     @property
     def draft_weight_version(self) -> int:
-        return min((s["draft_weight_version"] for s in self._statuses()), default=self.fleet.version)
+        return self.fleet.draft_version
 
     @property
     def draft_stale(self) -> bool:
@@ -66,7 +66,7 @@ class FleetView:
         return self.fleet.stats()
 
     def refusing_new_requests(self) -> bool:
-        return self.fleet.paused and self.fleet.pause_mode in ("abort", "wait")
+        return self.fleet.pausing and self.fleet.pause_mode in ("abort", "wait")
 
     def is_paused(self) -> bool:
         return self.fleet.paused
@@ -128,7 +128,8 @@ class AsyncFleet:
             except ray.exceptions.RayTaskError as err:
                 raise _cause(err) from None
             except ray.exceptions.RayError as err:  # the replica died (or Ray lost the call)
-                fleet._failed(member, f"it failed while generating: {_first_line(err)}", actor)
+                await asyncio.to_thread(fleet._failed, member, f"it failed while generating: {_first_line(err)}",
+                                        actor)  # fmt: skip
                 finished = True  # nothing left to cancel there
                 if last is None:  # nothing delivered yet: the request starts again on another replica
                     tried.add(member.index)

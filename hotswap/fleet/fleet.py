@@ -154,7 +154,8 @@ class Fleet:
         # holds the fleet's version (else a restarted replica copies a live one's weights)
         self._folder = self.model
         self._folder_current = True
-        self._overrides: list[dict[str, dict[str, Any]]] = []  # live config changes, replayed on a restart
+        self._folder_generation = 0  # advances whenever the replicas load a folder (its path may be reused)
+        self._overrides: dict[str, dict[str, Any]] = {}  # the live config changes, merged; replayed on a restart
         # Lock order: _change, then _lock. _change: one weight change, pause / resume / sleep, or a replica's
         # catch-up at a time; _lock: the members and the fleet's state, held briefly.
         self._lock = threading.RLock()
@@ -162,7 +163,8 @@ class Fleet:
         self._session: dict[str, Any] | None = None  # the open update session: members, token
         self._group: list[Any] | None = None  # the actors a group transport (torch_dist) joined, in rank order
         self._transport: dict[str, Any] | None = None  # a non-group transport's init_info (shm, tensors, disk)
-        self.paused = False
+        self.paused = False  # once every replica paused ('wait': drained)
+        self.pausing = False  # from the start of a pause: new requests are refused ('abort' / 'wait')
         self.pause_mode = "keep"
         self.asleep = False
         self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0}
@@ -409,29 +411,39 @@ class Fleet:
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         with self._change:
             with self._lock:
-                self.paused, self.pause_mode = True, mode
+                self.pausing, self.pause_mode = True, mode
             self._all(self._up(), "pause_generation", mode, clear_cache, down_ok=True)
+            self.paused = True
 
     def resume_generation(self) -> None:
         with self._change:
             with self._lock:
-                self.paused = False
+                self.paused = self.pausing = False
             self._all(self._up(), "resume_generation", down_ok=True)
 
     def is_paused(self) -> bool:
         return self.paused
 
     def sleep(self, level: int = 1) -> None:
-        """Every replica sleeps (see `LLM.sleep`); dead replicas are restarted only once the fleet is awake."""
+        """Every replica sleeps (see `LLM.sleep`); no replica is restarted until the fleet is awake."""
         with self._change:
-            self._all(self._up(), "sleep", level, down_ok=True)
-            self.asleep = True
+            self.asleep = True  # first: a restart that catches up now must not bring up an awake replica
+            try:
+                self._all(self._up(), "sleep", level, down_ok=True)
+            finally:
+                self._settle_sleep()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         with self._change:
-            self._all(self._up(), "wake_up", tags, down_ok=True)
-            statuses = self._all(self._up(), "status", down_ok=True)
-            self.asleep = any(s["asleep"] for s in statuses.values())
+            try:
+                self._all(self._up(), "wake_up", tags, down_ok=True)
+            finally:
+                self._settle_sleep()
+
+    def _settle_sleep(self) -> None:
+        """`asleep` as the replicas say: while any sleeps (or none answers), the fleet counts as asleep."""
+        statuses = self._call(self._up(), "status", timeout=60)[0]
+        self.asleep = any(st["asleep"] for st in statuses.values()) if statuses else self.asleep
 
     def reset_prefix_cache(self) -> None:
         self._all(self._up(), "reset_prefix_cache", down_ok=True)
@@ -444,9 +456,23 @@ class Fleet:
             _check_atomic(sections["weight_transfer_config"].atomic)
         with self._change:
             self._check_no_session("update_config")
-            self._all(self._up(), "update_config", overrides, timeout=self._rpc_timeout, down_ok=True)
+            old = {sec: {name: getattr(getattr(self.config, sec), name) for name in fields}
+                   for sec, fields in overrides.items()}  # fmt: skip
+            members = self._up()
+            results, errors = self._call(members, "update_config", overrides, timeout=self._rpc_timeout)
+            errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
+            if errors:  # the replicas that took it go back, so that all of them keep one config
+                _, undo = self._call([m for m in members if m.index in results], "update_config", old,
+                                     timeout=self._rpc_timeout)  # fmt: skip
+                for index, err in undo.items():
+                    self._failed(self.members[index], f"could not undo a config change: {_first_line(err)}")
+                index, err = next(iter(errors.items()))
+                raise _with_replica(err, index, "update_config")
             apply_overrides(self.config, sections)
-            self._overrides.append(overrides)
+            for sec, fields in overrides.items():
+                if sec == "model_config":  # the folder is the fleet's to track (`_folder`)
+                    fields = {k: v for k, v in fields.items() if k != "model"}
+                self._overrides.setdefault(sec, {}).update(fields)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:  # fmt: skip
@@ -488,34 +514,50 @@ class Fleet:
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
                              "updated through a session with target 'all'")  # fmt: skip
-        if weights_path is not None:
-            live_overrides(self.config, {"model_config": {"model": str(weights_path)}})  # a folder of this model
+        if weights_path is not None and weights_iterator is not None:
+            raise ValueError("give weights_path or weights_iterator, not both")
+        new_folder = None
+        if weights_path is not None:  # a folder of this model, checked before any replica is asked
+            new_folder = live_overrides(self.config, {"model_config": {"model": str(weights_path)}})
         ray = _ray()
         with self._change:
             self._check_no_session("reload_weights")
             members = self._current(required=weights_path is None)
+            confirmed = True
+            if members:
+                weights = None if weights_iterator is None else ray.put(list(weights_iterator))
+                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights)
+            elif not self._restart:
+                raise EngineUnavailable("no replica holds the fleet's weights and restart_replicas is off")
+            with self._lock:  # before a restart is scheduled from it
+                if new_folder is not None:
+                    self._folder, self._folder_current = str(weights_path), True
+                    self._folder_generation += 1
+                    apply_overrides(self.config, new_folder)
+                else:
+                    self._folder_current = False
             if not members:
-                self._reseed(str(weights_path))
-                return
-            weights = None if weights_iterator is None else ray.put(list(weights_iterator))
-            self._two_phase(members, "prepare_reload", weights_path, weights)
-            if weights_path is not None:
-                self._folder, self._folder_current = str(weights_path), True
-            else:
-                self._folder_current = False
+                self._reseed()
+            if not confirmed:
+                raise _no_commit(self.version)
+        if not members:  # the replicas come back from the folder: wait for the first
+            deadline = time.monotonic() + self._start_timeout
+            while not self.routable():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no replica came back from {weights_path} within {self._start_timeout:g} s")
+                time.sleep(0.1)
 
-    def _reseed(self, folder: str) -> None:
-        """No replica holds the fleet's version: every replica restarts from `folder`, at a new version."""
+    def _reseed(self) -> None:
+        """No replica holds the fleet's version: at a new version, every replica is restarted (from the folder
+        the caller records before releasing the change lock)."""
         with self._lock:
-            self._folder, self._folder_current = folder, True
             self.version += 1
             stale = [m for m in self.members if m.state == "up"]
             for m in self.members:
                 m.retry_at = m.backoff = 0.0
         for member in stale:
-            self._failed(member, f"restarted from {folder}, which no live replica held")
-        logger.warning("no replica held the fleet's weights: every replica restarts from %s (version %d)", folder,
-                       self.version)  # fmt: skip
+            self._failed(member, "restarted from a new folder, since no live replica held the fleet's version")
+        logger.warning("no replica held the fleet's weights: every replica restarts (version %d)", self.version)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates every replica's receiving side. A group transport (init_info with master_address: torch_dist,
@@ -600,11 +642,19 @@ class Fleet:
         with self._change:
             members = self._session_members(session_token, "finish_weight_update")
             self._session = None
-            self._two_phase(members, "prepare_weight_update", version=weight_version)
+            confirmed = self._two_phase(members, "prepare_weight_update", version=weight_version)
             self._folder_current = False
+            if not confirmed:
+                raise _no_commit(self.version)
 
     def abort_weight_update(self, session_token: str | None = None) -> None:
-        """Ends the open session on every replica, restoring their weights."""
+        """Ends the open session on every replica, restoring their weights. An update blocked waiting for its
+        trainer is interrupted first, so the abort does not wait for the transport's timeout."""
+        session = self._session
+        if session is not None and (session_token is None or session_token == session["token"]):
+            for member in session["members"]:
+                with contextlib.suppress(Exception):
+                    member.actor.interrupt_transfer.remote()
         with self._change:
             if self._session is None:
                 return
@@ -658,8 +708,10 @@ class Fleet:
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
 
-    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: int | None = None) -> None:
-        """Prepares on every member, then commits all with one version, or rolls all back."""
+    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: int | None = None) -> bool:
+        """Prepares on every member, then commits all with one version, or rolls all back (and raises). Returns
+        whether any replica confirmed its commit (if none did, the fleet is at the new version with no replica
+        holding it: the caller records where it came from, then raises `_no_commit`)."""
         try:
             _, errors = self._call(members, prepare, *args, timeout=self._rpc_timeout)
         except BaseException:
@@ -671,17 +723,22 @@ class Fleet:
         results, errors = self._call(members, "commit_weight_update", proposed, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
+        pairs = [tuple(r) for r in results.values()]  # (model version, draft version) as the commits left them
+        agreed = max(set(pairs), key=pairs.count) if pairs else (proposed, self.draft_version)
+        odd = []
         with self._lock:
-            if results:  # (model version, draft version), as the replicas' commits advanced them
-                self.version, self.draft_version = next(iter(results.values()))
+            self.version, self.draft_version = agreed
             for m in members:
                 if m.index in results:
-                    if tuple(results[m.index]) == (self.version, self.draft_version):
+                    if tuple(results[m.index]) == agreed:
                         m.version = self.version
                     else:  # cannot happen for replicas of one config; never route to one that disagrees
-                        self._failed(m, f"it committed versions {results[m.index]}, the others "
-                                        f"{(self.version, self.draft_version)}")  # fmt: skip
-            self.counters["updates_committed"] += 1
+                        odd.append(m)
+            if results:
+                self.counters["updates_committed"] += 1
+        for m in odd:
+            self._failed(m, f"it committed versions {results[m.index]}, the others {agreed}")
+        return bool(results)
 
     # ---- health, restarts ---------------------------------------------------------------------------------
 
@@ -710,8 +767,8 @@ class Fleet:
                 else:
                     if member.ping_actor is member.actor:
                         member.status = status
-                        if status["health_problem"] and not status["asleep"]:
-                            self._failed(member, f"unhealthy: {status['health_problem']}", member.ping_actor)
+                        if status["workers_problem"]:  # a dead worker process; invalid weights are no reason
+                            self._failed(member, f"unhealthy: {status['workers_problem']}", member.ping_actor)
                 member.ping = None
             elif time.monotonic() - member.ping_sent > self._health_timeout:
                 member.ping = None
@@ -724,12 +781,12 @@ class Fleet:
                 due = member.state == "down" and time.monotonic() >= member.retry_at
                 if due:
                     member.state, member.ping = "starting", None
-                    folder = self._folder
+                    folder, generation = self._folder, self._folder_generation
             if due and not self._stopping.is_set():
-                threading.Thread(target=self._replace, args=(member, folder), daemon=True,
+                threading.Thread(target=self._replace, args=(member, folder, generation), daemon=True,
                                  name=f"hotswap-fleet-restart-{member.index}").start()  # fmt: skip
 
-    def _replace(self, member: _Member, folder: str) -> None:
+    def _replace(self, member: _Member, folder: str, generation: int) -> None:
         """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
         outside any session, brings it to the fleet's state: its config changes, its version (the folder's when
         it alone holds it, else a copy of a live replica's weights), its transport, its pause. Only then is it
@@ -748,9 +805,11 @@ class Fleet:
                             raise RuntimeError("the fleet is shutting down")
                     finally:
                         self._change.acquire()
-                for overrides in self._overrides:
-                    ray.get(actor.update_config.remote(overrides), timeout=self._rpc_timeout)
-                if self._folder_current and self._folder == folder:
+                if self.asleep:  # it would hold the memory a sleep released; it comes back once the fleet wakes
+                    raise RuntimeError("the fleet fell asleep while this replica restarted")
+                if self._overrides:
+                    ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
+                if self._folder_current and self._folder_generation == generation:
                     ray.get(actor.set_weight_version.remote(self.version, self.draft_version), timeout=60)
                     restored = "folder"
                 else:
@@ -772,6 +831,7 @@ class Fleet:
                 member.backoff = min(60.0, max(1.0, 2 * member.backoff))
                 member.state, member.error = "down", f"restart failed: {_first_line(err)}"
                 member.retry_at = time.monotonic() + member.backoff
+            logger.warning("fleet replica %d did not come back: %s", member.index, _first_line(err))
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
@@ -779,8 +839,8 @@ class Fleet:
     def _copy_weights(self, actor: Any) -> None:
         """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
         ray = _ray()
-        source = next((m for m in self.members if m.state == "up" and m.version == self.version
-                       and not m.status.get("asleep")), None)  # fmt: skip
+        source = None if self.asleep else next(
+            (m for m in self.members if m.state == "up" and m.version == self.version), None)  # fmt: skip
         if source is None:
             raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
                                "reload the fleet from a folder to bring replicas back")  # fmt: skip
@@ -803,8 +863,8 @@ class Fleet:
 
     def replica_status(self) -> list[dict[str, Any]]:
         """Per replica: index, state, version, routable, restarts, error, and its last health report."""
-        routable = set(self.routable())
         with self._lock:
+            routable = {m.index for m in self.members if m.state == "up" and m.version == self.version}
             return [{"index": m.index, "state": m.state, "weight_version": m.version, "routable": m.index in routable,
                      "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
                      "routed": self.router.routed.get(m.index, 0),
@@ -817,6 +877,8 @@ class Fleet:
         with self._lock:
             members = list(self.members)
         for m in members:
+            if m.state != "up":
+                continue
             for key, value in (m.status.get("stats") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
                     totals[key] = totals.get(key, 0) + value
@@ -846,6 +908,11 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _no_commit(version: int) -> ReplicaDown:
+    return ReplicaDown(f"every replica failed while committing version {version}; restarted replicas are brought "
+                       "to it where a folder or a live replica holds it (else reload the fleet from a folder)")
 
 
 def _check_atomic(atomic: bool) -> None:

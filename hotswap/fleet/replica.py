@@ -44,6 +44,7 @@ class ReplicaServer:
             "pause_mode": e.pause_mode,
             "requests": len(e.requests),
             "health_problem": e.health_problem(),
+            "workers_problem": e.executor.health_problem(),  # a dead worker process
             "stats": e.stats(),
             "served": self.served,
         }
@@ -125,6 +126,10 @@ class ReplicaServer:
 
     async def abort_weight_update(self) -> None:
         await self.engine.abort_weight_update()
+
+    async def interrupt_transfer(self) -> None:
+        """Makes a transport wait (for a trainer that stopped sending) give up now; answers at once."""
+        self.engine.engine.executor.interrupt_waits()
 
     async def set_weight_version(self, weight_version: int, draft_weight_version: int) -> None:
         """Labels the served weights (a restarted replica that loaded the folder holding the fleet's version)."""
