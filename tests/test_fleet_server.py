@@ -17,6 +17,7 @@ from hotswap.entrypoints.client import AdminClient, AdminError
 from server_helpers import running_server
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # a server process with its own Ray and two replicas
 
 CLIENTS, SECONDS, UPDATES = 20, 60.0, 30
 ADMIN = {"Authorization": "Bearer k"}
@@ -85,7 +86,6 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     assert 'hotswap_fleet_replica_weight_version{replica="1"} 0.0' in metrics
 
 
-@pytest.mark.slow
 def test_streaming_storm_while_fleet_updates_run(fleet_server, ckpts):
     base = fleet_server
     named = {key: list(load_file(str(ckpts[key] / "model.safetensors")).items()) for key in ("A", "B")}
