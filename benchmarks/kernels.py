@@ -1,12 +1,13 @@
 """Native kernels against their torch paths, op by op, on the 125M model's shapes, for the build this process
-loads (`HOTSWAP_KERNEL_MARCH=x86-64-v3` builds for AVX2 hosts on an AVX-512 machine).
+loads (`--isa avx2-kernels`, or `HOTSWAP_KERNEL_MARCH=x86-64-v3`, builds for AVX2 hosts on an AVX-512 machine;
+`--isa avx2` also caps torch's ATen, MKL and oneDNN at AVX2, as on an AVX2-only host: `hotswap.kernels.emulation`).
 
 The linear ops rotate through more than 64 MB of weight copies, so a call does not find its weight in the core's
 caches, as in a decode step over 30 layers. Each figure is the median of `--reps` calls after a warm-up; the
 ratio is native time / torch time (below 1: native wins). Also prints the calibration's choice for each op and
 batch (`python -m hotswap.kernels --report` prints the whole table).
 
-    python benchmarks/kernels.py [--reps 30]
+    python benchmarks/kernels.py [--reps 30] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hotswap.kernels import native, policy
+from hotswap.kernels import emulation, native, policy
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
 
@@ -80,13 +81,15 @@ def measure(ops: object, m: int, reps: int) -> list[tuple[str, int, float, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host")
     args = parser.parse_args()
+    emulation.reexec_under(args.isa)
     ops = native.ops()
     if ops is None:
         raise SystemExit("native kernels unavailable (HOTSWAP_NATIVE_KERNELS=0 or no compiler)")
     build = f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit vectors)"
-    print(f"build: {build}; torch threads: {torch.get_num_threads()}")
-    figures: dict = {"build": build, "ops": {}}
+    print(f"build: {build}; torch: {emulation.torch_isa()}, {torch.get_num_threads()} threads")
+    figures: dict = {"build": build, "isa": args.isa, "torch_isa": emulation.torch_isa(), "ops": {}}
     chosen = policy.prepare({"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": 9,
                              "num_key_value_heads": 3, "vocab_size": VOCAB, "num_hidden_layers": 30})  # fmt: skip
     op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear"}

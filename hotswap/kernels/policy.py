@@ -77,8 +77,12 @@ class Shapes:
                    layers, str(dtype).removeprefix("torch."))  # fmt: skip
 
     def key(self) -> str:
-        """The cache key: the shapes and the threads the ops run on (a tensor-parallel worker has fewer)."""
-        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t"
+        """The cache key: the shapes, the threads the ops run on (a tensor-parallel worker has fewer) and the ISA
+        torch's own kernels run (capped by the environment under `emulation`), which the torch paths' times
+        depend on."""
+        caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+        torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
+        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t@{torch_isa}"
 
 
 @dataclass(frozen=True)

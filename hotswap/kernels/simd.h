@@ -1,10 +1,29 @@
-// Portable 16-lane float vectors (GCC/Clang vector extensions) shared by the kernels: one AVX-512 register, two
-// AVX2 registers, or whatever the target offers.
+// Float vectors (GCC/Clang vector extensions) shared by the kernels, and the compile target's vector budget.
+//   - f16x: portable 16-lane vectors (one AVX-512 register, two AVX2 registers, or whatever the target offers),
+//     for the streaming kernels, whose speed does not hang on the register count;
+//   - fvec: one native register of kLanes floats, for register-tiled kernels (the small-batch linear kernel),
+//     which size their tiles from kLanes and kVectorRegisters, defined here and nowhere else.
 #pragma once
 
 #include <cstdint>
 
 namespace hotswap_simd {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;           // floats per vector register
+constexpr int kVectorRegisters = 32;  // architectural vector registers
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kLanes = 4;
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kLanes = 4;
+constexpr int kVectorRegisters = 16;
+#endif
+
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
 
 typedef float f16x __attribute__((vector_size(64)));
 typedef int32_t i16x __attribute__((vector_size(64)));
@@ -19,6 +38,28 @@ inline f16x load(const float* p) {
 }
 
 inline void store(float* p, f16x v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline fvec load_vec(const float* p) {
+  fvec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_vec(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// The small-batch linear kernel's register tile (linear.cpp): a block of x is kLinearVectors vectors of rows
+// (kLanes rows each), and a tile of linear_tile_rows(MV) weight rows against MV of those vectors holds R x MV
+// accumulators, MV operands of x and one broadcast weight in the vector registers. R <= kLanes (the output
+// transpose works on kLanes x kLanes blocks) and R <= 8 (one row pointer each in the general registers).
+// AVX-512: 4 vectors (64 rows), 6 rows at MV = 4 (24 + 4 + 1 of 32); AVX2: 2 vectors (16 rows), 6 rows (12 + 2 + 1
+// of 16).
+constexpr int kLinearVectors = kVectorRegisters >= 32 ? 4 : 2;
+
+constexpr int linear_tile_rows(int mv) {
+  const int fit = (kVectorRegisters - 1 - mv) / mv;
+  const int cap = kLanes < 8 ? kLanes : 8;
+  return fit < cap ? fit : cap;
+}
 
 // Tree reduction: a serial sum would chain 16 dependent adds.
 inline float hsum(f16x v) {
