@@ -41,7 +41,7 @@ constexpr int64_t kXtAhead = 8;  // k distance of the prefetches into xt
 
 constexpr bool tiles_divide(int units) {
   for (int mv = 1; mv <= kMaxMV; ++mv)
-    if (units % linear_tile_rows(mv) != 0 || linear_tile_rows(mv) < 1) return false;
+    if (linear_tile_rows(mv) < 1 || units % linear_tile_rows(mv) != 0) return false;
   return true;
 }
 static_assert(tiles_divide(48), "a thread's unit of 48 columns must be whole tiles at every block height");

@@ -61,6 +61,33 @@ constexpr int linear_tile_rows(int mv) {
   return fit < cap ? fit : cap;
 }
 
+// op (on native vectors) applied to f16x a and b a native vector at a time. GCC lowers `?:` on vectors wider than
+// the target's registers lane by lane (16 scalar compares and blends per f16x on AVX2), but not on native ones,
+// so every select on f16x goes through here.
+template <typename Op>
+inline f16x by_native(f16x a, f16x b, Op op) {
+  constexpr int kParts = 16 / kLanes;
+  fvec pa[kParts], pb[kParts];
+  __builtin_memcpy(pa, &a, sizeof(a));
+  __builtin_memcpy(pb, &b, sizeof(b));
+  for (int i = 0; i < kParts; ++i) pa[i] = op(pa[i], pb[i]);
+  __builtin_memcpy(&a, pa, sizeof(a));
+  return a;
+}
+
+// a > b ? a : b per lane (b where either is NaN).
+inline f16x select_greater(f16x a, f16x b) {
+  return by_native(a, b, [](fvec x, fvec y) { return x > y ? x : y; });
+}
+
+// x < lo ? lo : x, then x > hi ? hi : x, per lane (NaN stays NaN).
+inline f16x clamp(f16x x, float lo, float hi) {
+  return by_native(x, f16x{}, [lo, hi](fvec v, fvec) {
+    v = v < lo ? fvec{} + lo : v;
+    return v > hi ? fvec{} + hi : v;
+  });
+}
+
 // Tree reduction: a serial sum would chain 16 dependent adds.
 inline float hsum(f16x v) {
   const f8x a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -73,8 +100,7 @@ inline float hsum(f16x v) {
 // result is about 1e-38 instead of 0, above it about 2e38 instead of inf). x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
 inline f16x exp_clamped(f16x x) {
-  x = x < -87.3f ? f16x{} - 87.3f : x;
-  x = x > 88.3f ? f16x{} + 88.3f : x;
+  x = clamp(x, -87.3f, 88.3f);
   const f16x n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest via 1.5 * 2^23
   const f16x r = (x - n * 0.693359375f) - n * -2.12194440e-4f;            // ln 2 split in two (Cody-Waite)
   f16x p = 1.9875691500e-4f * r + 1.3981999507e-3f;
