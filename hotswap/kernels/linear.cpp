@@ -142,10 +142,18 @@ inline void tile(int MV, const float* w, const float* xt, int64_t K, const float
   // MV is at most the first block's, for which R was chosen: the cases past it do not occur.
   static_assert(kMaxMV <= 4, "one case per block height");
   switch (MV) {
-    case 4: if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, bias, y, ldy, rows, next, next_rows); break;
-    case 3: if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, bias, y, ldy, rows, next, next_rows); break;
-    case 2: if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, bias, y, ldy, rows, next, next_rows); break;
-    default: tile<R, 1>(w, xt, K, bias, y, ldy, rows, next, next_rows); break;
+    case 4:
+      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      break;
+    case 3:
+      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      break;
+    case 2:
+      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      break;
+    default:
+      tile<R, 1>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      break;
   }
 }
 
@@ -163,8 +171,8 @@ __attribute__((noinline)) void write_gated(const float* gate, const float* up, f
 struct Blocks {
   const float* xt;
   int64_t stride, count, M;
-  int mv(int64_t b) const { return static_cast<int>((std::min(kBlockRows, M - b * kBlockRows) + kLanes - 1) / kLanes); }
   int64_t rows(int64_t b) const { return std::min(kBlockRows, M - b * kBlockRows); }
+  int mv(int64_t b) const { return static_cast<int>((rows(b) + kLanes - 1) / kLanes); }
 };
 
 // Output columns [n, n + T) for every block: rows n of w, or with kGated the silu_mul of gate rows n and up rows
@@ -211,10 +219,18 @@ template <bool kGated>
 void column_range(int MV, const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
                   int64_t n0, int64_t n1, int64_t I) {
   switch (MV) {
-    case 4: if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated>(w, xb, K, bias, y, ldy, n0, n1, I); break;
-    case 3: if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated>(w, xb, K, bias, y, ldy, n0, n1, I); break;
-    case 2: if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated>(w, xb, K, bias, y, ldy, n0, n1, I); break;
-    default: column_range<linear_tile_rows(1), kGated>(w, xb, K, bias, y, ldy, n0, n1, I); break;
+    case 4:
+      if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      break;
+    case 3:
+      if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      break;
+    case 2:
+      if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      break;
+    default:
+      column_range<linear_tile_rows(1), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      break;
   }
 }
 
