@@ -31,10 +31,9 @@ from pathlib import Path
 
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import emulation
-from hotswap.model import llama
 from hotswap.model.layers import attention, embedding, linear, norm
 from hotswap.testing import make_tiny_model
-from hotswap.worker import model_runner
+from hotswap.worker import decoder_stack, model_runner
 
 WORKLOADS = {"9m": (64, 128), "125m": (64, 64)}
 
@@ -116,8 +115,8 @@ def main() -> None:
     if args.attention_in_cache:
         timer.repeat_attention_in_cache()
     if args.modules:
-        llama.LlamaModel._native_stack_applies = lambda *_: False
-    timer.wrap(llama.LlamaModel, "_native_stack", "layers")
+        decoder_stack.NativeDecoderStack.applies = lambda *_: False  # type: ignore[method-assign]
+    timer.wrap(decoder_stack.NativeDecoderStack, "run", "layers")
     timer.wrap(attention.Attention, "forward", "attention")
     timer.wrap(linear.Linear, "forward", "linear")
     timer.wrap(linear.MergedLinear, "forward_silu_and_mul", "linear")

@@ -96,6 +96,21 @@ inline float hsum(f16x v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// hsum for one native vector (f16x, fvec or narrower): a tree, like hsum.
+template <typename V>
+inline float hsum_native(V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  if constexpr (n == 16) {
+    return hsum(v);
+  } else if constexpr (n == 8) {
+    const f4x b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+  } else {
+    static_assert(n == 4, "a native vector holds 4, 8 or 16 floats");
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  }
+}
+
 // exp(x), within 2 ulp of std::exp for x in [-87.3, 88.3]; x is clamped to that range first (below it the
 // result is about 1e-38 instead of 0, above it about 2e38 instead of inf). x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by a degree-7 polynomial, 2^n put into the exponent bits.
