@@ -10,6 +10,9 @@ every decode attention call is also repeated at once, with its KV now in cache, 
 and waiting for memory (the repeat is not counted in the step times, but it is in the run's total).
 
     python benchmarks/decode_profile.py [--workload 125m] [--modules] [--attention-in-cache]
+                                        [--isa native|avx2-kernels|avx2]
+
+`--isa avx2` runs as an AVX2-only host would (`hotswap.kernels.emulation`).
 
 Prints human-readable lines and ends with one JSON line of figures (milliseconds).
 """
@@ -27,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hotswap import LLM, SamplingParams
-from hotswap.model import llama
+from hotswap.kernels import emulation
 from hotswap.model.layers import attention, embedding, linear, norm
 from hotswap.testing import make_tiny_model
-from hotswap.worker import model_runner
+from hotswap.worker import decoder_stack, model_runner
 
 WORKLOADS = {"9m": (64, 128), "125m": (64, 64)}
 
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--workload", default="125m", choices=sorted(WORKLOADS))
     parser.add_argument("--modules", action="store_true", help="run decode steps through the modules")
     parser.add_argument("--attention-in-cache", action="store_true", help="with --modules: time attention again")
+    parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host")
     args = parser.parse_args()
+    emulation.reexec_under(args.isa)
     if args.attention_in_cache and not args.modules:
         parser.error("--attention-in-cache times the modules' attention calls: add --modules")
     count, max_tokens = WORKLOADS[args.workload]
@@ -110,8 +115,8 @@ def main() -> None:
     if args.attention_in_cache:
         timer.repeat_attention_in_cache()
     if args.modules:
-        llama.LlamaModel._native_stack_applies = lambda *_: False
-    timer.wrap(llama.LlamaModel, "_native_stack", "layers")
+        decoder_stack.NativeDecoderStack.applies = lambda *_: False  # type: ignore[method-assign]
+    timer.wrap(decoder_stack.NativeDecoderStack, "run", "layers")
     timer.wrap(attention.Attention, "forward", "attention")
     timer.wrap(linear.Linear, "forward", "linear")
     timer.wrap(linear.MergedLinear, "forward_silu_and_mul", "linear")

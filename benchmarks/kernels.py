@@ -1,12 +1,14 @@
 """Native kernels against their torch paths, op by op, on the 125M model's shapes, for the build this process
-loads (`HOTSWAP_KERNEL_MARCH=x86-64-v3` builds for AVX2 hosts on an AVX-512 machine).
+loads (`--isa avx2-kernels`, or `HOTSWAP_KERNEL_MARCH=x86-64-v3`, builds for AVX2 hosts on an AVX-512 machine;
+`--isa avx2` also caps torch's ATen, MKL and oneDNN at AVX2, as on an AVX2-only host: `hotswap.kernels.emulation`).
 
 The linear ops rotate through more than 64 MB of weight copies, so a call does not find its weight in the core's
-caches, as in a decode step over 30 layers. Each figure is the median of `--reps` calls after a warm-up; the
+caches, as in a decode step over 30 layers. Each figure is the fastest of `--reps` calls after a warm-up, the
+native and torch calls taking turns (`policy.paired_seconds`: on a shared machine load only adds time); the
 ratio is native time / torch time (below 1: native wins). Also prints the calibration's choice for each op and
 batch (`python -m hotswap.kernels --report` prints the whole table).
 
-    python benchmarks/kernels.py [--reps 30]
+    python benchmarks/kernels.py [--reps 30] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -21,13 +23,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hotswap.kernels import native, policy
+from hotswap.kernels import emulation, native, policy
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
 
 
-def median_us(fn: Callable[[], object], reps: int) -> float:
-    return policy.median_seconds(fn, reps) * 1e6
+def pair_us(native_fn: Callable[[], object], torch_fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """(native us, torch us): the fastest of `reps` calls of each, in turn (`policy.paired_seconds`)."""
+    native_s, torch_s = policy.paired_seconds(native_fn, torch_fn, reps)
+    return native_s * 1e6, torch_s * 1e6
 
 
 def rotating(make: Callable[[], torch.Tensor], min_bytes: int = 64 << 20) -> Callable[[], torch.Tensor]:
@@ -55,38 +59,39 @@ def measure(ops: object, m: int, reps: int) -> list[tuple[str, int, float, float
     for label, (n, k) in {"linear qkv": (QKV, HIDDEN), "linear down": (HIDDEN, INTERMEDIATE)}.items():
         weights = rotating(lambda n=n, k=k: torch.randn(n, k))
         xk = torch.randn(m, k)
-        rows.append((label, m, median_us(lambda xk=xk, w=weights: kernels.small_batch_linear(xk, w(), None), reps),
-                     median_us(lambda xk=xk, w=weights: F.linear(xk, w()), reps)))  # fmt: skip
+        rows.append((label, m, *pair_us(lambda xk=xk, w=weights: kernels.small_batch_linear(xk, w(), None),
+                                        lambda xk=xk, w=weights: F.linear(xk, w()), reps)))  # fmt: skip
     gate_up = rotating(lambda: torch.randn(2 * INTERMEDIATE, HIDDEN))
-    rows.append(("gated linear", m, median_us(lambda: kernels.small_batch_gated_linear(x, gate_up(), None), reps),
-                 median_us(lambda: kernels.silu_and_mul(F.linear(x, gate_up())), reps)))  # fmt: skip
+    rows.append(("gated linear", m, *pair_us(lambda: kernels.small_batch_gated_linear(x, gate_up(), None),
+                                             lambda: kernels.silu_and_mul(F.linear(x, gate_up())), reps)))  # fmt: skip
     w = torch.randn(HIDDEN)
-    rows.append(("rms_norm", m, median_us(lambda: kernels.rms_norm(x, w, 1e-5), reps),
-                 median_us(lambda: rms_norm_torch(x, w, 1e-5), reps)))  # fmt: skip
+    rows.append(("rms_norm", m, *pair_us(lambda: kernels.rms_norm(x, w, 1e-5), lambda: rms_norm_torch(x, w, 1e-5),
+                                         reps)))  # fmt: skip
     h = torch.randn(m, 2 * INTERMEDIATE)
-    rows.append(("silu_and_mul", m, median_us(lambda: kernels.silu_and_mul(h), reps),
-                 median_us(lambda: F.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:], reps)))  # fmt: skip
+    gate, up = h[:, :INTERMEDIATE], h[:, INTERMEDIATE:]
+    rows.append(("silu_and_mul", m, *pair_us(lambda: kernels.silu_and_mul(h), lambda: F.silu(gate) * up, reps)))
     logits = torch.randn(m, VOCAB)
 
     def torch_greedy() -> object:
         best = logits.max(dim=-1)
         return best.indices, best.values - logits.logsumexp(dim=-1)
 
-    rows.append(("greedy_sample", m, median_us(lambda: kernels.greedy_sample(logits), reps),
-                 median_us(torch_greedy, reps)))  # fmt: skip
+    rows.append(("greedy_sample", m, *pair_us(lambda: kernels.greedy_sample(logits), torch_greedy, reps)))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host")
     args = parser.parse_args()
+    emulation.reexec_under(args.isa)
     ops = native.ops()
     if ops is None:
         raise SystemExit("native kernels unavailable (HOTSWAP_NATIVE_KERNELS=0 or no compiler)")
     build = f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit vectors)"
-    print(f"build: {build}; torch threads: {torch.get_num_threads()}")
-    figures: dict = {"build": build, "ops": {}}
+    print(f"build: {build}; torch: {emulation.torch_isa()}, {torch.get_num_threads()} threads")
+    figures: dict = {"build": build, "isa": args.isa, "torch_isa": emulation.torch_isa(), "ops": {}}
     chosen = policy.prepare({"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": 9,
                              "num_key_value_heads": 3, "vocab_size": VOCAB, "num_hidden_layers": 30})  # fmt: skip
     op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear"}

@@ -9,6 +9,10 @@ fraction of the roofline reached, and the time from `LLM(...)` to ready. hotswap
 path runs interleaved too (the `HOTSWAP_NATIVE_KERNELS=0` baseline).
 
     python benchmarks/throughput.py [--workloads 9m,125m] [--skip-hf] [--skip-torch-path] [--reps 3]
+                                    [--isa native|avx2-kernels|avx2]
+
+`--isa avx2` runs everything (hotswap's kernels, torch's ATen, MKL and oneDNN, so transformers too) as on an
+AVX2-only host; `--isa avx2-kernels` narrows only hotswap's kernels (`hotswap.kernels.emulation`).
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hotswap import LLM, SamplingParams
-from hotswap.kernels import policy
+from hotswap.kernels import emulation, policy
 from hotswap.testing import make_tiny_model
 
 WORKLOADS = {"9m": (64, 128), "125m": (64, 64)}
@@ -162,12 +166,13 @@ def kernel_build() -> dict[str, str]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    base = {"cpu": cpu, "torch_isa": emulation.torch_isa()}
     if not native.enabled():
-        return {"cpu": cpu, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
+        return {**base, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
     if native.ops() is None:
-        return {"cpu": cpu, "build": "unavailable (pure-torch path)"}
-    return {"cpu": cpu, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
-                                 f"vectors, kernel mode {policy.mode()})"}  # fmt: skip
+        return {**base, "build": "unavailable (pure-torch path)"}
+    return {**base, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
+                             f"vectors, kernel mode {policy.mode()})"}  # fmt: skip
 
 
 def main() -> None:
@@ -176,15 +181,17 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-torch-path", action="store_true", help="skip hotswap with every kernel off")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions; the best of each is kept")
+    parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host")
     args = parser.parse_args()
+    emulation.reexec_under(args.isa)
     peak, bw = gemm_peak_gflops(), read_bandwidth_gbs()
     print(
         f"this machine: fp32 GEMM peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads), "
         f"memory read bandwidth {bw:.1f} GB/s"
     )
     build = kernel_build()
-    print(f"cpu: {build['cpu']}; kernels: {build['build']}")
-    figures: dict = {"gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bw, 1), **build}
+    print(f"cpu: {build['cpu']}; kernels: {build['build']}; torch: {build['torch_isa']}")
+    figures: dict = {"isa": args.isa, "gemm_peak_gflops": round(peak, 1), "read_bandwidth_gbs": round(bw, 1), **build}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):
             count, max_tokens = WORKLOADS[name]

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
-from hotswap.kernels import native, ops, policy
+from hotswap.kernels import emulation, native, ops, policy
 from hotswap.kernels.policy import BATCHES, CALIBRATED, OPS, WIN_RATIO, Shapes, use_mode
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -102,12 +102,14 @@ def test_one_switch_forces_each_path_with_the_same_outputs(built, llama_dir, mon
 
 
 @pytest.mark.slow
-def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
+@pytest.mark.parametrize("isa", ["avx2-kernels", "avx2"])
+def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built, isa):
     """The kernel tests (every op against its torch path, the decoder stack to the bit) on an AVX2-only build
-    (`-march=x86-64-v3`, what AMD Zen 2/3 and older Intel servers run), in a fresh process."""
+    (`-march=x86-64-v3`, what AMD Zen 2/3 and older Intel servers run), in a fresh process; with `avx2` torch's
+    own kernels (the torch paths) are capped at AVX2 too, as on such a host."""
     if native.target_isa() == "generic":
         pytest.skip("this machine cannot run an x86-64-v3 build")
-    env = {**os.environ, "HOTSWAP_KERNEL_MARCH": "x86-64-v3"}
+    env = {**os.environ, **emulation.ISA_ENV[isa]}
     probe = "from hotswap.kernels import native; print(native.target_isa(), native.ops().vector_bits())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == ["avx2", "256"], out.stderr[-2000:]
@@ -115,6 +117,30 @@ def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+def test_the_avx2_emulation_caps_torchs_kernels_in_a_fresh_process():
+    """`emulation.reexec_under("avx2")` restarts the process with hotswap's AVX2 build and ATen, MKL and oneDNN
+    capped at AVX2 (read by torch only at load), and the calibration keys its cache by torch's ISA."""
+    if native.target_isa() == "generic":
+        pytest.skip("this machine has no AVX2")
+    probe = (
+        "import os, sys; from hotswap.kernels import emulation; emulation.reexec_under(sys.argv[1]); import torch; "
+        "from hotswap.kernels import native, policy; "
+        "print(native.target_isa(), torch.backends.cpu.get_cpu_capability(), policy.Shapes().key())"
+    )
+    keys = {}
+    clean = {k: v for k, v in os.environ.items() if k not in emulation.ISA_ENV["avx2"]}
+    for isa in ("avx2", "avx2-kernels"):
+        out = subprocess.run([sys.executable, "-c", probe, isa], capture_output=True, text=True, timeout=120, env=clean)
+        assert out.returncode == 0, out.stderr[-2000:]
+        target, capability, keys[isa] = out.stdout.split()
+        assert target == "avx2"
+        if isa == "avx2":
+            assert capability == "AVX2" and keys[isa].endswith("AVX2/AVX2/AVX2")
+    assert keys["avx2"] != keys["avx2-kernels"]
+    with pytest.raises(ValueError, match="isa must be one of"):
+        emulation.reexec_under("avx1")
 
 
 def test_the_calibration_times_the_models_dtype(built, monkeypatch, tmp_path):

@@ -1,24 +1,27 @@
-"""`python -m hotswap.kernels [--report] [--model DIR]`: build (or find in the cache) the native kernels and
-calibrate them, saying for which vector ISA they were built; `--report` prints the decision per op with the
-measured ratio (native time / torch time; below 1 the kernel is faster), for a model's shapes with `--model`."""
+"""`python -m hotswap.kernels [--report] [--model DIR] [--isa native|avx2-kernels|avx2]`: build (or find in the
+cache) the native kernels and calibrate them, saying for which vector ISA they were built; `--report` prints the
+decision per op with the measured ratio (native time / torch time; below 1 the kernel is faster), for a model's
+shapes with `--model`. `--isa avx2` runs as an AVX2-only host would (`hotswap.kernels.emulation`)."""
 
 import argparse
 import json
 import logging
 from pathlib import Path
 
-from hotswap.kernels import native, policy
+from hotswap.kernels import emulation, native, policy
 
 parser = argparse.ArgumentParser(prog="python -m hotswap.kernels", description=__doc__)
 parser.add_argument("--report", action="store_true", help="print the decision per op")
 parser.add_argument("--model", default=None, help="a checkpoint folder whose shapes the calibration times")
+parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host (see emulation)")
 args = parser.parse_args()
+emulation.reexec_under(args.isa)
 logging.basicConfig(level=logging.WARNING)
 if native.ops() is None:
     print("hotswap native kernels: unavailable (pure-torch path)")
 else:
     print(f"hotswap native kernels: ready ({native.build_name()}, target {native.target_isa()}, "
-          f"-march={native.MARCH}, {native.vector_bits()}-bit vectors)")  # fmt: skip
+          f"-march={native.MARCH}, {native.vector_bits()}-bit vectors; torch: {emulation.torch_isa()})")  # fmt: skip
 hf_config = json.loads((Path(args.model) / "config.json").read_text()) if args.model else None
 resolved = policy.prepare(hf_config) if hf_config else policy.policy()
 if args.report:

@@ -25,7 +25,7 @@ std::pair<float, bool> row_max(const float* x, int64_t V) {
   int64_t v = 0;
   for (; v + kWidth <= V; v += kWidth) {
     const f16x a = load(x + v);
-    m = a > m ? a : m;
+    m = select_greater(a, m);
     nan |= a != a;
   }
   float out = -INFINITY;

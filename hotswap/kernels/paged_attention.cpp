@@ -97,15 +97,18 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
 }
 
 // float32 fast path for head_dim = C * 16 and G query heads sharing one KV head: each key and value row is loaded
-// once for all G heads; query and accumulator tiles stay in registers.
+// once for all G heads; query and accumulator tiles stay in registers. The rows are held as V native vectors
+// (simd.h), not as C 16-lane ones: arrays of vectors wider than the target's registers are kept on the stack by
+// GCC (on AVX2 every accumulation went through memory).
 template <int C, int G>
 void attend_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
                       int64_t tok, const int64_t* heads, float* scores) {
+  constexpr int V = C * 16 / kLanes;
   const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
-  f16x qv[G][C];
+  fvec qv[G][V];
   float max_score[G];
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) qv[g][c] = load(q + (tok * P.H + heads[g]) * P.D + c * kWidth) * P.scale;
+    for (int c = 0; c < V; ++c) qv[g][c] = load_vec(q + (tok * P.H + heads[g]) * P.D + c * kLanes) * P.scale;
     max_score[g] = -INFINITY;
   }
   // Blocks are scattered, so the hardware cannot guess the next one: scoring a key requests the key one block
@@ -114,33 +117,33 @@ void attend_group_f32(const Problem& P, const float* q, const float* kbase, cons
     if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
     prefetch_row(vbase + slot * row, P.D);
     const float* k = kbase + slot * row;
-    f16x kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load(k + c * kWidth);
+    fvec kv[V];
+    for (int c = 0; c < V; ++c) kv[c] = load_vec(k + c * kLanes);
     for (int g = 0; g < G; ++g) {
-      f16x acc = qv[g][0] * kv[0];
-      for (int c = 1; c < C; ++c) acc += qv[g][c] * kv[c];
-      const float s = hsum(acc);
+      fvec acc = qv[g][0] * kv[0];
+      for (int c = 1; c < V; ++c) acc += qv[g][c] * kv[c];
+      const float s = hsum_native(acc);
       scores[g * len + t] = s;
       max_score[g] = std::max(max_score[g], s);
     }
   });
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
-  f16x acc[G][C] = {};
+  fvec acc[G][V] = {};
   for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
     if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
     const float* v = vbase + slot * row;
-    f16x vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load(v + c * kWidth);
+    fvec vv[V];
+    for (int c = 0; c < V; ++c) vv[c] = load_vec(v + c * kLanes);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * len + t];
-      for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
+      for (int c = 0; c < V; ++c) acc[g][c] += p * vv[c];
     }
   });
   for (int g = 0; g < G; ++g) {
     float* dst = out + (tok * P.H + heads[g]) * P.D;
-    for (int c = 0; c < C; ++c) {
-      store(dst + c * kWidth, acc[g][c] * inv[g]);
+    for (int c = 0; c < V; ++c) {
+      store_vec(dst + c * kLanes, acc[g][c] * inv[g]);
     }
   }
 }

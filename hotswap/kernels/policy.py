@@ -77,8 +77,12 @@ class Shapes:
                    layers, str(dtype).removeprefix("torch."))  # fmt: skip
 
     def key(self) -> str:
-        """The cache key: the shapes and the threads the ops run on (a tensor-parallel worker has fewer)."""
-        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t"
+        """The cache key: the shapes, the threads the ops run on (a tensor-parallel worker has fewer) and the ISA
+        torch's own kernels run (capped by the environment under `emulation`), which the torch paths' times
+        depend on."""
+        caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+        torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
+        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t@{torch_isa}"
 
 
 @dataclass(frozen=True)
@@ -295,9 +299,25 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def calibrate(kernels: Any, shapes: Shapes, reps: int = 7) -> dict[str, dict[int, float]]:
-    """Times every calibrated op, native against its torch path, at each of BATCHES rows; returns native / torch
-    per op and batch. The linear weights cycle through as many copies as the model has
+def paired_seconds(first: Callable[[], object], second: Callable[[], object], reps: int) -> tuple[float, float]:
+    """The fastest of `reps` calls of each of `first` and `second`, called in turn (after one warm-up call each),
+    so both see the same minutes of a shared machine. The fastest, not the median: load from other processes
+    only adds time, and on a busy machine most calls of a two-thread op can wait a scheduler tick for the
+    second thread, which a median would take for the op's cost."""
+    first()
+    second()
+    best = [float("inf"), float("inf")]
+    for _ in range(reps):
+        for i, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int, float]]:
+    """Times every calibrated op, native against its torch path in turn (`paired_seconds`), at each of BATCHES
+    rows; returns native / torch per op and batch. The linear weights cycle through as many copies as the model has
     layers (up to 64 MB of them), so that a product finds its weight where a decode step would: in the cache for
     a small model, streamed from memory for a large one."""
     h, i, qkv = shapes.hidden, shapes.intermediate, shapes.qkv
@@ -327,7 +347,8 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 7) -> dict[str, dict[int
     ratios: dict[str, dict[int, float]] = {op: {} for op in CALIBRATED}
     for m in BATCHES:
         for op, (native_fn, torch_fn) in _pairs(kernels, shapes, m, randn, w, norm_w, cos, sin, gen).items():
-            ratios[op][m] = median_seconds(native_fn, reps) / median_seconds(torch_fn, reps)
+            native_s, torch_s = paired_seconds(native_fn, torch_fn, reps)
+            ratios[op][m] = native_s / torch_s
     return ratios
 
 

@@ -11,8 +11,7 @@ on (`decoder_stack` in `python -m hotswap.kernels --report`).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Any, cast
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from hotswap.kernels import ops
+from hotswap.kernels.policy import paired_seconds
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
@@ -120,27 +120,18 @@ class NativeDecoderStack:
 
     def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int) -> tuple[float, float]:
         """(seconds through the stack, seconds through the modules) of one decode step of `rows` sequences, each
-        in a block of its own (the median of 3 after a warm-up). Writes scratch keys and values into the first
-        `rows` blocks of the cache: only before any request ran."""
+        in a block of its own (the fastest of 5, the two taking turns: `policy.paired_seconds`). Writes scratch
+        keys and values into the first `rows` blocks of the cache: only before any request ran."""
         assert self.model is not None
         rows = min(rows, num_blocks)
         meta = AttentionMetadata.build([1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel)
         ids, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         model = self.model
 
-        def median(fn: Callable[[], object]) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return sorted(times)[1]
-
         with torch.inference_mode():
-            stack = median(lambda: self.run(self.embed(ids), positions, meta))
-            modules = median(lambda: model(ids, positions, meta))
-        return stack, modules
+            return paired_seconds(
+                lambda: self.run(self.embed(ids), positions, meta), lambda: model(ids, positions, meta), 5
+            )
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`. The tensors are read from
