@@ -47,6 +47,8 @@ from hotswap.weights.session import WeightUpdateFailed
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
+_FORWARDED_ENV = ("HOTSWAP_", "TORCH_EXTENSIONS_DIR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
+                  "ONEDNN_MAX_CPU_ISA")  # fmt: skip
 
 
 class FleetUpdateFailed(WeightUpdateFailed):
@@ -138,8 +140,8 @@ class Fleet:
         self._start_timeout = float(start_timeout_s)
         self._restart = restart_replicas
         self._rpc_timeout = float(self.config.parallel_config.rpc_timeout_s)
-        # the environment that selects kernels and caches travels to every replica
-        self._env = {k: v for k, v in os.environ.items() if k.startswith(("HOTSWAP_", "TORCH_EXTENSIONS_DIR"))}
+        # the environment that selects kernels, caches and the ISA torch's libraries use travels to every replica
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
 
         from transformers import AutoTokenizer
 
