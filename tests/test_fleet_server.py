@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
-import threading
 import time
 
 import httpx
 import pytest
 from safetensors.torch import load_file
-from test_storm import stream_once, valid_spans
+from test_storm import start_clients, valid_spans
 
 from conftest import PROMPTS, hf_greedy
 from hotswap.entrypoints.client import AdminClient, AdminError
@@ -89,23 +87,7 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
 def test_streaming_storm_while_fleet_updates_run(fleet_server, ckpts):
     base = fleet_server
     named = {key: list(load_file(str(ckpts[key] / "model.safetensors")).items()) for key in ("A", "B")}
-    results: list[dict] = []
-    lock = threading.Lock()
-    stop_at = time.monotonic() + SECONDS
-
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
-        while time.monotonic() < stop_at:
-            try:
-                outcome = stream_once(base, rng)
-            except Exception as err:  # a lost request
-                outcome = {"error": repr(err)}
-            with lock:
-                results.append(outcome)
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
+    threads, results = start_clients(base, CLIENTS, SECONDS)
     admin = AdminClient(base, admin_key="k")
     start_version = admin.get_weight_version()
     versions, refused, uneven = [], 0, []

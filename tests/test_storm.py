@@ -36,6 +36,29 @@ def stream_once(base: str, rng: random.Random) -> dict:
     return {"finish": finish, "spans": spans, "max_tokens": body["max_tokens"]}
 
 
+def start_clients(base: str, count: int, seconds: float) -> tuple[list[threading.Thread], list[dict]]:
+    """`count` threads streaming completions from `base` one after another for `seconds`; every outcome (or the
+    error of a lost request) lands in the returned list."""
+    results: list[dict] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < stop_at:
+            try:
+                outcome = stream_once(base, rng)
+            except Exception as err:  # a lost request
+                outcome = {"error": repr(err)}
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
 def valid_spans(spans: list[list], tokens: int) -> bool:
     """Spans cover [0, tokens) in order, without gaps, with versions (strings holding integers) that only go up."""
     position, version = 0, -1
@@ -52,23 +75,7 @@ def test_streaming_storm_while_updates_run(ckpts):
     named = {key: list(load_file(str(ckpts[key] / "model.safetensors")).items()) for key in ("A", "B")}
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 23), "--admin-key", "k",
                         "--served-model-name", "A") as base:  # fmt: skip
-        results: list[dict] = []
-        lock = threading.Lock()
-        stop_at = time.monotonic() + SECONDS
-
-        def client(seed: int) -> None:
-            rng = random.Random(seed)
-            while time.monotonic() < stop_at:
-                try:
-                    outcome = stream_once(base, rng)
-                except Exception as err:  # a lost request
-                    outcome = {"error": repr(err)}
-                with lock:
-                    results.append(outcome)
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
+        threads, results = start_clients(base, CLIENTS, SECONDS)
         admin = AdminClient(base, admin_key="k")
         versions = []
         for i in range(UPDATES):

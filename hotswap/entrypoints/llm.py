@@ -69,19 +69,7 @@ class LLM:
         """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt") and
         returns outputs in prompt order. `sampling_params` is one for all prompts or one per prompt. Every prompt
         is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per prompt"
-                )
+        prompts, params_list = per_prompt(prompts, sampling_params)
         engine = self.llm_engine
         staged = []
         for prompt, params in zip(prompts, params_list, strict=True):
@@ -284,6 +272,21 @@ class LLM:
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
         return self.collective_rpc("weight_checksums", (target,))[0]
+
+
+def per_prompt(
+    prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+) -> tuple[list[PromptType], list[SamplingParams]]:
+    """The prompts as a list, with their sampling params: one for all (default SamplingParams()) or one per prompt.
+    Raises ValueError when the counts differ."""
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    params_list = list(sampling_params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
+                         "prompt")  # fmt: skip
+    return prompts, params_list
 
 
 class _ApplyModel:

@@ -340,17 +340,10 @@ class Fleet:
     ) -> list[RequestOutput]:
         """As `LLM.generate`: outputs in prompt order, spread over the replicas (a replica that dies meanwhile
         has its prompts generated again by the others)."""
+        from hotswap.entrypoints.llm import per_prompt
+
         ray = _ray()
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
-                                 "give one or one per prompt")  # fmt: skip
+        prompts, params_list = per_prompt(prompts, sampling_params)
         staged = [self.prepare_prompt(p) for p in prompts]
         results: dict[int, RequestOutput] = {}
         pending = list(range(len(prompts)))
