@@ -149,6 +149,7 @@ def main() -> None:
     figures["prefill_ms"] = [round(s * 1e3, 1) for _, s, _ in prefill]
     steps = [s for s, _ in decode]
     figures["decode_step_ms"] = summary(steps)
+    figures["decode_steps_ms"] = [round(s * 1e3, 1) for s in steps]
     print(f"{len(steps)} decode steps (ms): min {figures['decode_step_ms']['min']}, median "
           f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}")  # fmt: skip
     kinds = ["layers", "linear", "attention", "norm", "sampling"]

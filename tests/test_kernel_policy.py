@@ -58,6 +58,41 @@ def test_decisions_follow_the_measured_ratios(built, monkeypatch):
     assert all(resolved.decisions[op].native[b] for op in ("paged_attention", "write_kv_cache") for b in BATCHES)
 
 
+def test_a_decode_step_moves_products_to_the_native_kernels_where_it_measured_them_faster(built, monkeypatch):
+    """The stack's timing on the model tries every product native where the table put one on the BLAS; a product
+    moves where that step was at least 5 % faster, for the modules too; the result is cached with the rest."""
+    fake = {op: {4: 0.5, 16: 0.5, 64: 0.5} for op in CALIBRATED}
+    fake["linear"] = {4: 1.3, 16: 0.6, 64: 0.97}
+    fake["gated_linear"] = {4: 1.2, 16: 0.6, 64: 0.9}
+    store: dict[str, dict[int, float]] = {}
+    monkeypatch.setattr(policy, "_calibration", lambda kernels, shapes: fake)
+    monkeypatch.setattr(policy, "_cached", lambda key, op: store.get(op))
+    monkeypatch.setattr(policy, "_store", lambda key, op, ratios: store.__setitem__(op, ratios))
+    monkeypatch.setattr(policy, "_policy", [policy._resolve("auto", Shapes())])
+    monkeypatch.setattr(policy, "_forced", [])
+    monkeypatch.setattr(policy, "_env_mode", ["auto"])
+    asked = {}
+
+    def measure(rows, variants):
+        asked[rows] = list(variants)
+        native_step = {4: 1.0, 16: 1.0, 64: 0.8}[rows]  # the table's step takes 1.0
+        return [1.0, native_step][: len(variants)], 2.0
+
+    resolved = policy.calibrate_stack(measure)
+    assert asked[4] == [(False, False, True), (True, True, True)]
+    assert asked[16] == [(True, True, True)]  # every product native already: nothing else to try
+    assert asked[64] == [(False, True, True), (True, True, True)]
+    assert resolved.decisions["linear"].native == {4: False, 16: True, 64: True}
+    assert resolved.decisions["linear"].ratios[64] == 0.8 and "decode step" in resolved.decisions["linear"].reason
+    assert resolved.decisions["gated_linear"].native == {4: False, 16: True, 64: True}
+    assert resolved.decisions["gated_linear"].ratios == {4: 1.2, 16: 0.6, 64: 0.9}  # it was native at 64 already
+    assert resolved.decisions["decoder_stack"].ratios == {4: 0.5, 16: 0.5, 64: 0.4}
+    assert policy.policy() is resolved and ops.policy().uses("linear", 64)
+    assert store["stack_products"] == {4: 1.0, 16: 1.0, 64: 0.8}
+    again = policy._resolve("auto", Shapes())  # a later process reads both from the cache
+    assert again.decisions == resolved.decisions
+
+
 def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_build(built, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a fresh cache (the library itself still loads)
     calls = []

@@ -28,7 +28,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -205,9 +205,7 @@ def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
         decisions[op] = Decision.rule(op, True, attention)
     stack = _cached(shapes.key(), "decoder_stack")
     if stack is not None:
-        decisions["decoder_stack"] = Decision(
-            "decoder_stack", {b: r < WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON
-        )
+        decisions = _with_stack(decisions, stack, _cached(shapes.key(), "stack_products") or {})
     else:
         decisions["decoder_stack"] = Decision.rule(
             "decoder_stack", True, "rule until timed on a model: taken (it runs the products as chosen above)"
@@ -224,26 +222,65 @@ def _cached(key: str, op: str) -> dict[int, float] | None:
         return None
 
 
-def calibrate_stack(measure: Callable[[int], tuple[float, float]]) -> KernelPolicy:
-    """Decides the decoder stack from `measure(rows)` -> (seconds through the stack, seconds through the modules)
-    of one step of `rows` tokens, per batch class; cached beside the build with the shapes' other ratios. Only in
-    "auto" mode with a resolved policy; returns the policy."""
+# Which products a decode step runs natively, in decoder_layers' order: (linear, gated_linear, silu_and_mul).
+Products = tuple[bool, bool, bool]
+PRODUCTS = ("linear", "gated_linear")  # the products the stack measurement may move to the native kernels
+
+
+def products(current: KernelPolicy, rows: int) -> Products:
+    """The products' paths on a step of `rows` tokens, as `current` chose them."""
+    return current.uses("linear", rows), current.uses("gated_linear", rows), current.uses("silu_and_mul", rows)
+
+
+def calibrate_stack(measure: Callable[[int, Sequence[Products]], tuple[list[float], float]]) -> KernelPolicy:
+    """Decides the decoder stack, and where the products of a decode step run, from `measure(rows, variants)` ->
+    (seconds of one step of `rows` tokens through the stack with each variant's products, seconds of the same
+    step through the modules), per batch class, on the worker's model and cache; cached beside the build with
+    the shapes' other ratios. Only in "auto" mode with a resolved policy; returns the policy.
+
+    The variants are the table's products and, where the table put one on the BLAS, every product native. The op
+    calibration times products on at most 64 MB of weights, which stay in a large last-level cache, while a
+    large model's decode step streams its weights from memory, which the native kernels overlap with their
+    arithmetic (they prefetch each weight in the order they read it) and a BLAS does not: the step, on the
+    model's own weights, is the better judge. A product moves to its native kernel at a batch class where the
+    step measured at least 5 % faster with it (for the modules too: one policy)."""
     current = policy()
     if current.mode != "auto" or current.shapes is None or not any(current.decisions["rms_norm"].native.values()):
         return current
     key = current.shapes.key()
-    ratios = _cached(key, "decoder_stack")
-    if ratios is None:
-        ratios = {}
+    stack, moved = _cached(key, "decoder_stack"), _cached(key, "stack_products")
+    if stack is None or moved is None:
+        stack, moved = {}, {}
         for b in BATCHES:
-            stack_s, modules_s = measure(b)
-            ratios[b] = round(stack_s / modules_s, 3)
-        _store(key, "decoder_stack", ratios)
-    decision = Decision("decoder_stack", {b: r < WIN_RATIO for b, r in ratios.items()}, ratios, _STACK_REASON)
+            table = products(current, b)
+            variants = [table] + ([(True, True, table[2])] if not all(table[:2]) else [])
+            stack_s, modules_s = measure(b, variants)
+            moved[b] = round(stack_s[1] / stack_s[0], 3) if len(stack_s) > 1 else 1.0
+            stack[b] = round((stack_s[1] if moved[b] < WIN_RATIO else stack_s[0]) / modules_s, 3)
+        _store(key, "decoder_stack", stack)
+        _store(key, "stack_products", moved)
     with _lock:
         if _policy and _policy[-1] is current:
-            _policy[-1] = KernelPolicy(current.mode, {**current.decisions, "decoder_stack": decision}, current.shapes)
+            _policy[-1] = KernelPolicy(current.mode, _with_stack(current.decisions, stack, moved), current.shapes)
         return _policy[-1] if _policy else current
+
+
+def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: dict[int, float]
+                ) -> dict[str, Decision]:  # fmt: skip
+    """`decisions` with the decoder stack's (`stack`: its best step time / the modules') and the products that a
+    decode step measured faster native (`moved`: every product native / the table's products, per batch)."""
+    out = dict(decisions, decoder_stack=Decision(
+        "decoder_stack", {b: r < WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON))  # fmt: skip
+    for op in PRODUCTS:
+        d = decisions[op]
+        flips = {b for b, r in moved.items() if r < WIN_RATIO and not d.native[b]}
+        if flips:
+            out[op] = Decision(
+                op, {b: d.native[b] or b in flips for b in BATCHES}, {b: moved[b] if b in flips else d.ratios[b]
+                for b in BATCHES}, f"{d.reason}; at {', '.join(map(str, sorted(flips)))} rows: on a decode step of "
+                "the model, every product native against the table's",
+            )  # fmt: skip
+    return out
 
 
 def _store(key: str, op: str, ratios: dict[int, float]) -> None:
@@ -299,20 +336,26 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def paired_seconds(first: Callable[[], object], second: Callable[[], object], reps: int) -> tuple[float, float]:
-    """The fastest of `reps` calls of each of `first` and `second`, called in turn (after one warm-up call each),
-    so both see the same minutes of a shared machine. The fastest, not the median: load from other processes
-    only adds time, and on a busy machine most calls of a two-thread op can wait a scheduler tick for the
-    second thread, which a median would take for the op's cost."""
-    first()
-    second()
-    best = [float("inf"), float("inf")]
+def fastest_in_turn(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """The fastest of `reps` calls of each of `fns`, called in turn (after one warm-up call each), so all see the
+    same minutes of a shared machine. The fastest, not the median: load from other processes only adds time, and
+    on a busy machine most calls of a two-thread op can wait a scheduler tick for the second thread, which a
+    median would take for the op's cost."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
     for _ in range(reps):
-        for i, fn in enumerate((first, second)):
+        for i, fn in enumerate(fns):
             start = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    return best
+
+
+def paired_seconds(first: Callable[[], object], second: Callable[[], object], reps: int) -> tuple[float, float]:
+    """`fastest_in_turn` of two calls."""
+    a, b = fastest_in_turn((first, second), reps)
+    return a, b
 
 
 def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int, float]]:

@@ -11,7 +11,7 @@ on (`decoder_stack` in `python -m hotswap.kernels --report`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any, cast
 
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from hotswap.kernels import ops
-from hotswap.kernels.policy import paired_seconds
+from hotswap.kernels import policy as kernel_policy
+from hotswap.kernels.policy import Products, fastest_in_turn
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
@@ -118,23 +119,29 @@ class NativeDecoderStack:
             for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
         ]  # fmt: skip
 
-    def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int) -> tuple[float, float]:
-        """(seconds through the stack, seconds through the modules) of one decode step of `rows` sequences, each
-        in a block of its own (the fastest of 5, the two taking turns: `policy.paired_seconds`). Writes scratch
-        keys and values into the first `rows` blocks of the cache: only before any request ran."""
+    def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
+                  ) -> tuple[list[float], float]:  # fmt: skip
+        """(seconds through the stack with each variant's products, seconds through the modules) of one decode
+        step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
+        `policy.fastest_in_turn`). Writes scratch keys and values into the first `rows` blocks of the cache: only
+        before any request ran."""
         assert self.model is not None
         rows = min(rows, num_blocks)
         meta = AttentionMetadata.build([1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel)
         ids, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         model = self.model
 
-        with torch.inference_mode():
-            return paired_seconds(
-                lambda: self.run(self.embed(ids), positions, meta), lambda: model(ids, positions, meta), 5
-            )
+        def stack(products: Products) -> Callable[[], object]:
+            return lambda: self.run(self.embed(ids), positions, meta, products)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`. The tensors are read from
+        with torch.inference_mode():
+            *stack_s, modules_s = fastest_in_turn([*map(stack, variants), lambda: model(ids, positions, meta)], 5)
+        return stack_s, modules_s
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, products: Products | None = None
+            ) -> torch.Tensor:  # fmt: skip
+        """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`, the products on the paths
+        the policy chose (or `products`, for the calibration). The tensors are read from
         the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
         attribute lookup is a measurable part of a small step. Every RMSNorm of the model has the config's one
         epsilon, and every layer the first one's head layout."""
@@ -151,10 +158,9 @@ class NativeDecoderStack:
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
-        policy, rows = ops.policy(), x.shape[0]
+        linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
-            first.attn.scale, self.model.norm.eps, self.model.norm.weight, policy.uses("linear", rows),
-            policy.uses("gated_linear", rows), policy.uses("silu_and_mul", rows),
+            first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu,
         )  # fmt: skip

@@ -57,7 +57,9 @@ class ModelRunner:
         if next(self.model.parameters()).dtype != torch.float32 or current_parallel().size > 1:
             return
         kernel_policy.calibrate_stack(
-            lambda rows: self.stack.time_step(rows, self.block_size, self.attention_kernel, self.num_blocks)
+            lambda rows, variants: self.stack.time_step(
+                rows, self.block_size, self.attention_kernel, self.num_blocks, variants
+            )
         )
 
     def free_kv_cache(self) -> None:
