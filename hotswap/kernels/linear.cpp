@@ -39,12 +39,12 @@ constexpr int kMaxMV = kLinearVectors;
 constexpr int64_t kBlockRows = kLanes * kMaxMV;  // rows of x per block
 constexpr int64_t kXtAhead = 8;  // k distance of the prefetches into xt
 
-constexpr bool tiles_divide(int units) {
+constexpr bool tiles_fit() {
   for (int mv = 1; mv <= kMaxMV; ++mv)
-    if (linear_tile_rows(mv) < 1 || units % linear_tile_rows(mv) != 0) return false;
+    if (linear_tile_rows(mv) < 1) return false;
   return true;
 }
-static_assert(tiles_divide(48), "a thread's unit of 48 columns must be whole tiles at every block height");
+static_assert(tiles_fit(), "every block height needs a tile of at least one row");
 
 // Index of output lane i of one transpose round's LO (hi = 0) or HI (hi = 1) shuffle: rows a and b of a pair
 // swap their sub-blocks of S lanes.
@@ -264,10 +264,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   const int64_t ldx = x.stride(0);
   const int64_t count = (M + kBlockRows - 1) / kBlockRows;
   const int64_t stride = (K + kXtAhead) * kBlockRows;  // one block's xt, with the prefetches' slack
-  // Threads take whole units of 48 output columns (a multiple of every tile height), so only the end has a tail.
-  constexpr int64_t kUnit = 48;
-  at::parallel_for(0, (N + kUnit - 1) / kUnit, 1, [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * kUnit, n1 = std::min(N, u1 * kUnit);
+  // Threads take whole tiles of output columns (the tile height is set by the first block's), so only the end has
+  // a tail, and the split is even to a tile: units of several tiles left a thread up to a fifth of a small
+  // layer's columns (256 or 512) more than the other.
+  const int64_t unit = linear_tile_rows(static_cast<int>((std::min(M, kBlockRows) + kLanes - 1) / kLanes));
+  at::parallel_for(0, (N + unit - 1) / unit, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
     thread_local std::vector<float> xt;
     xt.resize(std::max<size_t>(xt.size(), static_cast<size_t>(count * stride)));
     const Blocks xb{xt.data(), stride, count, M};
