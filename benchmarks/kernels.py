@@ -5,8 +5,9 @@ loads (`--isa avx2-kernels`, or `HOTSWAP_KERNEL_MARCH=x86-64-v3`, builds for AVX
 The linear ops rotate through more than 64 MB of weight copies, so a call does not find its weight in the core's
 caches, as in a decode step over 30 layers. Each figure is the fastest of `--reps` calls after a warm-up, the
 native and torch calls taking turns (`policy.paired_seconds`: on a shared machine load only adds time); the
-ratio is native time / torch time (below 1: native wins). Also prints the calibration's choice for each op and
-batch (`python -m hotswap.kernels --report` prints the whole table).
+ratio is native time / torch time (below 1: native wins). Attention is one decode layer call over 64 keys per
+sequence in scattered blocks, the paged kernel against the layer's torch path (gather, then SDPA). Also prints
+the calibration's choice for each op and batch (`python -m hotswap.kernels --report` prints the whole table).
 
     python benchmarks/kernels.py [--reps 30] [--isa native|avx2-kernels|avx2]
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import emulation, native, policy
+from hotswap.model.layers.attention import Attention, AttentionMetadata
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
 
@@ -77,7 +79,25 @@ def measure(ops: object, m: int, reps: int) -> list[tuple[str, int, float, float
         return best.indices, best.values - logits.logsumexp(dim=-1)
 
     rows.append(("greedy_sample", m, *pair_us(lambda: kernels.greedy_sample(logits), torch_greedy, reps)))
+    rows.append(("attention", m, *attention_us(kernels, m, reps)))
     return rows
+
+
+def attention_us(kernels: Any, m: int, reps: int, context: int = 64, block_size: int = 16) -> tuple[float, float]:
+    """(native us, torch us) of one decode attention layer call (KV write and attention, 9 heads sharing 3 KV
+    heads of 64) for `m` sequences of `context` keys in scattered blocks, the native paged kernel against the
+    layer's torch path (the blocks gathered, then SDPA)."""
+    per_seq = context // block_size + 1
+    blocks = max(4 * m * per_seq, 1024)  # the sequences' blocks spread over a cache of at least 12 MB
+    layer = Attention(9, 3, 64)
+    layer.k_cache, layer.v_cache = torch.randn(blocks, block_size, 3, 64), torch.randn(blocks, block_size, 3, 64)
+    order = torch.randperm(blocks).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(m)]
+    q, k, v = torch.randn(m, 9, 64), torch.randn(m, 3, 64), torch.randn(m, 3, 64)
+    fast = AttentionMetadata.build([1] * m, [context] * m, tables, block_size, kernels.paged_attention)
+    slow = AttentionMetadata.build([1] * m, [context] * m, tables, block_size, None)
+    with torch.inference_mode():
+        return pair_us(lambda: layer(q, k, v, fast), lambda: layer(q, k, v, slow), reps)
 
 
 def main() -> None:
@@ -99,8 +119,9 @@ def main() -> None:
     rows = [row for m in (4, 16, 64) for row in measure(ops, m, args.reps)]
     print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}  calibration's choice")
     for label, m, native_us, torch_us in rows:
-        decision = chosen.decisions[op_of.get(label, label)]
-        choice = f"{'native' if decision.native[m] else 'torch'} ({decision.ratios.get(m, float('nan')):.2f})"
+        decision = chosen.decisions[op_of.get(label, label).replace("attention", "paged_attention")]
+        ratio = f" ({decision.ratios[m]:.2f})" if m in decision.ratios else " (rule)"
+        choice = f"{'native' if decision.native[m] else 'torch'}{ratio}"
         print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}  {choice}")
         figures["ops"].setdefault(label, {})[str(m)] = {
             "native_us": round(native_us, 1), "torch_us": round(torch_us, 1), "ratio": round(native_us / torch_us, 3),
