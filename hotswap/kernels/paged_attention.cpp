@@ -96,97 +96,73 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
   return denom;
 }
 
-// float32 fast path for head_dim = C * 16 and G query heads sharing one KV head. The rows are held as V native
-// vectors (simd.h), not as C 16-lane ones: arrays of vectors wider than the target's registers are kept on the
-// stack by GCC (on AVX2 every accumulation went through memory).
-//   - Scores, kLanes keys at a time: per head, one vector of products per key (V fused multiply-adds), then the
-//     kLanes vectors' sums at once (lane_sums: about 2 shuffles per key, where summing each alone takes
-//     log2(kLanes)); the group's keys stay in L1 for the other heads.
-//   - Values: each row loaded once for up to kPvHeads heads, whose accumulators stay in registers.
-//   - Blocks are scattered, so the hardware cannot guess the next one: each pass requests its rows two groups of
-//     keys ahead. (Requesting the values during the scores as well cost more than it saved: 0.18 against 0.20 ms
-//     for 64 sequences of 64 keys, 9 heads, 3 KV heads of 64, on an AVX-512 Xeon.)
+// float32 fast path for head_dim = C * 16 and G query heads sharing one KV head: each key and value row is loaded
+// once for all G heads; query and accumulator tiles stay in registers. The rows are held as V native vectors
+// (simd.h), not as C 16-lane ones: arrays of vectors wider than the target's registers are kept on the stack by
+// GCC (on AVX2 every accumulation went through memory).
 template <int C, int G>
 void attend_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
-                      int64_t tok, const int64_t* heads, float* scores, const int64_t* slots) {
+                      int64_t tok, const int64_t* heads, float* scores) {
   constexpr int V = C * 16 / kLanes;
-  constexpr int kAhead = 2 * kLanes;  // keys between a prefetch and its use
-  const int64_t len = P.keys_of[tok], row = P.KVH * P.D;
+  const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
   fvec qv[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < V; ++c) qv[g][c] = load_vec(q + (tok * P.H + heads[g]) * P.D + c * kLanes) * P.scale;
-  for (int64_t t = 0; t < std::min<int64_t>(kAhead, len); ++t) prefetch_row(kbase + slots[t] * row, P.D);
-  fvec max_v[G], lanes;
-  for (int g = 0; g < G; ++g) max_v[g] = fvec{} - INFINITY;
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(i);
-  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
-    const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
-    for (int64_t t = t0 + kAhead; t < std::min<int64_t>(t0 + kAhead + kLanes, len); ++t)
-      prefetch_row(kbase + slots[t] * row, P.D);
-
-    for (int g = 0; g < G; ++g) {
-      fvec acc[kLanes];
-#pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j) {  // slots past the last key repeat it (see attend_task_f32)
-        const float* k = kbase + slots[t0 + j] * row;
-        fvec a = qv[g][0] * load_vec(k);
-        for (int c = 1; c < V; ++c) a += qv[g][c] * load_vec(k + c * kLanes);
-        acc[j] = a;
-      }
-      fvec s = lane_sums(acc);
-      if (n < kLanes) s = lanes < static_cast<float>(n) ? s : fvec{} - INFINITY;  // past the last key: never the maximum
-      max_v[g] = max_v[g] > s ? max_v[g] : s;
-      __builtin_memcpy(scores + g * len + t0, &s, n * sizeof(float));
-    }
-  }
-  float inv[G];
+  float max_score[G];
   for (int g = 0; g < G; ++g) {
-    float m = max_v[g][0];
-    for (int i = 1; i < kLanes; ++i) m = std::max(m, max_v[g][i]);
-    inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, m);
+    for (int c = 0; c < V; ++c) qv[g][c] = load_vec(q + (tok * P.H + heads[g]) * P.D + c * kLanes) * P.scale;
+    max_score[g] = -INFINITY;
   }
-  constexpr int kPvHeads = std::max(1, (kVectorRegisters - 2 - V) / V);  // accumulators that fit the registers
-  for (int g0 = 0; g0 < G; g0 += kPvHeads) {
-    constexpr int GS = std::min(G, kPvHeads);
-    const int gs = std::min(GS, G - g0);
-    fvec acc[GS][V] = {};
-    for (int64_t t = 0; t < len; ++t) {
-      if (t + kAhead < len) prefetch_row(vbase + slots[t + kAhead] * row, P.D);
-      const float* v = vbase + slots[t] * row;
-      fvec vv[V];
-      for (int c = 0; c < V; ++c) vv[c] = load_vec(v + c * kLanes);
-      for (int g = 0; g < GS; ++g) {
-        if (g >= gs) break;
-        const float p = scores[(g0 + g) * len + t];
-        for (int c = 0; c < V; ++c) acc[g][c] += p * vv[c];
-      }
+  // Blocks are scattered, so the hardware cannot guess the next one: scoring a key requests the key one block
+  // ahead and this key's values, a row at a time so the outstanding misses stay few.
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
+    prefetch_row(vbase + slot * row, P.D);
+    const float* k = kbase + slot * row;
+    fvec kv[V];
+    for (int c = 0; c < V; ++c) kv[c] = load_vec(k + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      fvec acc = qv[g][0] * kv[0];
+      for (int c = 1; c < V; ++c) acc += qv[g][c] * kv[c];
+      const float s = hsum_native(acc);
+      scores[g * len + t] = s;
+      max_score[g] = std::max(max_score[g], s);
     }
-    for (int g = 0; g < gs; ++g) {
-      float* dst = out + (tok * P.H + heads[g0 + g]) * P.D;
-      for (int c = 0; c < V; ++c) store_vec(dst + c * kLanes, acc[g][c] * inv[g0 + g]);
+  });
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_normaliser_f32(scores + g * len, len, max_score[g]);
+  fvec acc[G][V] = {};
+  for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
+    const float* v = vbase + slot * row;
+    fvec vv[V];
+    for (int c = 0; c < V; ++c) vv[c] = load_vec(v + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      for (int c = 0; c < V; ++c) acc[g][c] += p * vv[c];
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    float* dst = out + (tok * P.H + heads[g]) * P.D;
+    for (int c = 0; c < V; ++c) {
+      store_vec(dst + c * kLanes, acc[g][c] * inv[g]);
     }
   }
 }
 
-// One (query token, KV head) task: its query heads in groups of up to 4. `slots` is scratch.
+// One (query token, KV head) task: its query heads in groups of up to 4.
 template <int C>
 void attend_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
-                     int64_t kvh, std::vector<float>& scores, std::vector<int64_t>& slots) {
+                     int64_t kvh, std::vector<float>& scores) {
   const std::vector<int64_t>& heads = P.heads_of[kvh];
   const float* kbase = kc + kvh * P.D;
   const float* vbase = vc + kvh * P.D;
-  const int64_t len = P.keys_of[tok];
-  scores.resize(4 * len);
-  slots.resize((len + kLanes - 1) / kLanes * kLanes);  // whole groups of keys: the last slot repeats past len
-  for_each_slot(P, P.seq_of[tok], len, [&](int64_t t, int64_t slot, int64_t) { slots[t] = slot; });
-  std::fill(slots.begin() + len, slots.end(), slots[len - 1]);
+  scores.resize(4 * P.keys_of[tok]);
   for (size_t i = 0; i < heads.size(); i += 4) {
     const int64_t* group = heads.data() + i;
     switch (std::min<size_t>(4, heads.size() - i)) {
-      case 4: attend_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data(), slots.data()); break;
-      case 3: attend_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data(), slots.data()); break;
-      case 2: attend_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data(), slots.data()); break;
-      default: attend_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data(), slots.data()); break;
+      case 4: attend_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 3: attend_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 2: attend_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      default: attend_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
     }
   }
 }
@@ -231,20 +207,19 @@ void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, (tasks + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    std::vector<int64_t> slots;
     for (int64_t first; (first = next.fetch_add(chunk)) < tasks;) {
       for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
         const int64_t tok = task / P.KVH, kvh = task % P.KVH;
         if constexpr (std::is_same_v<T, float>) {
           switch (P.D) {
-            case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
-            case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores, slots); continue;
+            case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
+            case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
             default: break;
           }
         }

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 
 namespace hotswap_simd {
 
@@ -110,34 +109,6 @@ inline float hsum_native(V v) {
     static_assert(n == 4, "a native vector holds 4, 8 or 16 floats");
     return (v[0] + v[2]) + (v[1] + v[3]);
   }
-}
-
-// The horizontal sums of kLanes native vectors as one vector: lane j = the sum of v[j]'s lanes (v is clobbered).
-// log2(kLanes) rounds; each adds the low and high halves of every 2C-lane chunk of v[i] and v[i + n / 2] side by
-// side (two shuffles and one add per pair), about 2 shuffles per vector in all where a sum of one vector alone
-// takes log2(kLanes).
-namespace detail {
-constexpr int half_index(int C, bool high, int i) {
-  const int chunk = i / (2 * C) * (2 * C), j = i % (2 * C);
-  return j < C ? chunk + j + (high ? C : 0) : kLanes + chunk + j - C + (high ? C : 0);
-}
-template <int C, int... I>
-inline fvec add_halves(fvec x, fvec y, std::integer_sequence<int, I...>) {
-  return __builtin_shufflevector(x, y, half_index(C, false, I)...) +
-         __builtin_shufflevector(x, y, half_index(C, true, I)...);
-}
-template <int N>
-inline void sum_rounds(fvec* v) {
-  if constexpr (N > 1) {
-    for (int i = 0; i < N / 2; ++i) v[i] = add_halves<N / 2>(v[i], v[i + N / 2], std::make_integer_sequence<int, kLanes>{});
-    sum_rounds<N / 2>(v);
-  }
-}
-}  // namespace detail
-
-inline fvec lane_sums(fvec* v) {
-  detail::sum_rounds<kLanes>(v);
-  return v[0];
 }
 
 // exp(x), within 2 ulp of std::exp for x in [-87.3, 88.3]; x is clamped to that range first (below it the
