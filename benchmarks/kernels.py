@@ -87,7 +87,7 @@ def attention_us(kernels: Any, m: int, reps: int, context: int = 64, block_size:
     """(native us, torch us) of one decode attention layer call (KV write and attention, 9 heads sharing 3 KV
     heads of 64) for `m` sequences of `context` keys in scattered blocks, the native paged kernel against the
     layer's torch path (the blocks gathered, then SDPA)."""
-    per_seq = context // block_size + 1
+    per_seq = -(-context // block_size)  # the blocks the engine would give each sequence
     blocks = max(4 * m * per_seq, 1024)  # the sequences' blocks spread over a cache of at least 12 MB
     layer = Attention(9, 3, 64)
     layer.k_cache, layer.v_cache = torch.randn(blocks, block_size, 3, 64), torch.randn(blocks, block_size, 3, 64)

@@ -205,3 +205,21 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
     assert native_steps > 0
     assert [o.outputs[0].token_ids for o in fast[0]] == [o.outputs[0].token_ids for o in slow[0]]
+
+
+def test_the_step_timing_runs_each_variant_of_the_products(ops, model_dirs):
+    """`time_step` times one decode step through the stack per variant of the products and one through the
+    modules; it declines a step that the cache has too few blocks for (a smaller one is another batch class)."""
+    llm = LLM(str(model_dirs["llama"]), kv_cache_memory_bytes=1 << 22)
+
+    def timing(worker):
+        r = worker.runner
+        variants = [(False, False, True), (True, True, True)]
+        args = (r.block_size, r.attention_kernel, r.num_blocks, variants)
+        return r.stack.time_step(4, *args), r.stack.time_step(r.num_blocks + 1, *args)
+
+    (timed, declined), = llm.collective_rpc(timing)
+    stack_s, modules_s = timed
+    assert len(stack_s) == 2 and all(s > 0 for s in stack_s) and modules_s > 0
+    assert declined is None
+    llm.shutdown()

@@ -86,11 +86,15 @@ def test_a_decode_step_moves_products_to_the_native_kernels_where_it_measured_th
     assert resolved.decisions["linear"].ratios[64] == 0.8 and "decode step" in resolved.decisions["linear"].reason
     assert resolved.decisions["gated_linear"].native == {4: False, 16: True, 64: True}
     assert resolved.decisions["gated_linear"].ratios == {4: 1.2, 16: 0.6, 64: 0.9}  # it was native at 64 already
-    assert resolved.decisions["decoder_stack"].ratios == {4: 0.5, 16: 0.5, 64: 0.4}
+    assert resolved.decisions["decoder_stack"].ratios == {4: 0.5, 16: 0.5, 64: 0.5}  # on the table's products
     assert policy.policy() is resolved and ops.policy().uses("linear", 64)
     assert store["stack_products"] == {4: 1.0, 16: 1.0, 64: 0.8}
     again = policy._resolve("auto", Shapes())  # a later process reads both from the cache
     assert again.decisions == resolved.decisions
+    store.clear()  # a worker whose cache cannot hold a step: nothing timed, nothing moved or cached
+    monkeypatch.setattr(policy, "_policy", [policy._resolve("auto", Shapes())])
+    untimed = policy.calibrate_stack(lambda rows, variants: None)
+    assert store == {} and untimed.decisions["linear"].native == {4: False, 16: True, 64: False}
 
 
 def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_build(built, monkeypatch, tmp_path):

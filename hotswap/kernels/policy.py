@@ -235,11 +235,15 @@ def products(current: KernelPolicy, rows: int) -> Products:
     return current.uses("linear", rows), current.uses("gated_linear", rows), current.uses("silu_and_mul", rows)
 
 
-def calibrate_stack(measure: Callable[[int, Sequence[Products]], tuple[list[float], float]]) -> KernelPolicy:
+def calibrate_stack(
+    measure: Callable[[int, Sequence[Products]], tuple[list[float], float] | None],
+) -> KernelPolicy:
     """Decides the decoder stack, and where the products of a decode step run, from `measure(rows, variants)` ->
     (seconds of one step of `rows` tokens through the stack with each variant's products, seconds of the same
-    step through the modules), per batch class, on the worker's model and cache; cached beside the build with
-    the shapes' other ratios. Only in "auto" mode with a resolved policy; returns the policy.
+    step through the modules with the table's), or None where the worker's cache cannot hold such a step; per
+    batch class, on the worker's model and cache; cached beside the build with the shapes' other ratios. Only in
+    "auto" mode with a resolved policy; returns the policy. The stack is judged against the modules on the
+    table's products (the same work), the products by the stack's two steps.
 
     The variants are the table's products and, where the table put one on the BLAS, every product native. The op
     calibration times products on at most 64 MB of weights, which stay in a large last-level cache, while a
@@ -257,9 +261,12 @@ def calibrate_stack(measure: Callable[[int, Sequence[Products]], tuple[list[floa
         for b in BATCHES:
             table = products(current, b)
             variants = [table] + ([(True, True, table[2])] if not all(table[:2]) else [])
-            stack_s, modules_s = measure(b, variants)
+            timed = measure(b, variants)
+            if timed is None:  # the cache cannot hold the step: decided by rule, nothing cached
+                return current
+            stack_s, modules_s = timed
             moved[b] = round(stack_s[1] / stack_s[0], 3) if len(stack_s) > 1 else 1.0
-            stack[b] = round((stack_s[1] if moved[b] < WIN_RATIO else stack_s[0]) / modules_s, 3)
+            stack[b] = round(stack_s[0] / modules_s, 3)  # both with the table's products
         _store(key, "decoder_stack", stack)
         _store(key, "stack_products", moved)
     with _lock:

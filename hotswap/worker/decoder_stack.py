@@ -120,13 +120,15 @@ class NativeDecoderStack:
         ]  # fmt: skip
 
     def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
-                  ) -> tuple[list[float], float]:  # fmt: skip
+                  ) -> tuple[list[float], float] | None:  # fmt: skip
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
-        `policy.fastest_in_turn`). Writes scratch keys and values into the first `rows` blocks of the cache: only
+        `policy.fastest_in_turn`), or None if the cache has fewer than `rows` blocks (a smaller step would be
+        another batch class). Writes scratch keys and values into the first `rows` blocks of the cache: only
         before any request ran."""
         assert self.model is not None
-        rows = min(rows, num_blocks)
+        if rows > num_blocks:
+            return None
         meta = AttentionMetadata.build([1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel)
         ids, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         model = self.model
