@@ -114,12 +114,13 @@ def main() -> None:
     figures: dict = {"build": build, "isa": args.isa, "torch_isa": emulation.torch_isa(), "ops": {}}
     chosen = policy.prepare({"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": 9,
                              "num_key_value_heads": 3, "vocab_size": VOCAB, "num_hidden_layers": 30})  # fmt: skip
-    op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear"}
+    op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear",
+             "attention": "paged_attention"}  # fmt: skip
     torch.manual_seed(0)
     rows = [row for m in (4, 16, 64) for row in measure(ops, m, args.reps)]
     print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}  calibration's choice")
     for label, m, native_us, torch_us in rows:
-        decision = chosen.decisions[op_of.get(label, label).replace("attention", "paged_attention")]
+        decision = chosen.decisions[op_of.get(label, label)]
         ratio = f" ({decision.ratios[m]:.2f})" if m in decision.ratios else " (rule)"
         choice = f"{'native' if decision.native[m] else 'torch'}{ratio}"
         print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}  {choice}")
