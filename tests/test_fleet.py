@@ -73,6 +73,32 @@ def fleet(ckpts):
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _fleet_resumed(request):
+    """After each test on the fleet, even a failed one: the fleet is resumed, so no later test meets a pause."""
+    yield
+    if "fleet" in request.fixturenames:
+        fleet = request.getfixturevalue("fleet")
+        if fleet.paused or fleet.pausing:
+            fleet.resume_generation()
+        fleet.collective_rpc(_normal_steps)
+
+
+def _slow_steps(worker) -> None:
+    """Every engine step of this worker takes at least 20 ms more (its logits are computed late)."""
+    compute = type(worker.model).compute_logits
+
+    def slow(hidden):
+        time.sleep(0.02)
+        return compute(worker.model, hidden)
+
+    worker.model.compute_logits = slow
+
+
+def _normal_steps(worker) -> None:
+    worker.model.__dict__.pop("compute_logits", None)
+
+
 def replica_serves(fleet: Fleet, index: int, path: Path) -> bool:
     """Whether replica `index` itself generates transformers' greedy continuations for the checkpoint at `path`."""
     tok = fleet.get_tokenizer()
@@ -273,6 +299,9 @@ def test_fleet_reload_commits_on_both_and_a_bad_one_changes_neither(fleet, ckpts
 
 def test_an_abort_pause_ends_requests_on_every_replica_and_resume_serves_again(fleet):
     wait_routable(fleet)
+    # the requests must still run when the pause lands: up to ~1000 steps (max_model_len) of 20 ms at least; on
+    # fast kernels the unslowed model finished them before the health checks had seen them on both replicas
+    fleet.collective_rpc(_slow_steps)
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     box: dict = {}
     worker = threading.Thread(target=lambda: box.setdefault("outs", fleet.generate(PROMPTS[:4], long)))
@@ -287,6 +316,30 @@ def test_an_abort_pause_ends_requests_on_every_replica_and_resume_serves_again(f
     assert fleet.is_paused()
     assert [o.outputs[0].finish_reason for o in box["outs"]] == ["abort"] * 4
     fleet.resume_generation()
+    fleet.collective_rpc(_normal_steps)
+    assert all(o.outputs[0].finish_reason == "length" for o in fleet.generate(PROMPTS[:2], GREEDY))
+
+
+def test_generate_on_a_paused_fleet_fails_fast_and_a_stuck_replica_times_out(fleet, ckpts):
+    """What used to hang: `generate` on a paused fleet waited on the replicas for ever."""
+    from hotswap.errors import EngineUnavailable
+
+    wait_routable(fleet)
+    fleet.pause_generation("keep")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="resume_generation"):
+        fleet.generate(PROMPTS[:2], GREEDY)
+    assert time.monotonic() - started < 5
+    fleet.resume_generation()
+    # a replica paused behind the fleet's back never returns: the call is bounded by request_timeout_s
+    ray.get(fleet.members[0].actor.pause_generation.remote("keep", False), timeout=30)
+    bound, fleet._request_timeout = fleet._request_timeout, 2.0
+    try:
+        with pytest.raises(TimeoutError, match=r"replica 0 did not return .*request_timeout_s"):
+            fleet.generate(PROMPTS, GREEDY)  # spread over both replicas (fewest outstanding tokens)
+    finally:
+        fleet._request_timeout = bound
+        ray.get(fleet.members[0].actor.resume_generation.remote(), timeout=30)
     assert all(o.outputs[0].finish_reason == "length" for o in fleet.generate(PROMPTS[:2], GREEDY))
 
 

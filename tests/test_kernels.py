@@ -33,6 +33,14 @@ def reference(q, k_cache, v_cache, tables, lens, kv_of_q, scale):
     return torch.stack(out)
 
 
+@pytest.fixture
+def native_mode():
+    """The native kernels forced for one test (the path under test, whatever the calibration chose on this
+    build); left when the test ends, failed or not."""
+    with use_mode("native"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def ops():
     if not native.enabled():
@@ -322,7 +330,7 @@ def test_small_batch_gated_linear_edges_and_bad_input(ops):
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quantization):
+def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, llama_dir, quantization):
     """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
     projection followed by SiluAndMul; an fp8 weight is dequantized once per projection either way."""
     from hotswap.config import EngineConfig, use_config
@@ -330,8 +338,6 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
 
-    forced = use_mode("native")  # the path under test, whatever the calibration chose on this build
-    forced.__enter__()
     gen = torch.Generator().manual_seed(6)
     with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
         mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
@@ -375,16 +381,13 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, monkeypatch, llama_dir, quant
         with torch.inference_mode():
             expected = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
         torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
-    forced.__exit__(None, None, None)
 
 
-def test_linear_dispatch(ops, monkeypatch):
+def test_linear_dispatch(ops, native_mode, monkeypatch):
     """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
     from hotswap.kernels import ops as linear_module
 
     monkeypatch.setattr(linear_module, "_ops", lambda: Spy())
-    forced = use_mode("native")  # the path under test, whatever the calibration chose on this build
-    forced.__enter__()
 
     calls = []
     real = ops.small_batch_linear
@@ -406,7 +409,6 @@ def test_linear_dispatch(ops, monkeypatch):
     out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None)
     assert calls == [] and out.requires_grad  # autograd stays on F.linear: the kernel has no backward
     assert (linear_module.SMALL_BATCH_MIN_ROWS, linear_module.SMALL_BATCH_ROWS) == (4, 64)
-    forced.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("vocab", [16384, 1000, 7])

@@ -15,12 +15,45 @@ from conftest import PROMPTS, hf_greedy, serves
 from hotswap import LLM, EngineConfig, SamplingParams
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.state import EngineState
+from hotswap.errors import EngineUnavailable
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.base import declare
 from hotswap.transfer.tensors import tensors_update_info
 from transfer_helpers import Pusher, free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_generate_on_a_paused_engine_fails_fast_and_a_frozen_call_is_bounded(ckpts):
+    """A synchronous generate never waits on a pause for ever: a new call is refused at once, and one that a pause
+    froze from another thread gives up after rpc_timeout_s, its requests aborted."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, rpc_timeout_s=1)
+    llm.pause_generation("keep")
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="resume_generation"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 5 and not llm.llm_engine.requests
+    llm.resume_generation()
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True), use_tqdm=False)
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not llm.llm_engine.requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    llm.pause_generation("keep")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(box.get("error"), TimeoutError), box
+    assert "rpc_timeout_s" in str(box["error"]) and not llm.llm_engine.requests
+    llm.resume_generation()
+    assert serves(llm, ckpts["A"])
 
 
 def test_state_moves_with_the_lifecycle(ckpts, b_tensors):

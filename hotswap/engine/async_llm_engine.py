@@ -15,12 +15,9 @@ from typing import Any
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
+from hotswap.errors import EngineUnavailable
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot take requests now (it is asleep); retry after wake_up. HTTP: 503 with Retry-After."""
 
 
 class AsyncLLMEngine:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.errors import EngineUnavailable
 from hotswap.executor.base import RpcMethod
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
@@ -68,9 +69,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt") and
         returns outputs in prompt order. `sampling_params` is one for all prompts or one per prompt. Every prompt
-        is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was."""
+        is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was.
+
+        Never blocks for ever: on a paused engine a new call raises `EngineUnavailable` at once (resume first);
+        a call whose requests a pause (from another thread) freezes waits for the resume at most `rpc_timeout_s`,
+        then raises `TimeoutError` and aborts its requests."""
         prompts, params_list = per_prompt(prompts, sampling_params)
         engine = self.llm_engine
+        if engine.is_paused() or engine.refusing_new_requests():
+            raise EngineUnavailable(
+                f"generation is paused ({engine.pause_mode!r}); call resume_generation() before generating")
         staged = []
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids = self._tokenize(prompt)
@@ -129,6 +137,8 @@ class LLM:
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        bound = self.llm_engine.config.parallel_config.rpc_timeout_s
+        paused_since: float | None = None
         try:
             while len(done) < len(wanted):
                 with self._lock:
@@ -143,8 +153,14 @@ class LLM:
                     if engine.is_asleep():
                         raise RuntimeError("the engine is asleep; call wake_up() before generating")
                     if not engine.state.steps:
+                        now = time.monotonic()
+                        paused_since = now if paused_since is None else paused_since
+                        if now - paused_since > bound:
+                            raise TimeoutError(f"generation stayed paused for more than {bound:g} s (rpc_timeout_s)"
+                                               "; call resume_generation() from another thread")  # fmt: skip
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread
                         continue
+                    paused_since = None
                     for out in engine.step():
                         if out.finished:
                             self._finished[out.request_id] = out

@@ -32,10 +32,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.engine.async_llm_engine import AsyncLLMEngine, EngineUnavailable
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.entrypoints.sglang_routes import add_sglang_routes
+from hotswap.errors import EngineUnavailable
 from hotswap.fleet.async_fleet import AsyncFleet
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
-from hotswap.engine.async_llm_engine import EngineUnavailable
+from hotswap.errors import EngineUnavailable
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router, request_cost
 from hotswap.outputs import RequestOutput
@@ -106,15 +106,21 @@ class Fleet:
         health_check_interval_s: float = 1.0,
         health_check_timeout_s: float = 30.0,
         start_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
         restart_replicas: bool = True,
         ray_init_kwargs: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
-        for name, value in (("health_check_interval_s", health_check_interval_s),
-                            ("health_check_timeout_s", health_check_timeout_s), ("start_timeout_s", start_timeout_s),
-                            ("num_cpus_per_worker", num_cpus_per_worker)):  # fmt: skip
+        positive = {
+            "health_check_interval_s": health_check_interval_s,
+            "health_check_timeout_s": health_check_timeout_s,
+            "start_timeout_s": start_timeout_s,
+            "request_timeout_s": request_timeout_s,
+            "num_cpus_per_worker": num_cpus_per_worker,
+        }
+        for name, value in positive.items():
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         self.engine_kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
@@ -138,6 +144,7 @@ class Fleet:
         self._health_interval = float(health_check_interval_s)
         self._health_timeout = float(health_check_timeout_s)
         self._start_timeout = float(start_timeout_s)
+        self._request_timeout = float(request_timeout_s)
         self._restart = restart_replicas
         self._rpc_timeout = float(self.config.parallel_config.rpc_timeout_s)
         # the environment that selects kernels, caches and the ISA torch's libraries use travels to every replica
@@ -339,10 +346,16 @@ class Fleet:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """As `LLM.generate`: outputs in prompt order, spread over the replicas (a replica that dies meanwhile
-        has its prompts generated again by the others)."""
+        has its prompts generated again by the others).
+
+        Never blocks for ever: a paused fleet refuses a new call at once (`EngineUnavailable`: resume first), and a
+        replica that has not returned its outputs within `request_timeout_s` (one paused meanwhile in 'keep' mode,
+        say) raises `TimeoutError` naming it; its requests are cancelled."""
         from hotswap.entrypoints.llm import per_prompt
 
         ray = _ray()
+        if self.paused or self.pausing:
+            raise EngineUnavailable(f"the fleet is paused ({self.pause_mode!r}); call resume_generation() first")
         prompts, params_list = per_prompt(prompts, sampling_params)
         staged = [self.prepare_prompt(p) for p in prompts]
         results: dict[int, RequestOutput] = {}
@@ -365,10 +378,16 @@ class Fleet:
                     for index, group in groups.items()
                 }  # fmt: skip
                 pending = []
+                deadline = time.monotonic() + self._request_timeout
                 for index, ref in list(calls.items()):
                     try:
-                        for (i, _), out in zip(groups[index], ray.get(ref), strict=True):
+                        outs = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                        for (i, _), out in zip(groups[index], outs, strict=True):
                             results[i] = out
+                    except ray.exceptions.GetTimeoutError:
+                        raise TimeoutError(
+                            f"replica {index} did not return its {len(groups[index])} outputs within "
+                            f"{self._request_timeout:g} s (request_timeout_s); paused={self.paused}") from None
                     except ray.exceptions.RayTaskError as err:
                         raise _cause(err) from None
                     except ray.exceptions.RayError as err:  # the replica died: its prompts go to the others
@@ -756,7 +775,7 @@ class Fleet:
             ready, _ = ray.wait([member.ping], timeout=0)
             if ready:
                 try:
-                    status = ray.get(member.ping)
+                    status = ray.get(member.ping, timeout=self._health_timeout)  # ready: answers at once
                 except Exception as err:
                     self._failed(member, f"its health check failed: {_first_line(err)}", member.ping_actor)
                 else:
