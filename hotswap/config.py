@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from hotswap.model.registry import supported_architectures
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -31,12 +33,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def _supported_architectures() -> tuple[str, ...]:
-    from hotswap.model.registry import supported_architectures
-
-    return supported_architectures()
 
 
 @dataclass
@@ -66,7 +62,7 @@ class ModelConfig:
             raise ValueError(f"model: {self.model!r} has no config.json; expected a Hugging Face checkpoint folder")
         self.hf_config = json.loads(cfg_path.read_text())
         archs = self.hf_config.get("architectures") or []
-        supported = _supported_architectures()
+        supported = supported_architectures()
         if not archs or archs[0] not in supported:
             raise ValueError(
                 f"model: architecture {archs[0] if archs else None!r} is not supported; "

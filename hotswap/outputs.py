@@ -16,11 +16,18 @@ class Logprob:
 
 @dataclass(frozen=True)
 class WeightVersionSpan:
-    """Output tokens [start_token, end_token) were produced by weight version `version`."""
+    """Output tokens [start_token, end_token) were produced by weight version `version` (the integer that orders
+    versions), shown to clients as `label` (the label given to that version, else the integer as a string; not
+    part of equality: a version is its integer)."""
 
     version: int
     start_token: int
     end_token: int
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", str(self.version))
 
 
 @dataclass
@@ -78,5 +85,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     admission_weight_version: int = 0
+    admission_weight_version_label: str = ""  # the label of admission_weight_version ("" before it is known)
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

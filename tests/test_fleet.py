@@ -158,13 +158,16 @@ def test_fleet_update_over_torch_dist_is_one_broadcast_group_and_commits_one_ver
     pusher = Pusher(fleet, "torch_dist", bucket_size_bytes=1 << 20)
     try:
         assert pusher.dist.group.size() == 1 + 2  # the trainer and both replicas' workers: each byte sent once
-        pusher.push(b_tensors)
+        pusher.push(b_tensors, weight_version="step-1")  # a label: the next integer, named
     finally:
         pusher.close()
-    assert fleet.get_weight_version() == version + 1
+    assert fleet.get_weight_version() == version + 1 and fleet.get_weight_version_label() == "step-1"
     assert [m.version for m in fleet.members] == [version + 1] * 2
+    assert [r["weight_version"] for r in fleet.replica_status()] == ["step-1"] * 2
     assert replica_serves(fleet, 0, ckpts["B"]) and replica_serves(fleet, 1, ckpts["B"])
     same_weights(fleet)
+    spans = [o.outputs[0].weight_versions for o in fleet.generate(PROMPTS[:4], GREEDY)]
+    assert {(s[0].version, s[0].label) for s in spans} == {(version + 1, "step-1")}  # from both replicas
 
 
 def test_fleet_update_over_shm_reaches_both_replicas(fleet, ckpts):
@@ -180,6 +183,11 @@ def test_fleet_update_over_shm_reaches_both_replicas(fleet, ckpts):
     assert replica_serves(fleet, 0, ckpts["A"]) and replica_serves(fleet, 1, ckpts["A"])
     outs = fleet.generate(PROMPTS[:4], GREEDY)
     assert all(o.outputs[0].weight_versions[0].version == 10 for o in outs)
+    assert fleet.update_weight_version("run7/ckpt-00042") == "run7/ckpt-00042"  # a rename: weights untouched
+    outs = fleet.generate(PROMPTS[:4], GREEDY)
+    spans = {(o.outputs[0].weight_versions[0].version, o.outputs[0].weight_versions[0].label) for o in outs}
+    assert spans == {(10, "run7/ckpt-00042")}
+    assert fleet.get_weight_version() == 10
 
 
 def test_a_trainer_dying_mid_broadcast_rolls_the_whole_fleet_back(fleet, ckpts, b_tensors):

@@ -48,7 +48,8 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
     assert [x[1] for x in meta["output_token_logprobs"]] == expected and meta["output_token_logprobs"][0][2] is None
     assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 8
-    assert meta["weight_version"] == "0" and meta["weight_versions"] == [{"version": "0", "start": 0, "end": 8}]
+    assert meta["weight_version"] == "0"
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 8, "version_id": 0}]
     target = 4  # AReaL's scoring request: the last `target` prompt tokens' logprobs
     score = post(server, "/generate", input_ids=ids, return_logprob=True, logprob_start_len=len(ids) - target - 1,
                  top_logprobs_num=0, sampling_params={"max_new_tokens": 1, "temperature": 0}).json()  # fmt: skip
@@ -171,18 +172,20 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tokenizer, ckpt
 
 
 def test_refused_versions_never_leave_a_session_open(server, tokenizer):
-    """A weight_version that is not an integer is refused before anything moves (SGLang's routes), or ends the
-    session it would have closed (vLLM's finish): the server keeps generating and takes the next update."""
+    """A weight_version that is no label (empty) is refused before anything moves (SGLang's routes); vLLM's finish
+    refuses it and keeps its session open for a retry: the server keeps generating and takes the next update."""
     ids = tokenizer.encode(PROMPT)
     before = greedy_ids(server, ids)
-    bad = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "v1"}
+    bad = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": ""}
     r = post(server, "/update_weights_from_distributed", **bad)
     assert r.status_code == 400 and "weight_version" in r.json()["message"]
-    assert post(server, "/update_weights_from_disk", model_path="/x", weight_version="v1").status_code == 400
+    assert post(server, "/update_weights_from_disk", model_path="/x", weight_version="").status_code == 400
     assert post(server, "/init_weight_transfer_engine", init_info={"backend": "disk"}).status_code == 200
     assert post(server, "/start_weight_update").status_code == 200
-    assert post(server, "/finish_weight_update", weight_version="v1").status_code == 400
-    assert post(server, "/start_weight_update").status_code == 200, "the refused finish ended its session"
+    assert post(server, "/finish_weight_update", weight_version="").status_code == 400
+    assert post(server, "/start_weight_update").status_code == 409, "the refused finish kept its session"
+    assert post(server, "/abort_weight_update").status_code == 200
+    assert post(server, "/start_weight_update").status_code == 200
     assert post(server, "/abort_weight_update").status_code == 200
     assert post(server, "/end_weight_update").json()["success"] is False  # no /begin_weight_update session
     assert greedy_ids(server, ids) == before

@@ -18,6 +18,7 @@ from hotswap.engine.state import EngineState
 from hotswap.errors import EngineUnavailable
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import VersionArg
 
 
 class AsyncLLMEngine:
@@ -202,9 +203,10 @@ class AsyncLLMEngine:
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
     async def reload_weights(
-        self, weights_path: str | None = None, weights_iterator: Any = None, target: str = "model"
+        self, weights_path: str | None = None, weights_iterator: Any = None, target: str = "model",
+        weight_version: VersionArg = None,
     ) -> None:
-        await self._locked(self.engine.reload_weights, weights_path, weights_iterator, target)
+        await self._locked(self.engine.reload_weights, weights_path, weights_iterator, target, weight_version)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._locked(self.engine.update_config, overrides)
@@ -223,7 +225,7 @@ class AsyncLLMEngine:
     async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
         await self._locked(self.engine.update_weights, update_info, session_token)
 
-    async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+    async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
         await self._locked(self.engine.finish_weight_update, weight_version, session_token)
 
     async def prepare_weight_update(self, session_token: str | None = None) -> None:
@@ -234,9 +236,9 @@ class AsyncLLMEngine:
         """Phase one of a two-phase reload (see `LLMEngine.prepare_reload`)."""
         await self._locked(self.engine.prepare_reload, weights_path, weights_iterator)
 
-    async def commit_weight_update(self, weight_version: int | None = None) -> None:
+    async def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
         """Phase two: commits what was prepared (see `LLMEngine.commit_weight_update`)."""
-        await self._locked(self.engine.commit_weight_update, weight_version)
+        await self._locked(self.engine.commit_weight_update, weight_version, label)
 
     async def export_weights(self) -> list[dict[str, Any]]:
         return list(await self._locked(self.engine.export_weights))
@@ -258,6 +260,15 @@ class AsyncLLMEngine:
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version
+
+    async def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
+        """Renames the served version (see `LLM.update_weight_version`); returns the new label. With
+        `abort_all_requests`, every request ends now (finish_reason 'abort', its stream gets the partial output)."""
+        self.engine.label_weight_version(new_version)
+        if abort_all_requests:
+            for request_id in list(self.engine.requests):
+                await self.abort(request_id)
+        return self.engine.weight_version_label
 
     async def reset_prefix_cache(self) -> None:
         await self._locked(self.engine.reset_prefix_cache, True)

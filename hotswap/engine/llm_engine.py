@@ -26,6 +26,7 @@ from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 
 
 class LLMEngine:
@@ -60,7 +61,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self.weight_version = 0
+        self.weight_version = 0  # orders versions; the label a client gave is kept beside it
+        self.version_labels = VersionLabels()
+        self.outputs.labels = self.version_labels
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
         self.state = EngineState.RUNNING
         self._connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
@@ -535,14 +538,18 @@ class LLMEngine:
         return problem
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       target: str = "model") -> None:  # fmt: skip
+                       target: str = "model", weight_version: VersionArg = None) -> None:  # fmt: skip
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
         records a new folder only after every worker loaded it. Advances the weight version on success; `target`
-        "draft" reloads the speculative draft instead, which then counts as updated for the current version."""
+        "draft" reloads the speculative draft instead, which then counts as updated for the current version.
+        `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version."""
         self._check_can_change("reload_weights")
         if target not in ("model", "draft"):
             raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
+        parse_version(weight_version)
+        if target == "draft" and weight_version is not None:
+            raise ValueError("weight_version names a new version of the model; a draft reload keeps the current one")
         if target == "draft" and self.config.draft_model_config is None:
             raise ValueError("reload_weights(target='draft') needs a draft model (speculative_config 'draft_model')")
         if weights_iterator is not None:
@@ -564,7 +571,7 @@ class LLMEngine:
             return
         if weights_path is not None:
             self._record_model_folder(str(weights_path))
-        self._advance_version(None)
+        self._advance_version(weight_version)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies a live config change to the engine and every worker together: validated here first (the same
@@ -576,11 +583,11 @@ class LLMEngine:
         if "speculative_config" in new_sections:  # blocks cached while not speculating lack the draft's KV
             self.reset_prefix_cache(force=True)
 
-    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
-        cache is invalidated and the version advances (or takes `weight_version`)."""
+        cache is invalidated and the version advances (or takes `weight_version`: an integer or a label)."""
         self.check_session(session_token)
-        _check_version(weight_version)
+        parse_version(weight_version)
         if self._prepared is not None:
             raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
         ok = False
@@ -631,10 +638,12 @@ class LLMEngine:
                 self._weights_changed(failed=True)
             raise
 
-    def commit_weight_update(self, weight_version: int | None = None) -> None:
+    def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
         """Phase two: every worker commits the prepared change (it drops its rollback copies); the prefix cache is
-        invalidated and the version advances (or takes `weight_version`, as a fleet gives every replica one)."""
-        _check_version(weight_version)
+        invalidated and the version advances (or takes `weight_version`, as a fleet gives every replica one, with
+        `label` if given)."""
+        parse_version(weight_version)
+        parse_version(label, "label")
         if self._prepared is None:
             raise RuntimeError("nothing is prepared; call prepare_weight_update() or prepare_reload() first")
         kind, folder = self._prepared
@@ -648,17 +657,17 @@ class LLMEngine:
         if kind == "reload":
             if folder is not None:
                 self._record_model_folder(folder)
-            self._advance_version(weight_version)
+            self._advance_version(weight_version, label)
         else:
-            self._versions_after_commit(weight_version)
+            self._versions_after_commit(weight_version, label)
 
-    def _versions_after_commit(self, weight_version: int | None) -> None:
+    def _versions_after_commit(self, weight_version: VersionArg, label: str | None = None) -> None:
         """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
         parts = {"model"} if self._session_target == "model" else {"draft"} if self._session_target == "draft" else (
             set(self.executor.collective_rpc(_last_update_parts)[0]) or {"model"}
         )  # fmt: skip
         if "model" in parts:
-            self._advance_version(weight_version)
+            self._advance_version(weight_version, label)
         if "draft" in parts:
             self.draft_weight_version = self.weight_version
 
@@ -684,7 +693,8 @@ class LLMEngine:
         rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
         Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
         self._check_can_change("adopt_weights")
-        _check_version(weight_version)
+        if parse_version(weight_version)[0] is None:
+            raise ValueError(f"adopt_weights takes an integer weight_version, got {weight_version!r}")
         if self.state is EngineState.UPDATING:
             raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
         if len(states) != self.config.parallel_config.tensor_parallel_size:
@@ -699,8 +709,26 @@ class LLMEngine:
         self.weight_version = weight_version
         self.draft_weight_version = weight_version if draft_weight_version is None else draft_weight_version
 
-    def _advance_version(self, weight_version: int | None) -> None:
-        self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+    def _advance_version(self, weight_version: VersionArg, label: str | None = None) -> None:
+        """The committed change's version: `weight_version`'s integer (else the next), labelled by `label`, else
+        by `weight_version`'s label (else unlabelled)."""
+        number, given = parse_version(weight_version)
+        self.weight_version = self.weight_version + 1 if number is None else number
+        self.version_labels.set(self.weight_version, label if label is not None else given)
+
+    @property
+    def weight_version_label(self) -> str:
+        """The served version as clients see it: the label given to it, or its integer as a string."""
+        return self.version_labels.label(self.weight_version)
+
+    def label_weight_version(self, label: VersionArg) -> str:
+        """Renames the served version (weights, requests and the integer untouched): `label` is a string label,
+        or an integer shown as itself. Returns the new label. Raises ValueError for an invalid label."""
+        if label is None:
+            raise ValueError("new_version must be a non-empty label")
+        parse_version(label, "new_version")
+        self.version_labels.set(self.weight_version, str(label))
+        return self.weight_version_label
 
     # ---- the state machine ----------------------------------------------------------------------------------
 
@@ -888,9 +916,6 @@ def _import_state(worker: Any, states: list[dict[str, torch.Tensor]]) -> None:
             mine[name].copy_(tensor)
 
 
-def _check_version(weight_version: int | None) -> None:
-    if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)):
-        raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
 
 
 _DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")

@@ -7,6 +7,7 @@ from hotswap.engine.detokenizer import Detokenizer, find_stop
 from hotswap.engine.model_input import SampleResult
 from hotswap.engine.sequence import Request, Sequence
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SpecStats, WeightVersionSpan
+from hotswap.weights.version import VersionLabels
 
 
 class OutputProcessor:
@@ -17,6 +18,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.speculative = False  # outputs carry SpecStats
+        self.labels = VersionLabels()  # the engine's: how versions are shown in spans
 
     def append(self, seq: Sequence, result: SampleResult, weight_version: int) -> None:
         """Appends the sampled token, records its logprobs and weight version, and sets `seq.finish_reason` when a
@@ -103,7 +105,8 @@ class OutputProcessor:
                     logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    weight_versions=[WeightVersionSpan(*span) for span in seq.weight_versions],
+                    weight_versions=[WeightVersionSpan(v, start, end, self.labels.label(v))
+                                     for v, start, end in seq.weight_versions],
                     spec_stats=SpecStats(seq.num_proposed, seq.num_accepted, seq.num_spec_steps)
                     if self.speculative
                     else None,
@@ -118,4 +121,5 @@ class OutputProcessor:
             finished=request.finished,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             admission_weight_version=request.admission_weight_version,
+            admission_weight_version_label=self.labels.label(request.admission_weight_version),
         )

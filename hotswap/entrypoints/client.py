@@ -52,8 +52,10 @@ class AdminClient:
             raise AdminError(response.status_code, message)
         return response.json()
 
-    def reload_weights(self, weights_path: str | None = None) -> int:
-        return int(self._call("POST", "/reload_weights", {"weights_path": weights_path})["weight_version"])
+    def reload_weights(self, weights_path: str | None = None, weight_version: int | str | None = None) -> str:
+        """Reloads from a folder (None: the current one); returns the new version's label."""
+        body = {"weights_path": weights_path, "weight_version": weight_version}
+        return str(self._call("POST", "/reload_weights", body)["weight_version"])
 
     def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self._call("POST", "/pause", {"mode": mode, "clear_cache": clear_cache})
@@ -64,8 +66,9 @@ class AdminClient:
     def is_paused(self) -> bool:
         return self._call("GET", "/is_paused")["is_paused"]
 
-    def get_weight_version(self) -> int:
-        return int(self._call("GET", "/get_weight_version")["weight_version"])
+    def get_weight_version(self) -> str:
+        """The served version's label (its integer as a string when none was given)."""
+        return str(self._call("GET", "/get_weight_version")["weight_version"])
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 per checkpoint tensor name, as the engine holds it."""
@@ -87,12 +90,13 @@ class AdminClient:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         backend: str = "shm",
         pause_mode: str | None = "keep",
-        weight_version: int | None = None,
+        weight_version: int | str | None = None,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> int:
-        """Sends the tensors to the engine in one session and returns the new weight version. `backend` is
+    ) -> str:
+        """Sends the tensors to the engine in one session and returns the new version's label (`weight_version`
+        if given: an integer or a label; else the next integer, as a string). `backend` is
         "shm" (same host) or "torch_dist" (give `master_port` on first use; this process hosts the rendezvous).
         `pause_mode` None skips pausing (the server refuses if requests are in flight)."""
         named = [(name, t.detach().cpu()) for name, t in named_tensors]
@@ -104,7 +108,7 @@ class AdminClient:
             try:
                 self._send(backend, named, token)
                 body = {"weight_version": weight_version, "session_token": token}
-                return int(self._call("POST", "/finish_weight_update", body)["weight_version"])
+                return str(self._call("POST", "/finish_weight_update", body)["weight_version"])
             except BaseException:
                 try:
                     self._call("POST", "/abort_weight_update", {"session_token": token})  # ours only

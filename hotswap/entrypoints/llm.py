@@ -15,10 +15,10 @@ from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.errors import EngineUnavailable
 from hotswap.executor.base import RpcMethod
+from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-
-PromptType = str | dict[str, Any]
+from hotswap.weights.version import VersionArg
 
 
 class LLM:
@@ -79,19 +79,14 @@ class LLM:
         if engine.is_paused() or engine.refusing_new_requests():
             raise EngineUnavailable(
                 f"generation is paused ({engine.pause_mode!r}); call resume_generation() before generating")
-        staged = []
-        for prompt, params in zip(prompts, params_list, strict=True):
-            text, token_ids = self._tokenize(prompt)
-            engine.validate_prompt(token_ids, params)
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-            staged.append((text, token_ids, params, salt))
+        staged = [stage(prompt, self.get_tokenizer()) for prompt in prompts]
+        for prompt, params in zip(staged, params_list, strict=True):
+            engine.validate_prompt(prompt.token_ids, params)
         ids = []
         with self._lock:
-            for text, token_ids, params, salt in staged:
+            for prompt, params in zip(staged, params_list, strict=True):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
+                engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 
@@ -104,30 +99,8 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Applies the tokenizer's chat template to one conversation or a list of them, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            ids = self.get_tokenizer().apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                tokenize=True,
-                return_dict=False,
-            )
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = chat_prompts(self.get_tokenizer(), messages, add_generation_prompt, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.get_tokenizer().encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Steps the engine until these requests finish. The lock is held for one step at a time, so other
@@ -227,12 +200,15 @@ class LLM:
         weights_path: str | None = None,
         weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         target: str = "model",
+        weight_version: VersionArg = None,
     ) -> None:
         """Updates the weights in place from a checkpoint folder, from (name, tensor) pairs (e.g. a trainer's
-        `model.named_parameters()`), or from the current folder. Advances the weight version on success.
+        `model.named_parameters()`), or from the current folder. Advances the weight version on success (or
+        takes `weight_version`: an integer or a label).
         `target` "draft": the speculative draft model's weights (its own names) instead."""
         with self._lock:
-            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator, target=target)
+            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator, target=target,
+                                           weight_version=weight_version)  # fmt: skip
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
@@ -264,8 +240,9 @@ class LLM:
         with self._lock:
             self.llm_engine.update_weights(update_info, session_token)
 
-    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
-        """Closes the session; the prefix cache is invalidated and the version advances (or takes the value)."""
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
+        """Closes the session; the prefix cache is invalidated and the version advances (or takes the integer, or
+        the label, given: see `hotswap.weights.version`)."""
         with self._lock:
             self.llm_engine.finish_weight_update(weight_version, session_token)
 
@@ -285,24 +262,27 @@ class LLM:
             raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
         return self.llm_engine.draft_weight_version if target == "draft" else self.llm_engine.weight_version
 
+    def get_weight_version_label(self) -> str:
+        """The served version as clients see it: the label given to it, or its integer as a string."""
+        return self.llm_engine.weight_version_label
+
+    def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
+        """Renames the served version (vLLM's and SGLang's `update_weight_version`): weights and requests are not
+        touched unless `abort_all_requests`, which ends every request (finish_reason 'abort', partial output
+        returned to its caller). Returns the new label."""
+        with self._lock:
+            self.llm_engine.label_weight_version(new_version)
+            if abort_all_requests:
+                for request_id in list(self.llm_engine.requests):
+                    out = self.llm_engine.abort_request(request_id)
+                    if out is not None:
+                        self._finished[request_id] = out
+                self._changed.notify_all()
+            return self.llm_engine.weight_version_label
+
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
         return self.collective_rpc("weight_checksums", (target,))[0]
-
-
-def per_prompt(
-    prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-) -> tuple[list[PromptType], list[SamplingParams]]:
-    """The prompts as a list, with their sampling params: one for all (default SamplingParams()) or one per prompt.
-    Raises ValueError when the counts differ."""
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return prompts, [sampling_params or SamplingParams()] * len(prompts)
-    params_list = list(sampling_params)
-    if len(params_list) != len(prompts):
-        raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
-                         "prompt")  # fmt: skip
-    return prompts, params_list
 
 
 class _ApplyModel:

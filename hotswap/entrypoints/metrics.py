@@ -25,6 +25,13 @@ class Metrics:
         with self._lock:
             self._counters[(name, tuple(sorted(labels.items())))] = value
 
+    def set_only(self, name: str, value: float, **labels: str) -> None:
+        """Sets `name` with these labels and drops its series with other labels (an info metric: one series)."""
+        with self._lock:
+            for key in [k for k in self._counters if k[0] == name]:
+                del self._counters[key]
+            self._counters[(name, tuple(sorted(labels.items())))] = value
+
     def observe(self, name: str, seconds: float) -> None:
         """Adds one observation to a summary (`name`_sum and `name`_count)."""
         with self._lock:
@@ -42,6 +49,11 @@ class Metrics:
                 kind, text = self._help[base]
                 lines += [f"# HELP {base} {text}", f"# TYPE {base} {kind}"]
                 described.add(base)
-            label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
             lines.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
         return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    """A label value as the Prometheus text format writes it (backslash, double quote and newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

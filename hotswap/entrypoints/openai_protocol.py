@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 
 # Fields that would change what is generated and that hotswap does not implement: refused with a 400 naming the
@@ -163,17 +163,6 @@ def sampling_params(
     )
 
 
-def integer_version(value: int | str | None) -> int | None:
-    """A weight version from a client: an int, or a string holding one (vLLM's and SGLang's are strings; hotswap's
-    are integers). Raises ValueError for another label."""
-    if value is None or isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"weight_version must be an integer (or a string holding one), got {value!r}") from None
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -195,12 +184,17 @@ class Shape:
 
 
 def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
-    """The output's weight-version spans: [[version, start, end]], or vLLM's objects with return_weight_versions;
-    versions are strings, as vLLM's and SGLang's clients compare them."""
+    """The output's weight-version spans: [[label, start, end]], or vLLM's objects with return_weight_versions
+    ({"version": label, "start", "end", "version_id": the integer}). Labels are strings, as vLLM's and SGLang's
+    clients compare them; two adjacent spans with one label are two versions that carried the same label."""
     if shape is not None and shape.vllm_versions:
-        return [{"version": str(s.version), "start": s.start_token, "end": s.end_token}
-                for s in completion.weight_versions]  # fmt: skip
-    return [[str(s.version), s.start_token, s.end_token] for s in completion.weight_versions]
+        return [span_object(s) for s in completion.weight_versions]
+    return [[s.label, s.start_token, s.end_token] for s in completion.weight_versions]
+
+
+def span_object(span: WeightVersionSpan) -> dict[str, Any]:
+    """One span in vLLM's and SGLang's object shape, with the version's integer as `version_id`."""
+    return {"version": span.label, "start": span.start_token, "end": span.end_token, "version_id": span.version}
 
 
 def _token(lp: Logprob, token_id: int, shape: Shape) -> str:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
@@ -40,6 +40,7 @@ from hotswap.errors import EngineUnavailable
 from hotswap.fleet.async_fleet import AsyncFleet
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
+from hotswap.weights.version import parse_version
 
 if TYPE_CHECKING:
     from hotswap.outputs import RequestOutput
@@ -80,6 +81,10 @@ class RequestLimits:
 
 
 _IGNORED_LOGGED: set[tuple[str, str]] = set()
+
+
+# A weight version a client gives: a label or an integer (bools and floats are a 400 naming the field).
+VersionField = StrictInt | StrictStr | None
 
 
 class _Body(BaseModel):
@@ -144,6 +149,7 @@ FLEET_METRIC_HELP = {
 class ReloadBody(_Body):
     weights_path: str | None = None
     target: str = Field(default="model", pattern="^(model|draft)$")
+    weight_version: VersionField = None
 
 
 class InitBody(_Body):
@@ -160,8 +166,15 @@ class UpdateBody(_Body):
 
 
 class FinishBody(_Body):
-    weight_version: int | str | None = None  # vLLM and SGLang send strings; they must hold an integer here
+    weight_version: VersionField = None  # a label (vLLM and SGLang send strings) or an integer
     session_token: str | None = None
+
+
+class RenameBody(_Body):
+    """vLLM's and SGLang's /update_weight_version."""
+
+    new_version: StrictInt | StrictStr
+    abort_all_requests: bool = False  # SGLang defaults to true; here a rename never ends work unless asked
 
 
 class AbortRequestsBody(_Body):
@@ -263,7 +276,8 @@ def create_app(
     metrics.describe("hotswap_prompt_tokens", "counter", "Prompt tokens processed")
     metrics.describe("hotswap_generation_tokens", "counter", "Tokens generated")
     metrics.describe("hotswap_request_latency_seconds", "summary", "End-to-end latency of generation requests")
-    metrics.describe("hotswap_weight_version", "gauge", "Weight version being served")
+    metrics.describe("hotswap_weight_version", "gauge", "Weight version being served (the integer that orders them)")
+    metrics.describe("hotswap_weight_version_info", "gauge", "1, labelled with the served version's label")
     for name, (kind, text) in SPEC_METRIC_HELP.items():
         metrics.describe(name, kind, text)
     if isinstance(engine, AsyncFleet):
@@ -272,6 +286,7 @@ def create_app(
     metrics.describe("hotswap_requests_running", "gauge", "Requests queued or being generated")
     metrics.describe("hotswap_weight_update_seconds", "summary", "Duration of weight updates (start to finish)")
     metrics.set("hotswap_weight_version", 0)
+    metrics.set_only("hotswap_weight_version_info", 1, weight_version=engine.engine.weight_version_label)
     update_started: list[float] = []
 
     def check(expected: str | None, request: Request) -> None:
@@ -431,7 +446,7 @@ def create_app(
             for replica in engine.fleet.replica_status():
                 label = str(replica["index"])
                 metrics.set("hotswap_fleet_replica_up", float(replica["routable"]), replica=label)
-                metrics.set("hotswap_fleet_replica_weight_version", float(replica["weight_version"]), replica=label)
+                metrics.set("hotswap_fleet_replica_weight_version", float(replica["version_id"]), replica=label)
                 metrics.set("hotswap_fleet_replica_requests_routed", float(replica["routed"]), replica=label)
         return metrics.render()
 
@@ -685,13 +700,14 @@ def create_app(
 
     def version_changed() -> None:
         metrics.set("hotswap_weight_version", engine.engine.weight_version)
+        metrics.set_only("hotswap_weight_version_info", 1, weight_version=engine.engine.weight_version_label)
 
     def versions() -> dict[str, Any]:
-        """The served version, and with a speculative draft model the version it was last updated for (strings, as
-        vLLM's and SGLang's clients compare them)."""
-        out: dict[str, Any] = {"weight_version": str(engine.engine.weight_version)}
+        """The served version's label, and with a speculative draft model the label of the version it was last
+        updated for (strings, as vLLM's and SGLang's clients compare them)."""
+        out: dict[str, Any] = {"weight_version": engine.engine.weight_version_label}
         if engine.engine.config.draft_model_config is not None:
-            out["draft_weight_version"] = str(engine.engine.draft_weight_version)
+            out["draft_weight_version"] = engine.engine.version_labels.label(engine.engine.draft_weight_version)
             out["draft_stale"] = engine.engine.draft_stale
         return out
 
@@ -702,13 +718,15 @@ def create_app(
         @app.get("/fleet_status", dependencies=admin)
         async def fleet_status() -> dict[str, Any]:
             """The fleet's version and, per replica, its state, version, routing and last health report."""
-            return {"weight_version": str(engine.fleet.version), "replicas": engine.fleet.replica_status()}
+            return {"weight_version": engine.fleet.get_weight_version_label(), "version_id": engine.fleet.version,
+                    "replicas": engine.fleet.replica_status()}  # fmt: skip
 
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
         start = time.perf_counter()
         body = body or ReloadBody()
-        await guarded(engine.reload_weights(weights_path=body.weights_path, target=body.target))
+        await guarded(engine.reload_weights(weights_path=body.weights_path, target=body.target,
+                                            weight_version=body.weight_version))  # fmt: skip
         metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
         version_changed()
         return versions()
@@ -733,11 +751,10 @@ def create_app(
     async def finish_weight_update(body: FinishBody | None = None) -> dict[str, Any]:
         body = body or FinishBody()
         try:
-            version = oai.integer_version(body.weight_version)
+            parse_version(body.weight_version)  # before anything moves; the session stays open for a retry
         except ValueError as err:
-            await guarded(engine.abort_weight_update(body.session_token))  # never leave the session hanging
             raise ApiError(400, str(err)) from None
-        await guarded(engine.finish_weight_update(version, body.session_token))
+        await guarded(engine.finish_weight_update(body.weight_version, body.session_token))
         if update_started:
             metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - update_started.pop())
         version_changed()
@@ -826,7 +843,18 @@ def create_app(
 
     @app.get("/weight_info", dependencies=admin)
     async def weight_info() -> dict[str, Any]:
-        return {"weight_version": str(engine.engine.weight_version)}
+        return {"weight_version": engine.engine.weight_version_label}
+
+    @app.post("/update_weight_version", dependencies=admin)
+    async def update_weight_version(body: RenameBody) -> dict[str, Any]:
+        """Renames the served version (vLLM's and SGLang's route): weights, the integer version and requests stay
+        as they are unless `abort_all_requests`, which ends every request with its partial output."""
+        try:
+            label = await engine.update_weight_version(body.new_version, body.abort_all_requests)
+        except ValueError as err:
+            raise ApiError(400, str(err)) from None
+        version_changed()
+        return {"success": True, "message": "Weight version updated.", "new_version": label}
 
     @app.get("/server_info", dependencies=admin)
     async def server_info(config_format: str = Query("json", pattern="^(json|text)$")) -> dict[str, Any]:
@@ -837,7 +865,7 @@ def create_app(
         sglang = {"tp_size": tp, "tensor_parallel_size": tp, "pp_size": 1, "dp_size": 1, "ep_size": 1,
                   "moe_dp_size": 1, "num_gpus": 0, "disaggregation_mode": "null", "encoder_only": False,
                   "model_path": engine.engine.config.model_config.model,
-                  "weight_version": str(engine.engine.weight_version)}  # fmt: skip
+                  "weight_version": engine.engine.weight_version_label}  # fmt: skip
         return {"vllm_config": config if config_format == "json" else json.dumps(config), "vllm_env": {},
                 "system_env": {}, **sglang}  # fmt: skip
 
@@ -876,7 +904,7 @@ def create_app(
     @app.get("/weight_checksums", dependencies=admin)
     async def weight_checksums() -> dict[str, Any]:
         checksums = (await guarded(engine.collective_rpc("weight_checksums")))[0]  # rank 0 (of replica 0)
-        return {"weight_version": str(engine.engine.weight_version), "checksums": checksums}
+        return {"weight_version": engine.engine.weight_version_label, "checksums": checksums}
 
     @app.post("/collective_rpc", dependencies=admin)
     async def collective_rpc(body: RpcBody) -> dict[str, Any]:

@@ -18,12 +18,13 @@ from typing import Any, cast
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
-from hotswap.entrypoints.openai_protocol import integer_version
+from hotswap.entrypoints.openai_protocol import span_object
 from hotswap.outputs import CompletionOutput, RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import parse_version
 
 
 class _Lenient(BaseModel):
@@ -50,7 +51,7 @@ class PauseGenerationBody(_Lenient):
 class DiskBody(_Lenient):
     model_path: str
     load_format: str | None = None
-    weight_version: str | int | None = None
+    weight_version: StrictStr | StrictInt | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
 
@@ -71,17 +72,12 @@ class DistributedBody(_Lenient):
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | int | None = None
+    weight_version: StrictStr | StrictInt | None = None
     load_format: str | None = None
 
 
 class SelectorBody(_Lenient):
     selector: str = Field(default="all", pattern="^(target|draft|all)$")
-
-
-class VersionBody(_Lenient):
-    new_version: str | int
-    abort_all_requests: bool = False
 
 
 class AbortBody(_Lenient):
@@ -133,16 +129,17 @@ def _finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
 
 
 def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_of: Callable[[int], str],
-             version: int) -> dict[str, Any]:  # fmt: skip
-    """One SGLang generate result (a request's sample)."""
-    spans = [{"version": str(s.version), "start": s.start_token, "end": s.end_token} for s in c.weight_versions]
+             version: str) -> dict[str, Any]:  # fmt: skip
+    """One SGLang generate result (a request's sample); `version`: the served version's label, for an output with
+    no token yet."""
+    spans = [span_object(s) for s in c.weight_versions]
     meta: dict[str, Any] = {
         "id": out.request_id,
         "finish_reason": _finish_reason(c),
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(c.token_ids),
         "cached_tokens": out.num_cached_tokens,
-        "weight_version": spans[-1]["version"] if spans else str(version),
+        "weight_version": spans[-1]["version"] if spans else version,
         "weight_versions": spans,
     }
     if c.spec_stats is not None:
@@ -188,7 +185,8 @@ def add_sglang_routes(
     admin routes are off) generation control and the weight routes behind it."""
     inner = engine.engine
     vocab = int(inner.config.model_config.hf_config.get("vocab_size", 0))
-    state: dict[str, Any] = {"session": None}  # the token of a /begin_weight_update session
+    # the token of a /begin_weight_update session, and the weight_version its updates gave (committed at the end)
+    state: dict[str, Any] = {"session": None, "version": None}
 
     def fail(err: BaseException) -> JSONResponse:
         return JSONResponse({"success": False, "message": str(err)}, status_code=400)
@@ -207,11 +205,6 @@ def add_sglang_routes(
             return False
         await engine.pause_generation("abort" if abort else "wait", clear_cache=False)
         return True
-
-    def set_version(version: int | None) -> None:
-        if version is not None:
-            inner.weight_version = version
-            version_changed()
 
     # ---- generation --------------------------------------------------------------------------------------
 
@@ -255,7 +248,7 @@ def add_sglang_routes(
                     out = first
                     while True:
                         for c in out.outputs:
-                            yield f"data: {json.dumps(response(out, c, body, text_of, inner.weight_version))}\n\n"
+                            yield f"data: {json.dumps(response(out, c, body, text_of, inner.weight_version_label))}\n\n"
                         if out.finished:
                             break
                         out = await anext(stream)
@@ -281,7 +274,7 @@ def add_sglang_routes(
             first = errors.exceptions[0]
             status = getattr(first, "status", 400)
             return JSONResponse({"error": {"message": getattr(first, "message", str(first))}}, status)
-        results = [response(o, c, body, text_of, inner.weight_version) for o in outs for c in o.outputs]
+        results = [response(o, c, body, text_of, inner.weight_version_label) for o in outs for c in o.outputs]
         return results if batch or params.n > 1 else results[0]
 
     @app.get("/health_generate")
@@ -342,18 +335,18 @@ def add_sglang_routes(
         if body.load_format not in (None, "auto", "safetensors"):
             return fail(ValueError(f"load_format {body.load_format!r} is not supported (safetensors folders)"))
         try:
-            version = integer_version(body.weight_version)  # checked before anything moves
+            parse_version(body.weight_version)  # checked before anything moves
         except ValueError as err:
             return fail(err)
         resume = await paused(body.abort_all_requests)
         try:
-            _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path))
+            _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path,
+                                                             weight_version=body.weight_version))  # fmt: skip
         finally:
             if resume:
                 await engine.resume_generation()
         if error is not None:
             return error
-        set_version(version)
         version_changed()
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
@@ -378,7 +371,7 @@ def add_sglang_routes(
         token, error = await ok_or_400(engine.start_weight_update(target))
         if error is not None:
             return error
-        state["session"] = token
+        state["session"], state["version"] = token, None
         return {"success": True, "message": "Weight update session started."}
 
     def session_token() -> str | None:
@@ -386,15 +379,16 @@ def add_sglang_routes(
         token = state["session"]
         if token is not None and token != inner._session_token:
             state["session"] = token = None  # it ended another way (abort, destroy, a vLLM-route finish)
+            state["version"] = None
         return token
 
     @app.post("/end_weight_update", dependencies=admin)
     async def end_weight_update() -> Any:
         token = session_token()
-        state["session"] = None
+        version, state["session"], state["version"] = state["version"], None, None
         if token is None:
             return fail(ValueError("no weight update session is open; call /begin_weight_update first"))
-        _, error = await ok_or_400(engine.finish_weight_update(None, token))
+        _, error = await ok_or_400(engine.finish_weight_update(version, token))
         if error is not None:
             return error
         version_changed()
@@ -404,7 +398,7 @@ def add_sglang_routes(
     async def update_weights_from_distributed(body: DistributedBody) -> Any:
         info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format}
         try:
-            version = integer_version(body.weight_version)  # checked before anything moves
+            parse_version(body.weight_version)  # checked before anything moves
         except ValueError as err:
             return fail(err)
         if not body.names:  # an empty bucket changes nothing (and nothing is broadcast for it)
@@ -413,7 +407,9 @@ def add_sglang_routes(
         if token is not None:  # inside /begin_weight_update: one more update of that session
             _, error = await ok_or_400(engine.update_weights(info, token))
             if error is not None:
-                state["session"] = None  # the failed update ended (and rolled back) the session
+                state["session"] = state["version"] = None  # the failed update ended (and rolled back) the session
+            elif body.weight_version is not None:  # the version /end_weight_update commits
+                state["version"] = body.weight_version
             return error or {"success": True, "message": "Succeeded to update parameter online."}
         resume = await paused(body.abort_all_requests)
         try:
@@ -421,7 +417,7 @@ def add_sglang_routes(
             if error is None:
                 _, error = await ok_or_400(engine.update_weights(info, token))
             if error is None:
-                _, error = await ok_or_400(engine.finish_weight_update(version, token))
+                _, error = await ok_or_400(engine.finish_weight_update(body.weight_version, token))
         finally:
             if token is not None and inner._session_token == token:  # never leave the implicit session open
                 await engine.abort_weight_update(token)
@@ -432,20 +428,12 @@ def add_sglang_routes(
         version_changed()
         return {"success": True, "message": "Succeeded to update parameter online."}
 
-    @app.post("/update_weight_version", dependencies=admin)
-    async def update_weight_version(body: VersionBody) -> Any:
-        try:
-            set_version(integer_version(body.new_version))
-        except ValueError as err:
-            return fail(err)
-        return {"success": True, "message": "Weight version updated.", "new_version": str(inner.weight_version)}
-
     @app.get("/model_info", dependencies=admin)
     async def model_info() -> Any:
         mc = inner.config.model_config
         return {"model_path": mc.model, "served_model_name": served_model_name, "tokenizer_path": mc.tokenizer,
                 "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": str(inner.weight_version), "load_format": "safetensors"}  # fmt: skip
+                "weight_version": inner.weight_version_label, "load_format": "safetensors"}  # fmt: skip
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=admin)
     async def release_memory_occupation(body: TagsBody | None = None) -> Any:

@@ -19,6 +19,7 @@ from hotswap.engine.detokenizer import Detokenizer
 from hotswap.fleet.fleet import Fleet, _cause, _first_line, _ray
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import VersionArg, VersionLabels
 
 
 class FleetView:
@@ -39,6 +40,14 @@ class FleetView:
     @property
     def weight_version(self) -> int:
         return self.fleet.version
+
+    @property
+    def weight_version_label(self) -> str:
+        return self.fleet.get_weight_version_label()
+
+    @property
+    def version_labels(self) -> VersionLabels:
+        return self.fleet.labels
 
     def _statuses(self) -> list[dict[str, Any]]:
         return [m.status for m in self.fleet.members if m.state == "up" and m.status]
@@ -160,8 +169,8 @@ class AsyncFleet:
         return self.fleet.is_paused()
 
     async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                             target: str = "model") -> None:  # fmt: skip
-        await self._run(self.fleet.reload_weights, weights_path, weights_iterator, target)
+                             target: str = "model", weight_version: VersionArg = None) -> None:  # fmt: skip
+        await self._run(self.fleet.reload_weights, weights_path, weights_iterator, target, weight_version)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._run(self.fleet.update_config, overrides)
@@ -175,7 +184,7 @@ class AsyncFleet:
     async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
         await self._run(self.fleet.update_weights, update_info, session_token)
 
-    async def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+    async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
         await self._run(self.fleet.finish_weight_update, weight_version, session_token)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
@@ -186,6 +195,9 @@ class AsyncFleet:
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.fleet.get_weight_version(target)
+
+    async def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
+        return str(await self._run(self.fleet.update_weight_version, new_version, abort_all_requests))
 
     async def reset_prefix_cache(self) -> None:
         await self._run(self.fleet.reset_prefix_cache)

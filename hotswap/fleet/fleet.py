@@ -40,13 +40,14 @@ from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.errors import EngineUnavailable
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router, request_cost
+from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
+from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict[str, Any]
 _FORWARDED_ENV = ("HOTSWAP_", "TORCH_EXTENSIONS_DIR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
                   "ONEDNN_MAX_CPU_ISA")  # fmt: skip
 
@@ -157,7 +158,8 @@ class Fleet:
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.router = Router()
-        self.version = 0
+        self.version = 0  # orders versions; labels given by clients are kept beside it
+        self.labels = VersionLabels()
         self.draft_version = 0
         # the last checkpoint folder the replicas loaded (a restarted replica starts from it), and whether it alone
         # holds the fleet's version (else a restarted replica copies a live one's weights)
@@ -315,16 +317,7 @@ class Fleet:
 
     def prepare_prompt(self, prompt: PromptType) -> dict[str, Any]:
         """The prompt as replicas take it, tokenized once here: {"prompt", "prompt_token_ids", "cache_salt"?}."""
-        if isinstance(prompt, str):
-            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=True)}
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            return {**prompt, "prompt_token_ids": list(ids)}
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return {**prompt, **self.prepare_prompt(prompt["prompt"])}
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        return stage(prompt, self.tokenizer).as_dict()
 
     def route(self, prompt: dict[str, Any], params: SamplingParams, request_id: str, key: str | None = None,
               avoid: Iterable[int] = ()) -> _Member:  # fmt: skip
@@ -351,8 +344,6 @@ class Fleet:
         Never blocks for ever: a paused fleet refuses a new call at once (`EngineUnavailable`: resume first), and a
         replica that has not returned its outputs within `request_timeout_s` (one paused meanwhile in 'keep' mode,
         say) raises `TimeoutError` naming it; its requests are cancelled."""
-        from hotswap.entrypoints.llm import per_prompt
-
         ray = _ray()
         if self.paused or self.pausing:
             raise EngineUnavailable(f"the fleet is paused ({self.pause_mode!r}); call resume_generation() first")
@@ -407,13 +398,7 @@ class Fleet:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:  # fmt: skip
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = [
-            {"prompt_token_ids": list(self.tokenizer.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
-                return_dict=False))}
-            for c in conversations
-        ]  # fmt: skip
+        prompts = chat_prompts(self.tokenizer, messages, add_generation_prompt, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- pause, resume, sleep, config ------------------------------------------------------------------------
@@ -504,6 +489,22 @@ class Fleet:
             raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
         return self.draft_version if target == "draft" else self.version
 
+    def get_weight_version_label(self) -> str:
+        """The fleet's version as clients see it: the label given to it, or its integer as a string."""
+        return self.labels.label(self.version)
+
+    def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
+        """Renames the fleet's version on every replica (see `LLM.update_weight_version`); weights and requests
+        are untouched unless `abort_all_requests`. Returns the new label."""
+        if new_version is None:
+            raise ValueError("new_version must be a non-empty label")
+        parse_version(new_version, "new_version")
+        with self._change:
+            self._all(self._up(), "update_weight_version", new_version, abort_all_requests, down_ok=True)
+            with self._lock:
+                self.labels.set(self.version, str(new_version))
+        return self.get_weight_version_label()
+
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """A routable replica's checksums (every routable replica holds the same weights)."""
         try:
@@ -521,10 +522,13 @@ class Fleet:
         weights_path: str | None = None,
         weights_iterator: Iterable[tuple[str, Any]] | None = None,
         target: str = "model",
+        weight_version: VersionArg = None,
     ) -> None:
-        """Reloads every replica in place, two-phase: all of them commit one new version, or none changes. As
-        for one engine, requests in flight refuse it: pause first. With a folder, this also brings the fleet
-        back when no replica holds its version any more: the replicas restart from the folder."""
+        """Reloads every replica in place, two-phase: all of them commit one new version (the next, or
+        `weight_version`: an integer or a label), or none changes. As for one engine, requests in flight refuse
+        it: pause first. With a folder, this also brings the fleet back when no replica holds its version any
+        more: the replicas restart from the folder."""
+        parse_version(weight_version)
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
                              "updated through a session with target 'all'")  # fmt: skip
@@ -540,7 +544,7 @@ class Fleet:
             confirmed = True
             if members:
                 weights = None if weights_iterator is None else ray.put(list(weights_iterator))
-                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights)
+                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights, version=weight_version)
             elif not self._restart:
                 raise EngineUnavailable("no replica holds the fleet's weights and restart_replicas is off")
             with self._lock:  # before a restart is scheduled from it
@@ -551,7 +555,7 @@ class Fleet:
                 else:
                     self._folder_current = False
             if not members:
-                self._reseed()
+                self._reseed(weight_version)
             if not confirmed:
                 raise _no_commit(self.version)
         if not members:  # the replicas come back from the folder: wait for the first
@@ -561,11 +565,13 @@ class Fleet:
                     raise TimeoutError(f"no replica came back from {weights_path} within {self._start_timeout:g} s")
                 time.sleep(0.1)
 
-    def _reseed(self) -> None:
-        """No replica holds the fleet's version: at a new version, every replica is restarted (from the folder
-        the caller records before releasing the change lock)."""
+    def _reseed(self, weight_version: VersionArg = None) -> None:
+        """No replica holds the fleet's version: at a new version (the next, or `weight_version`), every replica
+        is restarted (from the folder the caller records before releasing the change lock)."""
+        number, label = parse_version(weight_version)
         with self._lock:
-            self.version += 1
+            self.version = self.version + 1 if number is None else number
+            self.labels.set(self.version, label)
             stale = [m for m in self.members if m.state == "up"]
             for m in self.members:
                 m.retry_at = m.backoff = 0.0
@@ -648,11 +654,10 @@ class Fleet:
             if errors:
                 self._roll_back(members, errors, "update_weights")
 
-    def finish_weight_update(self, weight_version: int | None = None, session_token: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
         """Prepares the session's update on every replica, then commits it on all with one version (the fleet's
-        next, or `weight_version`); if any replica fails to prepare, all roll back."""
-        if weight_version is not None and (not isinstance(weight_version, int) or isinstance(weight_version, bool)):
-            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        next, or `weight_version`: an integer or a label); if any replica fails to prepare, all roll back."""
+        parse_version(weight_version)
         with self._change:
             members = self._session_members(session_token, "finish_weight_update")
             self._session = None
@@ -722,7 +727,7 @@ class Fleet:
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
 
-    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: int | None = None) -> bool:
+    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: VersionArg = None) -> bool:
         """Prepares on every member, then commits all with one version, or rolls all back (and raises). Returns
         whether any replica confirmed its commit (if none did, the fleet is at the new version with no replica
         holding it: the caller records where it came from, then raises `_no_commit`)."""
@@ -733,14 +738,17 @@ class Fleet:
             raise
         if errors:
             self._roll_back(members, errors, prepare)
-        proposed = self.version + 1 if version is None else version
-        results, errors = self._call(members, "commit_weight_update", proposed, timeout=self._rpc_timeout)
+        number, label = parse_version(version)
+        proposed = self.version + 1 if number is None else number
+        results, errors = self._call(members, "commit_weight_update", proposed, label, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
         pairs = [tuple(r) for r in results.values()]  # (model version, draft version) as the commits left them
         agreed = max(set(pairs), key=pairs.count) if pairs else (proposed, self.draft_version)
         odd = []
         with self._lock:
+            if agreed[0] == proposed:
+                self.labels.set(proposed, label)
             self.version, self.draft_version = agreed
             for m in members:
                 if m.index in results:
@@ -824,7 +832,8 @@ class Fleet:
                 if self._overrides:
                     ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
                 if self._folder_current and self._folder_generation == generation:
-                    ray.get(actor.set_weight_version.remote(self.version, self.draft_version), timeout=60)
+                    ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
+                            timeout=60)  # fmt: skip
                     restored = "folder"
                 else:
                     self._copy_weights(actor)
@@ -859,7 +868,8 @@ class Fleet:
             raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
                                "reload the fleet from a folder to bring replicas back")  # fmt: skip
         states = source.actor.export_weights.remote()
-        ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version), timeout=self._start_timeout)
+        ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
+                timeout=self._start_timeout)  # fmt: skip
         which = "all" if self.config.draft_model_config is not None else "model"
         theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
                                timeout=self._start_timeout)  # fmt: skip
@@ -879,7 +889,8 @@ class Fleet:
         """Per replica: index, state, version, routable, restarts, error, and its last health report."""
         with self._lock:
             routable = {m.index for m in self.members if m.state == "up" and m.version == self.version}
-            return [{"index": m.index, "state": m.state, "weight_version": m.version, "routable": m.index in routable,
+            return [{"index": m.index, "state": m.state, "weight_version": self.labels.label(m.version),
+                     "version_id": m.version, "routable": m.index in routable,
                      "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
                      "routed": self.router.routed.get(m.index, 0),
                      "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}

@@ -35,6 +35,7 @@ class ReplicaServer:
             "index": self.index,
             "pid": os.getpid(),
             "weight_version": e.weight_version,
+            "weight_version_label": e.weight_version_label,
             "draft_weight_version": e.draft_weight_version,
             "draft_stale": e.draft_stale,
             "state": e.state.value,
@@ -118,10 +119,10 @@ class ReplicaServer:
     async def prepare_reload(self, weights_path: str | None, weights_iterator: Any) -> None:
         await self.engine.prepare_reload(weights_path, weights_iterator)
 
-    async def commit_weight_update(self, weight_version: int) -> tuple[int, int]:
-        """Commits the prepared change; returns the (model, draft) versions it left (a draft-only session leaves
-        the model's)."""
-        await self.engine.commit_weight_update(weight_version)
+    async def commit_weight_update(self, weight_version: int, label: str | None = None) -> tuple[int, int]:
+        """Commits the prepared change as `weight_version` (labelled `label`); returns the (model, draft) versions
+        it left (a draft-only session leaves the model's)."""
+        await self.engine.commit_weight_update(weight_version, label)
         return self.engine.engine.weight_version, self.engine.engine.draft_weight_version
 
     async def abort_weight_update(self) -> None:
@@ -131,17 +132,24 @@ class ReplicaServer:
         """Makes a transport wait (for a trainer that stopped sending) give up now; answers at once."""
         self.engine.engine.executor.interrupt_waits()
 
-    async def set_weight_version(self, weight_version: int, draft_weight_version: int) -> None:
-        """Labels the served weights (a restarted replica that loaded the folder holding the fleet's version)."""
+    async def set_weight_version(self, weight_version: int, draft_weight_version: int,
+                                 labels: dict[int, str] | None = None) -> None:  # fmt: skip
+        """Numbers the served weights (a restarted replica that loaded the folder holding the fleet's version),
+        with the fleet's version labels."""
         self.engine.engine.weight_version = weight_version
         self.engine.engine.draft_weight_version = draft_weight_version
+        self.engine.engine.version_labels.update(labels or {})
+
+    async def update_weight_version(self, new_version: int | str, abort_all_requests: bool) -> str:
+        return await self.engine.update_weight_version(new_version, abort_all_requests)
 
     async def export_weights(self) -> list[dict[str, Any]]:
         return await self.engine.export_weights()
 
-    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int, draft_weight_version: int
-                            ) -> None:  # fmt: skip
+    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int, draft_weight_version: int,
+                            labels: dict[int, str] | None = None) -> None:  # fmt: skip
         await self.engine.adopt_weights(states, weight_version, draft_weight_version)
+        self.engine.engine.version_labels.update(labels or {})
 
     async def weight_checksums(self, target: str) -> dict[str, str]:
         return (await self.engine.collective_rpc("weight_checksums", (target,)))[0]

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hotswap.config import ModelConfig
-from hotswap.model.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from hotswap.model.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+if TYPE_CHECKING:
+    from hotswap.config import ModelConfig
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
+# Looked up by name and imported on first use (as transports are): the config can name the supported
+# architectures without importing the model code, which itself reads the config.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("hotswap.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("hotswap.model.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("hotswap.model.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("hotswap.model.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("hotswap.model.moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("hotswap.model.moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("hotswap.model.moe", "MixtralForCausalLM"),
 }
 
 
@@ -33,7 +36,9 @@ def model_class(architecture: str) -> type[nn.Module]:
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported architectures: {', '.join(_MODELS)}"
         )
-    return _MODELS[architecture]
+    module, name = _MODELS[architecture]
+    klass: type[nn.Module] = getattr(importlib.import_module(module), name)
+    return klass
 
 
 @contextlib.contextmanager

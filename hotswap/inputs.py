@@ -1,0 +1,82 @@
+"""Prompts and their sampling params, normalized once: what `LLM` and the fleet both take.
+
+A prompt is a string, or a dict with "prompt_token_ids" (and optionally "prompt", the text, and "cache_salt"), or a
+dict with "prompt" alone. `stage` turns one into `Staged`: its text, token ids and cache salt, each checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hotswap.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A prompt as the engine takes it: its text (None when given as ids), token ids and cache salt."""
+
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """{"prompt", "prompt_token_ids", "cache_salt"?}: the prompt as a replica takes it."""
+        out: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        return out
+
+
+def stage(prompt: PromptType, tokenizer: Any) -> Staged:
+    """Tokenizes a string prompt (special tokens added) and checks the rest. Raises ValueError naming the field."""
+    if isinstance(prompt, str):
+        return Staged(prompt, list(tokenizer.encode(prompt, add_special_tokens=True)))
+    if not isinstance(prompt, dict):
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        text = prompt.get("prompt")
+        return Staged(text if isinstance(text, str) else None, list(ids), salt)
+    if isinstance(prompt.get("prompt"), str):
+        return Staged(prompt["prompt"], list(tokenizer.encode(prompt["prompt"], add_special_tokens=True)), salt)
+    raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' (or a 'prompt' string)")
+
+
+def per_prompt(
+    prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+) -> tuple[list[PromptType], list[SamplingParams]]:
+    """The prompts as a list, with their sampling params: one for all (default SamplingParams()) or one per prompt.
+    Raises ValueError when the counts differ."""
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    params_list = list(sampling_params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
+                         "prompt")  # fmt: skip
+    return prompts, params_list
+
+
+def chat_prompts(
+    tokenizer: Any,
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[PromptType]:
+    """One conversation or a list of them, through the tokenizer's chat template, as token-id prompts."""
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    return [
+        {"prompt_token_ids": list(tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
+            return_dict=False))}
+        for c in conversations
+    ]  # fmt: skip
