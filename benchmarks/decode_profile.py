@@ -151,7 +151,7 @@ def main() -> None:
     figures["decode_step_ms"] = summary(steps)
     figures["decode_steps_ms"] = [round(s * 1e3, 1) for s in steps]
     print(f"{len(steps)} decode steps (ms): min {figures['decode_step_ms']['min']}, median "
-          f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}")  # fmt: skip
+          f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}")
     kinds = ["layers", "linear", "attention", "norm", "sampling"]
     per_kind = {k: [kinds_.get(k, 0.0) for _, kinds_ in decode] for k in kinds}
     per_kind["rest"] = [s - sum(k.get(x, 0.0) for x in kinds) for s, k in decode]

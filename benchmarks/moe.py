@@ -45,7 +45,7 @@ def main() -> None:
             f"{tmp}/moe", "qwen3_moe", preset="9m", hidden_size=512, num_hidden_layers=args.layers,
             num_attention_heads=8, num_key_value_heads=4, num_experts=args.experts,
             num_experts_per_tok=args.top_k, moe_intermediate_size=256, vocab_size=8192,
-        ))  # fmt: skip
+        ))
         weights = load_file(f"{path}/model.safetensors")
         params = sum(t.numel() for t in weights.values())
         print(f"model: {params / 1e6:.0f}M parameters, {args.experts} experts, top-{args.top_k}, {args.layers} layers")
@@ -63,16 +63,16 @@ def main() -> None:
                 best[name] = max(best[name], runners[name].run(prompts, args.tokens))
         ratio = best["hotswap"] / best["transformers"]
         print(f"decode, TP=1: hotswap {best['hotswap']:.0f} tok/s, transformers {best['transformers']:.0f} tok/s "
-              f"({ratio:.2f}x)")  # fmt: skip
+              f"({ratio:.2f}x)")
         results.update(hotswap_tok_s=round(best["hotswap"], 1), transformers_tok_s=round(best["transformers"], 1),
-                       ratio=round(ratio, 2))  # fmt: skip
+                       ratio=round(ratio, 2))
         del hf, runners
 
         # a full update from in-memory tensors (checkpoint B of the same shape), against copying its bytes once
         other = make_tiny_model(f"{tmp}/moe_b", "qwen3_moe", preset="9m", seed=1, hidden_size=512,
                                 num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                                 num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=256,
-                                vocab_size=8192)  # fmt: skip
+                                vocab_size=8192)
         new = list(load_file(f"{other}/model.safetensors").items())
         nbytes = sum(t.numel() * t.element_size() for _, t in new)
         llm: LLM = hotswap.llm
@@ -83,7 +83,7 @@ def main() -> None:
         update = median_seconds(update_once, 3)
         floor = memcpy_seconds(nbytes, 3)
         print(f"full update ({nbytes / 1e9:.2f} GB, reload_weights from tensors): {update:.3f} s; memcpy floor "
-              f"{floor:.3f} s ({update / floor:.1f}x)")  # fmt: skip
+              f"{floor:.3f} s ({update / floor:.1f}x)")
         results.update(update_s=round(update, 3), memcpy_s=round(floor, 3), update_over_memcpy=round(update / floor, 2))
         llm.llm_engine.shutdown()
 
@@ -96,7 +96,7 @@ def main() -> None:
             runner.warm_up(prompts, args.tokens)
             ep_best = max(runner.run(prompts, args.tokens) for _ in range(args.reps))
             print(f"decode, TP=2 expert-parallel: {ep_best:.0f} tok/s ({ep_best / best['transformers']:.2f}x "
-                  "transformers; both ranks share this machine's cores)")  # fmt: skip
+                  "transformers; both ranks share this machine's cores)")
             results.update(ep2_tok_s=round(ep_best, 1), ep2_ratio=round(ep_best / best["transformers"], 2))
             ep.llm_engine.shutdown()
     print(json.dumps(results))

@@ -106,7 +106,7 @@ def main() -> None:
                             speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}),
             "ngram": LLM(target, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                                       "prompt_lookup_max": 4}),
-        }  # fmt: skip
+        }
         for batch in batches:
             prompts = [PHRASES[i % len(PHRASES)] * 2 for i in range(batch)]
             for llm in engines.values():
@@ -132,7 +132,7 @@ def main() -> None:
             costs = step_costs(engines["draft=9m"], batch, k)
             print(f"batch {batch:>2} step costs: target {costs['target'] * 1e3:.1f} ms, verification of {k + 1} "
                   f"tokens each {costs['verify'] * 1e3:.1f} ms ({costs['verify'] / costs['target']:.2f}x), 9M draft "
-                  f"pass {costs['draft'] * 1e3:.2f} ms")  # fmt: skip
+                  f"pass {costs['draft'] * 1e3:.2f} ms")
             projected = {}
             for a in (0.5, 0.7, 0.9):
                 tokens = (1 - a ** (k + 1)) / (1 - a)

@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randint(16, 48))]}
-               for _ in range(args.prompts)]  # fmt: skip
+               for _ in range(args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     figures: dict = {}
     outputs = {}

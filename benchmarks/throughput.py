@@ -172,7 +172,7 @@ def kernel_build() -> dict[str, str]:
     if native.ops() is None:
         return {**base, "build": "unavailable (pure-torch path)"}
     return {**base, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
-                             f"vectors, kernel mode {policy.mode()})"}  # fmt: skip
+                             f"vectors, kernel mode {policy.mode()})"}
 
 
 def main() -> None:

@@ -100,7 +100,7 @@ def main() -> None:
         print(f"cpu: {cpu_description()}")
         print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")
         figures: dict = {"cpu": cpu_description(), "weights_mb": round(total / 1e6, 1),
-                         "memcpy_floor_ms": round(floor * 1e3, 1)}  # fmt: skip
+                         "memcpy_floor_ms": round(floor * 1e3, 1)}
 
         def report(label: str, seconds: float) -> None:
             print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / floor:5.1f}x the floor")

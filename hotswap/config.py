@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -92,7 +92,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return self.hf_config["architectures"][0]
+        return cast("str", self.hf_config["architectures"][0])
 
     @property
     def max_context_len(self) -> int:
@@ -400,7 +400,7 @@ MODEL_KEYS = (
     "use_sliding_window", "hidden_act", "eos_token_id", "num_experts", "num_local_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers",
-)  # fmt: skip
+)
 
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:
@@ -455,7 +455,7 @@ def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) 
     experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if not experts or not (parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1):
         raise ValueError("expert_placement needs a mixture-of-experts model with enable_expert_parallel and "
-                         "tensor_parallel_size > 1")  # fmt: skip
+                         "tensor_parallel_size > 1")
     ranks = parallel.tensor_parallel_size
     if not (isinstance(placement, list) and len(placement) == ranks and all(isinstance(p, list) for p in placement)):
         raise ValueError(f"expert_placement must list the experts of each of the {ranks} ranks, got {placement!r}")

@@ -318,7 +318,7 @@ class _TrainerHandle:
             raise RuntimeError(f"the trainer failed:\n{reply[1]}")
         if reply[0] != expected:
             raise RuntimeError(f"expected {expected!r} from the trainer, got {reply[0]!r}")
-        return reply[1:]
+        return cast("tuple[Any, ...]", reply[1:])
 
     def close(self) -> None:
         """Asks the trainer to stop (it unlinks its shared segment), then reaps it; kills it only if it hangs."""

@@ -62,7 +62,7 @@ def per_prompt(
     params_list = list(sampling_params)
     if len(params_list) != len(prompts):
         raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
-                         "prompt")  # fmt: skip
+                         "prompt")
     return prompts, params_list
 
 
@@ -79,4 +79,4 @@ def chat_prompts(
             c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
             return_dict=False))}
         for c in conversations
-    ]  # fmt: skip
+    ]

@@ -32,7 +32,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                   "shared_expert_intermediate_size": 96, "norm_topk_prob": False, "decoder_sparse_step": 1,
                   "mlp_only_layers": []},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
-}  # fmt: skip
+}
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -227,7 +227,7 @@ def _config_and_class(arch: str, preset: str, dtype: str, overrides: dict[str, A
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     kw.update(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, dtype=dtype)
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-              "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[arch]  # fmt: skip
+              "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[arch]
     config = getattr(transformers, f"{prefix}Config")(**kw)
     return config, getattr(transformers, f"{prefix}ForCausalLM")
 

@@ -56,7 +56,7 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
         caches = llm.apply_model(
             lambda model: [t.clone() for layer in model.model.layers for t in (layer.self_attn.attn.k_cache,
                                                                                  layer.self_attn.attn.v_cache)]
-        )[0]  # fmt: skip
+        )[0]
     finally:
         llm.shutdown()
         monkeypatch.setattr(NativeDecoderStack, "run", real_run)
@@ -185,7 +185,7 @@ def test_decoder_layers_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="entries per layer"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True)  # fmt: skip
+                           1.0, 1e-6, torch.ones(8), True, True, True)
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch):

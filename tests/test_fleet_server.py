@@ -25,7 +25,7 @@ ADMIN = {"Authorization": "Bearer k"}
 def fleet_server(ckpts):
     with running_server(str(ckpts["A"]), "--data-parallel-size", "2", "--num-gpus-per-worker", "0",
                         "--admin-key", "k", "--served-model-name", "A", "--kv-cache-memory-bytes", str(1 << 23)
-                        ) as base:  # fmt: skip
+                        ) as base:
         yield base
 
 
@@ -38,7 +38,7 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     routed = [r["routed"] for r in replicas(base)]
     for prompt in PROMPTS:
         body = {"model": "A", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}  # fmt: skip
+                "return_token_ids": True}
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert out["token_ids"] == hf_greedy(str(ckpts["A"]), tuple(tokenizer.encode(prompt)), 8)[0]
     spread = [r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)]
@@ -47,7 +47,7 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     routed = [r["routed"] for r in replicas(base)]
     for _ in range(4):
         httpx.post(f"{base}/v1/completions", json={"model": "A", "prompt": "hi", "max_tokens": 2},
-                   headers={"X-Session-ID": "conversation-7"}, timeout=120).raise_for_status()  # fmt: skip
+                   headers={"X-Session-ID": "conversation-7"}, timeout=120).raise_for_status()
     assert sorted(r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)) == [0, 4]
     # streaming passes through with its version spans
     chunks = []
@@ -65,7 +65,7 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
         httpx.post(f"{base}/pause?mode=keep", headers=ADMIN, timeout=60).raise_for_status()
         deadline = time.monotonic() + 60
         while not all(r["status"]["paused"] for r in replicas(base)) or not any(
-                r["status"]["requests"] for r in replicas(base)):  # fmt: skip
+                r["status"]["requests"] for r in replicas(base)):
             assert time.monotonic() < deadline, replicas(base)  # its replica reports it held, paused
             time.sleep(0.2)
     try:

@@ -104,7 +104,7 @@ def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_bui
     real = policy.calibrate
     monkeypatch.setattr(policy, "calibrate", lambda kernels, shapes: calls.append(shapes) or real(kernels, shapes))
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-           "vocab_size": 512, "num_hidden_layers": 2}  # fmt: skip
+           "vocab_size": 512, "num_hidden_layers": 2}
     first = policy._resolve("auto", Shapes.of(cfg))
     cache = json.loads(policy._cache_file().read_text())
     assert calls == [Shapes.of(cfg)] and Shapes.of(cfg).key() in cache
@@ -155,7 +155,7 @@ def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built, isa):
     assert out.stdout.split() == ["avx2", "256"], out.stderr[-2000:]
     tests = ["tests/test_kernels.py", "tests/test_decoder_stack.py", "-k", "not stale_build and not failed_build"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
 
 
@@ -187,7 +187,7 @@ def test_the_calibration_times_the_models_dtype(built, monkeypatch, tmp_path):
     """bfloat16 models get their own calibration (the norms, SwiGLU gate and rotary timed in bfloat16)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-           "vocab_size": 512, "num_hidden_layers": 2}  # fmt: skip
+           "vocab_size": 512, "num_hidden_layers": 2}
     import torch
 
     bf16, fp32 = Shapes.of(cfg, torch.bfloat16), Shapes.of(cfg)

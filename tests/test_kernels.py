@@ -366,7 +366,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
     spy = Spy()
     monkeypatch.setattr(facade, "_ops", lambda: spy)
     cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
-             (3, torch.float32, False), (65, torch.float32, False)]  # fmt: skip
+             (3, torch.float32, False), (65, torch.float32, False)]
     if quantization is None:
         cases.append((8, torch.bfloat16, False))
     for rows, dtype, fused in cases:

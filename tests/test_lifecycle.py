@@ -273,7 +273,7 @@ class _SilentTrainer:
             port = free_port()
             self.init_info = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port}
             self._joined = threading.Thread(target=lambda: setattr(self, "sender", TorchDistSender(
-                "127.0.0.1", port, timeout_s=120, num_workers=tensor_parallel_size)))  # fmt: skip
+                "127.0.0.1", port, timeout_s=120, num_workers=tensor_parallel_size)))
             self._joined.start()
             self.info = {**declare(named), "bucket_size_bytes": 1 << 16}
 
@@ -291,7 +291,7 @@ def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, ba
     of waiting for the transport's timeout, and the engine serves the old weights."""
     config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
                                       tensor_parallel_size=tensor_parallel_size,
-                                      weight_transfer_config={"timeout_s": 120})  # fmt: skip
+                                      weight_transfer_config={"timeout_s": 120})
     trainer = _SilentTrainer(backend, b_tensors, tensor_parallel_size)
 
     async def main() -> tuple[float, BaseException | None, list[int]]:
@@ -329,7 +329,7 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
     generated; then the init fails with an error naming the address, and a later init with a trainer works."""
     timeout_s = 3.0
     config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
-                                      weight_transfer_config={"timeout_s": timeout_s})  # fmt: skip
+                                      weight_transfer_config={"timeout_s": timeout_s})
     dead = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": free_port()}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

@@ -266,7 +266,7 @@ def test_penalties_and_logit_bias_equal_their_definitions(llm, llama_dir):
         (dict(logit_bias={"7": 25.0, 9: -100}), bias),
     ]
     plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+                         use_tqdm=False)[0].outputs[0].token_ids
     for fields, adjust in cases:
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **fields)
         got = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -280,7 +280,7 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(llm, llama
     ids = llm.get_tokenizer().encode(PROMPTS[7] + " " + PROMPTS[3])
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, n=2, prompt_logprobs=3),
-                       use_tqdm=False)[0]  # fmt: skip
+                       use_tqdm=False)[0]
     assert out.num_cached_tokens == 0
     with torch.no_grad():
         ref = hf_model(str(llama_dir))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -301,7 +301,7 @@ def test_include_stop_str_in_output_and_validation(llm):
     stop = text[5:8]
     cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop), use_tqdm=False)
     kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop,
-                                                   include_stop_str_in_output=True), use_tqdm=False)  # fmt: skip
+                                                   include_stop_str_in_output=True), use_tqdm=False)
     assert kept[0].outputs[0].text == cut[0].outputs[0].text + stop
     for bad, match in [
         (dict(repetition_penalty=0), "repetition_penalty"),

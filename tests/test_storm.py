@@ -21,7 +21,7 @@ CLIENTS, SECONDS, UPDATES = 8, 15.0, 10
 def stream_once(base: str, rng: random.Random) -> dict:
     """One streamed completion; returns its tokens, finish reason and version spans (or the error)."""
     body = {"model": "A", "prompt": f"count {rng.randint(0, 999)}", "max_tokens": rng.randint(8, 40),
-            "temperature": 1.0, "stream": True, "ignore_eos": True}  # fmt: skip
+            "temperature": 1.0, "stream": True, "ignore_eos": True}
     text, finish, spans = "", None, None
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
         if response.status_code != 200:
@@ -74,7 +74,7 @@ def valid_spans(spans: list[list], tokens: int) -> bool:
 def test_streaming_storm_while_updates_run(ckpts):
     named = {key: list(load_file(str(ckpts[key] / "model.safetensors")).items()) for key in ("A", "B")}
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 23), "--admin-key", "k",
-                        "--served-model-name", "A") as base:  # fmt: skip
+                        "--served-model-name", "A") as base:
         threads, results = start_clients(base, CLIENTS, SECONDS)
         admin = AdminClient(base, admin_key="k")
         versions = []

@@ -99,7 +99,7 @@ def test_reload_and_bad_update_at_tp2(tp2, ckpts):
     assert_matches(ckpts["B"], tp2)
     with pytest.raises(ValueError, match="expected shape"):
         tp2.reload_weights(weights_iterator=[("model.norm.weight", load_file(str(ckpts["A"] / "model.safetensors"))[
-            "model.norm.weight"][:5])])  # fmt: skip
+            "model.norm.weight"][:5])])
     assert_matches(ckpts["B"], tp2)
     tp2.reload_weights(weights_path=str(ckpts["A"]))
     assert_matches(ckpts["A"], tp2)
@@ -119,7 +119,7 @@ def worker_settings(llm: LLM) -> list[tuple[str, bool, bool]]:
     return llm.collective_rpc(
         lambda w: (w.config.model_config.model, w.config.weight_transfer_config.atomic,
                    w.config.weight_transfer_config.check_finite)
-    )  # fmt: skip
+    )
 
 
 def engine_settings(llm: LLM) -> tuple[str, bool, bool]:

@@ -184,7 +184,7 @@ def sglang_trainer(port: int, world_size: int, group_name: str, checkpoint_file:
     store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world, rank, [], "gloo", PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
+                                         group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     tensors = list(load_file(checkpoint_file).items())
     while True:

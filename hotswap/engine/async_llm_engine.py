@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
@@ -244,7 +244,7 @@ class AsyncLLMEngine:
         return list(await self._locked(self.engine.export_weights))
 
     async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int,
-                            draft_weight_version: int | None = None) -> None:  # fmt: skip
+                            draft_weight_version: int | None = None) -> None:
         await self._locked(self.engine.adopt_weights, states, weight_version, draft_weight_version)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
@@ -284,7 +284,7 @@ class AsyncLLMEngine:
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        return await self._locked(self.engine.executor.collective_rpc, method, args, kwargs)
+        return cast("list[Any]", await self._locked(self.engine.executor.collective_rpc, method, args, kwargs))
 
     async def shutdown(self) -> None:
         """Stops the step loop; requests still in flight are aborted."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 
 class Detokenizer:
@@ -11,7 +11,7 @@ class Detokenizer:
         self._token_cache: dict[int, str] = {}
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return cast("str", self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprob entries)."""

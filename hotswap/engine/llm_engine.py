@@ -283,7 +283,7 @@ class LLMEngine:
         proposals = [self.speculator.proposals(seq) for seq in batch.seqs] if ngram else None
         num_spec = [len(p) for p in proposals] if proposals is not None else [
             self.speculator.num_speculative(seq) for seq in batch.seqs
-        ]  # fmt: skip
+        ]
         return SpecInput(
             num_spec=num_spec,
             specs=[[self._spec(seq, seq.index, j) for j in range(k + 1)] for seq, k in zip(batch.seqs, num_spec,
@@ -291,7 +291,7 @@ class LLMEngine:
             proposals=proposals,
             draft_tokens=None if ngram else [seq.token_ids[seq.num_draft_computed :] for seq in batch.seqs],
             draft_starts=None if ngram else [seq.num_draft_computed for seq in batch.seqs],
-        )  # fmt: skip
+        )
 
     def _spec(self, seq: Sequence, index: int, ahead: int = 0) -> SampleSpec:
         """How to sample `seq`'s next token, or (speculation) the one `ahead` positions after it."""
@@ -386,7 +386,7 @@ class LLMEngine:
     def _check_can_change(self, method: str) -> None:
         if self._prepared is not None:
             raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
-                               "abort_weight_update()")  # fmt: skip
+                               "abort_weight_update()")
         if self._serving_state().steps and self.scheduler.num_in_flight() + len(self.scheduler.running):
             raise RuntimeError(
                 f"{method}() while {len(self.requests)} request(s) are being generated; call "
@@ -396,7 +396,7 @@ class LLMEngine:
     _SESSION_METHODS = frozenset(
         {"init_weight_transfer_engine", "start_weight_update", "update_weights", "abort_weight_update",
          "shutdown_weight_transfer_engine"}
-    )  # fmt: skip
+    )
 
     def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Runs a transfer-session method on every worker (one of `_SESSION_METHODS`; reloads, config changes and
@@ -471,19 +471,19 @@ class LLMEngine:
             )
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None
-                       ) -> None:  # fmt: skip
+                       ) -> None:
         """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
         meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
         self.check_session(session_token)
         if self._prepared is not None:
             raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
-                               "abort_weight_update()")  # fmt: skip
+                               "abort_weight_update()")
         if isinstance(update_info, list):
             if not update_info or any(entry != update_info[0] for entry in update_info):
                 self.weights_rpc("abort_weight_update")  # like any failed update, it ends the session
                 raise ValueError("update_info given per worker must hold one identical declaration per worker "
-                                 "(the session was rolled back)")  # fmt: skip
+                                 "(the session was rolled back)")
             update_info = update_info[0]
         if isinstance(update_info, dict) and self._last_update_info is not None and _empty_declaration(update_info):
             update_info = {**self._last_update_info, **{k: v for k, v in update_info.items() if v}}
@@ -538,7 +538,7 @@ class LLMEngine:
         return problem
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       target: str = "model", weight_version: VersionArg = None) -> None:  # fmt: skip
+                       target: str = "model", weight_version: VersionArg = None) -> None:
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
         records a new folder only after every worker loaded it. Advances the weight version on success; `target`
@@ -557,7 +557,7 @@ class LLMEngine:
         ok = False
         try:
             self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
-                            target=target)  # fmt: skip
+                            target=target)
             ok = True
         finally:
             self._weights_changed(failed=not ok)
@@ -665,7 +665,7 @@ class LLMEngine:
         """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
         parts = {"model"} if self._session_target == "model" else {"draft"} if self._session_target == "draft" else (
             set(self.executor.collective_rpc(_last_update_parts)[0]) or {"model"}
-        )  # fmt: skip
+        )
         if "model" in parts:
             self._advance_version(weight_version, label)
         if "draft" in parts:
@@ -688,7 +688,7 @@ class LLMEngine:
         return self.executor.collective_rpc(_export_state)
 
     def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,
-                      draft_weight_version: int | None = None) -> None:  # fmt: skip
+                      draft_weight_version: int | None = None) -> None:
         """Copies weights exported by an engine with the same config into this one's storage (no parameter is
         rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
         Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
@@ -699,7 +699,7 @@ class LLMEngine:
             raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
         if len(states) != self.config.parallel_config.tensor_parallel_size:
             raise ValueError(f"got the weights of {len(states)} ranks for "
-                             f"{self.config.parallel_config.tensor_parallel_size}")  # fmt: skip
+                             f"{self.config.parallel_config.tensor_parallel_size}")
         ok = False
         try:
             self.executor.collective_rpc(_import_state, (states,))
@@ -910,7 +910,7 @@ def _import_state(worker: Any, states: list[dict[str, torch.Tensor]]) -> None:
     for name, tensor in given.items():
         if tensor.shape != mine[name].shape or tensor.dtype != mine[name].dtype:
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
-                             f"{tuple(mine[name].shape)} {mine[name].dtype}")  # fmt: skip
+                             f"{tuple(mine[name].shape)} {mine[name].dtype}")
     with torch.no_grad():
         for name, tensor in given.items():
             mine[name].copy_(tensor)

@@ -12,6 +12,7 @@ it; prefix-cache blocks are registered only where both caches are valid.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def lookup(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
+            return cast("list[int]", arr[start : start + k].tolist())
     return []
 
 

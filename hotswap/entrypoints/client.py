@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import torch
@@ -50,7 +50,7 @@ class AdminClient:
             except (ValueError, KeyError, TypeError):
                 message = response.text
             raise AdminError(response.status_code, message)
-        return response.json()
+        return cast("dict[str, Any]", response.json())
 
     def reload_weights(self, weights_path: str | None = None, weight_version: int | str | None = None) -> str:
         """Reloads from a folder (None: the current one); returns the new version's label."""
@@ -64,7 +64,7 @@ class AdminClient:
         self._call("POST", "/resume")
 
     def is_paused(self) -> bool:
-        return self._call("GET", "/is_paused")["is_paused"]
+        return cast("bool", self._call("GET", "/is_paused")["is_paused"])
 
     def get_weight_version(self) -> str:
         """The served version's label (its integer as a string when none was given)."""
@@ -72,7 +72,7 @@ class AdminClient:
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 per checkpoint tensor name, as the engine holds it."""
-        return self._call("GET", "/weight_checksums")["checksums"]
+        return cast("dict[str, str]", self._call("GET", "/weight_checksums")["checksums"])
 
     def sleep(self, level: int = 1) -> None:
         self._call("POST", "/sleep", {"level": level})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -130,7 +130,7 @@ class LLM:
                         paused_since = now if paused_since is None else paused_since
                         if now - paused_since > bound:
                             raise TimeoutError(f"generation stayed paused for more than {bound:g} s (rpc_timeout_s)"
-                                               "; call resume_generation() from another thread")  # fmt: skip
+                                               "; call resume_generation() from another thread")
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread
                         continue
                     paused_since = None
@@ -182,7 +182,7 @@ class LLM:
             self._changed.notify_all()
 
     def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:  # fmt: skip
+                       timeout: float | None = None) -> list[Any]:
         """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
 
@@ -208,7 +208,7 @@ class LLM:
         `target` "draft": the speculative draft model's weights (its own names) instead."""
         with self._lock:
             self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator, target=target,
-                                           weight_version=weight_version)  # fmt: skip
+                                           weight_version=weight_version)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
@@ -282,7 +282,7 @@ class LLM:
 
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
-        return self.collective_rpc("weight_checksums", (target,))[0]
+        return cast("dict[str, str]", self.collective_rpc("weight_checksums", (target,))[0])
 
 
 class _ApplyModel:

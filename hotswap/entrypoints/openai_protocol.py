@@ -18,7 +18,7 @@ UNSUPPORTED = (
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
     "suffix", "use_beam_search", "length_penalty", "logits_processors", "bad_words", "allowed_token_ids",
     "truncate_prompt_tokens", "prompt_embeds", "logprob_token_ids", "functions", "function_call",
-)  # fmt: skip
+)
 
 
 class StreamOptions(BaseModel):
@@ -180,7 +180,7 @@ class Shape:
     @classmethod
     def of(cls, request: _Request, echo: bool = False, drop_output: bool = False) -> Shape:
         return cls(request.return_token_ids, request.return_tokens_as_token_ids, request.return_weight_versions,
-                   echo, drop_output)  # fmt: skip
+                   echo, drop_output)
 
 
 def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
@@ -249,7 +249,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
             for tid, lp in entry.items()
         }
         for entry in out.prompt_logprobs
-    ]  # fmt: skip
+    ]
 
 
 def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape()) -> dict[str, Any] | None:
@@ -282,11 +282,11 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape: Shape,
-                      prompt_text: str, first_text: str = "") -> dict[str, Any]:  # fmt: skip
+                      prompt_text: str, first_text: str = "") -> dict[str, Any]:
     """One choice of a completions response (or a stream chunk: `c` a delta; `prompt_text` "" after the first).
     `first_text`: the text of the first prompt token (echoed logprobs)."""
     text = "" if shape.drop_output else c.text
@@ -307,7 +307,7 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
 
 
 def completion_response(outs: list[RequestOutput], model: str, request_id: str, shape: Shape,
-                        prompt_texts: list[str], first_texts: list[str]) -> dict[str, Any]:  # fmt: skip
+                        prompt_texts: list[str], first_texts: list[str]) -> dict[str, Any]:
     """Choices prompt-major: prompt i's sample j has index i * n + j."""
     choices = []
     for i, (out, text, first) in enumerate(zip(outs, prompt_texts, first_texts, strict=True)):
@@ -324,7 +324,7 @@ def completion_response(outs: list[RequestOutput], model: str, request_id: str, 
 
 
 def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, shape: Shape = Shape()
-                  ) -> dict[str, Any]:  # fmt: skip
+                  ) -> dict[str, Any]:
     response: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",

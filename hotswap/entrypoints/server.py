@@ -263,7 +263,7 @@ def create_app(
         raise ValueError(f"admin_auth must be 'key' or 'none', got {admin_auth!r}")
     if enable_admin and admin_auth == "none":
         logger.warning("admin routes answer WITHOUT a key (admin_auth='none'): anyone who reaches this port can "
-                       "change the served weights; use this on a trusted network only")  # fmt: skip
+                       "change the served weights; use this on a trusted network only")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -301,14 +301,14 @@ def create_app(
         host = _host_name(request.headers.get("host", "")).lower()
         if allowed_hosts is not None and host not in allowed_hosts:
             raise ApiError(403, f"admin routes do not answer for Host {host!r} (allowed: {sorted(allowed_hosts)})",
-                           "permission_error")  # fmt: skip
+                           "permission_error")
         if "origin" in request.headers:
             raise ApiError(403, "admin routes refuse cross-origin (browser) requests", "permission_error")
         if admin_auth == "none":
             return
         if admin_key is None:
             raise ApiError(403, "admin routes are off: start the server with --admin-key (or --admin-auth none on "
-                           "a trusted network)", "permission_error")  # fmt: skip
+                           "a trusted network)", "permission_error")
         check(admin_key, request)
 
     @app.exception_handler(ApiError)
@@ -373,7 +373,7 @@ def create_app(
 
     async def too_large(send: Any, limit: int) -> None:
         body = json.dumps(oai.error_body(f"request body over {limit} bytes (--max-request-bytes)",
-                                         "invalid_request_error", 413)).encode()  # fmt: skip
+                                         "invalid_request_error", 413)).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -381,7 +381,7 @@ def create_app(
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
             }
         )
-        await send({"type": "http.response.body", "body": body})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
 
     app.add_middleware(Guard)
 
@@ -454,7 +454,7 @@ def create_app(
     async def models() -> dict[str, Any]:
         max_len = engine.engine.config.model_config.max_model_len
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "owned_by": "hotswap",
-                                            "max_model_len": max_len}]}  # fmt: skip
+                                            "max_model_len": max_len}]}
 
     async def run(
         prompt: Any,
@@ -469,7 +469,7 @@ def create_app(
         start = time.perf_counter()
         if engine.engine.refusing_new_requests():
             raise ApiError(503, f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
-                           "service_unavailable", {"Retry-After": "1"})  # fmt: skip
+                           "service_unavailable", {"Retry-After": "1"})
         # an async generator function: its iterator has aclose()
         # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
         key = http.headers.get("x-session-id")
@@ -488,7 +488,7 @@ def create_app(
                         raise ApiError(499, "the client disconnected", "client_closed_request")
                     if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
                         raise ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
-                                       "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})  # fmt: skip
+                                       "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})
                 return await guarded(pending)
             finally:
                 if not pending.done():  # ended early (an error above, or this handler cancelled): stop the wait
@@ -557,7 +557,7 @@ def create_app(
         total = counts["prompt"] + counts["completion"]
         return {"id": request_id, "object": kind, "created": created, "model": served_model_name, "choices": [],
                 "usage": {"prompt_tokens": counts["prompt"], "completion_tokens": counts["completion"],
-                          "total_tokens": total}}  # fmt: skip
+                          "total_tokens": total}}
 
     @app.post("/v1/completions", dependencies=[Depends(user_auth)])
     async def completions(body: oai.CompletionRequest, http: Request) -> Any:
@@ -574,7 +574,7 @@ def create_app(
             if body.echo and body.logprobs is not None:  # the prompt's logprobs, in the same top-k shape
                 echo_logprobs = max(body.logprobs, 0) if body.prompt_logprobs is None else body.prompt_logprobs
             params = oai.sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens, vocab,
-                                         echo_logprobs)  # fmt: skip
+                                         echo_logprobs)
             check_limits(body.stop, params)
             if body.stream and len(prompts) > 1:
                 raise ValueError("stream=true takes one prompt per request; send a batch without streaming")
@@ -593,7 +593,7 @@ def create_app(
                 async with asyncio.TaskGroup() as group:  # one failing prompt cancels the others
                     tasks = [group.create_task(run(engine_prompt(p, body.cache_salt), params, f"{request_id}-{i}",
                                                    None, lambda o: o, False, http))
-                             for i, p in enumerate(prompts)]  # fmt: skip
+                             for i, p in enumerate(prompts)]
             except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
                 raise group_error.exceptions[0] from None
             outs = [task.result() for task in tasks]
@@ -610,13 +610,13 @@ def create_app(
             echoed[0] = True
             choices = [oai.completion_choice(out, c, c.index, shape, prefix) for c in out.outputs]
             return {"id": request_id, "object": "text_completion", "created": created, "model": served_model_name,
-                    "choices": choices}  # fmt: skip
+                    "choices": choices}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await run(
             engine_prompt(prompts[0], body.cache_salt), params, request_id, chunk, None, True, http,
             (lambda: usage_chunk(request_id, created, "text_completion", counts)) if include_usage else None,
-        )  # fmt: skip
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(user_auth)])
     async def chat_completions(body: oai.ChatCompletionRequest, http: Request) -> Any:
@@ -638,7 +638,7 @@ def create_app(
                 add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                 continue_final_message=body.continue_final_message, tokenize=True, return_dict=False,
                 **(body.chat_template_kwargs or {}),
-            )  # fmt: skip
+            )
         except ValueError as err:
             raise ApiError(400, str(err)) from err
         except Exception as err:  # a template that cannot render these messages (jinja errors)
@@ -671,7 +671,7 @@ def create_app(
             response = {
                 "id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": served_model_name, "choices": choices,
-            }  # fmt: skip
+            }
             if shape.token_ids and not counts.get("sent_prompt"):  # the first chunk carries the prompt's ids
                 response["prompt_token_ids"] = list(out.prompt_token_ids)
                 counts["sent_prompt"] = 1
@@ -687,7 +687,7 @@ def create_app(
         return await run(
             engine_prompt(list(ids), body.cache_salt), params, request_id, chunk, full, body.stream, http,
             (lambda: usage_chunk(request_id, created, "chat.completion.chunk", counts)) if include_usage else None,
-        )  # fmt: skip
+        )
 
     if not enable_admin:
         if isinstance(engine, AsyncLLMEngine):
@@ -719,14 +719,14 @@ def create_app(
         async def fleet_status() -> dict[str, Any]:
             """The fleet's version and, per replica, its state, version, routing and last health report."""
             return {"weight_version": engine.fleet.get_weight_version_label(), "version_id": engine.fleet.version,
-                    "replicas": engine.fleet.replica_status()}  # fmt: skip
+                    "replicas": engine.fleet.replica_status()}
 
     @app.post("/reload_weights", dependencies=admin)
     async def reload_weights(body: ReloadBody | None = None) -> dict[str, Any]:
         start = time.perf_counter()
         body = body or ReloadBody()
         await guarded(engine.reload_weights(weights_path=body.weights_path, target=body.target,
-                                            weight_version=body.weight_version))  # fmt: skip
+                                            weight_version=body.weight_version))
         metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
         version_changed()
         return versions()
@@ -815,7 +815,7 @@ def create_app(
 
     @app.post("/wake_up", dependencies=admin)
     async def wake_up(body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
-                      ) -> dict[str, Any]:  # fmt: skip
+                      ) -> dict[str, Any]:
         """Re-allocates what sleep released: `tags` (repeatable query parameter, or the body; none: all)."""
         chosen = tags if tags is not None else (body or WakeBody()).tags
         await guarded(engine.wake_up(chosen))
@@ -865,9 +865,9 @@ def create_app(
         sglang = {"tp_size": tp, "tensor_parallel_size": tp, "pp_size": 1, "dp_size": 1, "ep_size": 1,
                   "moe_dp_size": 1, "num_gpus": 0, "disaggregation_mode": "null", "encoder_only": False,
                   "model_path": engine.engine.config.model_config.model,
-                  "weight_version": engine.engine.weight_version_label}  # fmt: skip
+                  "weight_version": engine.engine.weight_version_label}
         return {"vllm_config": config if config_format == "json" else json.dumps(config), "vllm_env": {},
-                "system_env": {}, **sglang}  # fmt: skip
+                "system_env": {}, **sglang}
 
     @app.post("/tokenize", dependencies=[Depends(user_auth)])
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -877,7 +877,7 @@ def create_app(
         try:
             if body.messages is not None:
                 ids = tok.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                              tokenize=True, return_dict=False)  # fmt: skip
+                                              tokenize=True, return_dict=False)
             else:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except Exception as err:
@@ -940,7 +940,7 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
         "speculative_config": None if not spec.enabled else {
             "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},
         "quant_config": {"quantization": config.quant_config.quantization},
-    }  # fmt: skip
+    }
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -952,14 +952,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-auth", default="key", choices=["key", "none"],
         help="'none' opens the admin routes without a key (loopback hosts, or with --trusted-network)",
-    )  # fmt: skip
+    )
     parser.add_argument("--trusted-network", action="store_true",
                         help="allow --admin-auth none on a non-loopback address: everyone who can reach the port "
-                        "may change the weights (frameworks send no key; a private network only)")  # fmt: skip
+                        "may change the weights (frameworks send no key; a private network only)")
     parser.add_argument(
         "--allowed-host", action="append", default=[],
         help="a Host header name admin routes answer to, besides localhost / 127.0.0.1 / ::1 (repeatable)",
-    )  # fmt: skip
+    )
     parser.add_argument("--disable-admin", action="store_true", help="serve only the OpenAI routes")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="auto")
@@ -967,11 +967,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="engine replicas on Ray behind this server (a fleet; needs hotswap[ray])")  # fmt: skip
+                        help="engine replicas on Ray behind this server (a fleet; needs hotswap[ray])")
     parser.add_argument("--ray-address", default=None,
                         help="a Ray cluster to run the fleet on ('auto', 'ray://host:port'; default: a local Ray)")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1.0,
-                        help="CPUs each worker of a fleet replica reserves in its placement group")  # fmt: skip
+                        help="CPUs each worker of a fleet replica reserves in its placement group")
     parser.add_argument("--num-gpus-per-worker", type=float, default=None,
                         help="GPUs each worker of a fleet replica reserves (default: 1 where CUDA is available)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -983,16 +983,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
     parser.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="samples one request may ask for")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens one request may generate (default: up to the context length)")  # fmt: skip
+                        help="tokens one request may generate (default: up to the context length)")
     parser.add_argument("--max-logprobs", type=int, default=20,
-                        help="log probabilities one token may return (-1: the whole vocabulary)")  # fmt: skip
+                        help="log probabilities one token may return (-1: the whole vocabulary)")
     parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,
-                        help="how long a request waits while generation is paused before it gets 503")  # fmt: skip
+                        help="how long a request waits while generation is paused before it gets 503")
     parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
-                        help="on SIGTERM, how long requests in flight may take before they are cut")  # fmt: skip
+                        help="on SIGTERM, how long requests in flight may take before they are cut")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                        'or \'{"method": "draft_model", "model": DRAFT_DIR}\'')  # fmt: skip
+                        'or \'{"method": "draft_model", "model": DRAFT_DIR}\'')
     parser.add_argument("--log-level", default="warning")
 
 
@@ -1007,7 +1007,7 @@ def serve(args: argparse.Namespace) -> int:
     trusted = getattr(args, "trusted_network", False)
     if enable_admin and args.admin_auth == "none" and not is_loopback(args.host) and not trusted:
         raise ValueError(f"--admin-auth none is refused on non-loopback host {args.host!r}; use --admin-key (or "
-                         "--trusted-network on a private network)")  # fmt: skip
+                         "--trusted-network on a private network)")
     if (
         enable_admin
         and args.admin_key is None
@@ -1040,19 +1040,19 @@ def serve(args: argparse.Namespace) -> int:
 
         engine = AsyncFleet(Fleet(args.model, num_replicas=args.data_parallel_size, address=args.ray_address,
                                   num_cpus_per_worker=args.num_cpus_per_worker,
-                                  num_gpus_per_worker=args.num_gpus_per_worker, **engine_kwargs))  # fmt: skip
+                                  num_gpus_per_worker=args.num_gpus_per_worker, **engine_kwargs))
     else:
         engine = AsyncLLMEngine.from_kwargs(args.model, **engine_kwargs)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     limits = RequestLimits(
         args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s,
         args.max_n, args.max_tokens,
-    )  # fmt: skip
+    )
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))  # fmt: skip
+                timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
     return 0

@@ -97,7 +97,7 @@ _SAMPLING = {
     "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty", "n": "n", "sampling_seed": "seed", "seed": "seed",
     "logit_bias": "logit_bias",
-}  # fmt: skip
+}
 _REFUSED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
 _IGNORED = ("spaces_between_special_tokens", "no_stop_trim", "stream_interval")
 
@@ -129,7 +129,7 @@ def _finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
 
 
 def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_of: Callable[[int], str],
-             version: str) -> dict[str, Any]:  # fmt: skip
+             version: str) -> dict[str, Any]:
     """One SGLang generate result (a request's sample); `version`: the served version's label, for an output with
     no token yet."""
     spans = [span_object(s) for s in c.weight_versions]
@@ -157,7 +157,7 @@ def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_o
                 [[lp.logprob, tid, text(tid)] for tid, lp in sorted(e.items(), key=lambda kv: kv[1].rank or 0)
                  if lp.rank is not None][: body.top_logprobs_num]
                 for e in entries
-            ]  # fmt: skip
+            ]
         if out.prompt_logprobs is not None:
             start = max(body.logprob_start_len, 0)
             ids, plp = out.prompt_token_ids, out.prompt_logprobs
@@ -241,7 +241,7 @@ def add_sglang_routes(
             except Exception as err:
                 await stream.aclose()
                 return JSONResponse({"error": {"message": getattr(err, "message", str(err))}},
-                                    getattr(err, "status", 400))  # fmt: skip
+                                    getattr(err, "status", 400))
 
             async def sse() -> AsyncIterator[str]:
                 try:
@@ -268,7 +268,7 @@ def add_sglang_routes(
         try:
             async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
                 tasks = [group.create_task(guarded(one(e, f"{rid}-{i}" if batch else rid)))
-                         for i, e in enumerate(entries)]  # fmt: skip
+                         for i, e in enumerate(entries)]
             outs = [task.result() for task in tasks]
         except BaseExceptionGroup as errors:
             first = errors.exceptions[0]
@@ -326,7 +326,7 @@ def add_sglang_routes(
         waiting = len(inner.scheduler.waiting)
         return {"timestamp": time.time(), "version": "hotswap", "num_accelerators": 0,
                 "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                           "num_reqs": running + waiting, "num_used_tokens": 0}]}  # fmt: skip
+                           "num_reqs": running + waiting, "num_used_tokens": 0}]}
 
     # ---- weights -----------------------------------------------------------------------------------------
 
@@ -341,7 +341,7 @@ def add_sglang_routes(
         resume = await paused(body.abort_all_requests)
         try:
             _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path,
-                                                             weight_version=body.weight_version))  # fmt: skip
+                                                             weight_version=body.weight_version))
         finally:
             if resume:
                 await engine.resume_generation()
@@ -354,7 +354,7 @@ def add_sglang_routes(
     async def init_weights_update_group(body: GroupBody) -> Any:
         info = {"backend": "sglang_dist", "master_address": body.master_address, "master_port": body.master_port,
                 "rank_offset": body.rank_offset, "world_size": body.world_size, "group_name": body.group_name,
-                "dist_backend": body.backend}  # fmt: skip
+                "dist_backend": body.backend}
         _, error = await ok_or_400(engine.init_weight_transfer_engine(info))
         return error or {"success": True, "message": "Succeeded to initialize the weights update group."}
 
@@ -380,7 +380,7 @@ def add_sglang_routes(
         if token is not None and token != inner._session_token:
             state["session"] = token = None  # it ended another way (abort, destroy, a vLLM-route finish)
             state["version"] = None
-        return token
+        return cast("str | None", token)
 
     @app.post("/end_weight_update", dependencies=admin)
     async def end_weight_update() -> Any:
@@ -433,7 +433,7 @@ def add_sglang_routes(
         mc = inner.config.model_config
         return {"model_path": mc.model, "served_model_name": served_model_name, "tokenizer_path": mc.tokenizer,
                 "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": inner.weight_version_label, "load_format": "safetensors"}  # fmt: skip
+                "weight_version": inner.weight_version_label, "load_format": "safetensors"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=admin)
     async def release_memory_occupation(body: TagsBody | None = None) -> Any:

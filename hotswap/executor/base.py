@@ -18,7 +18,7 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:  # fmt: skip
+                       timeout: float | None = None) -> list[Any]:
         """Runs `method` on every worker and returns one result per worker, rank order.
 
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises

@@ -21,7 +21,7 @@ import sys
 import time
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 
@@ -34,7 +34,8 @@ _POLL_S = 0.05
 
 def _worker_main(conn: Connection) -> None:
     import torch
-    from torch.distributed import ProcessGroupGloo, TCPStore
+    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed import ProcessGroupGloo
 
     from hotswap.distributed import ParallelContext
     from hotswap.transfer.base import interrupt_waits
@@ -74,7 +75,7 @@ def _free_port() -> int:
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return cast("int", s.getsockname()[1])
 
 
 class MultiprocExecutor(Executor):
@@ -106,7 +107,7 @@ class MultiprocExecutor(Executor):
         self._gather(config.parallel_config.rpc_timeout_s, "start")
 
     def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:  # fmt: skip
+                       timeout: float | None = None) -> list[Any]:
         if self.broken:
             raise RuntimeError(f"the tensor-parallel workers are unusable ({self.broken}); create a new LLM")
         payload = cloudpickle.dumps((method, args, kwargs or {}))

@@ -15,6 +15,6 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, rank=0)
 
     def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:  # fmt: skip
+                       timeout: float | None = None) -> list[Any]:
         # In process, a call cannot be interrupted safely, so `timeout` is accepted but not enforced here.
         return [self.worker.execute_method(method, *args, **(kwargs or {}))]

@@ -138,7 +138,7 @@ class AsyncFleet:
                 raise _cause(err) from None
             except ray.exceptions.RayError as err:  # the replica died (or Ray lost the call)
                 await asyncio.to_thread(fleet._failed, member, f"it failed while generating: {_first_line(err)}",
-                                        actor)  # fmt: skip
+                                        actor)
                 finished = True  # nothing left to cancel there
                 if last is None:  # nothing delivered yet: the request starts again on another replica
                     tried.add(member.index)
@@ -169,7 +169,7 @@ class AsyncFleet:
         return self.fleet.is_paused()
 
     async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                             target: str = "model", weight_version: VersionArg = None) -> None:  # fmt: skip
+                             target: str = "model", weight_version: VersionArg = None) -> None:
         await self._run(self.fleet.reload_weights, weights_path, weights_iterator, target, weight_version)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:

@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.errors import EngineUnavailable
@@ -49,7 +49,7 @@ from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 logger = logging.getLogger(__name__)
 
 _FORWARDED_ENV = ("HOTSWAP_", "TORCH_EXTENSIONS_DIR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
-                  "ONEDNN_MAX_CPU_ISA")  # fmt: skip
+                  "ONEDNN_MAX_CPU_ISA")
 
 
 class FleetUpdateFailed(WeightUpdateFailed):
@@ -220,7 +220,7 @@ class Fleet:
                 ray.get(placement_group.ready(), timeout=self._start_timeout)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"replica {index}'s placement group {self._bundle} could not be placed within "
-                                   f"{self._start_timeout:g} s (start_timeout_s)") from None  # fmt: skip
+                                   f"{self._start_timeout:g} s (start_timeout_s)") from None
         actor = (
             ray.remote(ReplicaServer)
             .options(
@@ -296,7 +296,7 @@ class Fleet:
         return results, errors
 
     def _all(self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None,
-             down_ok: bool = False) -> dict[int, Any]:  # fmt: skip
+             down_ok: bool = False) -> dict[int, Any]:
         """`_call` that raises the first error (as `_with_replica` names it). `down_ok`: a replica that went down
         is left out instead (its restart re-applies what the fleet state says: pause, config)."""
         results, errors = self._call(members, method, *args, timeout=timeout)
@@ -320,7 +320,7 @@ class Fleet:
         return stage(prompt, self.tokenizer).as_dict()
 
     def route(self, prompt: dict[str, Any], params: SamplingParams, request_id: str, key: str | None = None,
-              avoid: Iterable[int] = ()) -> _Member:  # fmt: skip
+              avoid: Iterable[int] = ()) -> _Member:
         """Chooses the request's replica and books its cost. Raises EngineUnavailable when none is routable."""
         salt = prompt.get("cache_salt")
         routable = [r for r in self.routable() if r not in set(avoid)]
@@ -367,7 +367,7 @@ class Fleet:
                     index: actors[index].generate_batch.remote(
                         [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
                     for index, group in groups.items()
-                }  # fmt: skip
+                }
                 pending = []
                 deadline = time.monotonic() + self._request_timeout
                 for index, ref in list(calls.items()):
@@ -383,7 +383,7 @@ class Fleet:
                         raise _cause(err) from None
                     except ray.exceptions.RayError as err:  # the replica died: its prompts go to the others
                         self._failed(self.members[index], f"it failed while generating: {_first_line(err)}",
-                                     actors[index])  # fmt: skip
+                                     actors[index])
                         avoid.add(index)
                         pending += [i for i, _ in groups[index]]
                     del calls[index]
@@ -397,7 +397,7 @@ class Fleet:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:  # fmt: skip
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         prompts = chat_prompts(self.tokenizer, messages, add_generation_prompt, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -456,13 +456,13 @@ class Fleet:
         with self._change:
             self._check_no_session("update_config")
             old = {sec: {name: getattr(getattr(self.config, sec), name) for name in fields}
-                   for sec, fields in overrides.items()}  # fmt: skip
+                   for sec, fields in overrides.items()}
             members = self._up()
             results, errors = self._call(members, "update_config", overrides, timeout=self._rpc_timeout)
             errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
             if errors:  # the replicas that took it go back, so that all of them keep one config
                 _, undo = self._call([m for m in members if m.index in results], "update_config", old,
-                                     timeout=self._rpc_timeout)  # fmt: skip
+                                     timeout=self._rpc_timeout)
                 for index, err in undo.items():
                     self._failed(self.members[index], f"could not undo a config change: {_first_line(err)}")
                 index, err = next(iter(errors.items()))
@@ -474,7 +474,7 @@ class Fleet:
                 self._overrides.setdefault(sec, {}).update(fields)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:  # fmt: skip
+                       kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
         """Runs a Worker method on every worker of every up replica: results in replica, then rank, order."""
         members = self._up()
         results = self._all(members, "collective_rpc", method, tuple(args), kwargs, timeout=timeout)
@@ -511,7 +511,7 @@ class Fleet:
             index = self.router.pick(self.routable())
         except RuntimeError as err:
             raise EngineUnavailable(str(err)) from None
-        return self._all([self.members[index]], "weight_checksums", target)[index]
+        return cast("dict[str, str]", self._all([self.members[index]], "weight_checksums", target)[index])
 
     def replica_checksums(self, target: str = "model") -> dict[int, dict[str, str]]:
         """Each up replica's checksums, by replica index."""
@@ -531,7 +531,7 @@ class Fleet:
         parse_version(weight_version)
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
-                             "updated through a session with target 'all'")  # fmt: skip
+                             "updated through a session with target 'all'")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         new_folder = None
@@ -600,12 +600,12 @@ class Fleet:
                 if init_info.get("world_size", world) != world:
                     raise ValueError(f"world_size must be {world}: the trainer's rank(s) before rank_offset={offset} "
                                      f"and {len(members)} replicas x {self.tensor_parallel_size} workers, got "
-                                     f"{init_info['world_size']!r}")  # fmt: skip
+                                     f"{init_info['world_size']!r}")
                 infos = [{**init_info, "rank_offset": offset + k * self.tensor_parallel_size, "world_size": world}
-                         for k in range(len(members))]  # fmt: skip
+                         for k in range(len(members))]
             connect = 2 * self.config.weight_transfer_config.timeout_s + 30  # the engine's own connect deadline
             _, errors = self._call(members, "init_weight_transfer_engine", timeout=connect,
-                                   each=[(info,) for info in infos])  # fmt: skip
+                                   each=[(info,) for info in infos])
             if errors:
                 self._call(self._up(), "shutdown_weight_transfer_engine", timeout=self._rpc_timeout)
                 self._group = self._transport = None
@@ -694,7 +694,7 @@ class Fleet:
             members = [m for m in self.members if m.state == "up" and m.version == self.version]
         if not members and required:
             raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting); a "
-                                    "reload from a checkpoint folder brings the fleet back")  # fmt: skip
+                                    "reload from a checkpoint folder brings the fleet back")
         return members
 
     def _session_members(self, session_token: str | None, method: str) -> list[_Member]:
@@ -722,7 +722,7 @@ class Fleet:
         if isinstance(err, (ValueError, TypeError)):
             raise _with_replica(err, index, method)
         message = (f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica "
-                   f"was rolled back and the fleet serves version {self.version}")  # fmt: skip
+                   f"was rolled back and the fleet serves version {self.version}")
         if all(isinstance(e, TimeoutError) and not isinstance(e, ReplicaDown) for e in errors.values()):
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
@@ -795,7 +795,7 @@ class Fleet:
             elif time.monotonic() - member.ping_sent > self._health_timeout:
                 member.ping = None
                 self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
-                             member.ping_actor)  # fmt: skip
+                             member.ping_actor)
         if not self._restart or self.asleep:
             return
         for member in list(self.members):
@@ -806,7 +806,7 @@ class Fleet:
                     folder, generation = self._folder, self._folder_generation
             if due and not self._stopping.is_set():
                 threading.Thread(target=self._replace, args=(member, folder, generation), daemon=True,
-                                 name=f"hotswap-fleet-restart-{member.index}").start()  # fmt: skip
+                                 name=f"hotswap-fleet-restart-{member.index}").start()
 
     def _replace(self, member: _Member, folder: str, generation: int) -> None:
         """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
@@ -833,7 +833,7 @@ class Fleet:
                     ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
                 if self._folder_current and self._folder_generation == generation:
                     ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
-                            timeout=60)  # fmt: skip
+                            timeout=60)
                     restored = "folder"
                 else:
                     self._copy_weights(actor)
@@ -863,16 +863,16 @@ class Fleet:
         """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
         ray = _ray()
         source = None if self.asleep else next(
-            (m for m in self.members if m.state == "up" and m.version == self.version), None)  # fmt: skip
+            (m for m in self.members if m.state == "up" and m.version == self.version), None)
         if source is None:
             raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
-                               "reload the fleet from a folder to bring replicas back")  # fmt: skip
+                               "reload the fleet from a folder to bring replicas back")
         states = source.actor.export_weights.remote()
         ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
-                timeout=self._start_timeout)  # fmt: skip
+                timeout=self._start_timeout)
         which = "all" if self.config.draft_model_config is not None else "model"
         theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
-                               timeout=self._start_timeout)  # fmt: skip
+                               timeout=self._start_timeout)
         if theirs != mine:
             raise RuntimeError("the copied weights' checksums differ from the source replica's")
 
@@ -882,7 +882,7 @@ class Fleet:
             return None
         with self._lock:
             reasons = "; ".join(f"replica {m.index} {m.state}" + (f" ({m.error})" if m.error else "")
-                                for m in self.members)  # fmt: skip
+                                for m in self.members)
         return f"no replica can serve: {reasons}"
 
     def replica_status(self) -> list[dict[str, Any]]:
@@ -894,7 +894,7 @@ class Fleet:
                      "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
                      "routed": self.router.routed.get(m.index, 0),
                      "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
-                    for m in self.members]  # fmt: skip
+                    for m in self.members]
 
     def stats(self) -> dict[str, Any]:
         """The replicas' engine statistics summed, with the fleet's own."""
@@ -908,7 +908,7 @@ class Fleet:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
                     totals[key] = totals.get(key, 0) + value
         fleet = {"replicas": len(members), "replicas_up": len(self.routable()), "weight_version": self.version,
-                 **self.counters}  # fmt: skip
+                 **self.counters}
         return {**totals, **{f"fleet_{k}": v for k, v in fleet.items()}}
 
     def shutdown(self) -> None:
@@ -943,7 +943,7 @@ def _no_commit(version: int) -> ReplicaDown:
 def _check_atomic(atomic: bool) -> None:
     if not atomic:
         raise ValueError("a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
-                         "one's rollback copies")  # fmt: skip
+                         "one's rollback copies")
 
 
 def _first_line(err: BaseException) -> str:
@@ -963,7 +963,7 @@ def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
     cause."""
     new: BaseException = RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
     for kind in (ReplicaDown, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable, ValueError, TypeError,
-                 TimeoutError, RuntimeError):  # fmt: skip
+                 TimeoutError, RuntimeError):
         if isinstance(err, kind):
             new = err if str(err).startswith(f"replica {index}") else kind(f"replica {index}: {err}")
             break

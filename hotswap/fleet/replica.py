@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.outputs import RequestOutput
@@ -59,13 +59,13 @@ class ReplicaServer:
             yield out
 
     async def generate_batch(self, prompts: list[Any], params: list[SamplingParams], request_ids: list[str]
-                             ) -> list[RequestOutput]:  # fmt: skip
+                             ) -> list[RequestOutput]:
         """Generates every prompt concurrently and returns their final outputs, in order."""
 
         async def one(prompt: Any, sp: SamplingParams, request_id: str) -> RequestOutput:
             last = None
             async for out in self.engine.generate(prompt, dataclasses.replace(sp, output_kind="final_only"),
-                                                  request_id):  # fmt: skip
+                                                  request_id):
                 last = out
             assert last is not None and last.finished
             return last
@@ -133,7 +133,7 @@ class ReplicaServer:
         self.engine.engine.executor.interrupt_waits()
 
     async def set_weight_version(self, weight_version: int, draft_weight_version: int,
-                                 labels: dict[int, str] | None = None) -> None:  # fmt: skip
+                                 labels: dict[int, str] | None = None) -> None:
         """Numbers the served weights (a restarted replica that loaded the folder holding the fleet's version),
         with the fleet's version labels."""
         self.engine.engine.weight_version = weight_version
@@ -147,12 +147,12 @@ class ReplicaServer:
         return await self.engine.export_weights()
 
     async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int, draft_weight_version: int,
-                            labels: dict[int, str] | None = None) -> None:  # fmt: skip
+                            labels: dict[int, str] | None = None) -> None:
         await self.engine.adopt_weights(states, weight_version, draft_weight_version)
         self.engine.engine.version_labels.update(labels or {})
 
     async def weight_checksums(self, target: str) -> dict[str, str]:
-        return (await self.engine.collective_rpc("weight_checksums", (target,)))[0]
+        return cast("dict[str, str]", (await self.engine.collective_rpc("weight_checksums", (target,)))[0])
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -33,7 +33,7 @@ class Router:
         choices = sorted(set(routable))
         if not choices:
             raise RuntimeError("no replica can take requests now (all are down, restarting or being brought to the "
-                               "fleet's weight version); retry shortly")  # fmt: skip
+                               "fleet's weight version); retry shortly")
         if key is not None:
             return max(choices, key=lambda r: hashlib.blake2b(f"{r}:{key}".encode(), digest_size=8).digest())
         with self._lock:

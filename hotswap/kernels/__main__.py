@@ -21,7 +21,7 @@ if native.ops() is None:
     print("hotswap native kernels: unavailable (pure-torch path)")
 else:
     print(f"hotswap native kernels: ready ({native.build_name()}, target {native.target_isa()}, "
-          f"-march={native.MARCH}, {native.vector_bits()}-bit vectors; torch: {emulation.torch_isa()})")  # fmt: skip
+          f"-march={native.MARCH}, {native.vector_bits()}-bit vectors; torch: {emulation.torch_isa()})")
 hf_config = json.loads((Path(args.model) / "config.json").read_text()) if args.model else None
 resolved = policy.prepare(hf_config) if hf_config else policy.policy()
 if args.report:

@@ -5,13 +5,14 @@ these and nothing else; they never hold a kernel handle or see None."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import native
-from hotswap.kernels.policy import _torch_greedy, _torch_rms_norm, _torch_rotary, _torch_silu_and_mul, policy
+from hotswap.kernels.policy import _torch_greedy, _torch_rms_norm, _torch_rotary, _torch_silu_and_mul
+from hotswap.kernels.policy import policy as policy  # re-exported: layers and the stack read it here
 
 # From SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows (tokens: decode batches, short prefills), the native linear
 # kernels stream each weight once instead of re-packing it (hotswap/kernels/linear.cpp). Above that range a BLAS
@@ -35,7 +36,7 @@ def _rows_fit(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in float32 and cast back to x's dtype."""
     if _rows_fit(x) and policy().uses("rms_norm", x.shape[0]):
-        return _ops().rms_norm(x, weight, eps)
+        return cast(torch.Tensor, _ops().rms_norm(x, weight, eps))
     return _torch_rms_norm(x, weight, eps)
 
 
@@ -70,7 +71,7 @@ def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path."""
     if small_batch_applies(x, weight, bias):
-        return _ops().small_batch_linear(x, weight, bias)
+        return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
     return F.linear(x, weight, bias)
 
 
@@ -78,7 +79,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
     if small_batch_applies(x, weight, bias, "gated_linear"):
-        return _ops().small_batch_gated_linear(x, weight, bias)
+        return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
     return silu_and_mul(linear(x, weight, bias))
 
 
@@ -92,7 +93,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and not _needs_grad(x)
     ):
-        return _ops().silu_and_mul(x)
+        return cast(torch.Tensor, _ops().silu_and_mul(x))
     return _torch_silu_and_mul(x)
 
 
@@ -107,7 +108,7 @@ def rotary(
     """Rotates q [T, H, D] and k [T, KVH, D] by the float32 cos/sin tables [P, D] at `positions` [T]; returns
     new contiguous tensors."""
     if rotary_applies(positions, q) and policy().uses("rotary", q.shape[0]):
-        return _ops().rotary(q, k, positions, cos, sin)
+        return cast(tuple[torch.Tensor, torch.Tensor], _ops().rotary(q, k, positions, cos, sin))
     return _torch_rotary(q, k, positions, cos, sin)
 
 
@@ -132,13 +133,13 @@ def paged_attention_available() -> bool:
 def paged_attention(*args: Any) -> torch.Tensor:
     """The native `paged_attention` (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
     scale); only where `paged_attention_available()`."""
-    return _ops().paged_attention(*args)
+    return cast(torch.Tensor, _ops().paged_attention(*args))
 
 
 def rope_paged_attention(*args: Any) -> torch.Tensor:
     """The native `rope_paged_attention`: rotates q/k, writes the cache and attends, in one call (arguments as
     the kernel's); only where `paged_attention_available()` and `rotary_applies`."""
-    return _ops().rope_paged_attention(*args)
+    return cast(torch.Tensor, _ops().rope_paged_attention(*args))
 
 
 def greedy_native(logits: torch.Tensor) -> bool:
@@ -163,4 +164,4 @@ def decoder_stack_available(rows: int) -> bool:
 
 
 def decoder_layers(*args: Any) -> torch.Tensor:
-    return _ops().decoder_layers(*args)
+    return cast(torch.Tensor, _ops().decoder_layers(*args))

@@ -78,7 +78,7 @@ class Shapes:
         intermediate = int(hf_config.get("intermediate_size") or 4 * hidden)
         layers = int(hf_config.get("num_hidden_layers", 1))
         return cls(hidden, intermediate, (heads + 2 * kv) * head_dim, heads, head_dim, int(hf_config["vocab_size"]),
-                   layers, str(dtype).removeprefix("torch."))  # fmt: skip
+                   layers, str(dtype).removeprefix("torch."))
 
     def key(self) -> str:
         """The cache key: the shapes, the threads the ops run on (a tensor-parallel worker has fewer) and the ISA
@@ -277,12 +277,12 @@ def calibrate_stack(
 
 
 def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: dict[int, float]
-                ) -> dict[str, Decision]:  # fmt: skip
+                ) -> dict[str, Decision]:
     """`decisions` with the decoder stack's (`stack`: its step time / the modules', both on the table's products)
     and the products that a decode step measured faster native (`moved`: the stack's step with every product
     native / with the table's products, per batch)."""
     out = dict(decisions, decoder_stack=Decision(
-        "decoder_stack", {b: r < STACK_WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON))  # fmt: skip
+        "decoder_stack", {b: r < STACK_WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON))
     for op in PRODUCTS:
         d = decisions[op]
         flips = {b for b, r in moved.items() if r < WIN_RATIO and not d.native[b]}
@@ -291,7 +291,7 @@ def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: 
                 op, {b: d.native[b] or b in flips for b in BATCHES}, {b: moved[b] if b in flips else d.ratios[b]
                 for b in BATCHES}, f"{d.reason}; at {', '.join(map(str, sorted(flips)))} rows: on a decode step of "
                 "the model, every product native against the table's",
-            )  # fmt: skip
+            )
     return out
 
 
@@ -388,7 +388,7 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
         return r - r % 2 if n % 2 == 0 else r  # [gate; up] keeps two halves
 
     weights = {name: [torch.full((rows(n, k), k), 0.01) for _ in range(copies)]
-               for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}  # fmt: skip
+               for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}
     turn = [0]
 
     def w(name: str) -> torch.Tensor:
@@ -409,7 +409,7 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
 
 def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor], w: Callable[[str], torch.Tensor],
            norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gen: torch.Generator
-           ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:  # fmt: skip
+           ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """(native call, torch call) per calibrated op, on a batch of `m` rows."""
     h, i = shapes.hidden, shapes.intermediate
     act = getattr(torch, shapes.dtype)  # the products and the logits are float32 on their native paths
@@ -431,7 +431,7 @@ def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tens
         "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: _torch_silu_and_mul(gu)),
         "rotary": (lambda: kernels.rotary(q, k, positions, cos, sin), lambda: _torch_rotary(q, k, positions, cos, sin)),
         "greedy_sample": (lambda: kernels.greedy_sample(logits), lambda: _torch_greedy(logits)),
-    }  # fmt: skip
+    }
 
 
 # ---- the torch paths the calibration compares against (the facade's own fallbacks compute the same) ------------
@@ -453,7 +453,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     c, s = cos[positions].to(q.dtype).unsqueeze(1), sin[positions].to(q.dtype).unsqueeze(1)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 

@@ -5,7 +5,7 @@ gate/up into `gate_up_proj` (see `stacked_params_mapping`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row",
             in_split=(self.qkv_proj.q_start * self.head_dim, local_heads * self.head_dim),
-        )  # fmt: skip
+        )
         self.num_heads, self.num_kv_heads = local_heads, self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             assert self.k_norm is not None  # built together with q_norm
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, positions, self.rotary_emb))
+        return cast(torch.Tensor, self.o_proj(self.attn(q, k, v, meta, positions, self.rotary_emb)))
 
 
 class LlamaMLP(nn.Module):
@@ -63,7 +63,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act_fn))
+        return cast(torch.Tensor, self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act_fn)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        return cast(torch.Tensor, self.model(input_ids, positions, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary (gathered across tensor-parallel ranks)."""

@@ -9,7 +9,7 @@ experts' projections w1 / w3 / w2; a transformers 5 trainer names it `mlp` with 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None  # built together
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return cast(torch.Tensor, out)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -71,7 +71,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
             bool(cfg.get("norm_topk_prob", False)),
             cfg.get("shared_expert_intermediate_size", 0) if self.shared_expert else 0,
-        )  # fmt: skip
+        )
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
@@ -86,7 +86,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(
             cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["intermediate_size"],
             renormalize=True, expert_names=("w1", "w3", "w2"),
-        )  # fmt: skip
+        )
 
     def checkpoint_aliases(self) -> dict[str, str]:
         """Hub names (`block_sparse_moe.*`) for the block's router and per-expert weights."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -124,4 +124,4 @@ def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> Tr
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown weight transfer backend {backend!r}; expected one of {sorted(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(init_info, config)
+    return cast("TransferEngine", getattr(importlib.import_module(module_name), class_name)(init_info, config))

@@ -24,16 +24,17 @@ from hotswap.weights.update import WeightSource
 
 
 def custom_group(address: str, port: int, rank: int, world: int, timeout_s: float, backend: str,
-                 group_name: str) -> tuple[Any, Any]:  # fmt: skip
+                 group_name: str) -> tuple[Any, Any]:
     """(store, group): the trainer's custom process group, joined as `rank` of `world`."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.rendezvous import rendezvous
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world = next(rendezvous(f"tcp://{address}:{port}", rank, world, timeout=timeout))
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world, rank, [], backend, prefixed, group_name=cast(Any, group_name),
-                                         backend_options=None, timeout=timeout)  # fmt: skip
+                                         backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     return store, group
 
@@ -52,7 +53,7 @@ class SglangDistEngine(TorchDistEngine):
         super().__init__(info, config)
 
     def _connect(self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
-                 ) -> tuple[Any, Any]:  # fmt: skip
+                 ) -> tuple[Any, Any]:
         return custom_group(address, port, rank, world, timeout_s, self.dist_backend, self.group_name)
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:

@@ -70,7 +70,9 @@ class ShmSender:
         self.segment: shared_memory.SharedMemory | None = None
         self.generation = 0
 
-    def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, Any], list]:
+    def prepare(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
         """Makes room for these tensors and returns (update_info, pairs) without publishing them yet."""
         pairs = [(name, t.detach()) for name, t in named_tensors]
         offsets, size = _layout([(tuple(t.shape), t.dtype) for _, t in pairs])

@@ -25,7 +25,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed import ProcessGroupGloo
 
 from hotswap.distributed import current_parallel
 from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info

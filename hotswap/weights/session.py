@@ -210,7 +210,7 @@ class WeightSession:
             if update.wrote_served():
                 self.invalidate()
                 outcome = ("it failed after writing without rollback copies, so the engine refuses to generate "
-                           "until a successful reload_weights()")  # fmt: skip
+                           "until a successful reload_weights()")
             else:
                 outcome = "it failed after writing without rollback copies: reload the draft model"
         elif update.atomic:

@@ -279,7 +279,7 @@ class WeightUpdate:
             and source.verify is None
             and not any(self.index.targets[n].module_name in self.index.staging_modules for n, _, _ in entries
                         if n in self.index.targets)
-        )  # fmt: skip
+        )
         self.unprotected = self.unprotected or (self.atomic and not backup)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
@@ -298,7 +298,7 @@ class WeightUpdate:
 
     @torch.no_grad()
     def _load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
-              checked: bool, kind: str) -> int:  # fmt: skip
+              checked: bool, kind: str) -> int:
         """Loads each tensor of `stream` into its target (the stream's names and shapes must be those declared);
         `checked`: values were checked already."""
         non_finite: list[str] = []

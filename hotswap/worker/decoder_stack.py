@@ -50,7 +50,7 @@ class NativeDecoderStack:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None  # checked by `applies`
-        return self.model.embed_tokens(input_ids)
+        return cast(torch.Tensor, self.model.embed_tokens(input_ids))
 
     def applies(self, num_tokens: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether every layer would take the native kernels on this batch of `num_tokens` (float32, a small
@@ -81,10 +81,10 @@ class NativeDecoderStack:
         if model is None:
             return False
         if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-               for m in (self.outer, model, model.embed_tokens)):  # fmt: skip
+               for m in (self.outer, model, model.embed_tokens)):
             return False
         expected = {"self_attn": LlamaAttention, "mlp": LlamaMLP, "input_layernorm": RMSNorm,
-                    "post_attention_layernorm": RMSNorm}  # fmt: skip
+                    "post_attention_layernorm": RMSNorm}
         for layer in model.layers:
             if type(layer) is not LlamaDecoderLayer:
                 return False
@@ -92,7 +92,7 @@ class NativeDecoderStack:
                 return False
             attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # their types were checked above
             parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
-                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}  # fmt: skip
+                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}
             if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
                 return False
             if attn.o_proj.parallel is not None or attn.qkv_proj.fp8 or not mlp.gate_up_proj.gate_and_up:
@@ -117,10 +117,10 @@ class NativeDecoderStack:
              cast(LlamaMLP, layer.mlp).gate_up_proj, cast(LlamaMLP, layer.mlp).down_proj, layer.self_attn.rotary_emb,
              layer.self_attn.attn)
             for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
-        ]  # fmt: skip
+        ]
 
     def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
-                  ) -> tuple[list[float], float] | None:  # fmt: skip
+                  ) -> tuple[list[float], float] | None:
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
         `policy.fastest_in_turn`), or None if the cache has fewer than `rows` blocks (a smaller step would be
@@ -141,7 +141,7 @@ class NativeDecoderStack:
         return stack_s, modules_s
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, products: Products | None = None
-            ) -> torch.Tensor:  # fmt: skip
+            ) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`, the products on the paths
         the policy chose (or `products`, for the calibration). The tensors are read from
         the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
@@ -156,7 +156,7 @@ class NativeDecoderStack:
                 o._parameters["weight"], o._parameters.get("bias"), norm2._parameters["weight"],
                 gate_up._parameters["weight"], gate_up._parameters.get("bias"), down._parameters["weight"],
                 down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
-            ]  # fmt: skip
+            ]
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
@@ -165,4 +165,4 @@ class NativeDecoderStack:
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
             first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu,
-        )  # fmt: skip
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from typing import cast
 
 import torch
 
@@ -59,4 +60,4 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
 def _madvise(address: int, length: int, advice: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice)
+    return cast("int", libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice))

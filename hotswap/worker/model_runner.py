@@ -97,7 +97,7 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The logits [len(rows), V] of those rows of `hidden`, on every rank (every rank takes part in
         gathering the vocab)."""
-        return cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        return cast(torch.Tensor, cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]))
 
     def forward(
         self,
@@ -119,7 +119,7 @@ class ModelRunner:
         hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
         prompt = {seq: self.prompt_logprobs(hidden, mi, ends[seq] - mi.query_lens[seq], ends[seq], k)
-                  for seq, k in mi.prompt_logprobs}  # fmt: skip
+                  for seq, k in mi.prompt_logprobs}
         if current_parallel().rank != 0:
             return []  # the engine reads rank 0's samples
         results = sample(logits, mi.sample_specs)

@@ -329,7 +329,7 @@ class Worker:
             problem = f"update_info target must be 'model' or 'draft', got {part!r}"
         elif part is not None and self._session_target not in (part, "all"):
             problem = (f"this update carries {part!r} weights, but the session was started for "
-                       f"{self._session_target!r}; start it with target={part!r} or 'all'")  # fmt: skip
+                       f"{self._session_target!r}; start it with target={part!r} or 'all'")
         if problem is not None:
             self.session.expect(SessionState.ACTIVE, call="update_weights")
             self.session.abort()  # like any failed update, it ends the session (rolled back)

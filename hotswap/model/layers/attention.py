@@ -72,7 +72,7 @@ class AttentionMetadata:
             return cls(
                 torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, max_q, gather, kernel,
                 None if max_q == 1 else q_len,
-            )  # fmt: skip
+            )
         pad = [i * max_q + j for i, q in enumerate(query_lens) for j in range(q)]
         # Query row j of sequence i sits at absolute position c - q + j and sees keys at positions <= that.
         q_pos = (c_len - q_len)[:, None] + torch.arange(max_q)[None, :]
@@ -128,14 +128,14 @@ class Attention(nn.Module):
                 return ops.rope_paged_attention(
                     q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                     meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
-                )  # fmt: skip
+                )
             q, k = rotary(positions, q, k)
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.kernel is not None:  # a CPU operator: other devices raise here rather than attend unmasked
             return meta.kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                 self.expand_index, self.scale,
-            )  # fmt: skip
+            )
         num_seqs = meta.block_tables.shape[0]
         max_q = meta.max_query_len
         if meta.gather_cache:

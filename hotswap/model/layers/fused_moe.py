@@ -31,6 +31,7 @@ run inside a worker's config scope; outside it `current_config()` raises.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -205,7 +206,7 @@ class FusedMoE(nn.Module):
 
     def scale_of(self, param: nn.Parameter) -> nn.Parameter:
         """The scale parameter of an fp8 weight (`w13_weight` -> `w13_weight_scale` or `..._scale_inv`)."""
-        return getattr(self, f"{'w13' if param is self.w13_weight else 'w2'}_{self.scale_leaf}")
+        return cast(nn.Parameter, getattr(self, f"{'w13' if param is self.w13_weight else 'w2'}_{self.scale_leaf}"))
 
     # ---- checkpoint layout (ShardedWeights) ----------------------------------------------------------------
 
@@ -314,7 +315,7 @@ class FusedMoE(nn.Module):
         self._write(param, slot, None if part == _DOWN else self._rows(part), value)
 
     def _write(self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None, value: torch.Tensor
-               ) -> None:  # fmt: skip
+               ) -> None:
         """Writes `value` into `param[slots]` (rows `rows` of it), or for fp8 into the stage, marking the rows; an
         fp8 `value` (already quantized, its scale in the same update) is copied as it is."""
         if not self.fp8 or value.dtype == FP8_DTYPE:
@@ -362,10 +363,10 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"expert weights in float8 ({shard}) need quantization='fp8'")
             if shard in (FUSED_GATE_UP, FUSED_DOWN):
                 raise ValueError(f"fused expert weights ({shard}) must be high precision; send FP8 experts by "
-                                 f"per-expert names with their {self.scale_leaf}")  # fmt: skip
+                                 f"per-expert names with their {self.scale_leaf}")
             if shard not in scales:
                 raise ValueError(f"expert {shard[0]}'s {shard[1]} weight arrives in float8 without its "  # type: ignore[index]
-                                 f"{self.scale_leaf} in the same update")  # fmt: skip
+                                 f"{self.scale_leaf} in the same update")
 
     @property
     def stages_weights(self) -> bool:

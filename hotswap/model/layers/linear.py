@@ -13,7 +13,7 @@ into the existing fp8 and scale storage, then frees the stage.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -189,7 +189,7 @@ class QKVLinear(Linear):
             "v": ShardSpec(q + kv, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
         }
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel="column",
-                         shard_specs=specs)  # fmt: skip
+                         shard_specs=specs)
 
 
 class MergedLinear(Linear):
@@ -213,4 +213,4 @@ class MergedLinear(Linear):
         weight = self.effective_weight(x.dtype)  # dequantized once either way
         if self.gate_and_up:
             return ops.gated_linear(x, weight, self.bias)
-        return act(ops.linear(x, weight, self.bias))  # column-parallel: forward() is this product
+        return cast(torch.Tensor, act(ops.linear(x, weight, self.bias)))  # column-parallel: forward() is this product

@@ -50,7 +50,7 @@ def verify(
     assert logits.shape[0] == len(flat) == sum(len(p) + 1 for p in proposals), "one row per verified position"
     logits = logits.float()
     plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts
-                for s in flat)  # fmt: skip
+                for s in flat)
     if plain and ops.greedy_native(logits):
         tokens, chosen = ops.greedy_sample(logits)
         argmax, chosen_list = tokens.tolist(), chosen.tolist()

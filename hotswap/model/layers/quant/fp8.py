@@ -51,5 +51,5 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-                      ) -> torch.Tensor:  # fmt: skip
+                      ) -> torch.Tensor:
     return (q.float() * expand_block_scales(scale, q.shape, block)).to(dtype)
