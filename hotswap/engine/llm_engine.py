@@ -717,6 +717,15 @@ class LLMEngine:
         self.version_labels.set(self.weight_version, label if label is not None else given)
 
     @property
+    def session_token(self) -> str | None:
+        """The open update session's token (None when no session is open)."""
+        return self._session_token
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) sequences in the scheduler."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    @property
     def weight_version_label(self) -> str:
         """The served version as clients see it: the label given to it, or its integer as a string."""
         return self.version_labels.label(self.weight_version)

@@ -322,8 +322,7 @@ def add_sglang_routes(
 
     @app.get("/v1/loads", dependencies=admin)
     async def loads() -> Any:
-        running = len(inner.scheduler.running)
-        waiting = len(inner.scheduler.waiting)
+        running, waiting = inner.queue_lengths()
         return {"timestamp": time.time(), "version": "hotswap", "num_accelerators": 0,
                 "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
                            "num_reqs": running + waiting, "num_used_tokens": 0}]}
@@ -377,7 +376,7 @@ def add_sglang_routes(
     def session_token() -> str | None:
         """The /begin_weight_update session's token while that session is the engine's open one."""
         token = state["session"]
-        if token is not None and token != inner._session_token:
+        if token is not None and token != inner.session_token:
             state["session"] = token = None  # it ended another way (abort, destroy, a vLLM-route finish)
             state["version"] = None
         return cast("str | None", token)
@@ -419,7 +418,7 @@ def add_sglang_routes(
             if error is None:
                 _, error = await ok_or_400(engine.finish_weight_update(body.weight_version, token))
         finally:
-            if token is not None and inner._session_token == token:  # never leave the implicit session open
+            if token is not None and inner.session_token == token:  # never leave the implicit session open
                 await engine.abort_weight_update(token)
             if resume:
                 await engine.resume_generation()

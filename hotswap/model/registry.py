@@ -5,13 +5,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from hotswap.config import ModelConfig
 
 # Looked up by name and imported on first use (as transports are): the config can name the supported
 # architectures without importing the model code, which itself reads the config.
@@ -51,7 +48,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(model_config: ModelConfig) -> nn.Module:
+class ModelSpec(Protocol):
+    """What building a model reads of its config (`hotswap.config.ModelConfig` has it; this module imports no
+    config, so the config may import it)."""
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+    @property
+    def hf_config(self) -> dict[str, Any]: ...
+
+
+def build_model(model_config: ModelSpec) -> nn.Module:
     """Constructs the model with uninitialized parameters in the configured dtype (inside the config scope:
     layers read the quantization and parallel layout at construction)."""
     klass = model_class(model_config.architecture)
