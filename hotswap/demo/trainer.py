@@ -1,0 +1,203 @@
+"""The demo's trainer: a transformers model in a spawned process that warms up on the output format, then runs
+GRPO on the engine's rollouts and pushes all its weights over shared memory after every step; and the engine
+process's handle on it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import random
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from hotswap.demo.task import CopyTask
+
+_REPLY_TIMEOUT_S = 300.0  # longest wait for one trainer reply (its start-up and warm-up included)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Everything the spawned trainer needs (picklable)."""
+
+    model_dir: str
+    task: CopyTask
+    seed: int
+    lr: float
+    warmup_steps: int
+    warmup_lr: float
+    warmup_batch: int = 64
+    clip: float = 0.2  # PPO/GRPO ratio clip
+    entropy_coef: float = 0.02  # entropy bonus: keeps a digit's output from collapsing onto a wrong token early
+    num_threads: int = 2  # the model is tiny: more threads do not help
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts, grouped by prompt: `completions[g][i]` is the i-th sample for `prompts[g]`, with its
+    reward `rewards[g][i]` and the engine's logprob of each of its tokens `engine_logprobs[g][i]`."""
+
+    prompts: list[list[int]]
+    completions: list[list[list[int]]]
+    rewards: list[list[float]]
+    engine_logprobs: list[list[list[float]]]
+
+
+class _Trainer:
+    """The policy as a transformers model, its optimizer and the shm sender. Lives in the trainer process."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from hotswap.transfer.shm import ShmSender
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.settings = settings
+        self.task = settings.task
+        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)  # the RL steps'
+        self.sender = ShmSender()
+
+    def _completion_log_softmax(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For `sequences` [B, prompt_len + K]: the log-softmax at each completion position [B, K, V] and the
+        logprob of each completion token [B, K]."""
+        p = self.task.prompt_len
+        log_probs = torch.log_softmax(self.model(sequences).logits[:, p - 1 : -1].float(), dim=-1)
+        return log_probs, log_probs.gather(-1, sequences[:, p:, None]).squeeze(-1)
+
+    def warmup(self) -> dict[str, float]:
+        """Supervised steps on `prompt -> K random digits`: teaches the output alphabet, not the task (the targets
+        do not depend on the prompt, so the expected reward stays at chance)."""
+        s, task = self.settings, self.task
+        rng = random.Random(s.seed + 1)
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=s.warmup_lr)
+        loss = torch.zeros(())
+        start = time.perf_counter()
+        for _ in range(s.warmup_steps):
+            rows = [
+                task.prompt_ids(task.sample(rng)) + [task.digit_ids[d] for d in task.sample(rng)]
+                for _ in range(s.warmup_batch)
+            ]
+            loss = -self._completion_log_softmax(torch.tensor(rows))[1].mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return {"loss": loss.item(), "train_ms": (time.perf_counter() - start) * 1e3}
+
+    def train(self, batch: RolloutBatch) -> dict[str, float]:
+        """One GRPO step on the engine's rollouts: advantages are rewards normalized within each prompt's group,
+        the loss is the clipped surrogate with ratio exp(logp_trainer - logp_engine) minus an entropy bonus, one
+        Adam step."""
+        start = time.perf_counter()
+        rows: list[list[int]] = []
+        advantages: list[float] = []
+        behaviour: list[list[float]] = []
+        for prompt, completions, rewards, logprobs in zip(
+            batch.prompts, batch.completions, batch.rewards, batch.engine_logprobs, strict=True
+        ):
+            r = torch.tensor(rewards, dtype=torch.float32)
+            advantages += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+            rows += [prompt + c for c in completions]
+            behaviour += logprobs
+        sequences = torch.tensor(rows)
+        old = torch.tensor(behaviour, dtype=torch.float32)
+        adv = torch.tensor(advantages)[:, None]
+        log_probs, logp = self._completion_log_softmax(sequences)
+        ratio = torch.exp(logp - old)
+        clip = self.settings.clip
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+        entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+        loss = -surrogate - self.settings.entropy_coef * entropy
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return {
+            "loss": loss.item(),
+            "entropy": entropy.item(),
+            "logprob_gap": float((logp.detach() - old).abs().max()),  # trainer vs engine, same weights
+            "train_ms": (time.perf_counter() - start) * 1e3,
+        }
+
+    def push(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """Writes every parameter into the shared segment; returns (update_info, {name: sha256})."""
+        from hotswap.transfer.checksum import tensor_sha256
+
+        named = [(name, p.detach()) for name, p in self.model.named_parameters()]  # a tied weight appears once
+        info = self.sender.write(named)
+        return info, {name: tensor_sha256(t) for name, t in named}
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> None:
+    """The trainer process. Requests: ("warmup",), ("train", RolloutBatch), ("stop",). Each of the first two is
+    answered ("pushed", update_info, checksums, stats) once the new weights are in shared memory; any failure is
+    answered ("error", traceback) and ends the process. The engine must finish `update_weights` for one push
+    before it sends the next request: the sender rewrites its buffer in place."""
+    trainer: _Trainer | None = None
+    try:
+        torch.set_num_threads(settings.num_threads)
+        torch.manual_seed(settings.seed)
+        trainer = _Trainer(settings)
+        replies.put(("ready",))
+        while True:
+            request = requests.get()
+            if request[0] == "stop":
+                break
+            stats = trainer.warmup() if request[0] == "warmup" else trainer.train(request[1])
+            info, checksums = trainer.push()
+            replies.put(("pushed", info, checksums, stats))
+    except BaseException:
+        replies.put(("error", traceback.format_exc()))
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+
+class _TrainerHandle:
+    """The engine process's end of the trainer: request/reply over queues, failing fast if the trainer dies."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        ctx = mp.get_context("spawn")
+        self.requests, self.replies = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(
+            target=_trainer_main, args=(settings, self.requests, self.replies), name="hotswap-demo-trainer"
+        )
+        self.process.start()
+
+    def receive(self, expected: str) -> tuple[Any, ...]:
+        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        while True:
+            try:
+                reply = self.replies.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the trainer process exited (code {self.process.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no reply from the trainer in {_REPLY_TIMEOUT_S:.0f} s") from None
+        if reply[0] == "error":
+            raise RuntimeError(f"the trainer failed:\n{reply[1]}")
+        if reply[0] != expected:
+            raise RuntimeError(f"expected {expected!r} from the trainer, got {reply[0]!r}")
+        return cast("tuple[Any, ...]", reply[1:])
+
+    def close(self) -> None:
+        """Asks the trainer to stop (it unlinks its shared segment), then reaps it; kills it only if it hangs."""
+        if self.process.is_alive():
+            self.requests.put(("stop",))
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+        for q in (self.requests, self.replies):
+            q.cancel_join_thread()  # never block on data nobody will read
+            q.close()
