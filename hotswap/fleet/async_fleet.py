@@ -16,7 +16,8 @@ from typing import Any
 
 from hotswap.config import EngineConfig
 from hotswap.engine.detokenizer import Detokenizer
-from hotswap.fleet.fleet import Fleet, _cause, _first_line, _ray
+from hotswap.fleet.fleet import Fleet
+from hotswap.fleet.replicas import _cause, _first_line, _ray
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionArg, VersionLabels

@@ -1,0 +1,492 @@
+"""The fleet's replicas: starting them in their placement groups, calling them with bounded waits, watching their
+health and restarting the dead ones at the fleet's version (from the checkpoint folder that holds it, else copied
+from a live replica and checked against its checksums). `Fleet` (fleet.py) builds its verbs on this."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hotswap.config import EngineConfig
+from hotswap.errors import EngineUnavailable
+from hotswap.fleet.replica import ReplicaServer
+from hotswap.fleet.router import Router
+from hotswap.weights.session import WeightUpdateFailed
+from hotswap.weights.version import VersionLabels
+
+logger = logging.getLogger(__name__)
+
+_FORWARDED_ENV = ("HOTSWAP_", "TORCH_EXTENSIONS_DIR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
+                  "ONEDNN_MAX_CPU_ISA")
+
+
+class FleetUpdateFailed(WeightUpdateFailed):
+    """A fleet-wide weight change failed on some replica; every replica was rolled back (HTTP 409)."""
+
+
+class ReplicaDown(EngineUnavailable):
+    """A replica died (or stopped answering) during a call; the fleet restarts it (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class _Member:
+    index: int
+    actor: Any
+    placement_group: Any
+    state: str = "starting"  # starting | up | down
+    version: int = 0
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    error: str | None = None
+    restored_from: str | None = None  # after a restart: "folder" or "copy" (of a live replica's weights)
+    ping: Any = None  # the health check in flight, the actor it was sent to, and when
+    ping_actor: Any = None
+    ping_sent: float = 0.0
+    retry_at: float = 0.0  # a failed restart is retried from then on (backing off up to a minute)
+    backoff: float = 0.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as err:  # pragma: no cover - depends on the installation
+        raise ImportError("a fleet runs on Ray: pip install 'hotswap[ray]'") from err
+    return ray
+
+
+
+class FleetReplicas:
+    """The replicas of a fleet and the state the fleet's verbs share; constructed by `Fleet` (same arguments)."""
+
+    def __init__(
+        self,
+        model: str,
+        num_replicas: int = 1,
+        tensor_parallel_size: int = 1,
+        *,
+        address: str | None = None,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float | None = None,
+        placement_strategy: str = "STRICT_PACK",
+        health_check_interval_s: float = 1.0,
+        health_check_timeout_s: float = 30.0,
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        restart_replicas: bool = True,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        positive = {
+            "health_check_interval_s": health_check_interval_s,
+            "health_check_timeout_s": health_check_timeout_s,
+            "start_timeout_s": start_timeout_s,
+            "request_timeout_s": request_timeout_s,
+            "num_cpus_per_worker": num_cpus_per_worker,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.engine_kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
+        self.config = EngineConfig.from_kwargs(model, **self.engine_kwargs)  # raises before anything starts
+        _check_atomic(self.config.weight_transfer_config.atomic)
+        self.model = str(model)
+        self.num_replicas = num_replicas
+        self.tensor_parallel_size = tensor_parallel_size
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=address, **{"include_dashboard": False, **(ray_init_kwargs or {})})
+        gpus = num_gpus_per_worker
+        if gpus is None:
+            import torch
+
+            gpus = 1.0 if torch.cuda.is_available() else 0.0
+        self._bundle = {"CPU": num_cpus_per_worker * tensor_parallel_size}
+        if gpus:
+            self._bundle["GPU"] = gpus * tensor_parallel_size
+        self._strategy = placement_strategy
+        self._health_interval = float(health_check_interval_s)
+        self._health_timeout = float(health_check_timeout_s)
+        self._start_timeout = float(start_timeout_s)
+        self._request_timeout = float(request_timeout_s)
+        self._restart = restart_replicas
+        self._rpc_timeout = float(self.config.parallel_config.rpc_timeout_s)
+        # the environment that selects kernels, caches and the ISA torch's libraries use travels to every replica
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
+
+        from transformers import AutoTokenizer
+
+        from hotswap.engine.detokenizer import Detokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.router = Router()
+        self.version = 0  # orders versions; labels given by clients are kept beside it
+        self.labels = VersionLabels()
+        self.draft_version = 0
+        # the last checkpoint folder the replicas loaded (a restarted replica starts from it), and whether it alone
+        # holds the fleet's version (else a restarted replica copies a live one's weights)
+        self._folder = self.model
+        self._folder_current = True
+        self._folder_generation = 0  # advances whenever the replicas load a folder (its path may be reused)
+        self._overrides: dict[str, dict[str, Any]] = {}  # the live config changes, merged; replayed on a restart
+        # Lock order: _change, then _lock. _change: one weight change, pause / resume / sleep, or a replica's
+        # catch-up at a time; _lock: the members and the fleet's state, held briefly.
+        self._lock = threading.RLock()
+        self._change = threading.Lock()
+        self._session: dict[str, Any] | None = None  # the open update session: members, token
+        self._group: list[Any] | None = None  # the actors a group transport (torch_dist) joined, in rank order
+        self._transport: dict[str, Any] | None = None  # a non-group transport's init_info (shm, tensors, disk)
+        self.paused = False  # once every replica paused ('wait': drained)
+        self.pausing = False  # from the start of a pause: new requests are refused ('abort' / 'wait')
+        self.pause_mode = "keep"
+        self.asleep = False
+        self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0}
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._check_resources(ray)
+        self.members: list[_Member] = []
+        try:
+            for i in range(num_replicas):
+                self.members.append(self._spawn(i, self.model))
+            for member in self.members:
+                member.status = ray.get(member.actor.status.remote(), timeout=self._start_timeout)
+                member.state = "up"
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="hotswap-fleet-monitor", daemon=True)
+        self._monitor.start()
+
+
+    # ---- replicas -----------------------------------------------------------------------------------------
+
+    def _check_resources(self, ray: Any) -> None:
+        """Raises ValueError when the cluster cannot hold every replica's placement group."""
+        total = ray.cluster_resources()
+        for resource, amount in self._bundle.items():
+            if total.get(resource, 0) + 1e-9 < amount * self.num_replicas:
+                raise ValueError(
+                    f"{self.num_replicas} replicas x {amount:g} {resource} (tensor_parallel_size "
+                    f"{self.tensor_parallel_size} x the per-worker share) exceed the Ray cluster's "
+                    f"{total.get(resource, 0):g} {resource}; lower num_replicas, num_cpus_per_worker or "
+                    "num_gpus_per_worker"
+                )
+
+    def _spawn(self, index: int, folder: str, placement_group: Any = None) -> _Member:
+        ray = _ray()
+        from ray.util.placement_group import placement_group as new_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if placement_group is None:
+            placement_group = new_group([dict(self._bundle)], strategy=self._strategy)
+            try:
+                ray.get(placement_group.ready(), timeout=self._start_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"replica {index}'s placement group {self._bundle} could not be placed within "
+                                   f"{self._start_timeout:g} s (start_timeout_s)") from None
+        actor = (
+            ray.remote(ReplicaServer)
+            .options(
+                num_cpus=self._bundle["CPU"],
+                num_gpus=self._bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0),
+                runtime_env={"env_vars": self._env} if self._env else None,
+                max_restarts=0,
+            )
+            .remote(folder, self.engine_kwargs, index)
+        )
+        return _Member(index, actor, placement_group)
+
+    def routable(self) -> list[int]:
+        """Replicas that may take requests now: up, and holding the fleet's version."""
+        with self._lock:
+            return [m.index for m in self.members if m.state == "up" and m.version == self.version]
+
+    def _up(self) -> list[_Member]:
+        with self._lock:
+            return [m for m in self.members if m.state == "up"]
+
+    def _failed(self, member: _Member, reason: str, actor: Any = None) -> None:
+        """Takes a replica out of routing at once (the monitor restarts it). `actor`: the handle that failed; a
+        late failure of a replica's previous actor leaves its replacement alone."""
+        ray = _ray()
+        with self._lock:
+            if member.state != "up" or (actor is not None and actor is not member.actor):
+                return
+            member.state, member.error, member.version = "down", reason, -1
+            self.counters["replica_failures"] += 1
+            dead = member.actor
+        logger.warning("fleet replica %d is down: %s", member.index, reason)
+        with contextlib.suppress(Exception):
+            ray.kill(dead, no_restart=True)
+
+    def _call(
+        self,
+        members: Sequence[_Member],
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        each: Sequence[tuple[Any, ...]] | None = None,
+    ) -> tuple[dict[int, Any], dict[int, BaseException]]:
+        """Calls `method` on every member concurrently (with `args`, or member k with `each[k]`): (results,
+        errors) by replica index; what the replica's method raised comes back as itself. A replica that died, did
+        not answer within `timeout` or failed in Ray itself is marked down and its error is a `ReplicaDown`."""
+        ray = _ray()
+        calls = each if each is not None else [args] * len(members)
+        actors = {m.index: m.actor for m in members}
+        refs = {m.index: getattr(actors[m.index], method).remote(*a) for m, a in zip(members, calls, strict=True)}
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for member in members:
+            index = member.index
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results[index] = ray.get(refs[index], timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                reason = f"{method}() did not answer within {timeout:g} s"
+                self._failed(member, reason, actors[index])
+                with contextlib.suppress(Exception):
+                    ray.cancel(refs[index], force=True)
+                errors[index] = ReplicaDown(f"replica {index}: {reason}")
+            except ray.exceptions.RayTaskError as err:
+                errors[index] = _cause(err)
+            except Exception as err:  # its actor died, or Ray lost the call: either way the replica is replaced
+                reason = f"{method}() failed in Ray ({type(err).__name__}: {_first_line(err)})"
+                self._failed(member, reason, actors[index])
+                errors[index] = ReplicaDown(f"replica {index}: {reason}")
+                errors[index].__cause__ = err
+        return results, errors
+
+    def _all(self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None,
+             down_ok: bool = False) -> dict[int, Any]:
+        """`_call` that raises the first error (as `_with_replica` names it). `down_ok`: a replica that went down
+        is left out instead (its restart re-applies what the fleet state says: pause, config)."""
+        results, errors = self._call(members, method, *args, timeout=timeout)
+        if down_ok:
+            errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
+        if errors:
+            index, err = next(iter(errors.items()))
+            raise _with_replica(err, index, method)
+        return results
+
+
+    # ---- health, restarts ---------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self._health_interval):
+            try:
+                self._check_health()
+            except Exception:  # never let one surprise end the monitoring
+                logger.exception("fleet health check failed")
+
+    def _check_health(self) -> None:
+        ray = _ray()
+        for member in list(self.members):
+            if member.state != "up":
+                continue
+            if member.ping is None:
+                actor = member.actor
+                member.ping, member.ping_actor, member.ping_sent = actor.status.remote(), actor, time.monotonic()
+                continue
+            ready, _ = ray.wait([member.ping], timeout=0)
+            if ready:
+                try:
+                    status = ray.get(member.ping, timeout=self._health_timeout)  # ready: answers at once
+                except Exception as err:
+                    self._failed(member, f"its health check failed: {_first_line(err)}", member.ping_actor)
+                else:
+                    if member.ping_actor is member.actor:
+                        member.status = status
+                        if status["workers_problem"]:  # a dead worker process; invalid weights are no reason
+                            self._failed(member, f"unhealthy: {status['workers_problem']}", member.ping_actor)
+                member.ping = None
+            elif time.monotonic() - member.ping_sent > self._health_timeout:
+                member.ping = None
+                self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
+                             member.ping_actor)
+        if not self._restart or self.asleep:
+            return
+        for member in list(self.members):
+            with self._lock:
+                due = member.state == "down" and time.monotonic() >= member.retry_at
+                if due:
+                    member.state, member.ping = "starting", None
+                    folder, generation = self._folder, self._folder_generation
+            if due and not self._stopping.is_set():
+                threading.Thread(target=self._replace, args=(member, folder, generation), daemon=True,
+                                 name=f"hotswap-fleet-restart-{member.index}").start()
+
+    def _replace(self, member: _Member, folder: str, generation: int) -> None:
+        """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
+        outside any session, brings it to the fleet's state: its config changes, its version (the folder's when
+        it alone holds it, else a copy of a live replica's weights), its transport, its pause. Only then is it
+        routed to. A failure leaves it down, retried with a growing delay."""
+        ray = _ray()
+        actor = None
+        try:
+            new = self._spawn(member.index, folder, member.placement_group)
+            actor = new.actor
+            ray.get(actor.status.remote(), timeout=self._start_timeout)
+            with self._change:
+                while self._session is not None:  # a session holds no lock between its calls: wait for its end
+                    self._change.release()
+                    try:
+                        if self._stopping.wait(0.05):
+                            raise RuntimeError("the fleet is shutting down")
+                    finally:
+                        self._change.acquire()
+                if self.asleep:  # it would hold the memory a sleep released; it comes back once the fleet wakes
+                    raise RuntimeError("the fleet fell asleep while this replica restarted")
+                if self._overrides:
+                    ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
+                if self._folder_current and self._folder_generation == generation:
+                    ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
+                            timeout=60)
+                    restored = "folder"
+                else:
+                    self._copy_weights(actor)
+                    restored = "copy"
+                if self._transport is not None:
+                    ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
+                if self.paused:
+                    ray.get(actor.pause_generation.remote(self.pause_mode, True), timeout=self._rpc_timeout)
+                status = ray.get(actor.status.remote(), timeout=60)
+                with self._lock:
+                    member.actor, member.version, member.error, member.status = actor, self.version, None, status
+                    member.state, member.backoff, member.restored_from = "up", 0.0, restored
+                    member.restarts += 1
+                    self.counters["replica_restarts"] += 1
+            logger.warning("fleet replica %d is back at version %d (%s)", member.index, self.version, restored)
+        except Exception as err:
+            with self._lock:
+                member.backoff = min(60.0, max(1.0, 2 * member.backoff))
+                member.state, member.error = "down", f"restart failed: {_first_line(err)}"
+                member.retry_at = time.monotonic() + member.backoff
+            logger.warning("fleet replica %d did not come back: %s", member.index, _first_line(err))
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+
+    def _copy_weights(self, actor: Any) -> None:
+        """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
+        ray = _ray()
+        source = None if self.asleep else next(
+            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+        if source is None:
+            raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
+                               "reload the fleet from a folder to bring replicas back")
+        states = source.actor.export_weights.remote()
+        ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
+                timeout=self._start_timeout)
+        which = "all" if self.config.draft_model_config is not None else "model"
+        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
+                               timeout=self._start_timeout)
+        if theirs != mine:
+            raise RuntimeError("the copied weights' checksums differ from the source replica's")
+
+    def health_problem(self) -> str | None:
+        """Why the fleet cannot serve (no routable replica), or None; answers at once."""
+        if self.routable():
+            return None
+        with self._lock:
+            reasons = "; ".join(f"replica {m.index} {m.state}" + (f" ({m.error})" if m.error else "")
+                                for m in self.members)
+        return f"no replica can serve: {reasons}"
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Per replica: index, state, version, routable, restarts, error, and its last health report."""
+        with self._lock:
+            routable = {m.index for m in self.members if m.state == "up" and m.version == self.version}
+            return [{"index": m.index, "state": m.state, "weight_version": self.labels.label(m.version),
+                     "version_id": m.version, "routable": m.index in routable,
+                     "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
+                     "routed": self.router.routed.get(m.index, 0),
+                     "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
+                    for m in self.members]
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine statistics summed, with the fleet's own."""
+        totals: dict[str, Any] = {}
+        with self._lock:
+            members = list(self.members)
+        for m in members:
+            if m.state != "up":
+                continue
+            for key, value in (m.status.get("stats") or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
+                    totals[key] = totals.get(key, 0) + value
+        fleet = {"replicas": len(members), "replicas_up": len(self.routable()), "weight_version": self.version,
+                 **self.counters}
+        return {**totals, **{f"fleet_{k}": v for k, v in fleet.items()}}
+
+    def shutdown(self) -> None:
+        """Stops the monitor and every replica, and releases their placement groups."""
+        ray = _ray()
+        self._stopping.set()
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout=5)
+        from ray.util.placement_group import remove_placement_group
+
+        for member in getattr(self, "members", []):
+            with contextlib.suppress(Exception):
+                ray.get(member.actor.shutdown.remote(), timeout=10)
+            with contextlib.suppress(Exception):
+                ray.kill(member.actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(member.placement_group)
+
+    def __enter__(self) -> FleetReplicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+
+def _no_commit(version: int) -> ReplicaDown:
+    return ReplicaDown(f"every replica failed while committing version {version}; restarted replicas are brought "
+                       "to it where a folder or a live replica holds it (else reload the fleet from a folder)")
+
+
+def _check_atomic(atomic: bool) -> None:
+    if not atomic:
+        raise ValueError("a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
+                         "one's rollback copies")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The exception a replica's method raised, out of Ray's wrapper (RayTaskError.cause)."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
+    """`err` as the caller should see it, naming the replica: user errors (ValueError, TypeError, RuntimeError for
+    a wrong order, TimeoutError) and EngineUnavailable (a replica down) keep their type; the original is the
+    cause."""
+    new: BaseException = RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
+    for kind in (ReplicaDown, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable, ValueError, TypeError,
+                 TimeoutError, RuntimeError):
+        if isinstance(err, kind):
+            new = err if str(err).startswith(f"replica {index}") else kind(f"replica {index}: {err}")
+            break
+    if new is not err:
+        new.__cause__ = err
+    return new
+
