@@ -70,8 +70,6 @@ def test_state_moves_with_the_lifecycle(ckpts, b_tensors):
     assert engine.state is EngineState.PAUSED
     llm.resume_generation()
     assert engine.state is EngineState.RUNNING and serves(llm, ckpts["B"])
-    with pytest.raises(ValueError, match="weights_rpc"):
-        engine.weights_rpc("reload_weights")  # not a session method: it has its own
     # sleeping deeper while asleep, then the documented restore
     llm.sleep(1)
     llm.sleep(2)

@@ -150,6 +150,14 @@ def scope_cases(worker: Worker, probe):
             worker.shutdown_weight_transfer_engine,
         ),
         "weight_checksums": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.weight_checksums),
+        "record_folder": (
+            None,
+            lambda m, p: m.setattr(worker, "_record_folder", p()),
+            lambda: worker.record_folder(worker.config.model_config.model),
+        ),
+        "weight_state": (None, lambda m, p: m.setattr(worker.session, "is_valid", p(True)), worker.weight_state),
+        "export_state": (None, lambda m, p: m.setattr(worker, "_tensors", p({})), worker.export_state),
+        "import_state": (None, lambda m, p: m.setattr(worker, "_tensors", p({})), lambda: worker.import_state([{}])),
         "sleep": (None, lambda m, p: m.setattr(runner, "free_kv_cache", p()), lambda: worker.sleep(1)),
         "shard_plan": (None, lambda m, p: m.setattr(worker, "_model", p(model)), worker.shard_plan),
         "wake_up": (

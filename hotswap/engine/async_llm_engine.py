@@ -206,7 +206,7 @@ class AsyncLLMEngine:
         self, weights_path: str | None = None, weights_iterator: Any = None, target: str = "model",
         weight_version: VersionArg = None,
     ) -> None:
-        await self._locked(self.engine.reload_weights, weights_path, weights_iterator, target, weight_version)
+        await self._locked(self.engine.weights.reload_weights, weights_path, weights_iterator, target, weight_version)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._locked(self.engine.update_config, overrides)
@@ -214,49 +214,49 @@ class AsyncLLMEngine:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport and waits until its trainer joined; generation goes on
         meanwhile (the engine lock is taken only to start and to poll)."""
-        await self._locked(self.engine.begin_weight_transfer_engine, init_info)
-        while not await self._locked(self.engine.weight_transfer_ready):
+        await self._locked(self.engine.weights.begin_weight_transfer_engine, init_info)
+        while not await self._locked(self.engine.weights.weight_transfer_ready):
             await asyncio.sleep(0.01)
 
     async def start_weight_update(self, target: str = "model") -> str:
         """Opens an update session and returns its token (see `LLM.start_weight_update`)."""
-        return str(await self._locked(self.engine.start_weight_update, target))
+        return str(await self._locked(self.engine.weights.start_weight_update, target))
 
     async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
-        await self._locked(self.engine.update_weights, update_info, session_token)
+        await self._locked(self.engine.weights.update_weights, update_info, session_token)
 
     async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
-        await self._locked(self.engine.finish_weight_update, weight_version, session_token)
+        await self._locked(self.engine.weights.finish_weight_update, weight_version, session_token)
 
     async def prepare_weight_update(self, session_token: str | None = None) -> None:
         """Phase one of a two-phase finish (see `LLMEngine.prepare_weight_update`)."""
-        await self._locked(self.engine.prepare_weight_update, session_token)
+        await self._locked(self.engine.weights.prepare_weight_update, session_token)
 
     async def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
         """Phase one of a two-phase reload (see `LLMEngine.prepare_reload`)."""
-        await self._locked(self.engine.prepare_reload, weights_path, weights_iterator)
+        await self._locked(self.engine.weights.prepare_reload, weights_path, weights_iterator)
 
     async def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
         """Phase two: commits what was prepared (see `LLMEngine.commit_weight_update`)."""
-        await self._locked(self.engine.commit_weight_update, weight_version, label)
+        await self._locked(self.engine.weights.commit_weight_update, weight_version, label)
 
     async def export_weights(self) -> list[dict[str, Any]]:
-        return list(await self._locked(self.engine.export_weights))
+        return list(await self._locked(self.engine.weights.export_weights))
 
     async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int,
                             draft_weight_version: int | None = None) -> None:
-        await self._locked(self.engine.adopt_weights, states, weight_version, draft_weight_version)
+        await self._locked(self.engine.weights.adopt_weights, states, weight_version, draft_weight_version)
 
     async def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails
         and rolls back), so the abort does not wait for that transport's timeout."""
-        self.engine.check_session(session_token, ending=True)
+        self.engine.weights.check_session(session_token, ending=True)
         if self.engine.state is EngineState.UPDATING:
             self.engine.executor.interrupt_waits()
-        await self._locked(self.engine.abort_weight_update, session_token)
+        await self._locked(self.engine.weights.abort_weight_update, session_token)
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self._locked(self.engine.weights_rpc, "shutdown_weight_transfer_engine")
+        await self._locked(self.engine.weights.shutdown_weight_transfer_engine)
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version
@@ -264,7 +264,7 @@ class AsyncLLMEngine:
     async def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
         """Renames the served version (see `LLM.update_weight_version`); returns the new label. With
         `abort_all_requests`, every request ends now (finish_reason 'abort', its stream gets the partial output)."""
-        self.engine.label_weight_version(new_version)
+        self.engine.weights.rename(new_version)
         if abort_all_requests:
             for request_id in list(self.engine.requests):
                 await self.abort(request_id)

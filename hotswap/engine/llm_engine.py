@@ -6,11 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import secrets
-import time
 from typing import Any
 
-import torch
 from transformers import AutoTokenizer
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
@@ -22,11 +19,12 @@ from hotswap.engine.scheduler import Scheduler, SchedulerOutput
 from hotswap.engine.sequence import Request, Sequence
 from hotswap.engine.speculator import Speculator
 from hotswap.engine.state import EngineState
+from hotswap.engine.weights_controller import WeightsController
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionArg, VersionLabels, parse_version
+from hotswap.weights.version import VersionLabels
 
 
 class LLMEngine:
@@ -61,36 +59,48 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self.weight_version = 0  # orders versions; the label a client gave is kept beside it
-        self.version_labels = VersionLabels()
-        self.outputs.labels = self.version_labels
-        self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
         self.state = EngineState.RUNNING
-        self._connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
         self._return_to: list[EngineState] = []  # where UPDATING / ASLEEP go back to, innermost last
         self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
-        self.weights_valid = True  # every worker's, as of the last weight change
-        self._session_token: str | None = None  # of the open update session
-        self._session_target = "model"
-        self._last_update_info: dict[str, Any] | None = None  # the declaration an empty one repeats
-        # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
-        self._prepared: tuple[str, str | None] | None = None
+        self.weights = WeightsController(self)  # everything that changes the weights, and their versions
+        self.outputs.labels = self.weights.labels
         self.pause_mode = "keep"  # of the latest pause (the server refuses new requests during abort / wait ones)
-        # speculative decoding: the draft's version is the target version it was last updated for, so the draft
-        # is stale exactly while the two differ
         spec = config.speculative_config
         self.speculator = Speculator(spec, mc.max_model_len) if spec.enabled else None
-        self.draft_weight_version = 0
         self._speculating = False  # in the current step
         if self.speculator is not None:
             self.scheduler.lookahead = self._lookahead
             self.outputs.speculative = True
 
+    # ---- what the front ends read (an `AsyncFleet`'s view answers the same names) ---------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The served weights' version (the integer that orders versions)."""
+        return self.weights.version
+
+    @property
+    def draft_weight_version(self) -> int:
+        """The target version the speculative draft was last updated for."""
+        return self.weights.draft_version
+
     @property
     def draft_stale(self) -> bool:
-        """Whether the target was updated after the draft model (never, without one)."""
-        return self.config.speculative_config.uses_draft and self.draft_weight_version != self.weight_version
+        return self.weights.draft_stale
+
+    @property
+    def weight_version_label(self) -> str:
+        return self.weights.current_label
+
+    @property
+    def version_labels(self) -> VersionLabels:
+        return self.weights.labels
+
+    @property
+    def session_token(self) -> str | None:
+        """The open update session's token (None when no session is open)."""
+        return self.weights.token
 
     def _lookahead(self, seq: Sequence) -> int:
         return self.speculator.num_speculative(seq) if self._speculating and self.speculator is not None else 0
@@ -157,7 +167,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt)
-        request.admission_weight_version = self.weight_version
+        request.admission_weight_version = self.weights.version
         seq = Sequence(request, 0, prompt_token_ids)
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -191,7 +201,7 @@ class LLMEngine:
         if not self.state.steps:
             return []
         self._speculating = self.speculator is not None and self.speculator.active(
-            self.draft_stale, self.weight_version
+            self.weights.draft_stale, self.weights.version
         )
         batch = self.scheduler.schedule()
         if batch is None:
@@ -339,7 +349,7 @@ class LLMEngine:
                 result = next(rows)
                 if result.prompt_logprobs is not None:
                     request.prompt_logprobs = result.prompt_logprobs
-                self.outputs.append(target, result, self.weight_version)
+                self.outputs.append(target, result, self.weights.version)
             for target in targets:
                 if target.finish_reason is not None:
                     self.scheduler.finish(target)
@@ -358,7 +368,7 @@ class LLMEngine:
             length = len(seq)
             for result in emitted:
                 seq.num_computed_tokens = len(seq)
-                self.outputs.append(seq, result, self.weight_version)
+                self.outputs.append(seq, result, self.weights.version)
                 if seq.finish_reason is not None:
                     break
             accepted = min(len(emitted) - 1, len(seq) - length)  # proposals kept (a finish may cut the rest)
@@ -381,381 +391,44 @@ class LLMEngine:
                 outputs.append(self.outputs.output(request))
         return outputs
 
-    # ---- weights ----------------------------------------------------------------------------------------------
-
-    def _check_can_change(self, method: str) -> None:
-        if self._prepared is not None:
-            raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
-                               "abort_weight_update()")
-        if self._serving_state().steps and self.scheduler.num_in_flight() + len(self.scheduler.running):
-            raise RuntimeError(
-                f"{method}() while {len(self.requests)} request(s) are being generated; call "
-                "pause_generation() first (or let them finish)"
-            )
-
-    _SESSION_METHODS = frozenset(
-        {"init_weight_transfer_engine", "start_weight_update", "update_weights", "abort_weight_update",
-         "shutdown_weight_transfer_engine"}
-    )
-
-    def weights_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs a transfer-session method on every worker (one of `_SESSION_METHODS`; reloads, config changes and
-        finish have methods of their own) and moves the engine state with it. A failed update ends the session on
-        every rank (rolled back in atomic mode). Calls that may have changed the served weights invalidate the
-        prefix cache, even when they fail."""
-        if method not in self._SESSION_METHODS:
-            raise ValueError(f"weights_rpc() runs {sorted(self._SESSION_METHODS)}, not {method!r}")
-        if method == "start_weight_update":
-            self._check_can_change(method)
-        changed = method == "update_weights"
-        ok = False
-        try:
-            result = self.executor.collective_rpc(method, args, kwargs)
-            changed = changed or (method == "abort_weight_update" and any(result))
-            ok = True
-        except BaseException:
-            if method == "update_weights":
-                try:
-                    self._abort_on_every_rank()
-                finally:
-                    self._leave(EngineState.UPDATING)
-            raise
-        finally:
-            if changed:
-                self._weights_changed(failed=not ok)
-        if method == "start_weight_update":
-            self._enter(EngineState.UPDATING)
-        elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
-            self._leave(EngineState.UPDATING)
-        return result
-
-    def begin_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving side of a transport on every worker without waiting for its trainer; the caller
-        polls `weight_transfer_ready` (between steps, with its lock released in between), bounded by the
-        transport's timeout."""
-        self.weights_rpc("init_weight_transfer_engine", init_info)
-        # the store connection and the group's rendezvous may each take up to timeout_s
-        self._connect_deadline = time.monotonic() + 2 * self.config.weight_transfer_config.timeout_s + 10
-
-    def weight_transfer_ready(self) -> bool:
-        """Whether every worker's transport has connected. If one failed (or the engine-side deadline passed),
-        every worker drops its transport and the error is raised: init_weight_transfer_engine() again."""
-        try:
-            ready = all(self.executor.collective_rpc("weight_transfer_ready"))
-            if not ready and time.monotonic() > self._connect_deadline:
-                raise TimeoutError("the weight transfer engine did not connect to its trainer in time")
-        except BaseException:
-            self.executor.collective_rpc("shutdown_weight_transfer_engine")  # ranks still connecting drop theirs
-            raise
-        return ready
-
-    def start_weight_update(self, target: str = "model") -> str:
-        """Opens an update session on every worker and returns its token: calls that carry another token are
-        refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
-        accepted, as clients of the vLLM API send none. `target`: "model", "draft" (the speculative draft alone)
-        or "all" (both, committed or rolled back together)."""
-        self.weights_rpc("start_weight_update", target)
-        self._session_target = target
-        self._session_token = secrets.token_hex(16)
-        return self._session_token
-
-    def check_session(self, session_token: str | None, ending: bool = False) -> None:
-        """Raises RuntimeError when `session_token` names a session other than the open one. `ending` (an abort):
-        with no session open there is nothing to protect, whatever the token."""
-        if ending and self._session_token is None:
-            return
-        if session_token is not None and session_token != self._session_token:
-            raise RuntimeError(
-                "this weight-update session belongs to another caller (its session_token differs); wait for it, "
-                "or abort it without a token"
-            )
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None
-                       ) -> None:
-        """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
-        accepted: a list with one update_info per worker (identical declarations), and an empty declaration
-        meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
-        self.check_session(session_token)
-        if self._prepared is not None:
-            raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
-                               "abort_weight_update()")
-        if isinstance(update_info, list):
-            if not update_info or any(entry != update_info[0] for entry in update_info):
-                self.weights_rpc("abort_weight_update")  # like any failed update, it ends the session
-                raise ValueError("update_info given per worker must hold one identical declaration per worker "
-                                 "(the session was rolled back)")
-            update_info = update_info[0]
-        if isinstance(update_info, dict) and self._last_update_info is not None and _empty_declaration(update_info):
-            update_info = {**self._last_update_info, **{k: v for k, v in update_info.items() if v}}
-        self.weights_rpc("update_weights", update_info)
-        if isinstance(update_info, dict) and "names" in update_info:
-            self._last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
-
-    def abort_weight_update(self, session_token: str | None = None) -> None:
-        """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
-        self.check_session(session_token, ending=True)
-        self.weights_rpc("abort_weight_update")
-
-    def _abort_on_every_rank(self) -> None:
-        """After a failure on some ranks: the others still hold their update open; roll it back there too (a
-        no-op on ranks without one)."""
-        if self.config.parallel_config.tensor_parallel_size > 1:
-            self.executor.collective_rpc("abort_weight_update")
-
-    def _two_phase(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """Runs `method` on every worker so that they all change or none does: with worker processes, first with
-        commit=False (everything that can fail, rollback copies kept), then, if every rank succeeded, the commit
-        (`finish_weight_update`); on any failure every rank rolls back. One worker commits in one call."""
-        if self.config.parallel_config.tensor_parallel_size == 1:
-            self.executor.collective_rpc(method, args, kwargs)
-            return
-        try:
-            self.executor.collective_rpc(method, args, {**kwargs, "commit": False})
-        except BaseException:
-            self._abort_on_every_rank()
-            raise
-        self.executor.collective_rpc("finish_weight_update")
-
-    def _weights_changed(self, failed: bool = False) -> None:
-        """After anything that may have changed the served weights, even a failed or aborted update: KV computed
-        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt). After a
-        failure, or while they are known invalid, the workers are asked whether their weights are valid (for
-        `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call."""
-        self.reset_prefix_cache()
-        self.block_manager.salt = next(self._salts)
-        if failed or not self.weights_valid:
-            try:
-                self.weights_valid = all(self.executor.collective_rpc(_weights_valid))
-            except Exception:  # the workers are gone: health_problem reports the executor's reason
-                pass
+    # ---- health, config ------------------------------------------------------------------------------------
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (a dead worker; weights left invalid by a failed update), or None.
         Answers at once: no worker call, no lock needed."""
         problem = self.executor.health_problem()
-        if problem is None and not self.weights_valid and not self.is_asleep():
+        if problem is None and not self.weights.valid and not self.is_asleep():
             problem = "the weights are invalid (a failed update, or sleep(2)); reload_weights() restores them"
         return problem
-
-    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       target: str = "model", weight_version: VersionArg = None) -> None:
-        """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
-        once, here, so a generator works with worker processes too. The engine's config (and every worker's)
-        records a new folder only after every worker loaded it. Advances the weight version on success; `target`
-        "draft" reloads the speculative draft instead, which then counts as updated for the current version.
-        `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version."""
-        self._check_can_change("reload_weights")
-        if target not in ("model", "draft"):
-            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
-        parse_version(weight_version)
-        if target == "draft" and weight_version is not None:
-            raise ValueError("weight_version names a new version of the model; a draft reload keeps the current one")
-        if target == "draft" and self.config.draft_model_config is None:
-            raise ValueError("reload_weights(target='draft') needs a draft model (speculative_config 'draft_model')")
-        if weights_iterator is not None:
-            weights_iterator = list(weights_iterator)
-        ok = False
-        try:
-            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
-                            target=target)
-            ok = True
-        finally:
-            self._weights_changed(failed=not ok)
-        if target == "draft":
-            if weights_path is not None:
-                if self.config.parallel_config.tensor_parallel_size > 1:
-                    self.executor.collective_rpc(_record_draft_folder, (str(weights_path),))
-                assert self.config.draft_model_config is not None
-                self.config.speculative_config.model = self.config.draft_model_config.model = str(weights_path)
-            self.draft_weight_version = self.weight_version
-            return
-        if weights_path is not None:
-            self._record_model_folder(str(weights_path))
-        self._advance_version(weight_version)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies a live config change to the engine and every worker together: validated here first (the same
         deterministic checks each worker runs), then applied by the workers, then to the engine's config."""
-        self._check_can_change("update_config")
+        self.weights.check_can_change("update_config")
         new_sections = live_overrides(self.config, overrides)
         self.executor.collective_rpc("update_config", (overrides,))
         apply_overrides(self.config, new_sections)
         if "speculative_config" in new_sections:  # blocks cached while not speculating lack the draft's KV
             self.reset_prefix_cache(force=True)
 
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
-        """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
-        cache is invalidated and the version advances (or takes `weight_version`: an integer or a label)."""
-        self.check_session(session_token)
-        parse_version(weight_version)
-        if self._prepared is not None:
-            raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
-        ok = False
-        try:
-            self._two_phase("finish_weight_update")
-            ok = True
-        finally:
-            self._leave(EngineState.UPDATING)
-            self._weights_changed(failed=not ok)
-        self._versions_after_commit(weight_version)
-
-    # ---- two-phase changes for a fleet of engines ------------------------------------------------------------
-
-    def prepare_weight_update(self, session_token: str | None = None) -> None:
-        """Phase one of finishing the open session: every worker post-processes what it received and keeps its
-        rollback copies (nothing can fail after this but the process itself). The session stays open, serving
-        nothing new, until `commit_weight_update()` or `abort_weight_update()`. A failure rolls every rank back
-        and ends the session."""
-        self.check_session(session_token)
-        if self.state is not EngineState.UPDATING:
-            raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
-        if self._prepared is not None:
-            raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
-        self._prepare("finish_weight_update", {})
-        self._prepared = ("session", None)
-
-    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
-        """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
-        place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
-        or `abort_weight_update()`. A failure rolls every rank back."""
-        self._check_can_change("reload_weights")
-        if self.state is EngineState.UPDATING:
-            raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
-        if weights_iterator is not None:
-            weights_iterator = list(weights_iterator)
-        self._enter(EngineState.UPDATING)
-        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator})
-        self._prepared = ("reload", None if weights_path is None else str(weights_path))
-
-    def _prepare(self, method: str, kwargs: dict[str, Any]) -> None:
-        try:
-            self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
-        except BaseException:
-            try:
-                self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too
-            finally:
-                self._leave(EngineState.UPDATING)
-                self._weights_changed(failed=True)
-            raise
-
-    def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
-        """Phase two: every worker commits the prepared change (it drops its rollback copies); the prefix cache is
-        invalidated and the version advances (or takes `weight_version`, as a fleet gives every replica one, with
-        `label` if given)."""
-        parse_version(weight_version)
-        parse_version(label, "label")
-        if self._prepared is None:
-            raise RuntimeError("nothing is prepared; call prepare_weight_update() or prepare_reload() first")
-        kind, folder = self._prepared
-        ok = False
-        try:
-            self.executor.collective_rpc("finish_weight_update")
-            ok = True
-        finally:
-            self._leave(EngineState.UPDATING)
-            self._weights_changed(failed=not ok)
-        if kind == "reload":
-            if folder is not None:
-                self._record_model_folder(folder)
-            self._advance_version(weight_version, label)
-        else:
-            self._versions_after_commit(weight_version, label)
-
-    def _versions_after_commit(self, weight_version: VersionArg, label: str | None = None) -> None:
-        """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
-        parts = {"model"} if self._session_target == "model" else {"draft"} if self._session_target == "draft" else (
-            set(self.executor.collective_rpc(_last_update_parts)[0]) or {"model"}
-        )
-        if "model" in parts:
-            self._advance_version(weight_version, label)
-        if "draft" in parts:
-            self.draft_weight_version = self.weight_version
-
-    def _record_model_folder(self, folder: str) -> None:
-        change = {"model_config": {"model": folder}}
-        if self.config.parallel_config.tensor_parallel_size > 1:
-            self.executor.collective_rpc("update_config", (change,))
-        apply_overrides(self.config, live_overrides(self.config, change))
-
-    # ---- copying weights between engines of the same config (a fleet's restarted replica) --------------------
-
-    def export_weights(self) -> list[dict[str, torch.Tensor]]:
-        """Copies of every worker's parameters and persistent buffers (the draft's prefixed "draft."), in rank
-        order: what `adopt_weights` of an engine with the same config takes. Raises RuntimeError while the weights
-        are invalid or released (a failed update, sleep(2))."""
-        if not self.weights_valid or "weights" in self.released:
-            raise RuntimeError("the weights are invalid or released; there is nothing to export")
-        return self.executor.collective_rpc(_export_state)
-
-    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,
-                      draft_weight_version: int | None = None) -> None:
-        """Copies weights exported by an engine with the same config into this one's storage (no parameter is
-        rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
-        Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
-        self._check_can_change("adopt_weights")
-        if parse_version(weight_version)[0] is None:
-            raise ValueError(f"adopt_weights takes an integer weight_version, got {weight_version!r}")
-        if self.state is EngineState.UPDATING:
-            raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
-        if len(states) != self.config.parallel_config.tensor_parallel_size:
-            raise ValueError(f"got the weights of {len(states)} ranks for "
-                             f"{self.config.parallel_config.tensor_parallel_size}")
-        ok = False
-        try:
-            self.executor.collective_rpc(_import_state, (states,))
-            ok = True
-        finally:
-            self._weights_changed(failed=not ok)
-        self.weight_version = weight_version
-        self.draft_weight_version = weight_version if draft_weight_version is None else draft_weight_version
-
-    def _advance_version(self, weight_version: VersionArg, label: str | None = None) -> None:
-        """The committed change's version: `weight_version`'s integer (else the next), labelled by `label`, else
-        by `weight_version`'s label (else unlabelled)."""
-        number, given = parse_version(weight_version)
-        self.weight_version = self.weight_version + 1 if number is None else number
-        self.version_labels.set(self.weight_version, label if label is not None else given)
-
-    @property
-    def session_token(self) -> str | None:
-        """The open update session's token (None when no session is open)."""
-        return self._session_token
-
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) sequences in the scheduler."""
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
-    @property
-    def weight_version_label(self) -> str:
-        """The served version as clients see it: the label given to it, or its integer as a string."""
-        return self.version_labels.label(self.weight_version)
-
-    def label_weight_version(self, label: VersionArg) -> str:
-        """Renames the served version (weights, requests and the integer untouched): `label` is a string label,
-        or an integer shown as itself. Returns the new label. Raises ValueError for an invalid label."""
-        if label is None:
-            raise ValueError("new_version must be a non-empty label")
-        parse_version(label, "new_version")
-        self.version_labels.set(self.weight_version, str(label))
-        return self.weight_version_label
-
     # ---- the state machine ----------------------------------------------------------------------------------
 
-    def _enter(self, state: EngineState) -> None:
+    def enter_state(self, state: EngineState) -> None:
         """Enters UPDATING or ASLEEP, remembering the state to return to."""
         self._return_to.append(self.state)
         self.state = state
 
-    def _leave(self, state: EngineState) -> None:
+    def leave_state(self, state: EngineState) -> None:
         """Leaves UPDATING or ASLEEP (no-op when not in it) for the state it was entered from."""
-        if state is EngineState.UPDATING:
-            self._session_token = None
-            self._prepared = None
         if self.state is state:
             self.state = self._return_to.pop()
             self._settle_drain()
 
-    def _serving_state(self) -> EngineState:
+    def serving_state(self) -> EngineState:
         """RUNNING, DRAINING or PAUSED: the current state, or the one UPDATING / ASLEEP return to."""
         return self._return_to[0] if self._return_to else self.state
 
@@ -767,7 +440,7 @@ class LLMEngine:
 
     def _settle_drain(self) -> None:
         """DRAINING becomes PAUSED once nothing is in flight (called wherever requests end)."""
-        if self._serving_state() is EngineState.DRAINING and self.scheduler.num_in_flight() == 0:
+        if self.serving_state() is EngineState.DRAINING and self.scheduler.num_in_flight() == 0:
             self._set_serving_state(EngineState.PAUSED)
 
     def is_asleep(self) -> bool:
@@ -777,12 +450,12 @@ class LLMEngine:
     def refusing_new_requests(self) -> bool:
         """Whether generation is paused (or draining) in 'abort' or 'wait' mode, in which vLLM's server answers
         new requests 503 rather than queueing them ('keep' queues them)."""
-        state = self._serving_state()
+        state = self.serving_state()
         return state in (EngineState.PAUSED, EngineState.DRAINING) and self.pause_mode in ("abort", "wait")
 
     def is_paused(self) -> bool:
         """Whether generation is paused (also while an update runs or the engine sleeps on top of a pause)."""
-        return self._serving_state() is EngineState.PAUSED
+        return self.serving_state() is EngineState.PAUSED
 
     # ---- pause and resume -----------------------------------------------------------------------------------
 
@@ -800,7 +473,7 @@ class LLMEngine:
         elif mode == "keep" and clear_cache:
             self.scheduler.preempt_all()
         self.scheduler.admit_new = False
-        if self._serving_state() is not EngineState.PAUSED:
+        if self.serving_state() is not EngineState.PAUSED:
             self._set_serving_state(EngineState.DRAINING if mode == "wait" else EngineState.PAUSED)
         self._settle_drain()
         if clear_cache:
@@ -824,10 +497,10 @@ class LLMEngine:
             raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
         self.executor.collective_rpc("sleep", (level,))
         if level == 2:
-            self.weights_valid = False  # their memory was returned; a reload or full update restores them
+            self.weights.valid = False  # their memory was returned; a reload or full update restores them
         self.released |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
         if self.state is not EngineState.ASLEEP:  # sleeping deeper while asleep stays in ASLEEP
-            self._enter(EngineState.ASLEEP)
+            self.enter_state(EngineState.ASLEEP)
         self.reset_prefix_cache(force=True)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -842,12 +515,12 @@ class LLMEngine:
             cc = self.config.cache_config
             assert cc.num_kv_blocks is not None
             self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
-            self.block_manager.salt = next(self._salts)
+            self.block_manager.salt = self.weights.next_salt()
             self.scheduler.block_manager = self.block_manager
         self.released -= set(tags)
         if not self.released:
             if self.state is EngineState.ASLEEP:
-                self._leave(EngineState.ASLEEP)
+                self.leave_state(EngineState.ASLEEP)
             elif EngineState.ASLEEP in self._return_to:  # woken during an update: it returns to the state before
                 self._return_to.remove(EngineState.ASLEEP)
 
@@ -895,59 +568,6 @@ class LLMEngine:
             "draft_weight_version": self.draft_weight_version,
             "draft_stale": self.draft_stale,
         }
-
-
-def _worker_state(worker: Any) -> dict[str, torch.Tensor]:
-    """The worker's parameters and persistent buffers by name, the draft's under "draft." (tensors, not copies)."""
-    state = dict(worker.model.state_dict())
-    if worker.draft_model is not None:
-        state.update({f"draft.{k}": v for k, v in worker.draft_model.state_dict().items()})
-    return state
-
-
-def _export_state(worker: Any) -> dict[str, torch.Tensor]:
-    """Host copies (a live replica on a GPU does not double its device memory)."""
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in _worker_state(worker).items()}
-
-
-def _import_state(worker: Any, states: list[dict[str, torch.Tensor]]) -> None:
-    """Copies `states[rank]` into the worker's tensors in place, after checking every name, shape and dtype."""
-    given, mine = states[worker.rank], _worker_state(worker)
-    if given.keys() != mine.keys():
-        missing, extra = sorted(mine.keys() - given.keys()), sorted(given.keys() - mine.keys())
-        raise ValueError(f"the weights name other tensors (missing {missing[:5]}, unexpected {extra[:5]})")
-    for name, tensor in given.items():
-        if tensor.shape != mine[name].shape or tensor.dtype != mine[name].dtype:
-            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
-                             f"{tuple(mine[name].shape)} {mine[name].dtype}")
-    with torch.no_grad():
-        for name, tensor in given.items():
-            mine[name].copy_(tensor)
-
-
-
-
-_DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
-
-
-def _empty_declaration(update_info: dict[str, Any]) -> bool:
-    """{} or {"names": [], "dtype_names": [], "shapes": []} (vLLM 0.33: "the same as last time")."""
-    return all(not update_info.get(k) for k in _DECLARATION) and not any(
-        isinstance(v, (list, dict)) and v for k, v in update_info.items() if k not in _DECLARATION and k != "target"
-    )
-
-
-def _weights_valid(worker: Any) -> bool:
-    return bool(worker.session.weights_valid)
-
-
-def _last_update_parts(worker: Any) -> list[str]:
-    """Which models ("model", "draft") the worker's last committed update wrote."""
-    return list(worker.last_update_parts)
-
-
-def _record_draft_folder(worker: Any, folder: str) -> None:
-    worker._record_folder(folder, "draft")
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:

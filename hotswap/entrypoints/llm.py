@@ -207,8 +207,10 @@ class LLM:
         takes `weight_version`: an integer or a label).
         `target` "draft": the speculative draft model's weights (its own names) instead."""
         with self._lock:
-            self.llm_engine.reload_weights(weights_path=weights_path, weights_iterator=weights_iterator, target=target,
-                                           weight_version=weight_version)
+            self.llm_engine.weights.reload_weights(
+                weights_path=weights_path, weights_iterator=weights_iterator, target=target,
+                weight_version=weight_version,
+            )
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
@@ -220,10 +222,10 @@ class LLM:
         Returns once it connected to its trainer; meanwhile the lock is taken only to poll, so other threads'
         calls (generate) go on."""
         with self._lock:
-            self.llm_engine.begin_weight_transfer_engine(init_info)
+            self.llm_engine.weights.begin_weight_transfer_engine(init_info)
         while True:
             with self._lock:
-                if self.llm_engine.weight_transfer_ready():
+                if self.llm_engine.weights.weight_transfer_ready():
                     return
             time.sleep(0.005)
 
@@ -233,27 +235,27 @@ class LLM:
         model and the speculative draft together (draft tensors named "draft.<name>", or sent in update calls
         whose update_info has "target": "draft"); "draft" the draft alone."""
         with self._lock:
-            return self.llm_engine.start_weight_update(target)
+            return self.llm_engine.weights.start_weight_update(target)
 
     def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
         """Receives one update of the open session (see the transport's sender for how to build update_info)."""
         with self._lock:
-            self.llm_engine.update_weights(update_info, session_token)
+            self.llm_engine.weights.update_weights(update_info, session_token)
 
     def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
         """Closes the session; the prefix cache is invalidated and the version advances (or takes the integer, or
         the label, given: see `hotswap.weights.version`)."""
         with self._lock:
-            self.llm_engine.finish_weight_update(weight_version, session_token)
+            self.llm_engine.weights.finish_weight_update(weight_version, session_token)
 
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session, restoring the weights it changed; without a token, whoever opened it."""
         with self._lock:
-            self.llm_engine.abort_weight_update(session_token)
+            self.llm_engine.weights.abort_weight_update(session_token)
 
     def shutdown_weight_transfer_engine(self) -> None:
         with self._lock:
-            self.llm_engine.weights_rpc("shutdown_weight_transfer_engine")
+            self.llm_engine.weights.shutdown_weight_transfer_engine()
 
     def get_weight_version(self, target: str = "model") -> int:
         """The served weights' version; `target` "draft": the target version the speculative draft was last
@@ -271,7 +273,7 @@ class LLM:
         touched unless `abort_all_requests`, which ends every request (finish_reason 'abort', partial output
         returned to its caller). Returns the new label."""
         with self._lock:
-            self.llm_engine.label_weight_version(new_version)
+            self.llm_engine.weights.rename(new_version)
             if abort_all_requests:
                 for request_id in list(self.llm_engine.requests):
                     out = self.llm_engine.abort_request(request_id)

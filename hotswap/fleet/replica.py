@@ -136,9 +136,7 @@ class ReplicaServer:
                                  labels: dict[int, str] | None = None) -> None:
         """Numbers the served weights (a restarted replica that loaded the folder holding the fleet's version),
         with the fleet's version labels."""
-        self.engine.engine.weight_version = weight_version
-        self.engine.engine.draft_weight_version = draft_weight_version
-        self.engine.engine.version_labels.update(labels or {})
+        self.engine.engine.weights.set_versions(weight_version, draft_weight_version, labels or {})
 
     async def update_weight_version(self, new_version: int | str, abort_all_requests: bool) -> str:
         return await self.engine.update_weight_version(new_version, abort_all_requests)
@@ -149,7 +147,7 @@ class ReplicaServer:
     async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int, draft_weight_version: int,
                             labels: dict[int, str] | None = None) -> None:
         await self.engine.adopt_weights(states, weight_version, draft_weight_version)
-        self.engine.engine.version_labels.update(labels or {})
+        self.engine.engine.weights.labels.update(labels or {})
 
     async def weight_checksums(self, target: str) -> dict[str, str]:
         return cast("dict[str, str]", (await self.engine.collective_rpc("weight_checksums", (target,)))[0])

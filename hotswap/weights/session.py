@@ -62,6 +62,11 @@ class WeightSession:
         self._rewritten: set[tuple[str, object]] = set()  # served weights committed since they became invalid
         self._idle = SessionState.NO_ENGINE  # the state an open update returns to
 
+    def is_valid(self) -> bool:
+        """Whether the served weights are valid: False after a failed non-atomic update or their release (sleep
+        level 2), until updates rewrote every tensor or a reload ran."""
+        return self.weights_valid
+
     def expect(self, *states: SessionState, call: str) -> None:
         if self.state not in states:
             raise RuntimeError(f"{call}() is not allowed now (session state: {self.state.value}); {_HINTS[self.state]}")

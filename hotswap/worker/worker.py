@@ -58,6 +58,14 @@ TARGETS = ("model", "draft", "all")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightState:
+    """What the engine asks a worker after a weight change."""
+
+    valid: bool  # False after a failed non-atomic update or sleep(2), until a full update or reload
+    updated_parts: list[str]  # "model" / "draft": what the last committed update wrote
+
+
 def in_config_scope(method: F) -> F:
     """Runs a Worker method inside its config context."""
 
@@ -412,7 +420,49 @@ class Worker:
         index = self._index()
         return {name: index.targets[name].narrowings() for name in sorted(index.required)}
 
+    @in_config_scope
+    def record_folder(self, folder: str, target: str = "model") -> None:
+        """Records `folder` as the checkpoint of the model or (target "draft") the draft, once every rank
+        committed a reload from it."""
+        self._record_folder(folder, target)
+
+    @in_config_scope
+    def weight_state(self) -> WeightState:
+        """Whether this rank's weights are valid, and which models the last committed update wrote."""
+        return WeightState(self.session.is_valid(), list(self.last_update_parts))
+
+    # ---- copying weights between engines of one config (a fleet's restarted replica) --------------------------
+
+    @in_config_scope
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Host copies of this rank's parameters and persistent buffers by name, the draft's under "draft."
+        (a live replica on a GPU does not double its device memory)."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self._tensors().items()}
+
+    @in_config_scope
+    def import_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        """Copies `states[rank]` into this rank's tensors in place. Raises ValueError, changing nothing, unless
+        every name, shape and dtype matches."""
+        given, mine = states[self.rank], self._tensors()
+        if given.keys() != mine.keys():
+            missing, extra = sorted(mine.keys() - given.keys()), sorted(given.keys() - mine.keys())
+            raise ValueError(f"the weights name other tensors (missing {missing[:5]}, unexpected {extra[:5]})")
+        for name, tensor in given.items():
+            if tensor.shape != mine[name].shape or tensor.dtype != mine[name].dtype:
+                raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
+                                 f"{tuple(mine[name].shape)} {mine[name].dtype}")
+        with torch.no_grad():
+            for name, tensor in given.items():
+                mine[name].copy_(tensor)
+
     # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers by name, the draft's under "draft." (not copies)."""
+        state = dict(self._model().state_dict())
+        if self.draft_model is not None:
+            state.update({f"{DRAFT_PREFIX}{k}": v for k, v in self.draft_model.state_dict().items()})
+        return state
 
     def _index(self) -> WeightIndex:
         return WeightIndex.of(self._model())

@@ -1,0 +1,414 @@
+"""The one owner of the engine's weight changes: the transfer session (its token, target and last declaration), a
+change prepared for a two-phase commit, the weight versions and their labels, and whether every worker's weights
+are valid. `LLMEngine` steps requests; everything that changes weights goes through `engine.weights`.
+
+    (no session) --start_weight_update()--> SESSION --update_weights()*--> SESSION
+    SESSION --finish_weight_update()--> committed: new version, prefix cache invalidated --> (no session)
+    SESSION --prepare_weight_update()--> PREPARED --commit_weight_update()--> committed --> (no session)
+    (no session) --prepare_reload()--> PREPARED;  reload_weights() = prepare + commit in one call
+    any failure, abort_weight_update() --> rolled back on every worker --> (no session)
+
+The engine is UPDATING (no step runs) from start_weight_update / prepare_reload until the session ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from hotswap.config import apply_overrides, live_overrides
+from hotswap.engine.state import EngineState
+from hotswap.weights.version import VersionArg, VersionLabels, parse_version
+
+if TYPE_CHECKING:
+    from hotswap.engine.llm_engine import LLMEngine
+
+# the worker methods of a transfer session that `_session_rpc` runs
+SessionMethod = Literal[
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "abort_weight_update",
+    "shutdown_weight_transfer_engine",
+]
+
+
+class WeightsController:
+    """Changes the weights of every worker of `engine` together (all of them or none), and keeps the versions."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.executor = engine.executor
+        self.config = engine.config
+        self.version = 0  # orders versions; the label a client gave is kept beside it
+        self.labels = VersionLabels()
+        # the speculative draft's version is the target version it was last updated for: stale while they differ
+        self.draft_version = 0
+        self.valid = True  # every worker's weights, as of the last weight change
+        self.token: str | None = None  # of the open update session
+        self.target = "model"
+        self.last_update_info: dict[str, Any] | None = None  # the declaration an empty one repeats
+        # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
+        self.prepared: tuple[str, str | None] | None = None
+        self.connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
+        self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
+
+    @property
+    def draft_stale(self) -> bool:
+        """Whether the target was updated after the draft model (never, without one)."""
+        return self.config.speculative_config.uses_draft and self.draft_version != self.version
+
+    def next_salt(self) -> int:
+        return next(self._salts)
+
+    def _end(self) -> None:
+        """The session (or prepared change) is over: the engine leaves UPDATING."""
+        self.token = None
+        self.prepared = None
+        self.engine.leave_state(EngineState.UPDATING)
+
+    def check_can_change(self, method: str) -> None:
+        """Raises RuntimeError unless a weight change may start now: nothing prepared awaits its commit, and no
+        request is being generated (pause first)."""
+        if self.prepared is not None:
+            raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
+                               "abort_weight_update()")
+        scheduler = self.engine.scheduler
+        if self.engine.serving_state().steps and scheduler.num_in_flight() + len(scheduler.running):
+            raise RuntimeError(
+                f"{method}() while {len(self.engine.requests)} request(s) are being generated; call "
+                "pause_generation() first (or let them finish)"
+            )
+
+    def _session_rpc(self, method: SessionMethod, *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs a transfer-session method on every worker (reloads, config changes and finish have methods of their
+        own) and moves the engine state with it. A failed update ends the session on every rank (rolled back in
+        atomic mode). Calls that may have changed the served weights invalidate the prefix cache, even when they
+        fail."""
+        if method == "start_weight_update":
+            self.check_can_change(method)
+        changed = method == "update_weights"
+        ok = False
+        try:
+            result = self.executor.collective_rpc(method, args, kwargs)
+            changed = changed or (method == "abort_weight_update" and any(result))
+            ok = True
+        except BaseException:
+            if method == "update_weights":
+                try:
+                    self._abort_on_every_rank()
+                finally:
+                    self._end()
+            raise
+        finally:
+            if changed:
+                self._weights_changed(failed=not ok)
+        if method == "start_weight_update":
+            self.engine.enter_state(EngineState.UPDATING)
+        elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
+            self._end()
+        return result
+
+    def begin_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Creates the receiving side of a transport on every worker without waiting for its trainer; the caller
+        polls `weight_transfer_ready` (between steps, with its lock released in between), bounded by the
+        transport's timeout."""
+        self._session_rpc("init_weight_transfer_engine", init_info)
+        # the store connection and the group's rendezvous may each take up to timeout_s
+        self.connect_deadline = time.monotonic() + 2 * self.config.weight_transfer_config.timeout_s + 10
+
+    def weight_transfer_ready(self) -> bool:
+        """Whether every worker's transport has connected. If one failed (or the engine-side deadline passed),
+        every worker drops its transport and the error is raised: init_weight_transfer_engine() again."""
+        try:
+            ready = all(self.executor.collective_rpc("weight_transfer_ready"))
+            if not ready and time.monotonic() > self.connect_deadline:
+                raise TimeoutError("the weight transfer engine did not connect to its trainer in time")
+        except BaseException:
+            self.executor.collective_rpc("shutdown_weight_transfer_engine")  # ranks still connecting drop theirs
+            raise
+        return ready
+
+    def start_weight_update(self, target: str = "model") -> str:
+        """Opens an update session on every worker and returns its token: calls that carry another token are
+        refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
+        accepted, as clients of the vLLM API send none. `target`: "model", "draft" (the speculative draft alone)
+        or "all" (both, committed or rolled back together)."""
+        self._session_rpc("start_weight_update", target)
+        self.target = target
+        self.token = secrets.token_hex(16)
+        return self.token
+
+    def check_session(self, session_token: str | None, ending: bool = False) -> None:
+        """Raises RuntimeError when `session_token` names a session other than the open one. `ending` (an abort):
+        with no session open there is nothing to protect, whatever the token."""
+        if ending and self.token is None:
+            return
+        if session_token is not None and session_token != self.token:
+            raise RuntimeError(
+                "this weight-update session belongs to another caller (its session_token differs); wait for it, "
+                "or abort it without a token"
+            )
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None
+                       ) -> None:
+        """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
+        accepted: a list with one update_info per worker (identical declarations), and an empty declaration
+        meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
+        self.check_session(session_token)
+        if self.prepared is not None:
+            raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
+                               "abort_weight_update()")
+        if isinstance(update_info, list):
+            if not update_info or any(entry != update_info[0] for entry in update_info):
+                self._session_rpc("abort_weight_update")  # like any failed update, it ends the session
+                raise ValueError("update_info given per worker must hold one identical declaration per worker "
+                                 "(the session was rolled back)")
+            update_info = update_info[0]
+        if isinstance(update_info, dict) and self.last_update_info is not None and _empty_declaration(update_info):
+            update_info = {**self.last_update_info, **{k: v for k, v in update_info.items() if v}}
+        self._session_rpc("update_weights", update_info)
+        if isinstance(update_info, dict) and "names" in update_info:
+            self.last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
+
+    def abort_weight_update(self, session_token: str | None = None) -> None:
+        """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
+        self.check_session(session_token, ending=True)
+        self._session_rpc("abort_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Drops every worker's transport (ending an open session, rolled back)."""
+        self._session_rpc("shutdown_weight_transfer_engine")
+
+    def _abort_on_every_rank(self) -> None:
+        """After a failure on some ranks: the others still hold their update open; roll it back there too (a
+        no-op on ranks without one)."""
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            self.executor.collective_rpc("abort_weight_update")
+
+    def _two_phase(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Runs `method` on every worker so that they all change or none does: with worker processes, first with
+        commit=False (everything that can fail, rollback copies kept), then, if every rank succeeded, the commit
+        (`finish_weight_update`); on any failure every rank rolls back. One worker commits in one call."""
+        if self.config.parallel_config.tensor_parallel_size == 1:
+            self.executor.collective_rpc(method, args, kwargs)
+            return
+        try:
+            self.executor.collective_rpc(method, args, {**kwargs, "commit": False})
+        except BaseException:
+            self._abort_on_every_rank()
+            raise
+        self.executor.collective_rpc("finish_weight_update")
+
+    def _weights_changed(self, failed: bool = False) -> None:
+        """After anything that may have changed the served weights, even a failed or aborted update: KV computed
+        before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt). After a
+        failure, or while they are known invalid, the workers are asked whether their weights are valid (for
+        `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call."""
+        self.engine.reset_prefix_cache()
+        self.engine.block_manager.salt = self.next_salt()
+        if failed or not self.valid:
+            try:
+                self.valid = all(state.valid for state in self.executor.collective_rpc("weight_state"))
+            except Exception:  # the workers are gone: health_problem reports the executor's reason
+                pass
+
+    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
+                       target: str = "model", weight_version: VersionArg = None) -> None:
+        """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
+        once, here, so a generator works with worker processes too. The engine's config (and every worker's)
+        records a new folder only after every worker loaded it. Advances the weight version on success; `target`
+        "draft" reloads the speculative draft instead, which then counts as updated for the current version.
+        `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version."""
+        self.check_can_change("reload_weights")
+        if target not in ("model", "draft"):
+            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
+        parse_version(weight_version)
+        if target == "draft" and weight_version is not None:
+            raise ValueError("weight_version names a new version of the model; a draft reload keeps the current one")
+        if target == "draft" and self.config.draft_model_config is None:
+            raise ValueError("reload_weights(target='draft') needs a draft model (speculative_config 'draft_model')")
+        if weights_iterator is not None:
+            weights_iterator = list(weights_iterator)
+        ok = False
+        try:
+            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
+                            target=target)
+            ok = True
+        finally:
+            self._weights_changed(failed=not ok)
+        if target == "draft":
+            if weights_path is not None:
+                if self.config.parallel_config.tensor_parallel_size > 1:
+                    self.executor.collective_rpc("record_folder", (str(weights_path), "draft"))
+                assert self.config.draft_model_config is not None
+                self.config.speculative_config.model = self.config.draft_model_config.model = str(weights_path)
+            self.draft_version = self.version
+            return
+        if weights_path is not None:
+            self._record_model_folder(str(weights_path))
+        self._advance_version(weight_version)
+
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
+        """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
+        cache is invalidated and the version advances (or takes `weight_version`: an integer or a label)."""
+        self.check_session(session_token)
+        parse_version(weight_version)
+        if self.prepared is not None:
+            raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
+        ok = False
+        try:
+            self._two_phase("finish_weight_update")
+            ok = True
+        finally:
+            self._end()
+            self._weights_changed(failed=not ok)
+        self._versions_after_commit(weight_version)
+
+    # ---- two-phase changes for a fleet of engines ------------------------------------------------------------
+
+    def prepare_weight_update(self, session_token: str | None = None) -> None:
+        """Phase one of finishing the open session: every worker post-processes what it received and keeps its
+        rollback copies (nothing can fail after this but the process itself). The session stays open, serving
+        nothing new, until `commit_weight_update()` or `abort_weight_update()`. A failure rolls every rank back
+        and ends the session."""
+        self.check_session(session_token)
+        if self.engine.state is not EngineState.UPDATING:
+            raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
+        if self.prepared is not None:
+            raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
+        self._prepare("finish_weight_update", {})
+        self.prepared = ("session", None)
+
+    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+        """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
+        place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
+        or `abort_weight_update()`. A failure rolls every rank back."""
+        self.check_can_change("reload_weights")
+        if self.engine.state is EngineState.UPDATING:
+            raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
+        if weights_iterator is not None:
+            weights_iterator = list(weights_iterator)
+        self.engine.enter_state(EngineState.UPDATING)
+        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator})
+        self.prepared = ("reload", None if weights_path is None else str(weights_path))
+
+    def _prepare(self, method: str, kwargs: dict[str, Any]) -> None:
+        try:
+            self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
+        except BaseException:
+            try:
+                self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too
+            finally:
+                self._end()
+                self._weights_changed(failed=True)
+            raise
+
+    def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
+        """Phase two: every worker commits the prepared change (it drops its rollback copies); the prefix cache is
+        invalidated and the version advances (or takes `weight_version`, as a fleet gives every replica one, with
+        `label` if given)."""
+        parse_version(weight_version)
+        parse_version(label, "label")
+        if self.prepared is None:
+            raise RuntimeError("nothing is prepared; call prepare_weight_update() or prepare_reload() first")
+        kind, folder = self.prepared
+        ok = False
+        try:
+            self.executor.collective_rpc("finish_weight_update")
+            ok = True
+        finally:
+            self._end()
+            self._weights_changed(failed=not ok)
+        if kind == "reload":
+            if folder is not None:
+                self._record_model_folder(folder)
+            self._advance_version(weight_version, label)
+        else:
+            self._versions_after_commit(weight_version, label)
+
+    def _versions_after_commit(self, weight_version: VersionArg, label: str | None = None) -> None:
+        """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
+        parts = {"model"} if self.target == "model" else {"draft"} if self.target == "draft" else (
+            set(self.executor.collective_rpc("weight_state")[0].updated_parts) or {"model"}
+        )
+        if "model" in parts:
+            self._advance_version(weight_version, label)
+        if "draft" in parts:
+            self.draft_version = self.version
+
+    def _record_model_folder(self, folder: str) -> None:
+        change = {"model_config": {"model": folder}}
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            self.executor.collective_rpc("update_config", (change,))
+        apply_overrides(self.config, live_overrides(self.config, change))
+
+    # ---- copying weights between engines of the same config (a fleet's restarted replica) --------------------
+
+    def export_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Copies of every worker's parameters and persistent buffers (the draft's prefixed "draft."), in rank
+        order: what `adopt_weights` of an engine with the same config takes. Raises RuntimeError while the weights
+        are invalid or released (a failed update, sleep(2))."""
+        if not self.valid or "weights" in self.engine.released:
+            raise RuntimeError("the weights are invalid or released; there is nothing to export")
+        return self.executor.collective_rpc("export_state")
+
+    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,
+                      draft_weight_version: int | None = None) -> None:
+        """Copies weights exported by an engine with the same config into this one's storage (no parameter is
+        rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
+        Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
+        self.check_can_change("adopt_weights")
+        if parse_version(weight_version)[0] is None:
+            raise ValueError(f"adopt_weights takes an integer weight_version, got {weight_version!r}")
+        if self.engine.state is EngineState.UPDATING:
+            raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
+        if len(states) != self.config.parallel_config.tensor_parallel_size:
+            raise ValueError(f"got the weights of {len(states)} ranks for "
+                             f"{self.config.parallel_config.tensor_parallel_size}")
+        ok = False
+        try:
+            self.executor.collective_rpc("import_state", (states,))
+            ok = True
+        finally:
+            self._weights_changed(failed=not ok)
+        self.version = weight_version
+        self.draft_version = weight_version if draft_weight_version is None else draft_weight_version
+
+    def _advance_version(self, weight_version: VersionArg, label: str | None = None) -> None:
+        """The committed change's version: `weight_version`'s integer (else the next), labelled by `label`, else
+        by `weight_version`'s label (else unlabelled)."""
+        number, given = parse_version(weight_version)
+        self.version = self.version + 1 if number is None else number
+        self.labels.set(self.version, label if label is not None else given)
+
+    @property
+    def current_label(self) -> str:
+        """The served version as clients see it: the label given to it, or its integer as a string."""
+        return self.labels.label(self.version)
+
+    def rename(self, label: VersionArg) -> str:
+        """Renames the served version (weights, requests and the integer untouched): `label` is a string label,
+        or an integer shown as itself. Returns the new label. Raises ValueError for an invalid label."""
+        if label is None:
+            raise ValueError("new_version must be a non-empty label")
+        parse_version(label, "new_version")
+        self.labels.set(self.version, str(label))
+        return self.current_label
+
+    def set_versions(self, version: int, draft_version: int, labels: dict[int, str]) -> None:
+        """Numbers the served weights as another engine's (a fleet's restarted replica that loaded the folder
+        holding the fleet's version), with that fleet's labels."""
+        self.version, self.draft_version = version, draft_version
+        self.labels.update(labels)
+
+
+_DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
+
+
+def _empty_declaration(update_info: dict[str, Any]) -> bool:
+    """{} or {"names": [], "dtype_names": [], "shapes": []} (vLLM 0.33: "the same as last time")."""
+    return all(not update_info.get(k) for k in _DECLARATION) and not any(
+        isinstance(v, (list, dict)) and v for k, v in update_info.items() if k not in _DECLARATION and k != "target"
+    )
