@@ -22,6 +22,7 @@ import torch
 
 from hotswap.config import apply_overrides, live_overrides
 from hotswap.engine.state import EngineState
+from hotswap.weights.target import WeightTarget, check_target
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class WeightsController:
         self.draft_version = 0
         self.valid = True  # every worker's weights, as of the last weight change
         self.token: str | None = None  # of the open update session
-        self.target = "model"
+        self.target: WeightTarget = "model"
         self.last_update_info: dict[str, Any] | None = None  # the declaration an empty one repeats
         # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
         self.prepared: tuple[str, str | None] | None = None
@@ -135,8 +136,9 @@ class WeightsController:
         refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
         accepted, as clients of the vLLM API send none. `target`: "model", "draft" (the speculative draft alone)
         or "all" (both, committed or rolled back together)."""
-        self._session_rpc("start_weight_update", target)
-        self.target = target
+        checked = check_target(target)  # before any worker is asked
+        self._session_rpc("start_weight_update", checked)
+        self.target = checked
         self.token = secrets.token_hex(16)
         return self.token
 
@@ -222,8 +224,7 @@ class WeightsController:
         "draft" reloads the speculative draft instead, which then counts as updated for the current version.
         `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version."""
         self.check_can_change("reload_weights")
-        if target not in ("model", "draft"):
-            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
+        check_target(target, ("model", "draft"), "reload_weights target")
         parse_version(weight_version)
         if target == "draft" and weight_version is not None:
             raise ValueError("weight_version names a new version of the model; a draft reload keeps the current one")

@@ -18,6 +18,7 @@ from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg
 
 
@@ -260,8 +261,7 @@ class LLM:
     def get_weight_version(self, target: str = "model") -> int:
         """The served weights' version; `target` "draft": the target version the speculative draft was last
         updated for (it is stale while the two differ)."""
-        if target not in ("model", "draft"):
-            raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
+        check_target(target, ("model", "draft"))
         return self.llm_engine.draft_weight_version if target == "draft" else self.llm_engine.weight_version
 
     def get_weight_version_label(self) -> str:

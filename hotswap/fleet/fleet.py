@@ -50,6 +50,7 @@ from hotswap.fleet.router import request_cost
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg, parse_version
 
 logger = logging.getLogger(__name__)
@@ -242,8 +243,7 @@ class Fleet(FleetReplicas):
     def get_weight_version(self, target: str = "model") -> int:
         """The fleet's version: every routable replica serves it. `target` "draft": the version the draft models
         were last updated for."""
-        if target not in ("model", "draft"):
-            raise ValueError(f"target must be 'model' or 'draft', got {target!r}")
+        check_target(target, ("model", "draft"))
         return self.draft_version if target == "draft" else self.version
 
     def get_weight_version_label(self) -> str:

@@ -41,6 +41,7 @@ from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.session import SessionState, WeightSession
+from hotswap.weights.target import check_target
 from hotswap.weights.update import (
     RankSelection,
     folder_source,
@@ -53,7 +54,6 @@ from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.speculative import SpeculativeStep
 
 DRAFT_PREFIX = "draft."  # the draft model's checkpoint names, where one update carries both models
-TARGETS = ("model", "draft", "all")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -236,8 +236,7 @@ class Worker:
         together), and leaves recording a new folder to the caller. `target` "draft" reloads the speculative draft
         model instead (its own checkpoint names, in its config scope)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        if target not in ("model", "draft"):
-            raise ValueError(f"reload_weights target must be 'model' or 'draft', got {target!r}")
+        check_target(target, ("model", "draft"), "reload_weights target")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         config = self._config_of(target)
@@ -470,8 +469,7 @@ class Worker:
     def _weight_index(self, target: str) -> WeightIndex:
         """The index an update of `target` goes through: the model's own, or a union naming the draft's tensors
         "draft.<name>", whose post-processing runs in the draft's scope."""
-        if target not in TARGETS:
-            raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
+        check_target(target)
         if target == "model":
             return self._index()
         if self.draft_model is None:
