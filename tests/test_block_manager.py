@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.sequence import Request, Sequence
 from hotswap.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def make_seq(tokens: list[int]) -> Sequence:

@@ -26,6 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # ---- the router, without Ray ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_router_sends_a_request_to_the_replica_with_fewest_outstanding_tokens():
     router = Router()
     router.started("a", 0, request_cost(100, 50, 1))
@@ -40,6 +41,7 @@ def test_router_sends_a_request_to_the_replica_with_fewest_outstanding_tokens():
     assert router.in_flight() == []
 
 
+@pytest.mark.unit
 def test_router_keeps_a_key_on_one_replica_and_moves_only_the_keys_of_one_that_left():
     router = Router()
     keys = [f"salt-{i}" for i in range(64)]

@@ -150,6 +150,7 @@ def test_logprobs_topk_entries(llm):
         assert all(lp.decoded_token is not None for lp in entry.values())
 
 
+@pytest.mark.unit
 def test_sampler_filters():
     torch.manual_seed(0)
     logits = torch.randn(1, 50)
@@ -167,6 +168,7 @@ def test_sampler_filters():
     assert seen <= set(order[:keep].tolist()) and len(seen) > 1
 
 
+@pytest.mark.unit
 def test_plain_greedy_fast_path_equals_the_general_path():
     """All-greedy rows without logprobs take the one-pass kernel; asking for logprobs takes the general path."""
     gen = torch.Generator().manual_seed(3)
@@ -178,12 +180,14 @@ def test_plain_greedy_fast_path_equals_the_general_path():
         assert abs(f.logprob - g.logprob) < 1e-5
 
 
+@pytest.mark.unit
 def test_min_p_applies_before_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     # min_p 0.5 keeps {0: .5, 1: .3}; renormalized, top_p 0.6 keeps only token 0 (vLLM's order)
     assert {sample(logits, [SampleSpec(temperature=1.0, min_p=0.5, top_p=0.6)])[0].token_id for _ in range(200)} == {0}
 
 
+@pytest.mark.unit
 def test_sampler_matches_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     counts = torch.zeros(3)
@@ -192,6 +196,7 @@ def test_sampler_matches_distribution():
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,field",
     [
