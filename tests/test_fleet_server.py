@@ -108,7 +108,8 @@ def test_streaming_storm_while_fleet_updates_run(fleet_server, ckpts):
     final = admin.get_weight_version()
     mismatched = admin.verify(named["B" if UPDATES % 2 == 1 else "A"])
     admin.close()
-    assert versions == list(range(start_version + 1, start_version + UPDATES + 1)) and final == versions[-1]
+    start = int(start_version)  # labels: the integers, as strings, where the trainer gave none
+    assert versions == [str(v) for v in range(start + 1, start + UPDATES + 1)] and final == versions[-1]
     assert refused == 3 and uneven == [] and mismatched == []
     lost = [r for r in results if "error" in r or r["finish"] != "length"]
     assert len(results) >= CLIENTS and not lost, lost[:3]

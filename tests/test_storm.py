@@ -86,7 +86,7 @@ def test_streaming_storm_while_updates_run(ckpts):
         final = admin.get_weight_version()
         mismatched = admin.verify(named["B" if UPDATES % 2 == 1 else "A"])
         admin.close()
-    assert versions == list(range(1, UPDATES + 1)) and final == UPDATES and mismatched == []
+    assert versions == [str(v) for v in range(1, UPDATES + 1)] and final == str(UPDATES) and mismatched == []
     lost = [r for r in results if "error" in r or r["finish"] != "length"]
     assert len(results) >= CLIENTS and not lost, lost[:3]
     assert all(valid_spans(r["spans"], r["max_tokens"]) for r in results)
