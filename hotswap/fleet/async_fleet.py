@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hotswap.config import EngineConfig
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.client import EngineClient
 from hotswap.engine.detokenizer import Detokenizer
 from hotswap.fleet.fleet import Fleet
 from hotswap.fleet.replicas import _cause, _first_line, _ray
@@ -229,3 +231,8 @@ def _aborted(last: RequestOutput, params: SamplingParams) -> RequestOutput:
         outputs.append(c)
     return dataclasses.replace(last, outputs=outputs, finished=True)
 
+
+
+def _implements_engine_client(fleet: AsyncFleet, engine: AsyncLLMEngine) -> tuple[EngineClient, EngineClient]:
+    """Never called: mypy checks here that both front ends implement `EngineClient`."""
+    return fleet, engine
