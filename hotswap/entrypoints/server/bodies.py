@@ -1,0 +1,106 @@
+"""Request bodies of hotswap's admin routes (vLLM's RL API) and of /tokenize and /detokenize.
+
+They are lenient, as vLLM's and RL frameworks' clients need (TRL sends `is_checkpoint_format`, AReaL a
+`pp_rank`): unknown fields are ignored, and logged once per body model and field."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_LOGGED: set[tuple[str, str]] = set()
+
+# A weight version a client gives: a label or an integer (bools and floats are a 400 naming the field). The string
+# form first, as in SGLang's models: Python reuses a union equal to one made before (whatever the order of its
+# members), so one order for all makes the order of validation errors and schema alternatives stable.
+VersionField = StrictStr | StrictInt | None
+
+
+class _Body(BaseModel):
+    """A body that ignores unknown fields, logging each (model, field) once (at most 256 logged in all)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in sorted(set(data) - set(cls.model_fields))[:8]:
+                if (cls.__name__, key) not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < 256:
+                    _IGNORED_LOGGED.add((cls.__name__, key))
+                    logger.info("ignoring field %r of a %s request (not used by hotswap)", key[:64], cls.__name__)
+        return data
+
+
+class ReloadBody(_Body):
+    weights_path: str | None = None
+    target: str = Field(default="model", pattern="^(model|draft)$")
+    weight_version: VersionField = None
+
+
+class InitBody(_Body):
+    init_info: dict[str, Any]
+
+
+class StartBody(_Body):
+    target: str = Field(default="model", pattern="^(model|draft|all)$")
+
+
+class UpdateBody(_Body):
+    update_info: dict[str, Any] | list[dict[str, Any]]  # vLLM: one per worker, or empty to repeat the last
+    session_token: str | None = None
+
+
+class FinishBody(_Body):
+    weight_version: VersionField = None  # a label (vLLM and SGLang send strings) or an integer
+    session_token: str | None = None
+
+
+class RenameBody(_Body):
+    """vLLM's and SGLang's /update_weight_version."""
+
+    new_version: StrictInt | StrictStr
+    abort_all_requests: bool = False  # SGLang defaults to true; here a rename never ends work unless asked
+
+
+class AbortRequestsBody(_Body):
+    request_ids: list[str] | None = None
+
+
+class TokenizeBody(_Body):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(_Body):
+    tokens: list[int]
+
+
+class AbortBody(_Body):
+    session_token: str | None = None
+
+
+class PauseBody(_Body):
+    mode: str = Field(default="abort", pattern="^(abort|wait|keep)$")
+    clear_cache: bool = True
+
+
+class SleepBody(_Body):
+    level: int = Field(default=1, ge=1, le=2)
+
+
+class WakeBody(_Body):
+    tags: list[str] | None = None
+
+
+class RpcBody(_Body):
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None

@@ -1,0 +1,128 @@
+"""The `hotswap serve` command: its arguments, and `serve`, which checks them, builds the engine (one
+`AsyncLLMEngine`, or an `AsyncFleet` on Ray with --data-parallel-size > 1 or --ray-address) and runs the app."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.server.app import LOOPBACK_NAMES, check_keys, create_app, is_loopback
+from hotswap.entrypoints.server.state import RequestLimits
+from hotswap.fleet.async_fleet import AsyncFleet
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the options of `hotswap serve` to `parser`."""
+    parser.add_argument("model", help="Hugging Face checkpoint folder")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer' on /v1 routes")
+    parser.add_argument("--admin-key", default=None, help="required as 'Authorization: Bearer' on admin routes")
+    parser.add_argument(
+        "--admin-auth", default="key", choices=["key", "none"],
+        help="'none' opens the admin routes without a key (loopback hosts, or with --trusted-network)",
+    )
+    parser.add_argument("--trusted-network", action="store_true",
+                        help="allow --admin-auth none on a non-loopback address: everyone who can reach the port "
+                        "may change the weights (frameworks send no key; a private network only)")
+    parser.add_argument(
+        "--allowed-host", action="append", default=[],
+        help="a Host header name admin routes answer to, besides localhost / 127.0.0.1 / ::1 (repeatable)",
+    )
+    parser.add_argument("--disable-admin", action="store_true", help="serve only the OpenAI routes")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engine replicas on Ray behind this server (a fleet; needs hotswap[ray])")
+    parser.add_argument("--ray-address", default=None,
+                        help="a Ray cluster to run the fleet on ('auto', 'ray://host:port'; default: a local Ray)")
+    parser.add_argument("--num-cpus-per-worker", type=float, default=1.0,
+                        help="CPUs each worker of a fleet replica reserves in its placement group")
+    parser.add_argument("--num-gpus-per-worker", type=float, default=None,
+                        help="GPUs each worker of a fleet replica reserves (default: 1 where CUDA is available)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    parser.add_argument("--prefix-cache-policy", default="reset", choices=["reset", "salt"])
+    parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
+    parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
+    parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
+    parser.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="samples one request may ask for")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens one request may generate (default: up to the context length)")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="log probabilities one token may return (-1: the whole vocabulary)")
+    parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,
+                        help="how long a request waits while generation is paused before it gets 503")
+    parser.add_argument("--shutdown-timeout-s", type=float, default=5.0,
+                        help="on SIGTERM, how long requests in flight may take before they are cut")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        'or \'{"method": "draft_model", "model": DRAFT_DIR}\'')
+    parser.add_argument("--log-level", default="warning")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until interrupted. Refuses admin routes on a non-loopback host without an admin key."""
+    import os
+
+    import uvicorn
+
+    enable_admin = not args.disable_admin
+    check_keys(args.api_key, args.admin_key)
+    trusted = getattr(args, "trusted_network", False)
+    if enable_admin and args.admin_auth == "none" and not is_loopback(args.host) and not trusted:
+        raise ValueError(f"--admin-auth none is refused on non-loopback host {args.host!r}; use --admin-key (or "
+                         "--trusted-network on a private network)")
+    if (
+        enable_admin
+        and args.admin_key is None
+        and not is_loopback(args.host)
+        and not (trusted and args.admin_auth == "none")
+    ):
+        raise ValueError(f"admin routes on non-loopback host {args.host!r} need --admin-key (or pass --disable-admin)")
+    # bound to loopback, only loopback names are expected (another Host is a DNS-rebinding page); on a public
+    # address the admin key protects the routes, and --allowed-host narrows the names if given
+    allowed: frozenset[str] | None = None
+    if is_loopback(args.host) or args.allowed_host:
+        allowed = frozenset(LOOPBACK_NAMES | {args.host, *args.allowed_host})
+    engine_kwargs = dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        quantization=args.quantization,
+        prefix_cache_policy=args.prefix_cache_policy,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_logprobs=args.max_logprobs,
+        speculative_config=args.speculative_config,
+    )
+    engine: AsyncLLMEngine | AsyncFleet
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        from hotswap.fleet import Fleet
+
+        engine = AsyncFleet(Fleet(args.model, num_replicas=args.data_parallel_size, address=args.ray_address,
+                                  num_cpus_per_worker=args.num_cpus_per_worker,
+                                  num_gpus_per_worker=args.num_gpus_per_worker, **engine_kwargs))
+    else:
+        engine = AsyncLLMEngine.from_kwargs(args.model, **engine_kwargs)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    limits = RequestLimits(
+        args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s,
+        args.max_n, args.max_tokens,
+    )
+    app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
+    return 0

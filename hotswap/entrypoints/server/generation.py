@@ -1,0 +1,144 @@
+"""One OpenAI-route request on the engine, from its first output to its answer: a whole response, or a stream
+of server-sent events.
+
+While no output comes (generation paused), the request watches its client: a client that went away aborts it
+(499), and so does a pause longer than `RequestLimits.max_pause_wait_s` (503 with Retry-After). A stream sends
+SSE comments meanwhile, so that a closed connection shows up. Token counts and latency go to the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from hotswap.entrypoints.server.state import ApiError, ServerState
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+
+async def start(
+    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request
+) -> Generation:
+    """Submits `prompt` and waits for its first output. Raises ApiError 503 while generation is paused for new
+    requests, and the errors of `ServerState.guarded` (and 499/503 as above) while waiting."""
+    started = time.perf_counter()
+    engine = state.engine
+    if engine.engine.refusing_new_requests():
+        raise ApiError(503, f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
+                       "service_unavailable", {"Retry-After": "1"})
+    # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
+    key = http.headers.get("x-session-id")
+    generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key))
+    try:
+        first = await _next_output(state, generator, http)
+    except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once
+        raise ApiError(500, "no output", "internal_error") from err
+    return Generation(state, generator, http, started, first)
+
+
+async def generate_full(
+    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request
+) -> RequestOutput:
+    """The request's final output (`start`, then `Generation.collect`)."""
+    return await (await start(state, prompt, params, request_id, http)).collect()
+
+
+async def _next_output(
+    state: ServerState, generator: AsyncGenerator[RequestOutput, None], http: Request
+) -> RequestOutput:
+    """The request's next output; a client that went away meanwhile (e.g. while generation is paused) aborts the
+    request, and so does a pause longer than `limits.max_pause_wait_s` (503)."""
+    limits = state.limits
+    pending = asyncio.ensure_future(generator.__anext__())
+    paused_since: float | None = None
+    try:
+        while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+            now = time.monotonic()
+            paused_since = (paused_since or now) if state.engine.engine.is_paused() else None
+            if await http.is_disconnected():
+                raise ApiError(499, "the client disconnected", "client_closed_request")
+            if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
+                raise ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
+                               "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})
+        return await state.guarded(pending)
+    finally:
+        if not pending.done():  # ended early (an error above, or this handler cancelled): stop the wait
+            pending.cancel()
+            with contextlib.suppress(BaseException):  # let it unwind before the generator is closed
+                await pending
+
+
+@dataclass
+class Generation:
+    """A submitted request whose first output (`first`) has come; `started`: when it was received
+    (perf_counter)."""
+
+    state: ServerState
+    generator: AsyncGenerator[RequestOutput, None]
+    http: Request
+    started: float
+    first: RequestOutput
+
+    def _account(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.state.metrics.inc("hotswap_prompt_tokens", len(out.prompt_token_ids))
+            self.state.metrics.observe("hotswap_request_latency_seconds", time.perf_counter() - self.started)
+
+    async def collect(self) -> RequestOutput:
+        """Waits for the final output (the request is aborted when this ends early)."""
+        out = self.first
+        try:
+            while not out.finished:
+                out = await _next_output(self.state, self.generator, self.http)
+        finally:
+            await self.generator.aclose()  # an unfinished request is aborted
+        self.state.metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
+        self._account(out)
+        return out
+
+    def stream(
+        self,
+        make_chunk: Callable[[RequestOutput], dict[str, Any]],
+        final_chunk: Callable[[], dict[str, Any]] | None = None,
+    ) -> StreamingResponse:
+        """The outputs as server-sent events: `make_chunk` of each, then `final_chunk()` if given (the usage),
+        then `[DONE]`. A client that disconnects aborts the request."""
+        return StreamingResponse(self._events(make_chunk, final_chunk), media_type="text/event-stream")
+
+    async def _events(
+        self,
+        make_chunk: Callable[[RequestOutput], dict[str, Any]],
+        final_chunk: Callable[[], dict[str, Any]] | None,
+    ) -> AsyncIterator[str]:
+        metrics = self.state.metrics
+        out = self.first
+        pending: asyncio.Future[RequestOutput] | None = None
+        try:
+            while True:
+                metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
+                yield f"data: {json.dumps(make_chunk(out))}\n\n"
+                self._account(out)
+                if out.finished:
+                    if final_chunk is not None:  # stream_options.include_usage
+                        yield f"data: {json.dumps(final_chunk())}\n\n"
+                    break
+                pending = asyncio.ensure_future(self.generator.__anext__())
+                while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+                    # No output (e.g. generation paused): an SSE comment lets a closed connection show up,
+                    # since a disconnect is only seen when sending.
+                    if await self.http.is_disconnected():
+                        return
+                    yield ": keep-alive\n\n"
+                out, pending = pending.result(), None
+            yield "data: [DONE]\n\n"
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await self.generator.aclose()  # a client that disconnected aborts its request

@@ -1,0 +1,107 @@
+"""`/health` and `/metrics`, served without a key; and the metric names the server exports.
+
+`/health` answers 200 `{"status": "ok"}`, or 503 with the reason when the engine cannot serve (a dead worker,
+invalid weights). `/metrics` answers every metric in Prometheus' text format, reading the engine's figures
+(requests running, speculative decoding's counters, a fleet's replicas) when scraped.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from hotswap.entrypoints.metrics import Metrics
+from hotswap.entrypoints.server.state import StateDep
+from hotswap.fleet.async_fleet import AsyncFleet
+
+router = APIRouter()
+
+# engine stats -> Prometheus names, with speculative decoding on
+SPEC_METRICS = {
+    "spec_draft_tokens": "hotswap_spec_draft_tokens",
+    "spec_accepted_tokens": "hotswap_spec_accepted_tokens",
+    "spec_steps": "hotswap_spec_steps",
+    "spec_acceptance_rate": "hotswap_spec_acceptance_rate",
+    "spec_mean_accepted_length": "hotswap_spec_mean_accepted_length",
+    "draft_weight_version": "hotswap_draft_weight_version",
+    "draft_stale": "hotswap_draft_stale",
+}
+SPEC_METRIC_HELP = {
+    "hotswap_spec_draft_tokens": ("counter", "Speculative tokens proposed"),
+    "hotswap_spec_accepted_tokens": ("counter", "Speculative tokens the target accepted"),
+    "hotswap_spec_steps": ("counter", "Speculative verification steps (one per sequence and step)"),
+    "hotswap_spec_acceptance_rate": ("gauge", "Accepted / proposed speculative tokens since start"),
+    "hotswap_spec_mean_accepted_length": ("gauge", "Tokens emitted per verification step since start"),
+    "hotswap_draft_weight_version": ("gauge", "The target weight version the draft model was last updated for"),
+    "hotswap_draft_stale": ("gauge", "1 while the target was updated after the draft model"),
+}
+
+# a fleet's stats -> Prometheus names (and per replica, labelled replica="i": up, weight version, requests routed)
+FLEET_METRICS = {
+    "fleet_replicas": "hotswap_fleet_replicas",
+    "fleet_replicas_up": "hotswap_fleet_replicas_up",
+    "fleet_updates_committed": "hotswap_fleet_updates_committed",
+    "fleet_updates_failed": "hotswap_fleet_updates_failed",
+    "fleet_replica_failures": "hotswap_fleet_replica_failures",
+    "fleet_replica_restarts": "hotswap_fleet_replica_restarts",
+}
+FLEET_METRIC_HELP = {
+    "hotswap_fleet_replicas": ("gauge", "Replicas in the fleet"),
+    "hotswap_fleet_replicas_up": ("gauge", "Replicas taking requests (up, at the fleet's weight version)"),
+    "hotswap_fleet_updates_committed": ("counter", "Fleet-wide weight changes committed on every replica"),
+    "hotswap_fleet_updates_failed": ("counter", "Fleet-wide weight changes rolled back on every replica"),
+    "hotswap_fleet_replica_failures": ("counter", "Replicas found dead or unresponsive"),
+    "hotswap_fleet_replica_restarts": ("counter", "Replicas restarted and brought to the fleet's version"),
+    "hotswap_fleet_replica_up": ("gauge", "1 while the replica takes requests"),
+    "hotswap_fleet_replica_weight_version": ("gauge", "The weight version the replica holds"),
+    "hotswap_fleet_replica_requests_routed": ("counter", "Requests routed to the replica"),
+}
+
+
+def server_metrics(fleet: bool, weight_version_label: str) -> Metrics:
+    """The server's metrics, described (a fleet's too when `fleet`), the weight version starting at 0 with
+    `weight_version_label` as its label."""
+    metrics = Metrics()
+    metrics.describe("hotswap_requests", "counter", "Requests by route and status")
+    metrics.describe("hotswap_prompt_tokens", "counter", "Prompt tokens processed")
+    metrics.describe("hotswap_generation_tokens", "counter", "Tokens generated")
+    metrics.describe("hotswap_request_latency_seconds", "summary", "End-to-end latency of generation requests")
+    metrics.describe("hotswap_weight_version", "gauge", "Weight version being served (the integer that orders them)")
+    metrics.describe("hotswap_weight_version_info", "gauge", "1, labelled with the served version's label")
+    for name, (kind, text) in SPEC_METRIC_HELP.items():
+        metrics.describe(name, kind, text)
+    if fleet:
+        for name, (kind, text) in FLEET_METRIC_HELP.items():
+            metrics.describe(name, kind, text)
+    metrics.describe("hotswap_requests_running", "gauge", "Requests queued or being generated")
+    metrics.describe("hotswap_weight_update_seconds", "summary", "Duration of weight updates (start to finish)")
+    metrics.set("hotswap_weight_version", 0)
+    metrics.set_only("hotswap_weight_version_info", 1, weight_version=weight_version_label)
+    return metrics
+
+
+@router.get("/health")
+async def health(state: StateDep) -> JSONResponse:
+    problem = state.engine.engine.health_problem()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def get_metrics(state: StateDep) -> str:
+    engine, metrics = state.engine, state.metrics
+    metrics.set("hotswap_requests_running", len(engine.engine.requests))
+    stats = engine.engine.stats()
+    for key, name in SPEC_METRICS.items():
+        if key in stats:
+            metrics.set(name, float(stats[key]))
+    if isinstance(engine, AsyncFleet):
+        for key, name in FLEET_METRICS.items():
+            metrics.set(name, float(stats[key]))
+        for replica in engine.fleet.replica_status():
+            label = str(replica["index"])
+            metrics.set("hotswap_fleet_replica_up", float(replica["routable"]), replica=label)
+            metrics.set("hotswap_fleet_replica_weight_version", float(replica["version_id"]), replica=label)
+            metrics.set("hotswap_fleet_replica_requests_routed", float(replica["routed"]), replica=label)
+    return metrics.render()

@@ -1,0 +1,216 @@
+"""OpenAI's routes: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (`router`, streaming over SSE),
+and `/tokenize` and `/detokenize` (`tokenizer_router`, served only with the admin routes on).
+
+`create_app` includes both behind the user's API key. Client mistakes (a bad value, a limit exceeded, a template
+that cannot render) are 400s in OpenAI's error shape; another model's name is a 404. The request and response
+shapes are `openai_protocol`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from hotswap.entrypoints import openai_protocol as oai
+from hotswap.entrypoints.server import generation
+from hotswap.entrypoints.server.bodies import DetokenizeBody, TokenizeBody
+from hotswap.entrypoints.server.state import ApiError, StateDep
+from hotswap.outputs import RequestOutput
+
+router = APIRouter()
+tokenizer_router = APIRouter()
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raises ValueError when `text` cannot be encoded as UTF-8 (lone surrogates), naming `what`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode ({err.reason} at character {err.start})") from None
+
+
+def engine_prompt(prompt: str | list[int], salt: str | None) -> dict[str, Any]:
+    """The engine's prompt entry for a text or token ids, with the prefix-cache salt if given."""
+    entry: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    if salt is not None:
+        entry["cache_salt"] = salt
+    return entry
+
+
+def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: dict[str, int]) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the token counts."""
+    total = counts["prompt"] + counts["completion"]
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
+            "usage": {"prompt_tokens": counts["prompt"], "completion_tokens": counts["completion"],
+                      "total_tokens": total}}
+
+
+@router.get("/v1/models")
+async def models(state: StateDep) -> dict[str, Any]:
+    max_len = state.engine.engine.config.model_config.max_model_len
+    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "owned_by": "hotswap",
+                                        "max_model_len": max_len}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> Any:
+    state.check_model(body.model)
+    engine, name = state.engine, state.served_model_name
+    prompts = body.prompts()
+    echo_only = body.echo and body.max_tokens == 0
+    try:
+        if body.max_tokens == 0 and not body.echo:
+            raise ValueError("max_tokens=0 needs echo=true (the prompt is all there is to return)")
+        for p in prompts:
+            if isinstance(p, str):
+                check_unicode(p, "the prompt")
+        echo_logprobs = None
+        if body.echo and body.logprobs is not None:  # the prompt's logprobs, in the same top-k shape
+            echo_logprobs = max(body.logprobs, 0) if body.prompt_logprobs is None else body.prompt_logprobs
+        params = oai.sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens, state.vocab_size,
+                                     echo_logprobs)
+        state.check_limits(body.stop, params)
+        if body.stream and len(prompts) > 1:
+            raise ValueError("stream=true takes one prompt per request; send a batch without streaming")
+        if body.stream and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs (and echo with logprobs) are not available with stream=true")
+    except ValueError as err:
+        raise ApiError(400, str(err)) from err
+    shape = oai.Shape.of(body, echo=body.echo, drop_output=echo_only)
+    request_id = oai.new_id("cmpl")
+    created = int(time.time())
+    tok = engine.tokenizer
+    texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else [""] * len(prompts)
+
+    if not body.stream:
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing prompt cancels the others
+                tasks = [group.create_task(generation.generate_full(state, engine_prompt(p, body.cache_salt), params,
+                                                                    f"{request_id}-{i}", http))
+                         for i, p in enumerate(prompts)]
+        except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
+            raise group_error.exceptions[0] from None
+        outs = [task.result() for task in tasks]
+        firsts = [engine.engine.detokenizer.token_text(o.prompt_token_ids[0]) if body.echo else "" for o in outs]
+        return oai.completion_response(outs, name, request_id, shape, texts, firsts)
+
+    counts = {"prompt": 0, "completion": 0}
+    echoed = [False]
+
+    def chunk(out: RequestOutput) -> dict[str, Any]:
+        counts["prompt"] = len(out.prompt_token_ids)
+        counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
+        prefix = texts[0] if not echoed[0] else ""
+        echoed[0] = True
+        choices = [oai.completion_choice(out, c, c.index, shape, prefix) for c in out.outputs]
+        return {"id": request_id, "object": "text_completion", "created": created, "model": name,
+                "choices": choices}
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    running = await generation.start(state, engine_prompt(prompts[0], body.cache_salt), params, request_id, http)
+    return running.stream(
+        chunk, (lambda: usage_chunk(name, request_id, created, "text_completion", counts)) if include_usage else None
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state: StateDep) -> Any:
+    state.check_model(body.model)
+    name, vocab = state.served_model_name, state.vocab_size
+    top_n = body.top_logprobs or 0
+    top_n = vocab if top_n == -1 else top_n
+    try:
+        params = oai.sampling_params(
+            body, top_n if body.logprobs else None, body.max_completion_tokens or body.max_tokens, vocab
+        )
+        state.check_limits(body.stop, params)
+        if body.stream and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream=true")
+        messages = body.template_messages()
+        for message in messages:
+            check_unicode(message["content"], "a message's content")
+        ids = await asyncio.to_thread(  # CPU work off the event loop
+            state.engine.tokenizer.apply_chat_template, messages, tools=body.tools, chat_template=body.chat_template,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message, tokenize=True, return_dict=False,
+            **(body.chat_template_kwargs or {}),
+        )
+    except ValueError as err:
+        raise ApiError(400, str(err)) from err
+    except Exception as err:  # a template that cannot render these messages (jinja errors)
+        raise ApiError(400, f"the chat template failed on these messages: {err}") from err
+    shape = oai.Shape.of(body)
+    request_id = oai.new_id("chatcmpl")
+    created = int(time.time())
+    sent_role: set[int] = set()
+    counts = {"prompt": 0, "completion": 0}
+
+    def chunk(out: RequestOutput) -> dict[str, Any]:
+        counts["prompt"] = len(out.prompt_token_ids)
+        counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
+        choices = []
+        for c in out.outputs:
+            delta: dict[str, Any] = {"content": c.text}
+            if c.index not in sent_role:
+                delta["role"] = "assistant"
+                sent_role.add(c.index)
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": oai.chat_logprobs(c, top_n, shape),
+                "finish_reason": c.finish_reason,
+                "weight_versions": oai.spans(c, shape),
+            }
+            if shape.token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+        response = {
+            "id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": name, "choices": choices,
+        }
+        if shape.token_ids and not counts.get("sent_prompt"):  # the first chunk carries the prompt's ids
+            response["prompt_token_ids"] = list(out.prompt_token_ids)
+            counts["sent_prompt"] = 1
+        return response
+
+    def full(out: RequestOutput) -> dict[str, Any]:
+        response = oai.chat_response(out, name, request_id, top_n, shape)
+        if out.prompt_logprobs is not None:
+            response["prompt_logprobs"] = oai.prompt_logprobs_json(out)
+        return response
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    running = await generation.start(state, engine_prompt(list(ids), body.cache_salt), params, request_id, http)
+    if not body.stream:
+        return full(await running.collect())
+    return running.stream(
+        chunk, (lambda: usage_chunk(name, request_id, created, "chat.completion.chunk", counts)) if include_usage
+        else None,
+    )
+
+
+@tokenizer_router.post("/tokenize")
+async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
+    tok = state.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give 'prompt' or 'messages'")
+    try:
+        if body.messages is not None:
+            ids = tok.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                          tokenize=True, return_dict=False)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    except Exception as err:
+        raise ApiError(400, f"cannot tokenize: {err}") from err
+    max_len = state.engine.engine.config.model_config.max_model_len
+    return {"tokens": list(ids), "count": len(ids), "max_model_len": max_len}
+
+
+@tokenizer_router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, state: StateDep) -> dict[str, Any]:
+    vocab_size = int(state.engine.engine.config.model_config.hf_config.get("vocab_size", 0))
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise ApiError(400, f"token ids must be in [0, {vocab_size})")
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}

@@ -1,0 +1,348 @@
+"""SGLang's HTTP surface, as slime, AReaL and verl call it: native `/generate`, generation control, and the weight
+routes (disk, a torch.distributed group, optional begin/end sessions), each validated, atomic and versioned like
+hotswap's own routes (they run through the same engine calls). Served for one `AsyncLLMEngine` (not a fleet).
+
+`create_app` includes `generate_router` (`/generate`) behind the user's API key, `public_router`
+(`/health_generate`) without one, and `admin_router` (generation control, the weight routes, `/model_info`,
+memory release) behind the admin key, when the admin routes are on.
+
+Shapes follow SGLang 0.5.2x (`sglang/srt/entrypoints/http_server.py`, `io_struct.py`; the models and result
+shaping are in `sglang_protocol`): responses carry `success` / `message`, weight versions are strings, and a
+failed update is a 400 with `success: false` (the weights untouched). `/update_weights_from_distributed` outside a
+`/begin_weight_update` session opens and commits one of its own, as the frameworks that never call begin (slime,
+AReaL, verl) need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar, cast
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
+from hotswap.entrypoints.sglang_protocol import (
+    AbortBody,
+    DiskBody,
+    DistributedBody,
+    GenerateBody,
+    GroupBody,
+    PauseGenerationBody,
+    SelectorBody,
+    TagsBody,
+    response,
+    sampling_params,
+)
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import parse_version
+
+T = TypeVar("T")
+
+generate_router = APIRouter()
+public_router = APIRouter()
+admin_router = APIRouter()
+
+
+def local_engine(state: StateDep) -> AsyncLLMEngine:
+    """The one engine SGLang's routes drive (a FastAPI dependency; `create_app` includes these routes only for an
+    `AsyncLLMEngine`, a fleet gets a 404)."""
+    if not isinstance(state.engine, AsyncLLMEngine):
+        raise ApiError(404, "SGLang's routes are served for one engine, not a fleet", "not_found")
+    return state.engine
+
+
+EngineDep = Annotated[AsyncLLMEngine, Depends(local_engine)]
+
+
+def fail(err: BaseException) -> JSONResponse:
+    """SGLang's refusal: a 400 `{"success": false, "message": ...}`."""
+    return JSONResponse({"success": False, "message": str(err)}, status_code=400)
+
+
+async def ok_or_400(awaitable: Awaitable[T]) -> tuple[T | None, JSONResponse | None]:
+    """Runs an engine call: (its result, None), or (None, a 400 `{"success": false}`) for any refusal or failure
+    (weights untouched)."""
+    try:
+        return await ServerState.guarded(awaitable), None
+    except Exception as err:  # an ApiError (mapped by `guarded`) or anything the engine raised
+        return None, fail(Exception(getattr(err, "message", str(err))))
+
+
+async def paused(engine: AsyncLLMEngine, abort: bool) -> bool:
+    """Pauses for an update unless already paused (abort: end requests now; else let them finish). Returns
+    whether this call paused, so it resumes."""
+    if engine.engine.is_paused():
+        return False
+    await engine.pause_generation("abort" if abort else "wait", clear_cache=False)
+    return True
+
+
+def open_session(state: ServerState, engine: AsyncLLMEngine) -> str | None:
+    """The /begin_weight_update session's token while that session is the engine's open one (one that ended
+    another way, by abort, destroy or a vLLM-route finish, is forgotten)."""
+    session = state.sglang_session
+    if session.token is not None and session.token != engine.engine.session_token:
+        session.token = session.version = None
+    return session.token
+
+
+# ---- generation ------------------------------------------------------------------------------------------
+
+
+@generate_router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(body: GenerateBody, state: StateDep, engine: EngineDep) -> Any:
+    inner = engine.engine
+    if (body.text is None) == (body.input_ids is None):
+        return JSONResponse({"error": {"message": "give exactly one of 'text' and 'input_ids'"}}, 400)
+    try:
+        params = sampling_params(body.sampling_params, state.vocab_size)
+        if body.return_logprob:
+            params.logprobs = body.top_logprobs_num
+            if body.logprob_start_len >= 0:
+                params.prompt_logprobs = body.top_logprobs_num
+        params.__post_init__()
+        state.check_limits(params.stop, params)
+    except (ValueError, TypeError) as err:
+        return JSONResponse({"error": {"message": str(err)}}, 400)
+    except Exception as err:  # a limit (--max-n, --max-tokens, stop strings): an ApiError
+        return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, getattr(err, "status", 400))
+    ids = body.input_ids
+    batch = isinstance(body.text, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
+    raw = body.text if body.text is not None else ids
+    prompts: list[Any] = list(raw or []) if batch else [raw]
+    entries = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    rid = body.rid or f"sgl-{time.monotonic_ns()}"
+    text_of = inner.detokenizer.token_text
+    if body.stream:
+        if batch:
+            return JSONResponse({"error": {"message": "stream takes one prompt per request"}}, 400)
+        params.output_kind = "cumulative"
+        # an async generator function: its iterator has aclose()
+        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entries[0], params, rid))
+        try:
+            first = await state.guarded(anext(stream))  # a refused prompt is a 400 before any byte is streamed
+        except Exception as err:
+            await stream.aclose()
+            return JSONResponse({"error": {"message": getattr(err, "message", str(err))}},
+                                getattr(err, "status", 400))
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                out = first
+                while True:
+                    for c in out.outputs:
+                        yield f"data: {json.dumps(response(out, c, body, text_of, inner.weight_version_label))}\n\n"
+                    if out.finished:
+                        break
+                    out = await anext(stream)
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # a client that went away aborts its request
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def one(entry: Any, request_id: str) -> RequestOutput:
+        final = None
+        async for out in engine.generate(entry, params, request_id):
+            final = out
+        assert final is not None
+        return final
+
+    try:
+        async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
+            tasks = [group.create_task(state.guarded(one(e, f"{rid}-{i}" if batch else rid)))
+                     for i, e in enumerate(entries)]
+        outs = [task.result() for task in tasks]
+    except BaseExceptionGroup as errors:
+        error = errors.exceptions[0]
+        status = getattr(error, "status", 400)
+        return JSONResponse({"error": {"message": getattr(error, "message", str(error))}}, status)
+    results = [response(o, c, body, text_of, inner.weight_version_label) for o in outs for c in o.outputs]
+    return results if batch or params.n > 1 else results[0]
+
+
+@public_router.get("/health_generate")
+async def health_generate(engine: EngineDep) -> Any:
+    """Healthy and able to generate one token (while paused, healthy without generating)."""
+    inner = engine.engine
+    problem = inner.health_problem()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
+    if not inner.is_paused() and not inner.is_asleep():
+        async for _ in engine.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=1), None):
+            pass
+    return {"status": "ok"}
+
+
+# ---- generation control (admin) --------------------------------------------------------------------------
+
+
+@admin_router.post("/pause_generation")
+async def pause_generation(engine: EngineDep, body: PauseGenerationBody | None = None) -> Any:
+    """abort: requests end now; retract: they stop and are recomputed at continue; in_place: they freeze."""
+    mode = (body or PauseGenerationBody()).mode
+    ours = {"abort": ("abort", True), "retract": ("keep", True), "in_place": ("keep", False)}[mode]
+    await ServerState.guarded(engine.pause_generation(*ours))
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@admin_router.post("/continue_generation")
+async def continue_generation(engine: EngineDep) -> Any:
+    await ServerState.guarded(engine.resume_generation())
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@admin_router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(engine: EngineDep) -> Any:
+    if engine.engine.requests:
+        return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
+    await ServerState.guarded(engine.reset_prefix_cache())
+    return PlainTextResponse("Cache flushed.")
+
+
+@admin_router.post("/abort_request")
+async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> Any:
+    body = body or AbortBody()
+    rid = body.rid
+    ids = [r for r in list(engine.engine.requests)
+           if body.abort_all or (rid and (r == rid or r.startswith(f"{rid}-")))]
+    for request_id in ids:
+        await engine.abort(request_id)
+    return {"success": True, "aborted": len(ids)}
+
+
+@admin_router.get("/v1/loads")
+async def loads(engine: EngineDep) -> Any:
+    running, waiting = engine.engine.queue_lengths()
+    return {"timestamp": time.time(), "version": "hotswap", "num_accelerators": 0,
+            "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                       "num_reqs": running + waiting, "num_used_tokens": 0}]}
+
+
+# ---- weights (admin) -------------------------------------------------------------------------------------
+
+
+@admin_router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: EngineDep) -> Any:
+    if body.load_format not in (None, "auto", "safetensors"):
+        return fail(ValueError(f"load_format {body.load_format!r} is not supported (safetensors folders)"))
+    try:
+        parse_version(body.weight_version)  # checked before anything moves
+    except ValueError as err:
+        return fail(err)
+    resume = await paused(engine, body.abort_all_requests)
+    try:
+        _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path,
+                                                         weight_version=body.weight_version))
+    finally:
+        if resume:
+            await engine.resume_generation()
+    if error is not None:
+        return error
+    state.version_changed()
+    return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+
+@admin_router.post("/init_weights_update_group")
+async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> Any:
+    info = {"backend": "sglang_dist", "master_address": body.master_address, "master_port": body.master_port,
+            "rank_offset": body.rank_offset, "world_size": body.world_size, "group_name": body.group_name,
+            "dist_backend": body.backend}
+    _, error = await ok_or_400(engine.init_weight_transfer_engine(info))
+    return error or {"success": True, "message": "Succeeded to initialize the weights update group."}
+
+
+@admin_router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(engine: EngineDep) -> Any:
+    _, error = await ok_or_400(engine.shutdown_weight_transfer_engine())
+    return error or {"success": True, "message": "Succeeded to destroy the weights update group."}
+
+
+@admin_router.post("/begin_weight_update")
+async def begin_weight_update(state: StateDep, engine: EngineDep, body: SelectorBody | None = None) -> Any:
+    selector = (body or SelectorBody()).selector
+    has_draft = engine.engine.config.draft_model_config is not None
+    target = {"target": "model", "draft": "draft", "all": "all" if has_draft else "model"}[selector]
+    token, error = await ok_or_400(engine.start_weight_update(target))
+    if error is not None:
+        return error
+    state.sglang_session.token, state.sglang_session.version = token, None
+    return {"success": True, "message": "Weight update session started."}
+
+
+@admin_router.post("/end_weight_update")
+async def end_weight_update(state: StateDep, engine: EngineDep) -> Any:
+    session = state.sglang_session
+    token = open_session(state, engine)
+    version, session.token, session.version = session.version, None, None
+    if token is None:
+        return fail(ValueError("no weight update session is open; call /begin_weight_update first"))
+    _, error = await ok_or_400(engine.finish_weight_update(version, token))
+    if error is not None:
+        return error
+    state.version_changed()
+    return {"success": True, "message": "Weight update session ended."}
+
+
+@admin_router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> Any:
+    info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format}
+    try:
+        parse_version(body.weight_version)  # checked before anything moves
+    except ValueError as err:
+        return fail(err)
+    if not body.names:  # an empty bucket changes nothing (and nothing is broadcast for it)
+        return {"success": True, "message": "Nothing to update."}
+    session = state.sglang_session
+    token = open_session(state, engine)
+    if token is not None:  # inside /begin_weight_update: one more update of that session
+        _, error = await ok_or_400(engine.update_weights(info, token))
+        if error is not None:
+            session.token = session.version = None  # the failed update ended (and rolled back) the session
+        elif body.weight_version is not None:  # the version /end_weight_update commits
+            session.version = body.weight_version
+        return error or {"success": True, "message": "Succeeded to update parameter online."}
+    resume = await paused(engine, body.abort_all_requests)
+    try:
+        token, error = await ok_or_400(engine.start_weight_update("model"))
+        if error is None:
+            _, error = await ok_or_400(engine.update_weights(info, token))
+        if error is None:
+            _, error = await ok_or_400(engine.finish_weight_update(body.weight_version, token))
+    finally:
+        if token is not None and engine.engine.session_token == token:  # never leave the implicit session open
+            await engine.abort_weight_update(token)
+        if resume:
+            await engine.resume_generation()
+    if error is not None:
+        return error
+    state.version_changed()
+    return {"success": True, "message": "Succeeded to update parameter online."}
+
+
+@admin_router.get("/model_info")
+async def model_info(state: StateDep, engine: EngineDep) -> Any:
+    mc = engine.engine.config.model_config
+    return {"model_path": mc.model, "served_model_name": state.served_model_name, "tokenizer_path": mc.tokenizer,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": engine.engine.weight_version_label, "load_format": "safetensors"}
+
+
+@admin_router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> Any:
+    tags = (body or TagsBody()).tags
+    level = 2 if tags is None or "weights" in tags else 1
+    await ServerState.guarded(engine.sleep(level))
+    return {"success": True}
+
+
+@admin_router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> Any:
+    await ServerState.guarded(engine.wake_up((body or TagsBody()).tags))
+    return {"success": True}

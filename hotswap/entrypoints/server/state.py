@@ -1,0 +1,141 @@
+"""What every route of the server shares: the engine, the metrics, the settings (keys, admin auth, request
+limits), and the bits of state the routes keep between requests, in one `ServerState` that `create_app` builds
+and stores on `app.state.server`. Routes receive it through the `StateDep` dependency.
+
+Also here: `ApiError` (an error a route answers in OpenAI's error shape) and `RequestLimits`."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.metrics import Metrics
+from hotswap.errors import EngineUnavailable
+from hotswap.fleet.async_fleet import AsyncFleet
+from hotswap.sampling_params import SamplingParams
+from hotswap.weights.session import WeightUpdateFailed
+from hotswap.weights.version import VersionArg
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    """An error answered as `status` with OpenAI's error body (`kind` its type), and `headers` (e.g. Retry-After)."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, so that it cannot slow or stall the others: the request body
+    (prompts are tokenized from it), and the stop strings searched after every token; and how long a request
+    waits for its next output while generation is paused (then 503 with Retry-After); the samples (`n`) and
+    tokens (`max_tokens`, None: up to the context length) one request may ask for. Log probabilities are bounded
+    by the engine's `max_logprobs`, prompt tokens by its `max_model_len`."""
+
+    max_request_bytes: int = 4 << 20
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_pause_wait_s: float = 600.0
+    max_n: int = 64
+    max_tokens: int | None = None
+
+
+@dataclass
+class SGLangSession:
+    """The `/begin_weight_update` session SGLang's routes opened: its token, and the weight_version its updates
+    gave (committed by `/end_weight_update`). None: no such session."""
+
+    token: str | None = None
+    version: VersionArg = None
+
+
+@dataclass
+class ServerState:
+    """The server's engine (one `AsyncLLMEngine`, or an `AsyncFleet` of replicas), its settings and its
+    request-spanning state. `vocab_size` is read from the model's config when the app is built."""
+
+    engine: AsyncLLMEngine | AsyncFleet
+    served_model_name: str
+    metrics: Metrics
+    limits: RequestLimits
+    api_key: str | None
+    admin_key: str | None
+    admin_auth: str  # "key" or "none"
+    allowed_hosts: frozenset[str] | None  # Host header names admin routes answer to (None: any)
+    vocab_size: int
+    # when the open vLLM-route weight update started (perf_counter), for hotswap_weight_update_seconds
+    update_started: float | None = None
+    sglang_session: SGLangSession = field(default_factory=SGLangSession)
+
+    @staticmethod
+    async def guarded(awaitable: Awaitable[T]) -> T:
+        """Awaits an engine call, mapping its errors to client errors: bad values 400, wrong state 409,
+        timeouts 504, an engine that cannot serve 503 (with Retry-After)."""
+        try:
+            return await awaitable
+        except ValueError as err:
+            raise ApiError(400, str(err)) from err
+        except TimeoutError as err:
+            raise ApiError(504, str(err), "timeout_error") from err
+        except WeightUpdateFailed as err:
+            raise ApiError(409, str(err), "weight_update_failed") from err
+        except EngineUnavailable as err:
+            raise ApiError(503, str(err), "service_unavailable", {"Retry-After": "5"}) from err
+        except RuntimeError as err:
+            raise ApiError(409, str(err), "conflict") from err
+
+    def version_changed(self) -> None:
+        """Brings the weight-version metrics to the engine's served version (after a committed change)."""
+        inner = self.engine.engine
+        self.metrics.set("hotswap_weight_version", inner.weight_version)
+        self.metrics.set_only("hotswap_weight_version_info", 1, weight_version=inner.weight_version_label)
+
+    def versions(self) -> dict[str, Any]:
+        """The served version's label, and with a speculative draft model the label of the version it was last
+        updated for (strings, as vLLM's and SGLang's clients compare them)."""
+        inner = self.engine.engine
+        out: dict[str, Any] = {"weight_version": inner.weight_version_label}
+        if inner.config.draft_model_config is not None:
+            out["draft_weight_version"] = inner.version_labels.label(inner.draft_weight_version)
+            out["draft_stale"] = inner.draft_stale
+        return out
+
+    def check_limits(self, stop: str | list[str] | None, params: SamplingParams) -> None:
+        """Raises ValueError naming the limit a request exceeds: `n`, `max_tokens`, and the stop strings (searched
+        after every token, so their number and length are bounded)."""
+        limits = self.limits
+        if params.n > limits.max_n:
+            raise ValueError(f"n={params.n}; the limit is {limits.max_n} (--max-n)")
+        if limits.max_tokens is not None and (params.max_tokens is None or params.max_tokens > limits.max_tokens):
+            raise ValueError(f"max_tokens={params.max_tokens}; the limit is {limits.max_tokens} (--max-tokens)")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise ValueError(f"{len(stops)} stop strings; the limit is {limits.max_stop_strings} (--max-stop-strings)")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise ValueError(f"a stop string of {longest} characters; the limit is {limits.max_stop_string_chars}")
+
+    def check_model(self, name: str) -> None:
+        """Raises a 404 ApiError unless `name` is the served model's name."""
+        if name != self.served_model_name:
+            raise ApiError(
+                404, f"model {name!r} does not exist; this server serves {self.served_model_name!r}", "not_found"
+            )
+
+
+def get_state(request: Request) -> ServerState:
+    """The `ServerState` of the app serving `request` (a FastAPI dependency)."""
+    state: ServerState = request.app.state.server
+    return state
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]

@@ -1,0 +1,160 @@
+"""Request models of SGLang's routes (`hotswap.entrypoints.server.sglang`), and the conversion of SGLang's
+sampling parameters to SamplingParams and of outputs to SGLang's generate results.
+
+Shapes follow SGLang 0.5.2x (`sglang/srt/entrypoints/http_server.py`, `io_struct.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from hotswap.entrypoints.openai_protocol import span_object
+from hotswap.outputs import CompletionOutput, RequestOutput
+from hotswap.sampling_params import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang bodies carry rid and fields hotswap does not use
+
+
+class GenerateBody(_Lenient):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(0, ge=0)
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+
+
+class PauseGenerationBody(_Lenient):
+    mode: str = Field(default="abort", pattern="^(abort|retract|in_place)$")
+
+
+class DiskBody(_Lenient):
+    model_path: str
+    load_format: str | None = None
+    weight_version: StrictStr | StrictInt | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class GroupBody(_Lenient):
+    master_address: str
+    master_port: int | str
+    rank_offset: int = 1
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedBody(_Lenient):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: StrictStr | StrictInt | None = None
+    load_format: str | None = None
+
+
+class SelectorBody(_Lenient):
+    selector: str = Field(default="all", pattern="^(target|draft|all)$")
+
+
+class AbortBody(_Lenient):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class TagsBody(_Lenient):
+    tags: list[str] | None = None
+
+
+# SGLang sampling keys -> SamplingParams fields (others that change results are refused)
+_SAMPLING = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "n": "n", "sampling_seed": "seed", "seed": "seed",
+    "logit_bias": "logit_bias",
+}
+_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_IGNORED = ("spaces_between_special_tokens", "no_stop_trim", "stream_interval")
+
+
+def sampling_params(raw: dict[str, Any], vocab: int) -> SamplingParams:
+    """SGLang's sampling_params as SamplingParams. Raises ValueError naming a field that would change the output
+    and is not supported."""
+    fields: dict[str, Any] = {"max_tokens": 128}  # SGLang's default max_new_tokens
+    for key, value in raw.items():
+        if key in _REFUSED and value not in (None, False, {}, ""):
+            raise ValueError(f"sampling_params.{key} is not supported by this server (it would change the output)")
+        if key in _SAMPLING and value is not None:
+            fields[_SAMPLING[key]] = value
+    if raw.get("no_stop_trim"):
+        fields["include_stop_str_in_output"] = True
+    if fields.get("top_k") == 0:
+        fields["top_k"] = -1
+    return SamplingParams(**fields)
+
+
+def _finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
+    if c.finish_reason is None:
+        return None
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return {"type": "stop", "matched": c.stop_reason}
+
+
+def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_of: Callable[[int], str],
+             version: str) -> dict[str, Any]:
+    """One SGLang generate result (a request's sample); `version`: the served version's label, for an output with
+    no token yet."""
+    spans = [span_object(s) for s in c.weight_versions]
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": _finish_reason(c),
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(c.token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "weight_version": spans[-1]["version"] if spans else version,
+        "weight_versions": spans,
+    }
+    if c.spec_stats is not None:
+        meta["spec_accept_rate"] = c.spec_stats.acceptance_rate
+        meta["spec_accept_length"] = c.spec_stats.mean_accepted_length
+
+    def text(token: int) -> str | None:
+        return text_of(token) if body.return_text_in_logprobs else None
+
+    if body.return_logprob:
+        entries = c.logprobs or []
+        meta["output_token_logprobs"] = [[e[t].logprob, t, text(t)] for t, e in zip(c.token_ids, entries, strict=True)]
+        if body.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [
+                [[lp.logprob, tid, text(tid)] for tid, lp in sorted(e.items(), key=lambda kv: kv[1].rank or 0)
+                 if lp.rank is not None][: body.top_logprobs_num]
+                for e in entries
+            ]
+        if out.prompt_logprobs is not None:
+            start = max(body.logprob_start_len, 0)
+            ids, plp = out.prompt_token_ids, out.prompt_logprobs
+            meta["input_token_logprobs"] = [
+                [None if plp[i] is None else plp[i][ids[i]].logprob, ids[i], text(ids[i])]  # type: ignore[index]
+                for i in range(start, len(ids))
+            ]
+    result: dict[str, Any] = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+    if body.return_prompt_token_ids:
+        result["prompt_token_ids"] = list(out.prompt_token_ids)
+    return result
