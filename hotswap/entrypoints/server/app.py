@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.client import EngineClient
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.entrypoints.server import fleet, health, openai, sglang, vllm_rl
@@ -196,7 +197,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(
-    engine: AsyncLLMEngine | AsyncFleet,
+    engine: EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     admin_key: str | None = None,

@@ -12,10 +12,9 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.client import EngineClient
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.errors import EngineUnavailable
-from hotswap.fleet.async_fleet import AsyncFleet
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
 from hotswap.weights.version import VersionArg
@@ -63,7 +62,7 @@ class ServerState:
     """The server's engine (one `AsyncLLMEngine`, or an `AsyncFleet` of replicas), its settings and its
     request-spanning state. `vocab_size` is read from the model's config when the app is built."""
 
-    engine: AsyncLLMEngine | AsyncFleet
+    engine: EngineClient
     served_model_name: str
     metrics: Metrics
     limits: RequestLimits
