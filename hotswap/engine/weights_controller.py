@@ -16,17 +16,40 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
-from hotswap.config import apply_overrides, live_overrides
+from hotswap.config import EngineConfig, apply_overrides, live_overrides
+from hotswap.engine.block_manager import BlockManager
+from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
+from hotswap.executor.base import Executor
 from hotswap.weights.target import WeightTarget, check_target
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 
-if TYPE_CHECKING:
-    from hotswap.engine.llm_engine import LLMEngine
+
+class EngineHooks(Protocol):
+    """What the controller reads and moves of its engine (`LLMEngine` has it): the workers, the config, the
+    scheduler and KV cache it must leave consistent, and the engine state machine."""
+
+    executor: Executor
+    config: EngineConfig
+    scheduler: Scheduler
+    block_manager: BlockManager
+    requests: dict[str, Request]
+    released: set[str]
+    state: EngineState
+
+    def reset_prefix_cache(self, force: bool = False) -> None: ...
+
+    def serving_state(self) -> EngineState: ...
+
+    def enter_state(self, state: EngineState) -> None: ...
+
+    def leave_state(self, state: EngineState) -> None: ...
+
 
 # the worker methods of a transfer session that `_session_rpc` runs
 SessionMethod = Literal[
@@ -38,7 +61,7 @@ SessionMethod = Literal[
 class WeightsController:
     """Changes the weights of every worker of `engine` together (all of them or none), and keeps the versions."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineHooks) -> None:
         self.engine = engine
         self.executor = engine.executor
         self.config = engine.config

@@ -30,11 +30,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import hotswap.entrypoints.server.fleet as fleet
+import hotswap.entrypoints.server.health as health
+import hotswap.entrypoints.server.openai as openai
+import hotswap.entrypoints.server.sglang as sglang
+import hotswap.entrypoints.server.vllm_rl as vllm_rl
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.client import EngineClient
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
-from hotswap.entrypoints.server import fleet, health, openai, sglang, vllm_rl
 from hotswap.entrypoints.server.state import ApiError, RequestLimits, ServerState, get_state
 from hotswap.fleet.async_fleet import AsyncFleet
 

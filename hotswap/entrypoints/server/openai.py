@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+import hotswap.entrypoints.server.generation as generation
 from hotswap.entrypoints import openai_protocol as oai
-from hotswap.entrypoints.server import generation
 from hotswap.entrypoints.server.bodies import DetokenizeBody, TokenizeBody
 from hotswap.entrypoints.server.state import ApiError, StateDep
 from hotswap.outputs import RequestOutput
