@@ -128,7 +128,7 @@ class AsyncFleet:
             actor, stream = member.actor, None
             finished, produced = False, 0
             try:
-                stream = actor.generate.options(num_returns="streaming").remote(staged, params, request_id)
+                stream = actor.stream.options(num_returns="streaming").remote(staged, params, request_id)
                 async for ref in stream:
                     out: RequestOutput = await ref
                     total = sum(len(c.token_ids) for c in out.outputs)

@@ -497,7 +497,7 @@ class Fleet(FleetReplicas):
             self._roll_back(members, errors, prepare)
         number, label = parse_version(version)
         proposed = self.version + 1 if number is None else number
-        results, errors = self._call(members, "commit_weight_update", proposed, label, timeout=self._rpc_timeout)
+        results, errors = self._call(members, "commit", proposed, label, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
         pairs = [tuple(r) for r in results.values()]  # (model version, draft version) as the commits left them
