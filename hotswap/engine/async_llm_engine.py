@@ -8,17 +8,34 @@ between steps. Blocking calls (a step, a weight transfer) run in a thread so the
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
+from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionArg
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _between_steps(
+    method: Callable[Concatenate[WeightsController, P], R],
+) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[Any, Any, R]]:
+    """The weights controller's `method` as a coroutine method of `AsyncLLMEngine`: run in a thread under the
+    engine lock, between steps (same parameters, result and docstring)."""
+
+    async def call(self: AsyncLLMEngine, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return cast(R, await self._locked(method, self.engine.weights, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    return call
 
 
 class AsyncLLMEngine:
@@ -202,11 +219,17 @@ class AsyncLLMEngine:
 
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
-    async def reload_weights(
-        self, weights_path: str | None = None, weights_iterator: Any = None, target: str = "model",
-        weight_version: VersionArg = None,
-    ) -> None:
-        await self._locked(self.engine.weights.reload_weights, weights_path, weights_iterator, target, weight_version)
+    # Changes of the weights run in a thread under the engine lock, between steps (see WeightsController).
+    reload_weights = _between_steps(WeightsController.reload_weights)
+    start_weight_update = _between_steps(WeightsController.start_weight_update)
+    update_weights = _between_steps(WeightsController.update_weights)
+    finish_weight_update = _between_steps(WeightsController.finish_weight_update)
+    prepare_weight_update = _between_steps(WeightsController.prepare_weight_update)
+    prepare_reload = _between_steps(WeightsController.prepare_reload)
+    commit_weight_update = _between_steps(WeightsController.commit_weight_update)
+    export_weights = _between_steps(WeightsController.export_weights)
+    adopt_weights = _between_steps(WeightsController.adopt_weights)
+    shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine)
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._locked(self.engine.update_config, overrides)
@@ -218,35 +241,6 @@ class AsyncLLMEngine:
         while not await self._locked(self.engine.weights.weight_transfer_ready):
             await asyncio.sleep(0.01)
 
-    async def start_weight_update(self, target: str = "model") -> str:
-        """Opens an update session and returns its token (see `LLM.start_weight_update`)."""
-        return str(await self._locked(self.engine.weights.start_weight_update, target))
-
-    async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
-        await self._locked(self.engine.weights.update_weights, update_info, session_token)
-
-    async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
-        await self._locked(self.engine.weights.finish_weight_update, weight_version, session_token)
-
-    async def prepare_weight_update(self, session_token: str | None = None) -> None:
-        """Phase one of a two-phase finish (see `LLMEngine.prepare_weight_update`)."""
-        await self._locked(self.engine.weights.prepare_weight_update, session_token)
-
-    async def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
-        """Phase one of a two-phase reload (see `LLMEngine.prepare_reload`)."""
-        await self._locked(self.engine.weights.prepare_reload, weights_path, weights_iterator)
-
-    async def commit_weight_update(self, weight_version: VersionArg = None, label: str | None = None) -> None:
-        """Phase two: commits what was prepared (see `LLMEngine.commit_weight_update`)."""
-        await self._locked(self.engine.weights.commit_weight_update, weight_version, label)
-
-    async def export_weights(self) -> list[dict[str, Any]]:
-        return list(await self._locked(self.engine.weights.export_weights))
-
-    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int,
-                            draft_weight_version: int | None = None) -> None:
-        await self._locked(self.engine.weights.adopt_weights, states, weight_version, draft_weight_version)
-
     async def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open update session. An update blocked waiting for its trainer is interrupted first (it fails
         and rolls back), so the abort does not wait for that transport's timeout."""
@@ -254,9 +248,6 @@ class AsyncLLMEngine:
         if self.engine.state is EngineState.UPDATING:
             self.engine.executor.interrupt_waits()
         await self._locked(self.engine.weights.abort_weight_update, session_token)
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._locked(self.engine.weights.shutdown_weight_transfer_engine)
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version

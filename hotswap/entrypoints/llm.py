@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable
 from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
@@ -20,6 +22,21 @@ from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[Concatenate[WeightsController, P], R]) -> Callable[Concatenate[LLM, P], R]:
+    """The weights controller's `method` as a method of `LLM`, run under its lock (same parameters, result and
+    docstring)."""
+
+    def call(self: LLM, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self.llm_engine.weights, *args, **kwargs)
+
+    functools.update_wrapper(call, method)
+    return call
 
 
 class LLM:
@@ -230,33 +247,12 @@ class LLM:
                     return
             time.sleep(0.005)
 
-    def start_weight_update(self, target: str = "model") -> str:
-        """Opens an update session; returns its token, which update/finish/abort may carry (`session_token`) so
-        that no other caller's call lands in it (calls without one are accepted). `target` "all" updates the
-        model and the speculative draft together (draft tensors named "draft.<name>", or sent in update calls
-        whose update_info has "target": "draft"); "draft" the draft alone."""
-        with self._lock:
-            return self.llm_engine.weights.start_weight_update(target)
-
-    def update_weights(self, update_info: dict[str, Any], session_token: str | None = None) -> None:
-        """Receives one update of the open session (see the transport's sender for how to build update_info)."""
-        with self._lock:
-            self.llm_engine.weights.update_weights(update_info, session_token)
-
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
-        """Closes the session; the prefix cache is invalidated and the version advances (or takes the integer, or
-        the label, given: see `hotswap.weights.version`)."""
-        with self._lock:
-            self.llm_engine.weights.finish_weight_update(weight_version, session_token)
-
-    def abort_weight_update(self, session_token: str | None = None) -> None:
-        """Ends the open session, restoring the weights it changed; without a token, whoever opened it."""
-        with self._lock:
-            self.llm_engine.weights.abort_weight_update(session_token)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        with self._lock:
-            self.llm_engine.weights.shutdown_weight_transfer_engine()
+    # The transfer session's calls take the lock, so they land between steps of other threads' generate().
+    start_weight_update = _locked(WeightsController.start_weight_update)
+    update_weights = _locked(WeightsController.update_weights)
+    finish_weight_update = _locked(WeightsController.finish_weight_update)
+    abort_weight_update = _locked(WeightsController.abort_weight_update)
+    shutdown_weight_transfer_engine = _locked(WeightsController.shutdown_weight_transfer_engine)
 
     def get_weight_version(self, target: str = "model") -> int:
         """The served weights' version; `target` "draft": the target version the speculative draft was last

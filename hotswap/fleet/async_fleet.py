@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
@@ -22,7 +23,23 @@ from hotswap.fleet.fleet import Fleet
 from hotswap.fleet.replicas import _cause, _first_line, _ray
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionArg, VersionLabels
+from hotswap.weights.version import VersionLabels
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _in_thread(
+    method: Callable[Concatenate[Fleet, P], R],
+) -> Callable[Concatenate[AsyncFleet, P], Coroutine[Any, Any, R]]:
+    """`method` of the fleet as a coroutine method of `AsyncFleet`, run in a worker thread (same parameters, same
+    result, same docstring)."""
+
+    async def call(self: AsyncFleet, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(method, self.fleet, *args, **kwargs)
+
+    functools.update_wrapper(call, method)
+    return call
 
 
 class FleetView:
@@ -105,9 +122,6 @@ class AsyncFleet:
     def data_parallel_size(self) -> int:
         return self.fleet.num_replicas
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
-
     async def generate(
         self,
         prompt: str | dict[str, Any],
@@ -162,63 +176,29 @@ class AsyncFleet:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
 
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        await self._run(self.fleet.pause_generation, mode, clear_cache)
-
-    async def resume_generation(self) -> None:
-        await self._run(self.fleet.resume_generation)
+    # The fleet's verbs block (they wait on every replica): each runs in a worker thread.
+    pause_generation = _in_thread(Fleet.pause_generation)
+    resume_generation = _in_thread(Fleet.resume_generation)
+    sleep = _in_thread(Fleet.sleep)
+    wake_up = _in_thread(Fleet.wake_up)
+    reset_prefix_cache = _in_thread(Fleet.reset_prefix_cache)
+    update_config = _in_thread(Fleet.update_config)
+    reload_weights = _in_thread(Fleet.reload_weights)
+    init_weight_transfer_engine = _in_thread(Fleet.init_weight_transfer_engine)
+    start_weight_update = _in_thread(Fleet.start_weight_update)
+    update_weights = _in_thread(Fleet.update_weights)
+    finish_weight_update = _in_thread(Fleet.finish_weight_update)
+    abort_weight_update = _in_thread(Fleet.abort_weight_update)
+    shutdown_weight_transfer_engine = _in_thread(Fleet.shutdown_weight_transfer_engine)
+    update_weight_version = _in_thread(Fleet.update_weight_version)
+    collective_rpc = _in_thread(Fleet.collective_rpc)
+    shutdown = _in_thread(Fleet.shutdown)
 
     async def is_paused(self) -> bool:
         return self.fleet.is_paused()
 
-    async def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                             target: str = "model", weight_version: VersionArg = None) -> None:
-        await self._run(self.fleet.reload_weights, weights_path, weights_iterator, target, weight_version)
-
-    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        await self._run(self.fleet.update_config, overrides)
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        await self._run(self.fleet.init_weight_transfer_engine, init_info)
-
-    async def start_weight_update(self, target: str = "model") -> str:
-        return str(await self._run(self.fleet.start_weight_update, target))
-
-    async def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
-        await self._run(self.fleet.update_weights, update_info, session_token)
-
-    async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
-        await self._run(self.fleet.finish_weight_update, weight_version, session_token)
-
-    async def abort_weight_update(self, session_token: str | None = None) -> None:
-        await self._run(self.fleet.abort_weight_update, session_token)
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._run(self.fleet.shutdown_weight_transfer_engine)
-
     async def get_weight_version(self, target: str = "model") -> int:
         return self.fleet.get_weight_version(target)
-
-    async def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
-        return str(await self._run(self.fleet.update_weight_version, new_version, abort_all_requests))
-
-    async def reset_prefix_cache(self) -> None:
-        await self._run(self.fleet.reset_prefix_cache)
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._run(self.fleet.sleep, level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._run(self.fleet.wake_up, tags)
-
-    async def collective_rpc(
-        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return list(await self._run(self.fleet.collective_rpc, method, args, kwargs))
-
-    async def shutdown(self) -> None:
-        await self._run(self.fleet.shutdown)
-
 
 def _aborted(last: RequestOutput, params: SamplingParams) -> RequestOutput:
     """The final output of a request whose replica died: unfinished completions end with 'abort' (a delta
