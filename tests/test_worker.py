@@ -212,6 +212,36 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
     assert all(cfg is worker.config for cfg in seen.values())
 
 
+def test_a_call_through_the_executor_enters_the_config_scope_once(llama_dir, monkeypatch):
+    """collective_rpc("execute_model") and the like run the entry point's body inside the one scope that
+    execute_method entered (the scope is not entered twice per step)."""
+    import hotswap.worker.worker as worker_module
+
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
+    entered = []
+    real = worker_module.use_config
+
+    def counting(config):
+        entered.append(config)
+        return real(config)
+
+    monkeypatch.setattr(worker_module, "use_config", counting)
+    sums = llm.collective_rpc("weight_checksums")[0]
+    assert len(entered) == 1 and sums
+    entered.clear()
+    calls = []
+    executor = llm.llm_engine.executor
+    rpc = executor.collective_rpc
+
+    def counted(method, *args, **kwargs):
+        calls.append(method)
+        return rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "collective_rpc", counted)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert calls.count("execute_model") == 3 and len(entered) == len(calls)  # one scope per worker call
+
+
 def test_place_in_huge_pages_rebinds_parameters_into_one_mapping():
     from hotswap.worker.memory import place_in_huge_pages
 

@@ -157,13 +157,17 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         cache_salt: str | None = None,
+        validated: bool = False,
     ) -> None:
         """Queues a request (it starts when the engine is running and capacity allows). With `stream`, `step`
         returns its output after every step that advanced it; otherwise only when it finishes. Requests with
-        different `cache_salt`s never share prefix-cache blocks (vLLM's per-user isolation)."""
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        self.validate_prompt(prompt_token_ids, params)
+        different `cache_salt`s never share prefix-cache blocks (vLLM's per-user isolation). `validated`: the
+        caller already ran `validate_prompt` on this prompt and params (and checked the salt's type), as
+        `LLM.generate` does for every prompt before it queues any."""
+        if not validated:
+            if cache_salt is not None and not isinstance(cache_salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+            self.validate_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt)

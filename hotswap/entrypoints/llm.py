@@ -104,7 +104,8 @@ class LLM:
         with self._lock:
             for prompt, params in zip(staged, params_list, strict=True):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt)
+                engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
+                                   validated=True)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 
