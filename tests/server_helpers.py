@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -15,12 +16,14 @@ from transfer_helpers import free_port
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, *extra: str) -> Iterator[str]:
-    """Starts `hotswap serve` on a free loopback port; yields its base URL; stops it afterwards."""
+def running_server(model_dir: str, *extra: str, log: Path | None = None) -> Iterator[str]:
+    """Starts `hotswap serve` on a free loopback port; yields its base URL; stops it afterwards. With `log`, the
+    server's output goes to that file (for tests that read it)."""
     port = free_port()
+    out = open(log, "w") if log is not None else subprocess.PIPE  # closed once the process ended
     proc = subprocess.Popen(
         [sys.executable, "-m", "hotswap", "serve", model_dir, "--port", str(port), *extra],
-        stdout=subprocess.PIPE,
+        stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
@@ -30,7 +33,7 @@ def running_server(model_dir: str, *extra: str) -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read() if proc.stdout else log}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
@@ -47,3 +50,5 @@ def running_server(model_dir: str, *extra: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log is not None:
+            out.close()

@@ -377,3 +377,40 @@ sender.close()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) == sum(range(1000))
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return f"/dev/shm/{name}" in f.read()
+
+
+def test_a_foreign_shared_memory_segment_is_refused_before_it_is_mapped(ckpts):
+    """An shm update naming another process's segment (any name but a ShmSender's), or a segment with a sender's
+    name that holds no hotswap header, is refused before the engine maps it: afterwards this process holds no
+    mapping of it, and the weights are unchanged."""
+    import _posixshmem
+    import uuid
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    llm.init_weight_transfer_engine({"backend": "shm"})
+    sender = ShmSender()
+    info, _ = sender.prepare([("model.norm.weight", torch.ones(64))])  # a real declaration and layout
+    before = llm.weight_checksums()
+    tag = uuid.uuid4().hex[:12]
+    names = {f"app_{tag}": "must name a segment of a hotswap ShmSender", f"hotswap_{tag}": "not a hotswap weight"}
+    for name in names:  # made without mapping them here, as another process would
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        os.ftruncate(fd, 1 << 16)
+        os.pwrite(fd, os.urandom(1 << 16), 0)
+        os.close(fd)
+    try:
+        for name, problem in names.items():
+            llm.start_weight_update()
+            with pytest.raises(ValueError, match=problem):
+                llm.update_weights({**info, "shm_name": name})
+            assert not _mapped(name)
+        assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+    finally:
+        for name in names:
+            _posixshmem.shm_unlink("/" + name)
+        sender.close()

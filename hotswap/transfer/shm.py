@@ -37,6 +37,7 @@ from hotswap.transfer.base import TransferEngine, check_interrupt, declare, decl
 from hotswap.weights.update import WeightSource
 
 _MAGIC = 0x48535750  # "HSWP"
+SEGMENT_PREFIX = "hotswap_"  # every ShmSender's segment; an update naming another is refused before any mapping
 _HEADER = struct.Struct("<QQQ")  # magic, generation, trainer pid
 _HEADER_BYTES = 64
 _ALIGN = 64
@@ -78,7 +79,8 @@ class ShmSender:
         offsets, size = _layout([(tuple(t.shape), t.dtype) for _, t in pairs])
         if self.segment is None or self.segment.size < size:
             self.close()
-            self.segment = shared_memory.SharedMemory(name=f"hotswap_{uuid.uuid4().hex[:16]}", create=True, size=size)
+            self.segment = shared_memory.SharedMemory(name=f"{SEGMENT_PREFIX}{uuid.uuid4().hex[:16]}", create=True,
+                                                      size=size)
         self.generation += 1
         buf = self.segment.buf
         assert buf is not None  # None only once the segment is closed
@@ -144,12 +146,18 @@ class _Mapping:
     def __init__(self, name: str) -> None:
         import _posixshmem
 
+        if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
+            raise ValueError(f"shm_name must name a segment of a hotswap ShmSender ('{SEGMENT_PREFIX}...'), got "
+                             f"{name!r}")
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
         except FileNotFoundError:
             raise ValueError(f"shared memory segment {name!r} does not exist (trainer gone?)") from None
         try:
             self.size = os.fstat(fd).st_size
+            header = os.pread(fd, _HEADER.size, 0)  # checked before anything is mapped
+            if len(header) < _HEADER.size or _HEADER.unpack(header)[0] != _MAGIC:
+                raise ValueError(f"shared memory segment {name!r} is not a hotswap weight buffer")
             self.map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
@@ -162,10 +170,13 @@ class ShmEngine(TransferEngine):
         super().__init__(init_info, config)
         self.segments: dict[str, _Mapping] = {}
 
-    def _attach(self, name: str) -> _Mapping:
-        segment = self.segments.get(name)
-        if segment is None:
-            segment = _Mapping(name)
+    def _attach(self, name: str, offsets: list[int], expected: list[int], size: int) -> _Mapping:
+        """The mapping of `name`, kept for later updates only once the declared layout fits it (a refused
+        segment is unmapped as soon as this returns)."""
+        segment = self.segments.get(name) or _Mapping(name)
+        if list(offsets) != expected or size > segment.size:
+            raise ValueError("shm update layout does not match its declaration or exceeds the segment")
+        if name not in self.segments:
             self.shutdown()
             self.segments = {name: segment}
         return segment
@@ -200,10 +211,8 @@ class ShmEngine(TransferEngine):
             raise ValueError(f"an 'shm' update needs shm_name, offsets, generation and trainer_pid: {err}") from None
         if len(offsets) != len(declared):
             raise ValueError(f"update declares {len(declared)} tensors but {len(offsets)} offsets")
-        segment = self._attach(name)
         expected_offsets, size = _layout([(shape, dtype) for _, dtype, shape in declared])
-        if list(offsets) != expected_offsets or size > segment.size:
-            raise ValueError("shm update layout does not match its declaration or exceeds the segment")
+        segment = self._attach(name, offsets, expected_offsets, size)
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             self._wait_published(segment, generation, pid)

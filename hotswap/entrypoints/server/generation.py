@@ -36,11 +36,12 @@ async def start(
     # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
     key = http.headers.get("x-session-id")
     generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key))
+    watch = ClientWatch(http)
     try:
-        first = await _next_output(state, generator, http)
+        first = await _next_output(state, generator, watch)
     except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once
         raise ApiError(500, "no output", "internal_error") from err
-    return Generation(state, generator, http, started, first)
+    return Generation(state, generator, http, started, first, watch)
 
 
 async def generate_full(
@@ -50,20 +51,42 @@ async def generate_full(
     return await (await start(state, prompt, params, request_id, http)).collect()
 
 
+@dataclass
+class ClientWatch:
+    """Whether a request's client is still there, asked at most every `DISCONNECT_CHECK_S` (a non-streaming
+    request learns that its client left while outputs keep coming, not only while it waits for one)."""
+
+    http: Request
+    checked: float = 0.0
+
+    async def gone(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < DISCONNECT_CHECK_S:
+            return False
+        self.checked = now
+        return await self.http.is_disconnected()
+
+
+DISCONNECT_CHECK_S = 0.01  # about an engine step: a request whose client left is aborted within a few steps
+
+
 async def _next_output(
-    state: ServerState, generator: AsyncGenerator[RequestOutput, None], http: Request
+    state: ServerState, generator: AsyncGenerator[RequestOutput, None], watch: ClientWatch
 ) -> RequestOutput:
-    """The request's next output; a client that went away meanwhile (e.g. while generation is paused) aborts the
-    request, and so does a pause longer than `limits.max_pause_wait_s` (503)."""
+    """The request's next output; a client that went away meanwhile (while outputs come, or while generation is
+    paused) aborts the request (499), and so does a pause longer than `limits.max_pause_wait_s` (503)."""
     limits = state.limits
     pending = asyncio.ensure_future(generator.__anext__())
     paused_since: float | None = None
     try:
-        while not (await asyncio.wait({pending}, timeout=0.5))[0]:
+        while True:
+            arrived = (await asyncio.wait({pending}, timeout=0.5))[0]
+            if await watch.gone():
+                raise ApiError(499, "the client disconnected", "client_closed_request")
+            if arrived:
+                break
             now = time.monotonic()
             paused_since = (paused_since or now) if state.engine.engine.is_paused() else None
-            if await http.is_disconnected():
-                raise ApiError(499, "the client disconnected", "client_closed_request")
             if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
                 raise ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
                                "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})
@@ -85,6 +108,7 @@ class Generation:
     http: Request
     started: float
     first: RequestOutput
+    watch: ClientWatch
 
     def _account(self, out: RequestOutput) -> None:
         if out.finished:
@@ -96,7 +120,7 @@ class Generation:
         out = self.first
         try:
             while not out.finished:
-                out = await _next_output(self.state, self.generator, self.http)
+                out = await _next_output(self.state, self.generator, self.watch)
         finally:
             await self.generator.aclose()  # an unfinished request is aborted
         self.state.metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))
@@ -139,6 +163,8 @@ class Generation:
                 out, pending = pending.result(), None
             yield "data: [DONE]\n\n"
         finally:
-            if pending is not None:
+            if pending is not None and not pending.done():
                 pending.cancel()
+                with contextlib.suppress(BaseException):  # unwound before the generator is closed (closing a
+                    await pending  # generator whose __anext__ still runs raises "already running")
             await self.generator.aclose()  # a client that disconnected aborts its request

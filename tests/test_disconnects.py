@@ -1,0 +1,71 @@
+"""Clients that go away: the work they asked for is aborted at once, whatever the kind of request, its KV blocks
+are freed, and nothing reaches the server log."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from server_helpers import running_server
+
+
+@pytest.fixture(scope="module")
+def served(ckpts, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 24),
+                        log=log) as base:
+        yield base, log
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """The value of one series in /metrics (0 when absent)."""
+    text = httpx.get(f"{base}/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    series = f"{name}{{{want}}}" if want else name
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_idle(base: str, within: float) -> float:
+    """Seconds until the engine holds no request; fails after `within`."""
+    started = time.monotonic()
+    while metric(base, "hotswap_requests_running") > 0:
+        assert time.monotonic() - started < within, "the abandoned request is still running"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_non_streaming_request_whose_client_left_is_aborted(served):
+    """n=8 and 1000 tokens each, the client gone after 0.3 s: the request ends (499) instead of generating
+    8000 tokens for nobody."""
+    base, _ = served
+    body = {"model": "A", "prompt": "hello", "max_tokens": 1000, "n": 8, "temperature": 1.0, "ignore_eos": True}
+    before = metric(base, "hotswap_requests", route="/v1/completions", status="499")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.3))
+    assert wait_idle(base, within=1.0) < 1.0
+    assert metric(base, "hotswap_requests", route="/v1/completions", status="499") == before + 1
+    # the engine serves the next request, its blocks all free again
+    done = httpx.post(f"{base}/v1/completions", json={**body, "n": 1, "max_tokens": 4}, timeout=60).json()
+    assert done["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_streaming_request_whose_client_left_is_aborted(served):
+    base, _ = served
+    body = {"model": "A", "prompt": "hello", "max_tokens": 1000, "n": 2, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert wait_idle(base, within=1.0) < 1.0
+
+
+def test_no_exception_reached_the_server_log(served):
+    """After the disconnects above (and the generators they closed mid-step)."""
+    _, log = served
+    time.sleep(0.2)
+    text = log.read_text()
+    assert "Traceback" not in text and "Error" not in text, text[-3000:]
