@@ -63,6 +63,17 @@ def test_a_streaming_request_whose_client_left_is_aborted(served):
     assert wait_idle(base, within=1.0) < 1.0
 
 
+def test_an_sglang_batch_whose_client_left_is_aborted(served):
+    base, _ = served
+    params = {"max_new_tokens": 1000, "temperature": 1.0, "ignore_eos": True}
+    before = metric(base, "hotswap_requests", route="/generate", status="499")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/generate", json={"text": ["hello", "world", "a b c"], "sampling_params": params},
+                   timeout=httpx.Timeout(30.0, read=0.3))
+    assert wait_idle(base, within=1.0) < 1.0
+    assert metric(base, "hotswap_requests", route="/generate", status="499") == before + 1
+
+
 def test_no_exception_reached_the_server_log(served):
     """After the disconnects above (and the generators they closed mid-step)."""
     _, log = served

@@ -38,7 +38,7 @@ async def start(
     generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key))
     watch = ClientWatch(http)
     try:
-        first = await _next_output(state, generator, watch)
+        first = await next_output(state, generator, watch)
     except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once
         raise ApiError(500, "no output", "internal_error") from err
     return Generation(state, generator, http, started, first, watch)
@@ -70,7 +70,7 @@ class ClientWatch:
 DISCONNECT_CHECK_S = 0.01  # about an engine step: a request whose client left is aborted within a few steps
 
 
-async def _next_output(
+async def next_output(
     state: ServerState, generator: AsyncGenerator[RequestOutput, None], watch: ClientWatch
 ) -> RequestOutput:
     """The request's next output; a client that went away meanwhile (while outputs come, or while generation is
@@ -120,7 +120,7 @@ class Generation:
         out = self.first
         try:
             while not out.finished:
-                out = await _next_output(self.state, self.generator, self.watch)
+                out = await next_output(self.state, self.generator, self.watch)
         finally:
             await self.generator.aclose()  # an unfinished request is aborted
         self.state.metrics.inc("hotswap_generation_tokens", sum(len(c.token_ids) for c in out.outputs))

@@ -21,9 +21,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar, cast
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+import hotswap.entrypoints.server.generation as generation
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.sglang_protocol import (
@@ -96,7 +97,7 @@ def open_session(state: ServerState, engine: AsyncLLMEngine) -> str | None:
 
 
 @generate_router.api_route("/generate", methods=["POST", "PUT"])
-async def generate(body: GenerateBody, state: StateDep, engine: EngineDep) -> Any:
+async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http: Request) -> Any:
     inner = engine.engine
     if (body.text is None) == (body.input_ids is None):
         return JSONResponse({"error": {"message": "give exactly one of 'text' and 'input_ids'"}}, 400)
@@ -147,12 +148,18 @@ async def generate(body: GenerateBody, state: StateDep, engine: EngineDep) -> An
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    watch = generation.ClientWatch(http)
+
     async def one(entry: Any, request_id: str) -> RequestOutput:
-        final = None
-        async for out in engine.generate(entry, params, request_id):
-            final = out
-        assert final is not None
-        return final
+        """The request's final output; its client leaving meanwhile ends it (499, every prompt of a batch)."""
+        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entry, params, request_id))
+        try:
+            out = await generation.next_output(state, stream, watch)
+            while not out.finished:
+                out = await generation.next_output(state, stream, watch)
+            return out
+        finally:
+            await stream.aclose()  # an unfinished request is aborted
 
     try:
         async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
