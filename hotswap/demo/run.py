@@ -350,9 +350,3 @@ def run_demo_from_args(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m hotswap.demo", description=__doc__.splitlines()[0])
-    add_demo_arguments(_parser)
-    sys.exit(run_demo_from_args(_parser.parse_args()))

@@ -255,7 +255,7 @@ class AsyncLLMEngine:
     async def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str:
         """Renames the served version (see `LLM.update_weight_version`); returns the new label. With
         `abort_all_requests`, every request ends now (finish_reason 'abort', its stream gets the partial output)."""
-        self.engine.weights.rename(new_version)
+        await self._locked(self.engine.weights.rename, new_version)  # never between a commit's version and label
         if abort_all_requests:
             for request_id in list(self.engine.requests):
                 await self.abort(request_id)

@@ -384,8 +384,8 @@ class WeightsController:
         rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
         Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
         self.check_can_change("adopt_weights")
-        if parse_version(weight_version)[0] is None:
-            raise ValueError(f"adopt_weights takes an integer weight_version, got {weight_version!r}")
+        if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < 0:
+            raise ValueError(f"adopt_weights takes an integer weight_version >= 0, got {weight_version!r}")
         if self.engine.state is EngineState.UPDATING:
             raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
         if len(states) != self.config.parallel_config.tensor_parallel_size:

@@ -145,9 +145,9 @@ class LLM:
                     if engine.is_asleep():
                         raise RuntimeError("the engine is asleep; call wake_up() before generating")
                     if not engine.state.steps:
-                        now = time.monotonic()
-                        paused_since = now if paused_since is None else paused_since
-                        if now - paused_since > bound:
+                        now = time.monotonic()  # only a pause is bounded here (an update ends by itself)
+                        paused_since = (now if paused_since is None else paused_since) if engine.is_paused() else None
+                        if paused_since is not None and now - paused_since > bound:
                             raise TimeoutError(f"generation stayed paused for more than {bound:g} s (rpc_timeout_s)"
                                                "; call resume_generation() from another thread")
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread

@@ -500,13 +500,15 @@ class Fleet(FleetReplicas):
         results, errors = self._call(members, "commit", proposed, label, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
-        pairs = [tuple(r) for r in results.values()]  # (model version, draft version) as the commits left them
-        agreed = max(set(pairs), key=pairs.count) if pairs else (proposed, self.draft_version)
+        # (model version, draft version, the model version's label) as the commits left them: the fleet takes the
+        # replicas' own (a draft-only session leaves the model's version and label as they were)
+        states = [tuple(r) for r in results.values()]
+        unconfirmed = (proposed, self.draft_version, label if label is not None else str(proposed))
+        agreed = max(set(states), key=states.count) if states else unconfirmed
         odd = []
         with self._lock:
-            if agreed[0] == proposed:
-                self.labels.set(proposed, label)
-            self.version, self.draft_version = agreed
+            self.version, self.draft_version = agreed[0], agreed[1]
+            self.labels.set(agreed[0], agreed[2])
             for m in members:
                 if m.index in results:
                     if tuple(results[m.index]) == agreed:

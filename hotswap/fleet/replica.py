@@ -77,11 +77,11 @@ class ReplicaServer(AsyncLLMEngine):
 
     # ---- what only a replica of a fleet does ----------------------------------------------------------------
 
-    async def commit(self, weight_version: int, label: str | None = None) -> tuple[int, int]:
+    async def commit(self, weight_version: int, label: str | None = None) -> tuple[int, int, str]:
         """Commits the prepared change as `weight_version` (labelled `label`); returns the (model, draft) versions
-        it left (a draft-only session leaves the model's)."""
+        it left (a draft-only session leaves the model's) and the model version's label."""
         await self.commit_weight_update(weight_version, label)
-        return self.engine.weight_version, self.engine.draft_weight_version
+        return self.engine.weight_version, self.engine.draft_weight_version, self.engine.weight_version_label
 
     async def interrupt_transfer(self) -> None:
         """Makes a transport wait (for a trainer that stopped sending) give up now; answers at once."""

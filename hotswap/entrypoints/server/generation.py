@@ -41,6 +41,9 @@ async def start(
         first = await next_output(state, generator, watch)
     except StopAsyncIteration as err:  # pragma: no cover - generate always yields at least once
         raise ApiError(500, "no output", "internal_error") from err
+    except BaseException:
+        await generator.aclose()  # a request that ends here (its client left, a refusal) is aborted now
+        raise
     return Generation(state, generator, http, started, first, watch)
 
 

@@ -218,10 +218,7 @@ async def weight_info(state: StateDep) -> dict[str, Any]:
 async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, Any]:
     """Renames the served version (vLLM's and SGLang's route): weights, the integer version and requests stay
     as they are unless `abort_all_requests`, which ends every request with its partial output."""
-    try:
-        label = await state.engine.update_weight_version(body.new_version, body.abort_all_requests)
-    except ValueError as err:
-        raise ApiError(400, str(err)) from None
+    label = await state.guarded(state.engine.update_weight_version(body.new_version, body.abort_all_requests))
     state.version_changed()
     return {"success": True, "message": "Weight version updated.", "new_version": label}
 
