@@ -35,6 +35,11 @@ class ReplicaDown(EngineUnavailable):
     """A replica died (or stopped answering) during a call; the fleet restarts it (HTTP 503)."""
 
 
+class _FolderChanged(RuntimeError):
+    """The fleet reloaded from another folder while a restarted replica loaded the previous one: the restart is
+    begun again from the new folder (a version a folder holds is always restored from it)."""
+
+
 @dataclasses.dataclass
 class _Member:
     index: int
@@ -353,6 +358,8 @@ class FleetReplicas:
                     ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
                             timeout=60)
                     restored = "folder"
+                elif self._folder_current:  # a reload from a folder landed while this actor loaded the previous one
+                    raise _FolderChanged("the fleet loaded another folder while this replica started from the last")
                 else:
                     self._copy_weights(actor)
                     restored = "copy"
@@ -369,9 +376,12 @@ class FleetReplicas:
             logger.warning("fleet replica %d is back at version %d (%s)", member.index, self.version, restored)
         except Exception as err:
             with self._lock:
-                member.backoff = min(60.0, max(1.0, 2 * member.backoff))
                 member.state, member.error = "down", f"restart failed: {_first_line(err)}"
-                member.retry_at = time.monotonic() + member.backoff
+                if isinstance(err, _FolderChanged):  # no fault of the replica: it starts again, from the new folder
+                    member.retry_at = time.monotonic()
+                else:
+                    member.backoff = min(60.0, max(1.0, 2 * member.backoff))
+                    member.retry_at = time.monotonic() + member.backoff
             logger.warning("fleet replica %d did not come back: %s", member.index, _first_line(err))
             if actor is not None:
                 with contextlib.suppress(Exception):
