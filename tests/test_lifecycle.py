@@ -26,7 +26,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 def test_generate_on_a_paused_engine_fails_fast_and_a_frozen_call_is_bounded(ckpts):
     """A synchronous generate never waits on a pause for ever: a new call is refused at once, and one that a pause
-    froze from another thread gives up after rpc_timeout_s, its requests aborted."""
+    froze from another thread gives up after rpc_timeout_s, its requests aborted. The pause gets the lock at the
+    next step: the step loop never keeps a thread that asks for it waiting (Python's locks are not fair)."""
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, rpc_timeout_s=1)
     llm.pause_generation("keep")
     started = time.monotonic()
@@ -35,6 +36,13 @@ def test_generate_on_a_paused_engine_fails_fast_and_a_frozen_call_is_bounded(ckp
     assert time.monotonic() - started < 5 and not llm.llm_engine.requests
     llm.resume_generation()
     box: dict = {}
+    step, overtaken = llm.llm_engine.step, []
+
+    def watched_step():  # a step that begins while another thread asks for the lock overtook that thread
+        overtaken.append(llm._lock.waiting > 0)
+        return step()
+
+    llm.llm_engine.step = watched_step
 
     def run() -> None:
         try:
@@ -48,8 +56,9 @@ def test_generate_on_a_paused_engine_fails_fast_and_a_frozen_call_is_bounded(ckp
     while not llm.llm_engine.requests:
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    llm.pause_generation("keep")
+    llm.pause_generation("keep")  # handed the lock before the step loop's next step, not after the generation
     thread.join(timeout=30)
+    assert sum(overtaken) <= 1, f"{sum(overtaken)} steps overtook a waiting pause"  # at most the one checked first
     assert not thread.is_alive() and isinstance(box.get("error"), TimeoutError), box
     assert "rpc_timeout_s" in str(box["error"]) and not llm.llm_engine.requests
     llm.resume_generation()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
@@ -39,6 +40,46 @@ def _locked(method: Callable[Concatenate[WeightsController, P], R]) -> Callable[
     return call
 
 
+class _HandoverLock:
+    """The `LLM`'s lock: re-entrant, and fair to threads that ask for it while a generate() steps.
+
+    Python's locks are not fair: a step loop that releases the lock after each step and takes it again at once can
+    keep another thread (a pause, an update) out until the whole generation ends. So a thread asks through
+    `with lock:`, which counts it as waiting, and the step loop takes its turn through `step_turn()`, which hands
+    the lock to every waiting thread before it returns."""
+
+    def __init__(self) -> None:
+        self.raw = threading.RLock()
+        self.changed = threading.Condition(self.raw)  # waits release the lock entirely, as the step loop needs
+        self._count = threading.Lock()
+        self._waiting = 0  # threads inside __enter__ that have not got the lock yet
+
+    def __enter__(self) -> None:
+        with self._count:
+            self._waiting += 1
+        try:
+            self.raw.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.raw.release()
+
+    @property
+    def waiting(self) -> int:
+        """How many threads are asking for the lock now."""
+        return self._waiting
+
+    @contextlib.contextmanager
+    def step_turn(self) -> Iterator[None]:
+        """Holds the lock for one step of a generate() loop, after every thread that asked for it had its turn."""
+        with self.raw:
+            while self._waiting:
+                self.changed.wait(0.005)
+            yield
+
+
 class LLM:
     """Loads a Hugging Face checkpoint folder and generates from it.
 
@@ -68,8 +109,8 @@ class LLM:
         self.llm_engine = LLMEngine(self.config)
         # generate() may run in one thread while another pauses, updates or resumes: engine state is only
         # touched under this lock, and a paused generate() waits on the condition (releasing the lock).
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
+        self._lock = _HandoverLock()
+        self._changed = self._lock.changed
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
 
     def shutdown(self) -> None:
@@ -133,7 +174,7 @@ class LLM:
         paused_since: float | None = None
         try:
             while len(done) < len(wanted):
-                with self._lock:
+                with self._lock.step_turn():
                     for request_id in wanted & self._finished.keys():
                         done[request_id] = self._finished.pop(request_id)
                         bar.update(1)
