@@ -133,17 +133,42 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching limits. `max_num_batched_tokens` None means max(8192, max_model_len); it must hold a
-    whole prompt of `max_model_len` tokens (prefills are not chunked)."""
+    """Continuous batching limits.
+
+    `enable_chunked_prefill` (default on, as in vLLM): `max_num_batched_tokens` (None: 2048) bounds the tokens
+    of every step; a step runs every decoding sequence's next token, then the next chunk of the prompts being
+    prefilled, then new prompts, as far as the budget goes, so a long prompt shares steps with running decodes.
+    `long_prefill_token_threshold` (0: none) caps one prompt's chunk per step, so that several progress;
+    `max_num_partial_prefills` prompts at most are part-way through their prefill at once.
+    Without chunking, a prompt runs whole in one step, so `max_num_batched_tokens` (None: max(8192,
+    max_model_len)) must hold one of `max_model_len` tokens, and a step either prefills or decodes."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be a non-negative integer (0: no cap), got "
+                             f"{self.long_prefill_token_threshold!r}")
+        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
+            raise ValueError(
+                f"max_num_partial_prefills must be a positive integer, got {self.max_num_partial_prefills!r}")
+
+    @property
+    def chunk_cap(self) -> int:
+        """The most tokens of one prompt a step runs."""
+        assert self.max_num_batched_tokens is not None, "filled in by EngineConfig"
+        cap = self.long_prefill_token_threshold
+        return self.max_num_batched_tokens if cap == 0 else min(cap, self.max_num_batched_tokens)
 
 
 @dataclass
@@ -303,13 +328,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={tp} exceeds num_attention_heads={heads}")
         if mc.max_model_len is None:
             mc.max_model_len = mc.max_context_len
-        if sc.max_num_batched_tokens is None:
-            sc.max_num_batched_tokens = max(8192, mc.max_model_len)
-        if sc.max_num_batched_tokens < mc.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than max_model_len="
-                f"{mc.max_model_len}; raise it or lower max_model_len (prefills are not chunked)"
-            )
+        check_batch_budget(sc, mc.max_model_len, self.speculative_config)
         check_expert_placement(self.parallel_config, mc.hf_config)
         self.draft_model_config = draft_model_config(self) if self.speculative_config.uses_draft else None
 
@@ -464,6 +483,31 @@ def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) 
         raise ValueError(f"expert_placement must place each of the {experts} experts once, got {placement!r}")
     if any(not part for part in placement):
         raise ValueError(f"expert_placement gives a rank no expert: {placement!r}")
+
+
+def check_batch_budget(sc: SchedulerConfig, max_model_len: int, speculative: SpeculativeConfig) -> None:
+    """Fills in `max_num_batched_tokens` and checks that every step can make progress with it: without chunked
+    prefill it must hold a whole prompt; with it, one step must hold the next token of every running sequence
+    (and, while speculating, the tokens each verifies)."""
+    if sc.max_num_batched_tokens is None:
+        sc.max_num_batched_tokens = 2048 if sc.enable_chunked_prefill else max(8192, max_model_len)
+    budget = sc.max_num_batched_tokens
+    if not sc.enable_chunked_prefill:
+        if budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len} with "
+                "enable_chunked_prefill=False (a prompt runs whole in one step); raise it, lower max_model_len, "
+                "or enable chunked prefill"
+            )
+        return
+    per_seq = 1 + (speculative.num_speculative_tokens if speculative.method is not None else 0)
+    if budget < sc.max_num_seqs * per_seq:
+        what = "" if per_seq == 1 else f" x (1 + num_speculative_tokens={per_seq - 1})"
+        raise ValueError(
+            f"max_num_batched_tokens={budget} cannot hold one step of max_num_seqs={sc.max_num_seqs}{what} "
+            f"running sequences; raise max_num_batched_tokens to at least {sc.max_num_seqs * per_seq} or lower "
+            "max_num_seqs"
+        )
 
 
 def live_overrides(config: EngineConfig, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -44,9 +44,10 @@ def test_greedy_matches_transformers(model_dirs, name):
     [
         {"enable_prefix_caching": False},
         {"max_num_seqs": 2},
-        {"block_size": 4, "max_num_batched_tokens": 128, "max_model_len": 128},
+        {"block_size": 4, "max_num_batched_tokens": 128, "max_model_len": 128, "max_num_seqs": 64},
+        {"enable_chunked_prefill": False},
     ],
-    ids=["no-prefix-cache", "max-num-seqs-2", "block-size-4"],
+    ids=["no-prefix-cache", "max-num-seqs-2", "block-size-4", "unchunked"],
 )
 def test_same_outputs_under_other_engine_settings(llama_dir, engine_kwargs):
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, **engine_kwargs)

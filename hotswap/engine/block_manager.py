@@ -93,6 +93,10 @@ class BlockManager:
             del self.evictable[block_id]  # only a cached prefix block is referenced again while free
         block.ref_count += 1
 
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """The tokens of `seq` that `allocate` would find in the prefix cache now."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
         revived = sum(1 for b, _ in hits if self.blocks[b].ref_count == 0)

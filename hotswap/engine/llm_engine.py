@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.detokenizer import Detokenizer
-from hotswap.engine.model_input import ModelInput, SampleResult, SampleSpec, SpecInput, SpecOutput
+from hotswap.engine.model_input import ModelInput, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
 from hotswap.engine.sequence import Request, Sequence
@@ -207,7 +207,7 @@ class LLMEngine:
         self._speculating = self.speculator is not None and self.speculator.active(
             self.weights.draft_stale, self.weights.version
         )
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(mix=not self._speculating)
         if batch is None:
             if self.scheduler.running or (self.scheduler.waiting and self.scheduler.admit_new):
                 raise RuntimeError("no sequence can be scheduled although requests are waiting")
@@ -236,8 +236,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         copies = batch.block_copies  # run (idempotently) before the first forward pass
         for request_id, seqs in by_request.items():
-            single = SchedulerOutput(seqs, batch.is_prefill, copies)
-            copies = []
+            single = batch.only(seqs)
+            single.block_copies, copies = copies, []
             try:
                 results = self.executor.collective_rpc("execute_model", (self._build_input(single),))[0]
             except Exception as err:
@@ -256,27 +256,32 @@ class LLMEngine:
         return self.failed.pop(request_id, None)
 
     def _build_input(self, batch: SchedulerOutput) -> ModelInput:
+        """Sequence i runs its tokens num_computed_tokens .. + num_tokens[i]; it samples (all n first tokens before
+        its request forked) when they reach its last token."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         sample_rows: list[int] = []
         specs: list[SampleSpec] = []
-        for i, seq in enumerate(batch.seqs):
-            start = seq.num_computed_tokens if batch.is_prefill else len(seq) - 1
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            query_lens.append(len(seq) - start)
-            context_lens.append(len(seq))
-            for index in seq.request.sample_indices(seq):
-                sample_rows.append(i)
-                specs.append(self._spec(seq, index))
+        prompt_logprobs: list[PromptLogprobsAsk] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(n)
+            context_lens.append(end)
+            if end == len(seq):
+                for index in seq.request.sample_indices(seq):
+                    sample_rows.append(i)
+                    specs.append(self._spec(seq, index))
+            request = seq.request
+            if request.needs_prompt_logprobs and seq.index == 0 and start < seq.num_prompt_tokens:
+                # the prompt runs from its start (no prefix-cache hit), chunk after chunk, each asking once
+                assert request.num_prompt_logprobs() == start, "prompt logprobs cover the chunks before this one"
+                targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
+                prompt_logprobs.append(PromptLogprobsAsk(i, request.params.prompt_logprobs or 0, targets))
         drafting = self._speculating and self.config.speculative_config.uses_draft
-        prompt_logprobs = [
-            (i, seq.request.params.prompt_logprobs or 0)
-            for i, seq in enumerate(batch.seqs)
-            if batch.is_prefill and seq.request.needs_prompt_logprobs and seq.num_computed_tokens == 0
-        ]
         return ModelInput(
             input_ids,
             positions,
@@ -331,18 +336,22 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
         )
 
-    def _process(self, batch: SchedulerOutput, results: list[SampleResult] | SpecOutput) -> list[RequestOutput]:
+    def _process(self, batch: SchedulerOutput, results: Samples | SpecOutput) -> list[RequestOutput]:
         if isinstance(results, SpecOutput):
             return self._process_spec(batch, results)
         touched: dict[str, Request] = {}
-        rows = iter(results)
+        rows = iter(results.samples)
         drafting = self._speculating and self.config.speculative_config.uses_draft
-        for seq in batch.seqs:
-            seq.num_computed_tokens = len(seq)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            seq.num_computed_tokens += n
             if drafting and batch.is_prefill:
-                seq.num_draft_computed = len(seq)
+                seq.num_draft_computed = seq.num_computed_tokens
             self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
             request = seq.request
+            if i in results.prompt_logprobs:
+                request.add_prompt_logprobs(results.prompt_logprobs[i], seq.num_computed_tokens)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a chunk of its prompt: it samples once the rest has run
             targets = [seq]
             children = request.fork(seq)
             for child in children:
@@ -350,10 +359,7 @@ class LLMEngine:
                 self.scheduler.add_running(child)
             targets += children
             for target in targets:
-                result = next(rows)
-                if result.prompt_logprobs is not None:
-                    request.prompt_logprobs = result.prompt_logprobs
-                self.outputs.append(target, result, self.weights.version)
+                self.outputs.append(target, next(rows), self.weights.version)
             for target in targets:
                 if target.finish_reason is not None:
                     self.scheduler.finish(target)

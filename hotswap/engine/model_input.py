@@ -42,6 +42,13 @@ class PromptLogprobs:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
+    def extend(self, more: PromptLogprobs) -> None:
+        """Appends the entries of the prompt's next chunk."""
+        self.logprobs += more.logprobs
+        self.ranks += more.ranks
+        self.top_ids += more.top_ids
+        self.top_logprobs += more.top_logprobs
+
 
 @dataclass
 class SampleResult:
@@ -52,7 +59,25 @@ class SampleResult:
     rank: int | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # on the first row of a sequence that asked for them
+
+
+@dataclass
+class PromptLogprobsAsk:
+    """Sequence `seq` of a step wants the prompt logprobs of its first `len(targets)` query tokens' successors:
+    the logprob of `targets[j]` after query token j (the last target may be the first token of the next chunk)."""
+
+    seq: int
+    top_k: int
+    targets: list[int]
+
+
+@dataclass
+class Samples:
+    """A step's result (not speculative): one SampleResult per sample row, and the prompt logprobs asked for,
+    by sequence index in the step."""
+
+    samples: list[SampleResult]
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,8 +110,8 @@ class ModelInput:
     `context_lens[i]` tokens in total and its KV in `block_tables[i]`. `sample_rows[j]` is the sequence whose
     last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass.
     `spec`: a speculative decode step (see SpecInput). `draft_prefill`: the draft model computes its KV for the
-    same tokens (a prefill with a draft model). `prompt_logprobs` (sequence i, k): sequence i's whole prompt is in
-    this prefill and its prompt logprobs are returned on its first sample row."""
+    same tokens (a prefill with a draft model). `prompt_logprobs`: the prompt logprobs asked for (see
+    PromptLogprobsAsk)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -98,7 +123,7 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     spec: SpecInput | None = None
     draft_prefill: bool = False
-    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)  # (sequence, top-k) of a prefill
+    prompt_logprobs: list[PromptLogprobsAsk] = field(default_factory=list)
 
 
-ModelOutput = list[SampleResult] | SpecOutput
+ModelOutput = Samples | SpecOutput

@@ -99,12 +99,31 @@ class Request:
     forked: bool = False
     admission_weight_version: int = 0
     stream: bool = False  # deliver an output after every step, not only at the end
-    prompt_logprobs: PromptLogprobs | None = None  # computed at its first prefill, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # complete, once its prompt ran (when asked for)
+    partial_prompt_logprobs: PromptLogprobs | None = None  # those of the prompt's chunks that ran so far
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
 
     @property
     def needs_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs, num_computed: int) -> None:
+        """Appends a chunk's prompt logprobs; complete once `num_computed` tokens cover the prompt."""
+        if self.partial_prompt_logprobs is None:
+            self.partial_prompt_logprobs = chunk
+        else:
+            self.partial_prompt_logprobs.extend(chunk)
+        if num_computed >= len(self.prompt_token_ids):
+            self.prompt_logprobs, self.partial_prompt_logprobs = self.partial_prompt_logprobs, None
+
+    def num_prompt_logprobs(self) -> int:
+        """Prompt positions whose logprobs are computed so far (tokens 1.. of the prompt)."""
+        partial = self.partial_prompt_logprobs
+        return 0 if partial is None else len(partial.logprobs)
+
+    def drop_partial_prompt_logprobs(self) -> None:
+        """Forgets the chunks computed so far (the prompt is recomputed from its start)."""
+        self.partial_prompt_logprobs = None
 
     @property
     def width(self) -> int:

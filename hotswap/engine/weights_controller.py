@@ -230,7 +230,9 @@ class WeightsController:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
         before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt). After a
         failure, or while they are known invalid, the workers are asked whether their weights are valid (for
-        `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call."""
+        `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call.
+        A prompt part-way through a chunked prefill starts again, all of it on the weights of now."""
+        self.engine.scheduler.restart_prefills()
         self.engine.reset_prefix_cache()
         self.engine.block_manager.salt = self.next_salt()
         if failed or not self.valid:

@@ -12,7 +12,7 @@ from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
-from hotswap.engine.model_input import ModelInput, PromptLogprobs, SampleResult
+from hotswap.engine.model_input import ModelInput, PromptLogprobs, Samples
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.attention import Attention, AttentionMetadata
@@ -112,31 +112,28 @@ class ModelRunner:
         hidden = self.hidden_states(input_ids, positions, query_lens, context_lens, block_tables)
         return None if rows is None else self.logits(hidden, rows)
 
-    def execute(self, model_input: ModelInput) -> list[SampleResult]:
+    def execute(self, model_input: ModelInput) -> Samples:
         self.copy_blocks(model_input.block_copies)
         mi = model_input
         ends = list(itertools.accumulate(mi.query_lens))
         hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
-        prompt = {seq: self.prompt_logprobs(hidden, mi, ends[seq] - mi.query_lens[seq], ends[seq], k)
-                  for seq, k in mi.prompt_logprobs}
+        prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask.targets, ask.top_k)
+                  for ask in mi.prompt_logprobs}
         if current_parallel().rank != 0:
-            return []  # the engine reads rank 0's samples
-        results = sample(logits, mi.sample_specs)
-        for seq, entries in prompt.items():
-            results[mi.sample_rows.index(seq)].prompt_logprobs = entries
-        return results
+            return Samples([])  # the engine reads rank 0's samples
+        return Samples(sample(logits, mi.sample_specs), prompt)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, hidden: torch.Tensor, mi: ModelInput, start: int, end: int, k: int) -> PromptLogprobs:
-        """Logprobs of the prompt tokens start+1 .. end-1 of the flat batch given those before them (raw, like
-        sampled logprobs), a chunk of rows at a time so that [rows, V] stays bounded."""
+    def prompt_logprobs(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:
+        """Logprobs of `targets[j]` after flat row start + j (raw, like sampled logprobs), a chunk of rows at a
+        time so that [rows, V] stays bounded."""
         out = PromptLogprobs([], [], [], [])
-        targets = torch.tensor(mi.input_ids[start + 1 : end], dtype=torch.long)
-        for first in range(start, end - 1, PROMPT_LOGPROB_CHUNK):
-            last = min(first + PROMPT_LOGPROB_CHUNK, end - 1)
-            logprobs = self.logits(hidden, list(range(first, last))).float().log_softmax(dim=-1)
-            chosen = logprobs.gather(1, targets[first - start : last - start, None])
+        wanted = torch.tensor(targets, dtype=torch.long)
+        for first in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+            last = min(first + PROMPT_LOGPROB_CHUNK, len(targets))
+            logprobs = self.logits(hidden, list(range(start + first, start + last))).float().log_softmax(dim=-1)
+            chosen = logprobs.gather(1, wanted[first:last, None])
             out.logprobs += chosen.squeeze(1).tolist()
             out.ranks += ((logprobs > chosen).sum(dim=1) + 1).tolist()
             if k > 0:

@@ -8,6 +8,7 @@ linear layers see the flat token batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class AttentionMetadata:
     `kernel` (the native `paged_attention`, see hotswap/kernels) is set when it is available and no sequence has
     more than KERNEL_MAX_QUERY_LEN new tokens: attention then reads the paged cache in place, with `query_lens`
     (None when every sequence has one new token) and none of the padded layout.
+    `parts`: a step that mixes short queries (decodes) with long ones (prefill chunks) attends in two groups,
+    each (the flat token rows of its sequences, its metadata), so that no decode is padded to a chunk's length.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +49,7 @@ class AttentionMetadata:
     gather_cache: bool
     kernel: Callable[..., torch.Tensor] | None = None
     query_lens: torch.Tensor | None = None
+    parts: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
 
     @classmethod
     def build(
@@ -57,6 +61,9 @@ class AttentionMetadata:
         kernel: Callable[..., torch.Tensor] | None = None,
     ) -> AttentionMetadata:
         max_q = max(query_lens)
+        short = KERNEL_MAX_QUERY_LEN if kernel is not None else 1  # the longest query attended without padding
+        if max_q > short and min(query_lens) <= short:
+            return cls._split(query_lens, context_lens, block_tables, block_size, kernel, short)
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
         width = max(len(t) for t in block_tables)
         key_len = width * block_size if gather else max_q
@@ -94,6 +101,29 @@ class AttentionMetadata:
         )
 
 
+    @classmethod
+    def _split(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kernel: Callable[..., torch.Tensor] | None,
+        short: int,
+    ) -> AttentionMetadata:
+        """Metadata with `parts`: the sequences of at most `short` new tokens, and the others."""
+        starts = [0, *itertools.accumulate(query_lens)]
+        parts = []
+        for is_short in (True, False):
+            seqs = [i for i, q in enumerate(query_lens) if (q <= short) == is_short]
+            rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], dtype=torch.long)
+            meta = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
+                             [block_tables[i] for i in seqs], block_size, kernel)
+            parts.append((rows, meta))
+        empty = torch.empty(0, dtype=torch.long)
+        return cls(empty, empty, empty, None, None, max(query_lens), True, parts=parts)
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention with grouped KV heads over the paged cache bound to `k_cache`/`v_cache`."""
 
@@ -122,6 +152,12 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]. With `rotary`, q and k are first
         rotated for the tokens' `positions`: on the native path in the same call that caches and attends."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        if meta.parts is not None:  # the groups' sequences are disjoint: each writes and reads only its own KV
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+            for rows, part in meta.parts:
+                out[rows] = self.forward(q[rows], k[rows], v[rows], part,
+                                         None if positions is None else positions[rows], rotary)
+            return out
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
             if meta.kernel is not None and ops.rotary_applies(positions, q):
