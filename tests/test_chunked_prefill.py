@@ -251,3 +251,26 @@ def test_an_update_landing_mid_prefill_restarts_the_prompt_on_the_new_weights(ck
         out = next(iter(engine.step()), out)
     assert out is not None and out.outputs[0].weight_versions[0].version == 1
     assert_exact(ckpts["B"], [out], [ids])
+
+
+def test_serve_flags_set_the_step_budget_and_refuse_an_impossible_one(ckpts):
+    import httpx
+
+    from server_helpers import running_server
+
+    ids = prompt_ids(61, 800)
+    with running_server(str(ckpts["A"]), "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+                        "--long-prefill-token-threshold", "8", "--kv-cache-memory-bytes", str(1 << 22)) as base:
+        body = {"model": "A", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["usage"]["prompt_tokens"] == 61
+    tokenizer_ids = hf_greedy(str(ckpts["A"]), tuple(ids), MAX_TOKENS)[0]
+    from transformers import AutoTokenizer
+
+    assert out["choices"][0]["text"] == AutoTokenizer.from_pretrained(str(ckpts["A"])).decode(tokenizer_ids)
+    with pytest.raises(RuntimeError, match="max_num_batched_tokens=8 cannot hold one step of max_num_seqs=256"):
+        with running_server(str(ckpts["A"]), "--max-num-batched-tokens", "8"):
+            pass

@@ -35,6 +35,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens one step may run (default 2048 with chunked prefill)")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="run long prompts in chunks beside the running decodes (default on)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="the most tokens of one prompt a step runs (0: no cap)")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=1,
+                        help="prompts that may be part-way through their prefill at once")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="engine replicas on Ray behind this server (a fleet; needs hotswap[ray])")
@@ -94,6 +102,10 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         quantization=args.quantization,
