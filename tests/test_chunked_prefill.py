@@ -274,3 +274,20 @@ def test_serve_flags_set_the_step_budget_and_refuse_an_impossible_one(ckpts):
     with pytest.raises(RuntimeError, match="max_num_batched_tokens=8 cannot hold one step of max_num_seqs=256"):
         with running_server(str(ckpts["A"]), "--max-num-batched-tokens", "8"):
             pass
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_samples_of_one_prompt_sent_apart_compute_its_kv_once(llama_dir, chunked):
+    """Eight requests of the same 40-token prompt (GRPO's samples, sent one by one) and another prompt: the first
+    of the eight runs the prompt while the other seven wait one step, then find its two full blocks in the prefix
+    cache and run only the last 8 tokens; the other prompt is not held back. Outputs stay transformers'."""
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=KV, enable_chunked_prefill=chunked)
+    steps = record_steps(llm)
+    shared, other = prompt_ids(40, 900), prompt_ids(23, 901)
+    prompts = [shared] * 4 + [other] + [shared] * 4
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    assert sorted(steps[0].num_tokens) == [23, 40]
+    assert steps[1].num_tokens == [8] * 7 or steps[1].num_tokens == [1, 1] + [8] * 7  # (the first two decode)
+    assert [o.num_cached_tokens for o in outputs] == [0, 32, 32, 32, 0, 32, 32, 32, 32]
+    assert_exact(llama_dir, outputs, prompts, prompt_logprobs=False)

@@ -8,7 +8,7 @@ import torch
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.engine.model_input import SampleSpec
-from hotswap.model.layers.sampler import sample
+from hotswap.model.layers.sampler import draw, sample
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,24 @@ def test_sampler_matches_distribution():
     for _ in range(3000):
         counts[sample(logits, [SampleSpec(temperature=1.0)])[0].token_id] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+@pytest.mark.unit
+def test_inverse_cdf_draw_is_exact_at_its_edges_and_never_picks_a_zero():
+    """`draw` maps u to the token where the running sum passes u x total: the first and last uniforms land on the
+    first and last tokens with mass, zero-probability tokens (filtered, at the ends or inside) are never drawn, and
+    on a 5-token row the draws of a fine grid of uniforms split exactly in proportion to the probabilities."""
+    row = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
+    top = 1.0 - 2.0**-24  # the largest float32 below 1 (torch.rand's largest value)
+    picks = draw(row.expand(3, 6), torch.tensor([0.0, top, 0.5]))
+    assert picks.tolist() == [1, 4, 3]
+    grid = (torch.arange(4000, dtype=torch.float64) / 4000).float()
+    counts = torch.bincount(draw(row.expand(4000, 6), grid), minlength=6)
+    assert counts.tolist() == [0, 1000, 0, 2000, 1000, 0]
+    rows = torch.rand(512, 300) * (torch.rand(512, 300) > 0.7)
+    rows[:, 17] += 1e-30  # a row with some mass everywhere it is not zero
+    picked = draw(rows, torch.rand(512))
+    assert bool((rows.gather(1, picked[:, None]) > 0).all())
 
 
 @pytest.mark.unit

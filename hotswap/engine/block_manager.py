@@ -93,6 +93,15 @@ class BlockManager:
             del self.evictable[block_id]  # only a cached prefix block is referenced again while free
         block.ref_count += 1
 
+    def uncached_first_block(self, seq: Sequence) -> int | None:
+        """The hash of `seq`'s first KV block where the prefix cache could share it with another sequence but does
+        not hold it yet; None otherwise (caching off, prompt logprobs to compute, no full block, or cached)."""
+        bs = self.block_size
+        if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs or len(seq) <= bs:
+            return None
+        h = self._chain_hash(self._root(seq), tuple(seq.token_ids[:bs]))
+        return None if h in self.cached else h
+
     def num_cached_tokens(self, seq: Sequence) -> int:
         """The tokens of `seq` that `allocate` would find in the prefix cache now."""
         return len(self._prefix_hits(seq)) * self.block_size

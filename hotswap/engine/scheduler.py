@@ -15,7 +15,7 @@ sequence is preempted: its blocks are freed and it goes back to the front of the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from hotswap.config import SchedulerConfig
@@ -83,8 +83,7 @@ class Scheduler:
         num_tokens: list[int] = []
         budget = self.config.max_num_batched_tokens
         assert budget is not None
-        while self.waiting:
-            seq = self.waiting[0]
+        for seq in self._in_turn(set()):
             if not self._admissible(seq) or (sum(num_tokens) + len(seq) > budget and scheduled):
                 break
             self._admit(seq)
@@ -93,6 +92,24 @@ class Scheduler:
         if not scheduled:
             return None
         return SchedulerOutput(scheduled, num_tokens, True, self.block_manager.take_copies())
+
+    def _in_turn(self, computing: set[int]) -> Iterator[Sequence]:
+        """The waiting sequences in arrival order, for admission (the caller admits or stops at each), leaving out
+        one whose first KV block another prompt computes now (its hash in `computing`, which admissions add to):
+        it waits a step and then finds that prefix in the cache, so samples of one prompt, sent as separate
+        requests, compute its KV once."""
+        skipped = 0
+        while skipped < len(self.waiting):
+            seq = self.waiting[skipped]
+            key = self.block_manager.uncached_first_block(seq)
+            if key is not None and key in computing:
+                skipped += 1
+                continue
+            yield seq
+            if seq.status is SequenceStatus.WAITING:
+                return  # not admitted: the caller stopped
+            if key is not None:
+                computing.add(key)
 
     def _decode(self) -> SchedulerOutput | None:
         """A step of decodes only (every decoding sequence's next token)."""
@@ -141,9 +158,9 @@ class Scheduler:
             num_tokens.append(chunk)
             budget -= chunk
             partial += chunk < remaining
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if not self._admissible(seq):
+        computing = {key for s in prefilling if (key := self.block_manager.uncached_first_block(s)) is not None}
+        for seq in self._in_turn(computing):
+            if budget <= 0 or not self._admissible(seq):
                 break
             remaining = len(seq) - self.block_manager.num_cached_tokens(seq)
             chunk = min(remaining, cap, budget)
@@ -169,7 +186,7 @@ class Scheduler:
         return self.block_manager.can_allocate(seq)
 
     def _admit(self, seq: Sequence) -> None:
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.block_manager.allocate(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

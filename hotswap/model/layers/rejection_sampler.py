@@ -17,7 +17,7 @@ import torch
 
 from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
-from hotswap.model.layers.sampler import adjusted, banned, distribution, noise_for, results_for
+from hotswap.model.layers.sampler import adjusted, banned, distribution, draw, results_for, uniform_for, uniforms_for
 
 
 def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], torch.Tensor | None]:
@@ -28,11 +28,13 @@ def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], t
     if all(s.temperature == 0 for s in specs):
         return banned(adjusted(logits, specs), specs).argmax(dim=-1).tolist(), None
     q = distribution(logits, specs)
-    noise = torch.empty_like(q).exponential_()
-    for row, spec in enumerate(specs):
-        if spec.seed is not None:
-            noise[row] = noise_for(spec, q.shape[1])  # the target's own noise at this position: the coupling
-    return (q / noise).argmax(dim=-1).tolist(), q
+    # a seeded row's uniform is the target's own at this position: the coupling
+    return draw(q, uniforms_for(specs)).tolist(), q
+
+
+def one_draw(probs: torch.Tensor, uniform: float) -> int:
+    """`draw` for one row [V]."""
+    return int(draw(probs[None], torch.tensor([uniform]))[0])
 
 
 def verify(
@@ -67,7 +69,7 @@ def verify(
     argmax = p.argmax(dim=-1).tolist()
     for row, spec in enumerate(flat):  # seeded rows: the token plain sampling draws here (see the module doc)
         if spec.temperature > 0 and spec.seed is not None:
-            argmax[row] = int((p[row] / noise_for(spec, p.shape[1])).argmax())
+            argmax[row] = one_draw(p[row], uniform_for(spec))
     rows: list[int] = []
     tokens_out: list[int] = []
     counts: list[int] = []
@@ -90,7 +92,7 @@ def verify(
                         residual = (residual - q[j]).clamp_min_(0.0)
                     if not float(residual.sum()) > 0:
                         residual = p[row]
-                    token = int((residual / noise_for(spec, residual.shape[0])).argmax())
+                    token = one_draw(residual, uniform_for(spec))
             rows.append(row)
             tokens_out.append(token)
             emitted += 1
@@ -99,7 +101,7 @@ def verify(
         else:
             row, spec = offset + len(props), seq_specs[len(props)]
             random_draw = spec.temperature > 0 and spec.seed is None
-            token = int((p[row] / noise_for(spec, p.shape[1])).argmax()) if random_draw else argmax[row]
+            token = one_draw(p[row], uniform_for(spec)) if random_draw else argmax[row]
             rows.append(row)
             tokens_out.append(token)
             emitted += 1

@@ -1,8 +1,11 @@
 """Batched token sampling with per-row settings.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p. A row with a
-seed draws its noise from a generator keyed by (seed, sample index, output position), so its tokens do not depend
-on what else is in the batch, on batch order, or on preemption. Logprobs are those of the model's raw
+Sampling inverts the cumulative distribution: one uniform number per row picks the token where the row's running
+sum of probabilities (in float64) passes it, which draws exactly from p at the cost of one pass over the vocabulary
+(torch's CPU `exponential_`, used by the exponential race argmax(p / E), costs about 1 us per element: 60 ms for 64
+rows of a 39k vocabulary against 1 ms here). A row with a seed draws its uniform from a generator keyed by (seed,
+sample index, output position), so its tokens do not depend on what else is in the batch, on batch order, or on
+preemption. Logprobs are those of the model's raw
 distribution (before temperature and filters), as in vLLM.
 """
 
@@ -87,12 +90,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
         sub_specs = [specs[r] for r in random_rows]
         temps = torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)
         probs = _filter(logits[rows] / temps[:, None], sub_specs).softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, spec in enumerate(sub_specs):
-            if spec.seed is not None:
-                gen = torch.Generator().manual_seed(_row_seed(spec.seed, spec.sample_index, spec.position))
-                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        tokens[rows] = draw(probs, uniforms_for(sub_specs))
     return results_for(logprobs, tokens, specs)
 
 
@@ -141,11 +139,31 @@ def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return probs
 
 
-def noise_for(spec: SampleSpec, size: int, stream: int = 0, position: int | None = None) -> torch.Tensor:
-    """Exp(1) noise for one row: from the request's seed (keyed by sample index, output position and `stream`, so
-    it never depends on the batch) or, unseeded, from the process's generator."""
+def uniforms_for(specs: list[SampleSpec], stream: int = 0) -> torch.Tensor:
+    """One uniform number in [0, 1) per row (float32): a seeded row's from its keyed generator (see
+    `uniform_for`), the others' from the process's generator."""
+    uniforms = torch.rand(len(specs))
+    for i, spec in enumerate(specs):
+        if spec.seed is not None:
+            uniforms[i] = uniform_for(spec, stream)
+    return uniforms
+
+
+def uniform_for(spec: SampleSpec, stream: int = 0, position: int | None = None) -> float:
+    """A uniform number in [0, 1) for one row: from the request's seed (keyed by sample index, output position and
+    `stream`, so it never depends on the batch) or, unseeded, from the process's generator."""
     if spec.seed is None:
-        return torch.empty(size).exponential_()
+        return float(torch.rand(()))
     pos = spec.position if position is None else position
     gen = torch.Generator().manual_seed(_row_seed(spec.seed ^ stream, spec.sample_index, pos))
-    return torch.empty(size).exponential_(generator=gen)
+    return float(torch.rand((), generator=gen))
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """For each row of `probs` [R, V] (non-negative, positive total, not necessarily normalized), the first index
+    whose cumulative mass exceeds `uniforms[r]` (in [0, 1), float32) times the row's total: an exact draw from the
+    normalized row. Sums run in float64, where adding a zero is exact, so a zero-probability entry is never drawn;
+    and u <= 1 - 2^-24 keeps the target below the total, so an index always exists."""
+    cum = probs.double().cumsum(dim=-1)
+    target = uniforms.to(torch.float64)[:, None] * cum[:, -1:]
+    return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
