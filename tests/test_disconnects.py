@@ -3,7 +3,9 @@ are freed, and nothing reaches the server log."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -72,6 +74,67 @@ def test_an_sglang_batch_whose_client_left_is_aborted(served):
                    timeout=httpx.Timeout(30.0, read=0.3))
     assert wait_idle(base, within=1.0) < 1.0
     assert metric(base, "hotswap_requests", route="/generate", status="499") == before + 1
+
+
+def _raw_request(base: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    host = base.removeprefix("http://")
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=60)
+
+
+def _read_until_closed(sock: socket.socket, chunk: int = 65536, pause: float = 0.0) -> bytes:
+    data = b""
+    while True:
+        got = sock.recv(chunk)
+        if not got:
+            return data
+        data += got
+        time.sleep(pause)
+
+
+def test_pipelined_requests_on_one_connection_are_answered_in_order(served):
+    """Two requests written at once on one keep-alive connection, then a third that closes it: three answers."""
+    base, _ = served
+    body = {"model": "A", "prompt": "hello", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    with _connect(base) as sock:
+        sock.sendall(_raw_request(base, body) * 2 + _raw_request(base, body).replace(
+            b"Content-Type", b"Connection: close\r\nContent-Type", 1))
+        data = _read_until_closed(sock)
+    assert data.count(b"HTTP/1.1 200 OK") == 3 and data.count(b'"finish_reason":"length"') == 3, data[:2000]
+
+
+def test_a_slow_reader_gets_its_whole_stream(served):
+    """A streaming client that reads 512 bytes every 20 ms through a small socket buffer (the server's writes
+    block on it): the stream arrives whole and the server stays idle afterwards."""
+    base, _ = served
+    body = {"model": "A", "prompt": "hello", "max_tokens": 120, "n": 2, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with _connect(base) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(_raw_request(base, body).replace(b"Content-Type", b"Connection: close\r\nContent-Type", 1))
+        data = _read_until_closed(sock, chunk=512, pause=0.02)
+    assert data.startswith(b"HTTP/1.1 200 OK") and data.count(b'"finish_reason": "length"') == 2
+    assert b"data: [DONE]" in data
+    assert wait_idle(base, within=1.0) < 1.0
+
+
+def test_a_half_closed_client_is_answered_or_its_request_aborted(served):
+    """A client that sends a request and shuts its sending side (a half-close) before reading: the server either
+    answers it whole or treats it as gone and aborts its work; either way the engine is idle soon after."""
+    base, _ = served
+    body = {"model": "A", "prompt": "hello", "max_tokens": 1000, "n": 4, "temperature": 1.0, "ignore_eos": True}
+    with _connect(base) as sock:
+        sock.sendall(_raw_request(base, body))
+        sock.shutdown(socket.SHUT_WR)
+        data = _read_until_closed(sock)
+    assert data == b"" or data.startswith(b"HTTP/1.1 200 OK") or data.startswith(b"HTTP/1.1 499"), data[:500]
+    assert wait_idle(base, within=2.0) < 2.0
 
 
 def test_no_exception_reached_the_server_log(served):
