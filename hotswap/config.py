@@ -328,7 +328,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={tp} exceeds num_attention_heads={heads}")
         if mc.max_model_len is None:
             mc.max_model_len = mc.max_context_len
-        check_batch_budget(sc, mc.max_model_len, self.speculative_config)
+        check_batch_budget(sc, mc.max_model_len)
         check_expert_placement(self.parallel_config, mc.hf_config)
         self.draft_model_config = draft_model_config(self) if self.speculative_config.uses_draft else None
 
@@ -485,10 +485,11 @@ def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) 
         raise ValueError(f"expert_placement gives a rank no expert: {placement!r}")
 
 
-def check_batch_budget(sc: SchedulerConfig, max_model_len: int, speculative: SpeculativeConfig) -> None:
+def check_batch_budget(sc: SchedulerConfig, max_model_len: int) -> None:
     """Fills in `max_num_batched_tokens` and checks that every step can make progress with it: without chunked
-    prefill it must hold a whole prompt; with it, one step must hold the next token of every running sequence
-    (and, while speculating, the tokens each verifies)."""
+    prefill it must hold a whole prompt; with it, one step must hold the next token of every running sequence.
+    (A speculative decode step verifies k + 1 tokens per sequence whatever the budget: the budget bounds the
+    steps that prefill.)"""
     if sc.max_num_batched_tokens is None:
         sc.max_num_batched_tokens = 2048 if sc.enable_chunked_prefill else max(8192, max_model_len)
     budget = sc.max_num_batched_tokens
@@ -500,13 +501,10 @@ def check_batch_budget(sc: SchedulerConfig, max_model_len: int, speculative: Spe
                 "or enable chunked prefill"
             )
         return
-    per_seq = 1 + (speculative.num_speculative_tokens if speculative.method is not None else 0)
-    if budget < sc.max_num_seqs * per_seq:
-        what = "" if per_seq == 1 else f" x (1 + num_speculative_tokens={per_seq - 1})"
+    if budget < sc.max_num_seqs:
         raise ValueError(
-            f"max_num_batched_tokens={budget} cannot hold one step of max_num_seqs={sc.max_num_seqs}{what} "
-            f"running sequences; raise max_num_batched_tokens to at least {sc.max_num_seqs * per_seq} or lower "
-            "max_num_seqs"
+            f"max_num_batched_tokens={budget} cannot hold one step of max_num_seqs={sc.max_num_seqs} running "
+            f"sequences; raise max_num_batched_tokens to at least {sc.max_num_seqs} or lower max_num_seqs"
         )
 
 

@@ -291,3 +291,50 @@ def test_samples_of_one_prompt_sent_apart_compute_its_kv_once(llama_dir, chunked
     assert steps[1].num_tokens == [8] * 7 or steps[1].num_tokens == [1, 1] + [8] * 7  # (the first two decode)
     assert [o.num_cached_tokens for o in outputs] == [0, 32, 32, 32, 0, 32, 32, 32, 32]
     assert_exact(llama_dir, outputs, prompts, prompt_logprobs=False)
+
+
+def test_a_wait_pause_drains_when_a_preempted_prompt_without_output_is_queued_first(llama_dir):
+    """Nine KV blocks of 4 tokens: two short sequences decode while a 24-token prompt is part-way through its
+    prefill and a sequence with output runs behind it. A 'wait' pause, then the decodes' new blocks preempt the
+    last two, which queue as [prompt without output, sequence with output]: draining admits the second (it has
+    output) past the first, finishes it, and the engine becomes PAUSED; on resume the prompt runs."""
+    per_block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
+    llm = LLM(str(llama_dir), block_size=4, max_num_seqs=4, max_num_batched_tokens=8, long_prefill_token_threshold=4,
+              enable_prefix_caching=False, max_model_len=36, kv_cache_memory_bytes=9 * per_block)
+    engine = llm.llm_engine
+    assert llm.config.cache_config.num_kv_blocks == 9
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {"S1": prompt_ids(3, 1), "S2": prompt_ids(3, 2), "U": prompt_ids(24, 3), "R": prompt_ids(2, 4)}
+    for name, ids in prompts.items():
+        engine.add_request(name, None, ids, params)
+    engine.step()
+    engine.step()
+    assert [s.request.request_id for s in engine.scheduler.running] == ["S1", "S2", "U", "R"]
+    engine.pause("wait")
+    for _ in range(100):  # draining: the engine steps until every sequence with output finished
+        if engine.is_paused():
+            break
+        engine.step()
+    assert engine.is_paused() and set(engine.requests) == {"U"}
+    assert not engine.requests["U"].seqs[0].started
+    engine.resume()
+    finished = {}
+    while engine.requests:
+        finished.update((o.request_id, o) for o in engine.step())
+    assert finished["U"].outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(prompts["U"]), 12)[0]
+
+
+def test_a_request_with_n_samples_counts_n_sequences_while_its_prompt_runs(llama_dir):
+    """max_num_seqs=4: a request with n=3 whose prompt is part-way holds three of the four places, so only one
+    more request starts beside it (counted as one, all three others would start, and the fork would make six)."""
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=KV, max_num_seqs=4, max_num_batched_tokens=8,
+              long_prefill_token_threshold=4)
+    engine = llm.llm_engine
+    engine.add_request("wide", None, prompt_ids(30, 5), SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    for i in range(3):
+        engine.add_request(f"r{i}", None, prompt_ids(3, 6 + i), SamplingParams(max_tokens=40, ignore_eos=True))
+    most = 0
+    while engine.requests:
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 4

@@ -71,8 +71,6 @@ def test_chat_uses_the_template(llm):
         ({"max_num_batched_tokens": 16, "max_model_len": 64, "enable_chunked_prefill": False},
          "max_num_batched_tokens=16 is smaller than max_model_len=64 with enable_chunked_prefill=False"),
         ({"max_num_batched_tokens": 16}, "max_num_batched_tokens=16 cannot hold one step of max_num_seqs=256"),
-        ({"max_num_batched_tokens": 16, "max_num_seqs": 8, "speculative_config": {"method": "ngram"}},
-         r"max_num_seqs=8 x \(1 \+ num_speculative_tokens=3\)"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
         ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),

@@ -343,9 +343,9 @@ class LLMEngine:
         rows = iter(results.samples)
         drafting = self._speculating and self.config.speculative_config.uses_draft
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            if drafting and batch.is_prefill and seq.num_draft_computed == seq.num_computed_tokens:
+                seq.num_draft_computed += n  # the draft ran these tokens too (not if it missed earlier chunks)
             seq.num_computed_tokens += n
-            if drafting and batch.is_prefill:
-                seq.num_draft_computed = seq.num_computed_tokens
             self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
             request = seq.request
             if i in results.prompt_logprobs:

@@ -97,10 +97,14 @@ class Scheduler:
         """The waiting sequences in arrival order, for admission (the caller admits or stops at each), leaving out
         one whose first KV block another prompt computes now (its hash in `computing`, which admissions add to):
         it waits a step and then finds that prefix in the cache, so samples of one prompt, sent as separate
-        requests, compute its KV once."""
+        requests, compute its KV once. While draining (`admit_new` False) only sequences with output are
+        offered."""
         skipped = 0
         while skipped < len(self.waiting):
             seq = self.waiting[skipped]
+            if not self.admit_new and not seq.started:
+                skipped += 1  # draining: a preempted sequence with output may sit behind one without
+                continue
             key = self.block_manager.uncached_first_block(seq)
             if key is not None and key in computing:
                 skipped += 1
@@ -181,8 +185,8 @@ class Scheduler:
         blocks in the free KV cache."""
         if not self.admit_new and not seq.started:
             return False
-        if self.running and len(self.running) + seq.request.width > self.config.max_num_seqs:
-            return False
+        if self.running and sum(s.request.width for s in self.running) + seq.request.width > self.config.max_num_seqs:
+            return False  # a request still in its prompt counts the n sequences it forks into
         return self.block_manager.can_allocate(seq)
 
     def _admit(self, seq: Sequence) -> None:
