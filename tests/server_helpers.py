@@ -52,3 +52,8 @@ def running_server(model_dir: str, *extra: str, log: Path | None = None) -> Iter
             proc.wait()
         if log is not None:
             out.close()
+
+
+def post(base: str, path: str, **body):
+    """POSTs `body` as JSON to `path` of the server at `base` (a generous timeout: a generation may run)."""
+    return httpx.post(f"{base}{path}", json=body, timeout=120)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, hf_model
-from server_helpers import running_server
+from server_helpers import post, running_server
 from transfer_helpers import free_port, sglang_trainer
 
 PROMPT = "the quick brown fox jumps over"
@@ -25,10 +25,6 @@ PROMPT = "the quick brown fox jumps over"
 def server(ckpts):
     with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 23)) as base:
         yield base
-
-
-def post(base: str, path: str, **body):
-    return httpx.post(f"{base}{path}", json=body, timeout=120)
 
 
 def greedy_ids(base: str, ids: list[int], n: int = 8) -> list[int]:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from conftest import PROMPTS, hf_greedy, serves
 from hotswap import LLM, SamplingParams
 from hotswap.transfer.tensors import tensors_update_info
-from server_helpers import running_server
+from server_helpers import post, running_server
 
 BAD_LABELS = ["", "   ", "x" * 257, True, 1.5, ["step-1"], -1]
 
@@ -77,10 +77,6 @@ def test_labels_name_versions_and_spans_in_the_python_api(ckpts, b_tensors):
 def server(ckpts):
     with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 23)) as base:
         yield base
-
-
-def post(base: str, path: str, **body):
-    return httpx.post(f"{base}{path}", json=body, timeout=120)
 
 
 def label(base: str) -> str:

@@ -14,7 +14,7 @@ import torch
 from conftest import hf_greedy, hf_model
 from hotswap import LLM, SamplingParams
 from hotswap.transfer.torch_dist import TorchDistSender
-from server_helpers import running_server
+from server_helpers import post, running_server
 from transfer_helpers import free_port
 
 PROMPTS = ["hello world", "the quick brown fox jumps over", "numbers 1 2 3 4"]
@@ -25,10 +25,6 @@ def server(ckpts):
     with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 23),
                         "--max-logprobs", "-1") as base:
         yield base
-
-
-def post(base: str, path: str, **body):
-    return httpx.post(f"{base}{path}", json=body, timeout=60)
 
 
 def test_batched_prompts_token_ids_and_their_shapes(server, tokenizer, ckpts):
