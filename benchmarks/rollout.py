@@ -93,22 +93,28 @@ def run_hotswap(job: dict[str, Any]) -> dict[str, Any]:
     startup = time.perf_counter() - start
     if "long_prompt" in job:
         return {"startup_s": startup, **long_prompt_timeline(llm, job["long_prompt"])}
-    reqs = job["requests"]
+    return {"startup_s": startup, **timed_generate(llm, SamplingParams, job["requests"],
+                                                    lambda: llm.llm_engine.reset_prefix_cache(force=True))}
+
+
+def timed_generate(llm: Any, sampling_params: Any, reqs: list[dict[str, Any]], reset: Any) -> dict[str, Any]:
+    """Warms `llm` (hotswap's or vLLM's, same API) on four short requests, empties its prefix cache with `reset`,
+    then times one `generate` of every request (max_tokens = min_tokens, EOS ignored)."""
 
     def params(r: dict[str, Any], tokens: int | None = None) -> Any:
         n = tokens or r["max_tokens"]
-        return SamplingParams(n=r["n"], temperature=r["temperature"], top_p=1.0, max_tokens=n, min_tokens=n,
-                              seed=r["seed"], ignore_eos=True)
+        return sampling_params(n=r["n"], temperature=r["temperature"], top_p=1.0, max_tokens=n, min_tokens=n,
+                               seed=r["seed"], ignore_eos=True)
 
     llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs[:4]], [params(r, 4) for r in reqs[:4]],
                  use_tqdm=False)
-    llm.llm_engine.reset_prefix_cache(force=True)
+    reset()
     begin = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs], [params(r) for r in reqs],
                         use_tqdm=False)
     elapsed = time.perf_counter() - begin
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"startup_s": startup, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
 
 
 def long_prompt_timeline(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -157,22 +163,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
 
     llm = LLM(job["model"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
     startup = time.perf_counter() - start
-    reqs = job["requests"]
-
-    def params(r: dict[str, Any], tokens: int | None = None) -> Any:
-        n = tokens or r["max_tokens"]
-        return SamplingParams(n=r["n"], temperature=r["temperature"], top_p=1.0, max_tokens=n, min_tokens=n,
-                              seed=r["seed"], ignore_eos=True)
-
-    llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs[:4]], [params(r, 4) for r in reqs[:4]],
-                 use_tqdm=False)
-    llm.reset_prefix_cache()
-    begin = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs], [params(r) for r in reqs],
-                        use_tqdm=False)
-    elapsed = time.perf_counter() - begin
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"startup_s": startup, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+    return {"startup_s": startup, **timed_generate(llm, SamplingParams, job["requests"], llm.reset_prefix_cache)}
 
 
 def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
