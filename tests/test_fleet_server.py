@@ -1,4 +1,5 @@
-"""`hotswap serve --data-parallel-size 2`: one endpoint in front of a fleet on a local Ray."""
+"""`hotswap serve --data-parallel-size 2`: one endpoint in front of a fleet on a local Ray (its soak, updates under
+load included, is in test_soak.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import time
 
 import httpx
 import pytest
-from safetensors.torch import load_file
-from test_storm import start_clients, valid_spans
 
 from conftest import PROMPTS, hf_greedy
-from hotswap.entrypoints.client import AdminClient, AdminError
 from server_helpers import running_server
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a server process with its own Ray and two replicas
 
-CLIENTS, SECONDS, UPDATES = 20, 60.0, 30
 ADMIN = {"Authorization": "Bearer k"}
 
 
@@ -75,6 +72,20 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
             time.sleep(0.2)
     finally:
         httpx.post(f"{base}/resume", headers=ADMIN, timeout=60).raise_for_status()
+    # SGLang's /generate through the router: a batch answers per prompt; one whose client left is aborted on the
+    # replicas that ran it
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(f"{base}/generate", json={"text": ["hello", "world"], "sampling_params": params}, timeout=120)
+    assert [r["meta_info"]["finish_reason"]["type"] for r in out.json()] == ["length", "length"]
+    params = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/generate", json={"text": ["hello", "world", "a b c"], "sampling_params": params},
+                   timeout=httpx.Timeout(30.0, read=1.0))
+    deadline = time.monotonic() + 5
+    while any(r["status"]["requests"] for r in replicas(base)):
+        assert time.monotonic() < deadline, replicas(base)
+        time.sleep(0.1)
+    assert httpx.get(f"{base}/health_generate", timeout=60).status_code == 200
     # the admin and metrics surfaces speak for the fleet
     assert httpx.get(f"{base}/get_world_size", headers=ADMIN).json() == {"world_size": 2}
     info = httpx.get(f"{base}/server_info", headers=ADMIN).json()
@@ -82,38 +93,3 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     metrics = httpx.get(f"{base}/metrics").text
     assert "hotswap_fleet_replicas_up 2.0" in metrics
     assert 'hotswap_fleet_replica_weight_version{replica="1"} 0.0' in metrics
-
-
-def test_streaming_storm_while_fleet_updates_run(fleet_server, ckpts):
-    base = fleet_server
-    named = {key: list(load_file(str(ckpts[key] / "model.safetensors")).items()) for key in ("A", "B")}
-    threads, results = start_clients(base, CLIENTS, SECONDS)
-    admin = AdminClient(base, admin_key="k")
-    start_version = admin.get_weight_version()
-    versions, refused, uneven = [], 0, []
-    bad = [(named["B"][0][0], named["B"][0][1][:1])]  # a wrong shape: refused by every replica, none changes
-    for i in range(UPDATES):
-        time.sleep(SECONDS / (UPDATES + 1) / 2)
-        if i % 10 == 5:
-            try:
-                admin.push_weights(bad, backend="shm")
-            except AdminError as err:
-                refused += err.status == 400
-        versions.append(admin.push_weights(named["B" if i % 2 == 0 else "A"], backend="shm"))
-        state = replicas(base)
-        if {r["weight_version"] for r in state} != {versions[-1]} or not all(r["routable"] for r in state):
-            uneven.append(state)
-    for thread in threads:
-        thread.join(timeout=180)
-    final = admin.get_weight_version()
-    mismatched = admin.verify(named["B" if UPDATES % 2 == 1 else "A"])
-    admin.close()
-    start = int(start_version)  # labels: the integers, as strings, where the trainer gave none
-    assert versions == [str(v) for v in range(start + 1, start + UPDATES + 1)] and final == versions[-1]
-    assert refused == 3 and uneven == [] and mismatched == []
-    lost = [r for r in results if "error" in r or r["finish"] != "length"]
-    assert len(results) >= CLIENTS and not lost, lost[:3]
-    assert all(valid_spans(r["spans"], r["max_tokens"]) for r in results)
-    assert sum(len(r["spans"]) > 1 for r in results) > 0  # some requests crossed an update
-    metrics = httpx.get(f"{base}/metrics").text
-    assert f"hotswap_fleet_updates_committed {float(UPDATES)}" in metrics

@@ -389,3 +389,32 @@ def test_an_abort_that_lands_before_the_update_waits_is_not_lost(ckpts, b_tensor
     llm.finish_weight_update()
     assert serves(llm, ckpts["B"])
     sender.close()
+
+
+def test_sleep_holds_requests_without_kv_and_refuses_while_a_sequence_holds_some(ckpts, tokenizer):
+    """A trainer's 'pause, sleep, wake, resume' with requests queued or frozen: those without KV (queued, or frozen
+    by a 'keep' pause that cleared the cache) wait through the sleep and finish with the tokens they would have
+    had; a sequence that still holds KV makes sleep refuse, naming the way out."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    engine = llm.llm_engine
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", None, ids, GREEDY)
+    engine.step()  # the prompts are computed: their sequences hold KV
+    engine.pause("keep", clear_cache=False)
+    with pytest.raises(RuntimeError, match="hold KV cache.*'keep' with clear_cache"):
+        engine.sleep(1)
+    engine.resume()
+    engine.pause("keep", clear_cache=True)  # frozen, their KV dropped (recomputed on resume)
+    engine.add_request("queued", None, prompts[0], GREEDY)  # arrives while paused: queued
+    for level in (1, 2):
+        engine.sleep(level)
+    assert engine.state is EngineState.ASLEEP and len(engine.requests) == 4
+    engine.wake_up()
+    llm.reload_weights(weights_path=str(ckpts["A"]))  # level 2 returned the weights' memory
+    engine.resume()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+    for rid, ids in [("r0", prompts[0]), ("r1", prompts[1]), ("r2", prompts[2]), ("queued", prompts[0])]:
+        assert list(finished[rid]) == hf_greedy(str(ckpts["A"]), tuple(ids), 8)[0], rid

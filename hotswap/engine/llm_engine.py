@@ -498,13 +498,18 @@ class LLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Releases memory. Level 1: the KV cache (weights stay in host memory). Level 2: the KV cache and the
-        weights' memory (restore them with wake_up(["weights"]) then a reload or a full update)."""
+        weights' memory (restore them with wake_up(["weights"]) then a reload or a full update). Refused while a
+        sequence holds KV cache; requests that hold none (queued, or frozen by a 'keep' pause that cleared the
+        cache) stay and run after wake_up and resume."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.state not in (EngineState.RUNNING, EngineState.PAUSED, EngineState.ASLEEP):
             raise RuntimeError(f"cannot sleep while {self.state.value}")
-        if self.scheduler.has_unfinished():
-            raise RuntimeError(f"cannot sleep with {len(self.requests)} request(s) in flight; abort or finish them")
+        if self.scheduler.running:  # requests held without KV (queued, or frozen by 'keep') wait for wake_up
+            raise RuntimeError(
+                f"cannot sleep while {len(self.scheduler.running)} sequence(s) hold KV cache; finish or abort them, "
+                "or pause first (mode 'abort', 'wait', or 'keep' with clear_cache)"
+            )
         self.executor.collective_rpc("sleep", (level,))
         if level == 2:
             self.weights.valid = False  # their memory was returned; a reload or full update restores them

@@ -126,6 +126,9 @@ class AdminClient:
             raise ValueError(f"backend must be 'shm' or 'torch_dist', got {backend!r}")
         if self._backend == backend:
             return
+        if self._dist is not None:  # the engine's new transport replaces the group: this end of it goes too
+            self._dist.close()
+            self._dist = None
         if backend == "shm":
             self._shm = self._shm or ShmSender()
             self._call("POST", "/init_weight_transfer_engine", {"init_info": {"backend": "shm"}})

@@ -235,12 +235,11 @@ def create_app(
 
     # FastAPI takes the first route that matches: the order below is the order routes are tried (and listed)
     user, admin = [Depends(user_auth)], [Depends(require_admin)]
-    one_engine = isinstance(engine, AsyncLLMEngine)  # SGLang's routes reach into one engine's scheduler and session
+    one_engine = isinstance(engine, AsyncLLMEngine)  # SGLang's admin routes reach into one engine's scheduler
     app.include_router(health.router)
     app.include_router(openai.router, dependencies=user)
-    if one_engine:
-        app.include_router(sglang.generate_router, dependencies=user)
-        app.include_router(sglang.public_router)
+    app.include_router(sglang.generate_router, dependencies=user)
+    app.include_router(sglang.public_router)
     if not enable_admin:
         return app
     if one_engine:

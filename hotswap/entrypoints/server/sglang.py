@@ -1,6 +1,7 @@
 """SGLang's HTTP surface, as slime, AReaL and verl call it: native `/generate`, generation control, and the weight
 routes (disk, a torch.distributed group, optional begin/end sessions), each validated, atomic and versioned like
-hotswap's own routes (they run through the same engine calls). Served for one `AsyncLLMEngine` (not a fleet).
+hotswap's own routes (they run through the same engine calls). `/generate` and `/health_generate` serve one
+`AsyncLLMEngine` or a fleet; the admin routes reach into one engine's scheduler and session (not a fleet).
 
 `create_app` includes `generate_router` (`/generate`) behind the user's API key, `public_router`
 (`/health_generate`) without one, and `admin_router` (generation control, the weight routes, `/model_info`,
@@ -96,9 +97,18 @@ def open_session(state: ServerState, engine: AsyncLLMEngine) -> str | None:
 # ---- generation ------------------------------------------------------------------------------------------
 
 
+def error_response(err: BaseException) -> JSONResponse:
+    """SGLang's error body for `err`: an ApiError's status and headers (e.g. 503 with Retry-After while the
+    engine is asleep), else 400."""
+    return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, getattr(err, "status", 400),
+                        headers=getattr(err, "headers", None))
+
+
 @generate_router.api_route("/generate", methods=["POST", "PUT"])
-async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http: Request) -> Any:
+async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
+    engine = state.engine  # one engine or a fleet (its router picks the replica; X-Session-ID keeps it sticky)
     inner = engine.engine
+    key = http.headers.get("x-session-id")
     if (body.text is None) == (body.input_ids is None):
         return JSONResponse({"error": {"message": "give exactly one of 'text' and 'input_ids'"}}, 400)
     try:
@@ -112,7 +122,7 @@ async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http:
     except (ValueError, TypeError) as err:
         return JSONResponse({"error": {"message": str(err)}}, 400)
     except Exception as err:  # a limit (--max-n, --max-tokens, stop strings): an ApiError
-        return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, getattr(err, "status", 400))
+        return error_response(err)
     ids = body.input_ids
     batch = isinstance(body.text, list) or (ids is not None and len(ids) > 0 and isinstance(ids[0], list))
     raw = body.text if body.text is not None else ids
@@ -125,13 +135,12 @@ async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http:
             return JSONResponse({"error": {"message": "stream takes one prompt per request"}}, 400)
         params.output_kind = "cumulative"
         # an async generator function: its iterator has aclose()
-        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entries[0], params, rid))
+        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entries[0], params, rid, key))
         try:
             first = await state.guarded(anext(stream))  # a refused prompt is a 400 before any byte is streamed
         except Exception as err:
             await stream.aclose()
-            return JSONResponse({"error": {"message": getattr(err, "message", str(err))}},
-                                getattr(err, "status", 400))
+            return error_response(err)
 
         async def sse() -> AsyncIterator[str]:
             try:
@@ -152,7 +161,7 @@ async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http:
 
     async def one(entry: Any, request_id: str) -> RequestOutput:
         """The request's final output; its client leaving meanwhile ends it (499, every prompt of a batch)."""
-        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entry, params, request_id))
+        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entry, params, request_id, key))
         try:
             out = await generation.next_output(state, stream, watch)
             while not out.finished:
@@ -167,16 +176,15 @@ async def generate(body: GenerateBody, state: StateDep, engine: EngineDep, http:
                      for i, e in enumerate(entries)]
         outs = [task.result() for task in tasks]
     except BaseExceptionGroup as errors:
-        error = errors.exceptions[0]
-        status = getattr(error, "status", 400)
-        return JSONResponse({"error": {"message": getattr(error, "message", str(error))}}, status)
+        return error_response(errors.exceptions[0])
     results = [response(o, c, body, text_of, inner.weight_version_label) for o in outs for c in o.outputs]
     return results if batch or params.n > 1 else results[0]
 
 
 @public_router.get("/health_generate")
-async def health_generate(engine: EngineDep) -> Any:
+async def health_generate(state: StateDep) -> Any:
     """Healthy and able to generate one token (while paused, healthy without generating)."""
+    engine = state.engine
     inner = engine.engine
     problem = inner.health_problem()
     if problem is not None:
