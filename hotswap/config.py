@@ -111,7 +111,12 @@ class CacheConfig:
     """Paged KV cache. The block count is derived at startup from `kv_cache_memory_bytes` when given, else from
     `memory_fraction` of the host's available memory, capped at what `max_num_seqs` full-length sequences need.
     On a weight change the prefix cache is either dropped ("reset") or keyed by weight version from then on
-    ("salt": old entries are never hit and age out)."""
+    ("salt": old entries are never hit and age out).
+
+    `kv_cache_dtype` is the dtype K and V are stored and attended in: "auto" (default) is float32 whatever the
+    weights' dtype (attention, like the logits, in float32: logprobs nearest a float32 trainer's); "bfloat16" or
+    "float16" halve the cache's memory and the bytes each decode step reads. q, k and v are cast to it on the way
+    in and the attention's output back to the activations' dtype."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -119,8 +124,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_cache_policy: str = "reset"
     num_kv_blocks: int | None = None  # derived at startup
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r} (quantized KV caches are not supported)")
         if self.prefix_cache_policy not in ("reset", "salt"):
             raise ValueError(f"prefix_cache_policy must be 'reset' or 'salt', got {self.prefix_cache_policy!r}")
         if self.block_size <= 0:
@@ -129,6 +138,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype the cache holds ("auto": float32)."""
+        return torch.float32 if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
 
 @dataclass

@@ -86,16 +86,18 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 
 
 @functools.cache
-def hf_model(path: str) -> torch.nn.Module:
+def hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @functools.cache
-def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Transformers' greedy continuation of `prompt_ids` (EOS ignored) and its per-step log-softmax rows."""
-    model = hf_model(path)
+def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype = torch.float32
+              ) -> tuple[list[int], list[torch.Tensor]]:
+    """Transformers' greedy continuation of `prompt_ids` (EOS ignored) and its per-step log-softmax rows (of its
+    logits in `dtype`, the model's, cast to float32)."""
+    model = hf_model(path, dtype)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import ARCHS, PROMPTS, hf_greedy
 from hotswap import LLM, SamplingParams
@@ -74,6 +75,46 @@ def test_prefix_cache_hits_and_outputs_unchanged(llama_dir):
     assert out.num_cached_tokens >= 12
     assert llm.llm_engine.stats()["prefix_hit_tokens"] - before == out.num_cached_tokens
     assert_matches_transformers(str(llama_dir), llm, prompts)
+
+
+def assert_near_transformers(path: str, llm: LLM, ref_dtype: torch.dtype, tolerance: float) -> None:
+    """Greedy tokens equal to transformers' in `ref_dtype` up to the first step where transformers' two best
+    logprobs are within `tolerance` of each other (bf16 logits often tie exactly, 0.125 apart near 16: past such a
+    step either token is the argmax), and their logprobs within `tolerance`. Most steps must be compared."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    tokenizer = llm.get_tokenizer()
+    compared = total = 0
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
+        ref_tokens, ref_logprobs = hf_greedy(path, tuple(tokenizer.encode(prompt)), 16, ref_dtype)
+        total += 16
+        for step, (token, ref) in enumerate(zip(out.outputs[0].token_ids, ref_tokens, strict=True)):
+            best = ref_logprobs[step].topk(2).values
+            if best[0] - best[1] < tolerance:
+                break  # a near-tie: the continuation may rightly differ from here
+            assert token == ref, f"step {step} of {prompt!r}"
+            assert abs(out.outputs[0].logprobs[step][token].logprob - ref_logprobs[step][token].item()) < tolerance
+            compared += 1
+    assert compared > total // 2, f"only {compared} of {total} steps compared"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_bf16_matches_transformers_in_bf16(model_dirs, arch, kv_cache_dtype):
+    """The bf16 path (products on oneDNN-packed weights where they win) with the KV cache in float32 ("auto") or
+    bf16, against transformers running the same weights in bf16."""
+    path = str(model_dirs[arch])
+    llm = LLM(path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 24)
+    expected = torch.float32 if kv_cache_dtype == "auto" else torch.bfloat16
+    assert llm.apply_model(lambda m: m.model.layers[0].self_attn.attn.k_cache.dtype) == [expected]
+    assert_near_transformers(path, llm, torch.bfloat16, tolerance=0.2)
+
+
+def test_a_bf16_kv_cache_under_float32_weights(llama_dir):
+    llm = LLM(str(llama_dir), kv_cache_dtype="bfloat16", kv_cache_memory_bytes=1 << 24)
+    assert llm.apply_model(lambda m: m.model.layers[0].self_attn.attn.k_cache.dtype) == [torch.bfloat16]
+    assert_near_transformers(str(llama_dir), llm, torch.float32, tolerance=0.1)  # K and V keep 8 mantissa bits
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
+        LLM(str(llama_dir), kv_cache_dtype="fp8")
 
 
 def test_bf16_and_fp16_generate(llama_dir):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import native
+from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import _torch_greedy, _torch_rms_norm, _torch_rotary, _torch_silu_and_mul
 from hotswap.kernels.policy import policy as policy  # re-exported: layers and the stack read it here
 
@@ -68,19 +69,26 @@ def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
+    oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
+    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
+        return packing.linear(x, packed, bias)
     if small_batch_applies(x, weight, bias):
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
     return F.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
     if small_batch_applies(x, weight, bias, "gated_linear"):
         return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
-    return silu_and_mul(linear(x, weight, bias))
+    return silu_and_mul(linear(x, weight, bias, packed))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hotswap.kernels import packed as packing
 from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.weights.index import WeightIndex
 
@@ -380,7 +381,9 @@ class WeightUpdate:
         assert self.atomic, "rollback needs atomic mode"
         with torch.no_grad():
             for module_name, saved in self.saved.items():
-                params = dict(self.index.modules[module_name].named_parameters(recurse=False))
+                module = self.index.modules[module_name]
+                packing.drop(module)  # a packed copy holds the weights being undone
+                params = dict(module.named_parameters(recurse=False))
                 for name, value in saved.items():
                     params[name].data.copy_(value)
         for module_name in self.arrived:

@@ -60,12 +60,15 @@ class NativeDecoderStack:
             return False
         if not self.modules_fit:
             return False
-        qkv = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.qkv_proj  # checked by `modules_fit`
+        attention = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        qkv, cache = attention.qkv_proj, attention.attn.k_cache
         policy = ops.policy()
         return (
             ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
             and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
             and qkv.weight.dtype == torch.float32
+            and cache is not None
+            and cache.dtype == torch.float32
             and not (torch.is_grad_enabled() and self.needs_grad)
             and positions.dtype == torch.long
             and positions.device.type == "cpu"

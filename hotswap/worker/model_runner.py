@@ -35,12 +35,12 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         layers = self.attention_layers()
-        itemsize = torch.empty((), dtype=self.config.model_config.torch_dtype).element_size()
+        itemsize = torch.empty((), dtype=self.config.cache_config.kv_torch_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocates zeroed K and V tensors [num_blocks, block_size, kv_heads, head_dim] per layer and binds them."""
-        dtype = self.config.model_config.torch_dtype
+        dtype = self.config.cache_config.kv_torch_dtype
         self.num_blocks = num_blocks
         self.kv_caches = []
         for attn in self.attention_layers():
@@ -54,7 +54,9 @@ class ModelRunner:
         build: the result is cached), where the stack could run at all."""
         if self.attention_kernel is None or self.stack.model is None or not self.stack.modules_fit:
             return
-        if next(self.model.parameters()).dtype != torch.float32 or current_parallel().size > 1:
+        if next(self.model.parameters()).dtype != torch.float32 or current_parallel().size > 1 or (
+            self.config.cache_config.kv_torch_dtype != torch.float32
+        ):
             return
         kernel_policy.calibrate_stack(
             lambda rows, variants: self.stack.time_step(

@@ -35,6 +35,7 @@ from hotswap.config import (
 )
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
+from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
@@ -214,6 +215,9 @@ class Worker:
             finally:
                 if self.runner is not None:
                     self.runner.stack.user_code_ran()
+                for model in (self.model, self.draft_model):
+                    if model is not None:
+                        packing.drop_all(model)  # the code may have written weights
         if method.startswith("_") or not callable(getattr(self, method, None)):
             raise ValueError(f"Worker has no public method {method!r}")
         bound = getattr(self, method)
@@ -384,6 +388,9 @@ class Worker:
             self.draft_runner.free_kv_cache()
         model = self._model()
         self.session.release_backups()
+        packing.drop_all(model)  # the packed copies' memory goes too (they are rebuilt on first use)
+        if self.draft_model is not None:
+            packing.drop_all(self.draft_model)
         released = 0
         if level >= 2:
             with torch.no_grad():

@@ -54,6 +54,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs each worker of a fleet replica reserves (default: 1 where CUDA is available)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="dtype K and V are stored and attended in: auto (float32), bfloat16 or float16")
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--prefix-cache-policy", default="reset", choices=["reset", "salt"])
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
@@ -108,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_partial_prefills=args.max_num_partial_prefills,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         prefix_cache_policy=args.prefix_cache_policy,
         tensor_parallel_size=args.tensor_parallel_size,

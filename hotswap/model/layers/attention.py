@@ -152,6 +152,10 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, KVH, D] for the flat batch; returns [T, H * D]. With `rotary`, q and k are first
         rotated for the tokens' `positions`: on the native path in the same call that caches and attends."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        if q.dtype != self.k_cache.dtype:  # attention runs in the cache's dtype (CacheConfig.kv_cache_dtype)
+            cast_to = self.k_cache.dtype
+            out = self.forward(q.to(cast_to), k.to(cast_to), v.to(cast_to), meta, positions, rotary)
+            return out.to(q.dtype)
         if meta.parts is not None:  # the groups' sequences are disjoint: each writes and reads only its own KV
             out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
             for rows, part in meta.parts:

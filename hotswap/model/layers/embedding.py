@@ -12,6 +12,7 @@ from torch import nn
 
 from hotswap.distributed import current_parallel
 from hotswap.kernels import ops
+from hotswap.kernels import packed as packing
 from hotswap.weights.sharded import Narrowing
 
 
@@ -40,6 +41,7 @@ class VocabEmbedding(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
         """Copies this rank's rows of the full [vocab, dim] table (or, `pre_sliced`, just those rows) in place."""
+        packing.drop(self)
         if not pre_sliced:
             loaded = loaded.narrow(0, self.start, self.valid)
         self.local_view(param).copy_(loaded)
@@ -53,5 +55,5 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for `hidden` [T, dim] (gathered from every rank)."""
-        local = ops.linear(hidden, self.weight).float()
+        local = ops.linear(hidden, self.weight, None, packing.weight_for(self, self.weight)).float()
         return self.tp.all_gather_last_dim(local)[..., : self.num_embeddings]

@@ -21,6 +21,7 @@ from torch import nn
 from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import ops
+from hotswap.kernels import packed as packing
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
@@ -110,6 +111,7 @@ class Linear(nn.Module):
     ) -> None:
         """Copies this rank's part of the full checkpoint tensor `loaded` (or, `pre_sliced`, the part itself)
         into shard `shard_id` of `param` in place (for an fp8 weight: into the stage)."""
+        packing.drop(self)
         if param is self.bias and self.parallel == "row":
             param.data.copy_(loaded)
             return
@@ -159,11 +161,15 @@ class Linear(nn.Module):
         """The weight to multiply by: the parameter itself, or for fp8 its dequantized copy in `dtype`."""
         return dequantize(self.weight, self.weight_scale, dtype) if self.fp8 else self.weight
 
+    def packed(self) -> torch.Tensor | None:
+        """The weight's oneDNN-packed bf16 copy where that path applies (`kernels/packed.py`), else None."""
+        return None if self.fp8 else packing.weight_for(self, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.effective_weight(x.dtype)
         if self.parallel != "row":
-            return ops.linear(x, weight, self.bias)
-        out = self.tp.all_reduce(ops.linear(x, weight, None))
+            return ops.linear(x, weight, self.bias, self.packed())
+        out = self.tp.all_reduce(ops.linear(x, weight, None, self.packed()))
         return out if self.bias is None else out + self.bias
 
 
@@ -212,5 +218,6 @@ class MergedLinear(Linear):
         `ops.gated_linear` (the gate applied as the product is written, where the native kernel takes it)."""
         weight = self.effective_weight(x.dtype)  # dequantized once either way
         if self.gate_and_up:
-            return ops.gated_linear(x, weight, self.bias)
-        return cast(torch.Tensor, act(ops.linear(x, weight, self.bias)))  # column-parallel: forward() is this product
+            return ops.gated_linear(x, weight, self.bias, self.packed())
+        # column-parallel: forward() is this product
+        return cast(torch.Tensor, act(ops.linear(x, weight, self.bias, self.packed())))
