@@ -10,7 +10,8 @@ every decode attention call is also repeated at once, with its KV now in cache, 
 and waiting for memory (the repeat is not counted in the step times, but it is in the run's total).
 
     python benchmarks/decode_profile.py [--workload 125m] [--modules] [--attention-in-cache]
-                                        [--isa native|avx2-kernels|avx2]
+                                        [--isa native|avx2-kernels|avx2] [--dtype float32|bfloat16]
+                                        [--kv-cache-dtype auto|bfloat16] [--seqs N]
 
 `--isa avx2` runs as an AVX2-only host would (`hotswap.kernels.emulation`).
 
@@ -106,11 +107,15 @@ def main() -> None:
     parser.add_argument("--modules", action="store_true", help="run decode steps through the modules")
     parser.add_argument("--attention-in-cache", action="store_true", help="with --modules: time attention again")
     parser.add_argument("--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--seqs", type=int, default=None, help="sequences decoding at once (default: the workload's)")
     args = parser.parse_args()
     emulation.reexec_under(args.isa)
     if args.attention_in_cache and not args.modules:
         parser.error("--attention-in-cache times the modules' attention calls: add --modules")
     count, max_tokens = WORKLOADS[args.workload]
+    count = args.seqs or count
     timer = StepTimer()
     if args.attention_in_cache:
         timer.repeat_attention_in_cache()
@@ -127,7 +132,7 @@ def main() -> None:
     timer.wrap_step()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(make_tiny_model(Path(tmp) / args.workload, arch="llama", preset=args.workload))
-        llm = LLM(path, dtype="float32")
+        llm = LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(256, count))
         rng = random.Random(0)
         vocab = len(llm.get_tokenizer())
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))] for _ in range(count)]
@@ -141,7 +146,8 @@ def main() -> None:
             total = time.perf_counter() - start
     decode = [(seconds, kinds) for tokens, seconds, kinds in timer.steps if tokens <= count]
     prefill = [(tokens, seconds, kinds) for tokens, seconds, kinds in timer.steps if tokens > count]
-    figures: dict = {"workload": args.workload, "total_s": round(total, 3), "tok_s": round(count * max_tokens / total)}
+    figures: dict = {"workload": args.workload, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                     "seqs": count, "total_s": round(total, 3), "tok_s": round(count * max_tokens / total)}
     print(f"[{args.workload}] {count} prompts x {max_tokens} tokens: {total:.2f} s ({figures['tok_s']} tok/s)")
     for tokens, seconds, kinds in prefill:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(kinds.items()))

@@ -121,6 +121,20 @@ def rss_and_fds(root: int) -> tuple[int, int]:
     return rss, fds
 
 
+def rss_by_process(root: int) -> dict[str, int]:
+    """Resident bytes per process of `root`'s tree, keyed by pid and a short command line."""
+    out = {}
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
+            with open(f"/proc/{pid}/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            name = " ".join(Path(w).name if i == 0 else w for i, w in enumerate(words[:3]))[:60]
+            out[f"{pid} {name}"] = rss
+    return out
+
+
 # ---- clients -------------------------------------------------------------------------------------------------
 
 
@@ -487,6 +501,7 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         samples: list[tuple[float, int, int]] = []
         t0 = time.monotonic()
         samples.append((0.0, *rss_and_fds(pid)))
+        by_process: dict[str, int] = {}  # after warm-up (the first minute, or the first sample after it)
         stop, lock, outcomes = threading.Event(), threading.Lock(), []
         threads = [threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
                    for i in range(clients)]
@@ -496,6 +511,8 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         while time.monotonic() - t0 < seconds:
             time.sleep(min(sample_every_s, max(0.0, seconds - (time.monotonic() - t0))))
             samples.append((time.monotonic() - t0, *rss_and_fds(pid)))
+            if not by_process and samples[-1][0] >= min(60.0, seconds / 2):
+                by_process = rss_by_process(pid)
             if progress:
                 with lock:
                     done = len(outcomes)
@@ -508,6 +525,7 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         time.sleep(1.0)  # the last connections close
         trainer.verify("the end")
         end_rss, end_fds = rss_and_fds(pid)
+        end_by_process = rss_by_process(pid)
         trainer.admin.close()
     text = log.read_text(errors="replace")
     exceptions = [line for line in text.splitlines() if re.search(r"Traceback|^ERROR|\bERROR:", line)]
@@ -533,6 +551,9 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         "fds": [[round(t), f] for t, _, f in samples],
         "rss_mib_at_5_min": round(five[1] / 2**20, 1), "rss_mib_at_end": round(end_rss / 2**20, 1),
         "fds_at_start": samples[0][2], "fds_at_end": end_fds,
+        "rss_growth_mib_by_process": dict(sorted(
+            ((name, round((end_by_process[name] - by_process.get(name, 0)) / 2**20, 1)) for name in end_by_process),
+            key=lambda item: -item[1])[:6]),
     }
 
 

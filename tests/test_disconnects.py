@@ -143,3 +143,46 @@ def test_no_exception_reached_the_server_log(served):
     time.sleep(0.2)
     text = log.read_text()
     assert "Traceback" not in text and "Error" not in text, text[-3000:]
+
+
+@pytest.mark.unit
+def test_an_error_that_comes_as_the_client_leaves_is_not_logged_as_never_retrieved():
+    """Found by the soak: a request submitted as the engine fell asleep failed (EngineUnavailable) in the same
+    moment its client left; the handler answered 499 and the failed wait's exception was never retrieved, so
+    asyncio logged a traceback."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    from hotswap.entrypoints.server import generation
+    from hotswap.entrypoints.server.state import ApiError, RequestLimits
+    from hotswap.errors import EngineUnavailable
+
+    async def failing():
+        raise EngineUnavailable("the engine is asleep; retry after wake_up")
+        yield  # an async generator
+
+    class Gone:
+        async def gone(self) -> bool:
+            await asyncio.sleep(0.01)  # the failure has arrived by now
+            return True
+
+    state = SimpleNamespace(limits=RequestLimits(),
+                            engine=SimpleNamespace(engine=SimpleNamespace(is_paused=lambda: False)))
+    reported: list[dict] = []
+
+    async def status() -> int:
+        try:
+            await generation.next_output(state, failing(), Gone())
+        except ApiError as err:
+            return err.status
+        return 200
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+        assert await status() == 499
+        gc.collect()  # the failed wait is gone: had its exception not been retrieved, the loop reports it now
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert reported == []

@@ -402,7 +402,7 @@ def test_sleep_holds_requests_without_kv_and_refuses_while_a_sequence_holds_some
         engine.add_request(f"r{i}", None, ids, GREEDY)
     engine.step()  # the prompts are computed: their sequences hold KV
     engine.pause("keep", clear_cache=False)
-    with pytest.raises(RuntimeError, match="hold KV cache.*'keep' with clear_cache"):
+    with pytest.raises(RuntimeError, match=r"hold KV cache.*'keep' with clear_cache"):
         engine.sleep(1)
     engine.resume()
     engine.pause("keep", clear_cache=True)  # frozen, their KV dropped (recomputed on resume)

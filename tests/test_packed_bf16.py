@@ -56,7 +56,8 @@ def test_packed_copies_follow_every_change_of_the_weights(ckpts, b_tensors, alwa
     monkeypatch.setattr(packed, "faster", lambda out_features, in_features: False)  # the plain product
     plain = outputs(llm)
     assert changed != expected_b and [t for t, _ in changed] == [t for t, _ in plain]
-    assert all(abs(a - b) < 1e-2 for (_, x), (_, y) in zip(changed, plain, strict=True) for a, b in zip(x, y))
+    pairs = [(a, b) for (_, x), (_, y) in zip(changed, plain, strict=True) for a, b in zip(x, y, strict=True)]
+    assert all(abs(a - b) < 1e-2 for a, b in pairs)
     monkeypatch.setattr(packed, "faster", lambda out_features, in_features: True)
     # sleep level 2 returns the weights' memory (and the copies'); a reload from the folder brings A back
     llm.sleep(2)

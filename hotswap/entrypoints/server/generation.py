@@ -99,6 +99,8 @@ async def next_output(
             pending.cancel()
             with contextlib.suppress(BaseException):  # let it unwind before the generator is closed
                 await pending
+        elif not pending.cancelled():
+            pending.exception()  # an error that came as the client left is retrieved here, not logged as lost
 
 
 @dataclass
