@@ -121,8 +121,8 @@ def rss_and_fds(root: int) -> tuple[int, int]:
     return rss, fds
 
 
-def rss_by_process(root: int) -> dict[str, int]:
-    """Resident bytes per process of `root`'s tree, keyed by pid and a short command line."""
+def rss_by_process(root: int) -> dict[int, tuple[str, int]]:
+    """(a short command line, resident bytes) per process of `root`'s tree, by pid."""
     out = {}
     for pid in process_tree(root):
         with contextlib.suppress(OSError):
@@ -131,7 +131,7 @@ def rss_by_process(root: int) -> dict[str, int]:
             with open(f"/proc/{pid}/statm") as f:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             name = " ".join(Path(w).name if i == 0 else w for i, w in enumerate(words[:3]))[:60]
-            out[f"{pid} {name}"] = rss
+            out[pid] = (name, rss)
     return out
 
 
@@ -501,7 +501,7 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         samples: list[tuple[float, int, int]] = []
         t0 = time.monotonic()
         samples.append((0.0, *rss_and_fds(pid)))
-        by_process: dict[str, int] = {}  # after warm-up (the first minute, or the first sample after it)
+        by_process: dict[int, tuple[str, int]] = {}  # after warm-up (the first minute, or the first sample after it)
         stop, lock, outcomes = threading.Event(), threading.Lock(), []
         threads = [threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
                    for i in range(clients)]
@@ -551,9 +551,9 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         "fds": [[round(t), f] for t, _, f in samples],
         "rss_mib_at_5_min": round(five[1] / 2**20, 1), "rss_mib_at_end": round(end_rss / 2**20, 1),
         "fds_at_start": samples[0][2], "fds_at_end": end_fds,
-        "rss_growth_mib_by_process": dict(sorted(
-            ((name, round((end_by_process[name] - by_process.get(name, 0)) / 2**20, 1)) for name in end_by_process),
-            key=lambda item: -item[1])[:6]),
+        "rss_growth_mib_by_process": dict(sorted(  # since warm-up; a process started since: all of its RSS
+            ((f"{pid} {name}", round((rss - by_process.get(pid, ("", 0))[1]) / 2**20, 1))
+             for pid, (name, rss) in end_by_process.items()), key=lambda item: -item[1])[:6]),
     }
 
 
