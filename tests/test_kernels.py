@@ -277,12 +277,11 @@ def test_write_kv_cache(ops):
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 37, 64, 65, 130])  # one to four vectors per block, several blocks
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 3), (48, 16), (49, 17), (100, 64), (211, 150)])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_small_batch_linear_matches_reference(ops, m, n, k, weight_dtype):
+def test_small_batch_linear_matches_reference(ops, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 5, generator=gen)[:, 2 : 2 + k]  # rows with a stride, not contiguous overall
-    w, b = torch.randn(n, k, generator=gen).to(weight_dtype), torch.randn(n, generator=gen)
-    expected = x.double() @ w.double().T  # a bf16 weight is read exactly; products and sums in float32
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    expected = x.double() @ w.double().T
     torch.testing.assert_close(ops.small_batch_linear(x, w, None).double(), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(ops.small_batch_linear(x, w, b).double(), expected + b.double(), atol=1e-4, rtol=1e-5)
 
@@ -303,11 +302,10 @@ def test_small_batch_linear_edges_and_bad_input(ops):
 
 @pytest.mark.parametrize("m", [4, 17, 40, 64])  # one to four vectors of rows
 @pytest.mark.parametrize(("i", "k"), [(1, 1), (7, 3), (50, 33), (97, 64)])  # tile tails: 7 % 6, 50 % 8, 97 % 48
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_small_batch_gated_linear_matches_reference(ops, m, i, k, weight_dtype):
+def test_small_batch_gated_linear_matches_reference(ops, m, i, k):
     gen = torch.Generator().manual_seed(m * 1000 + i + k)
     x = torch.randn(m, k + 3, generator=gen)[:, 1 : 1 + k]
-    w, b = torch.randn(2 * i, k, generator=gen).to(weight_dtype), torch.randn(2 * i, generator=gen)
+    w, b = torch.randn(2 * i, k, generator=gen), torch.randn(2 * i, generator=gen)
     for bias in (None, b):
         full = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
         expected = torch.nn.functional.silu(full[:, :i]) * full[:, i:]
@@ -370,7 +368,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
     cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
              (3, torch.float32, False), (65, torch.float32, False)]
     if quantization is None:
-        cases += [(8, torch.bfloat16, True), (2, torch.bfloat16, True), (65, torch.bfloat16, False)]
+        cases.append((8, torch.bfloat16, False))
     for rows, dtype, fused in cases:
         x = torch.randn(rows, 32, generator=gen).to(dtype)
         if quantization is None:
@@ -382,16 +380,11 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
         assert len(dequantized) == (2 if quantization else 0)
         with torch.inference_mode():
             expected = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
-        else:  # fused, the gate is applied before the one rounding to bf16; unfused, after it
-            scale = expected.float().abs().max().item()
-            torch.testing.assert_close(got.float(), expected.float(), atol=0.02 * scale, rtol=0.0)
+        torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
 
 
 def test_linear_dispatch(ops, native_mode, monkeypatch):
-    """`linear` takes the kernel for small float32 batches (4 to 64 rows) and small bf16 ones (1 to 64 rows, widened
-    to float32 for it), and equals F.linear either way."""
+    """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
     from hotswap.kernels import ops as linear_module
 
     monkeypatch.setattr(linear_module, "_ops", lambda: Spy())
@@ -406,8 +399,7 @@ def test_linear_dispatch(ops, native_mode, monkeypatch):
 
     w, b = torch.randn(24, 32), torch.randn(24)
     cases = [(64, torch.float32, True), (4, torch.float32, True), (65, torch.float32, False), (3, torch.float32, False)]
-    bf16 = [(8, torch.bfloat16, True), (1, torch.bfloat16, True), (65, torch.bfloat16, False)]
-    for rows, dtype, used in [*cases, *bf16, (8, torch.float16, False)]:
+    for rows, dtype, used in [*cases, (8, torch.bfloat16, False)]:
         calls.clear()
         x = torch.randn(rows, 32).to(dtype)
         out = linear_module.linear(x, w.to(dtype), b.to(dtype))

@@ -1,6 +1,4 @@
-// Float32 linear layer for small batches (decode steps): y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]); w is float32
-// or bf16 (each element widened to float32 as it is read, so a bf16 weight streams half the bytes; products and
-// sums are float32 either way).
+// Float32 linear layer for small batches (decode steps): y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]).
 // small_batch_gated_linear(x, w [2I, K], bias [2I]?) is a SwiGLU MLP's fused gate/up projection with its gate
 // applied on the way out: silu(x · gateᵀ + b_gate) * (x · upᵀ + b_up), [M, I], where gate = w[:I] and up = w[I:].
 // Each thread computes matching gate and up tiles back to back, so the [M, 2I] projection never reaches memory.
@@ -40,16 +38,6 @@ using namespace hotswap_simd;
 constexpr int kMaxMV = kLinearVectors;
 constexpr int64_t kBlockRows = kLanes * kMaxMV;  // rows of x per block
 constexpr int64_t kXtAhead = 8;  // k distance of the prefetches into xt
-
-using bf16 = uint16_t;  // a bfloat16's bits: the high half of a float32
-
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 constexpr bool tiles_fit() {
   for (int mv = 1; mv <= kMaxMV; ++mv)
@@ -109,16 +97,16 @@ void transpose_block(const float* x, int64_t ldx, int64_t rows, int64_t K, int M
 
 // Rows [0, R) of w (row stride K) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
 // `next_rows` rows at `next` (the following tile) along the way, in the order that tile will read them.
-template <int R, int MV, typename W>
-inline void tile(const W* __restrict w, const float* __restrict xt, int64_t K, const float* bias,
-                 float* __restrict y, int64_t ldy, int64_t rows, const W* next, int64_t next_rows) {
+template <int R, int MV>
+inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, const float* bias,
+                 float* __restrict y, int64_t ldy, int64_t rows, const float* next, int64_t next_rows) {
   static_assert(R * MV + MV + 1 <= kVectorRegisters, "the tile's accumulators and operands must fit the registers");
   fvec acc[R][MV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = fvec{};
-  const W* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
+  const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
   for (int r = 0; r < R; ++r) rows_of[r] = w + r * K;
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
+  constexpr int64_t kLine = 16;  // floats per cache line
   for (int64_t k0 = 0; k0 < K; k0 += kLine) {
     // The lines the next tile reads at this k: each arrives about one tile ahead of its use.
     for (int64_t r = 0; r < next_rows; ++r) __builtin_prefetch(next + r * K + k0, 0, 2);
@@ -128,11 +116,11 @@ inline void tile(const W* __restrict w, const float* __restrict xt, int64_t K, c
       for (int v = 0; v < MV; ++v) xv[v] = load_vec(xt + k * kLanes * MV + kLanes * v);
       // xt (K x kLanes MV floats) outgrows L1, so every tile re-reads it from L2: ask for it a few k ahead, one
       // request per cache line. (xt has kXtAhead rows of slack past K for these addresses)
-      for (int v = 0; v < MV; v += 16 / kLanes)  // 16 floats per cache line
+      for (int v = 0; v < MV; v += kLine / kLanes)
         __builtin_prefetch(xt + (k + kXtAhead) * kLanes * MV + kLanes * v, 0, 3);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const float a = widen(rows_of[r][k]);
+        const float a = rows_of[r][k];
         for (int v = 0; v < MV; ++v) acc[r][v] += a * xv[v];
       }
     }
@@ -148,23 +136,23 @@ inline void tile(const W* __restrict w, const float* __restrict xt, int64_t K, c
   }
 }
 
-template <int R, typename W>
-inline void tile(int MV, const W* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
-                 int64_t rows, const W* next, int64_t next_rows) {
+template <int R>
+inline void tile(int MV, const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+                 int64_t rows, const float* next, int64_t next_rows) {
   // MV is at most the first block's, for which R was chosen: the cases past it do not occur.
   static_assert(kMaxMV <= 4, "one case per block height");
   switch (MV) {
     case 4:
-      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4, W>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, bias, y, ldy, rows, next, next_rows);
       break;
     case 3:
-      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3, W>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, bias, y, ldy, rows, next, next_rows);
       break;
     case 2:
-      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2, W>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, bias, y, ldy, rows, next, next_rows);
       break;
     default:
-      tile<R, 1, W>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      tile<R, 1>(w, xt, K, bias, y, ldy, rows, next, next_rows);
       break;
   }
 }
@@ -190,9 +178,9 @@ struct Blocks {
 // Output columns [n, n + T) for every block: rows n of w, or with kGated the silu_mul of gate rows n and up rows
 // I + n (computed back to back into the gate/up scratch, [m][t] with a row stride of 16). `next` (next_rows
 // rows) is what the following call reads first, for the prefetches.
-template <int T, bool kGated, typename W>
-inline void columns(const W* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
-                    int64_t n, int64_t I, float* gate, float* up, const W* next, int64_t next_rows) {
+template <int T, bool kGated>
+inline void columns(const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
+                    int64_t n, int64_t I, float* gate, float* up, const float* next, int64_t next_rows) {
   for (int64_t b = 0; b < xb.count; ++b) {
     const float* xt = xb.xt + b * xb.stride;
     const int mv = xb.mv(b);
@@ -200,21 +188,21 @@ inline void columns(const W* w, const Blocks& xb, int64_t K, const float* bias, 
     float* yb = y + b * kBlockRows * ldy;
     const bool first = b == 0;  // later blocks find the tile in cache: nothing to prefetch
     if constexpr (!kGated) {
-      tile<T, W>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows,
-                 first ? next : nullptr, first ? next_rows : 0);
+      tile<T>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows, first ? next : nullptr,
+              first ? next_rows : 0);
     } else {
-      tile<T, W>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
-                 first ? w + (I + n) * K : nullptr, first ? T : 0);
-      tile<T, W>(mv, w + (I + n) * K, xt, K, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
-                 first ? next : nullptr, first ? next_rows : 0);
+      tile<T>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
+              first ? w + (I + n) * K : nullptr, first ? T : 0);
+      tile<T>(mv, w + (I + n) * K, xt, K, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
+              first ? next : nullptr, first ? next_rows : 0);
       write_gated(gate, up, yb + n, ldy, rows, T);
     }
   }
 }
 
 // Output columns [n0, n1): tiles of R rows, then single rows for the tail.
-template <int R, bool kGated, typename W>
-void column_range(const W* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy, int64_t n0,
+template <int R, bool kGated>
+void column_range(const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy, int64_t n0,
                   int64_t n1, int64_t I) {
   constexpr int64_t kScratch = kGated ? kBlockRows * 16 : 1;
   alignas(64) float gate[kScratch] = {};
@@ -222,26 +210,26 @@ void column_range(const W* w, const Blocks& xb, int64_t K, const float* bias, fl
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>(R, n1 - n - R));
-    columns<R, kGated, W>(w, xb, K, bias, y, ldy, n, I, gate, up, w + (n + R) * K, next_rows);
+    columns<R, kGated>(w, xb, K, bias, y, ldy, n, I, gate, up, w + (n + R) * K, next_rows);
   }
-  for (; n < n1; ++n) columns<1, kGated, W>(w, xb, K, bias, y, ldy, n, I, gate, up, nullptr, 0);
+  for (; n < n1; ++n) columns<1, kGated>(w, xb, K, bias, y, ldy, n, I, gate, up, nullptr, 0);
 }
 
-template <bool kGated, typename W>
-void column_range(int MV, const W* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
+template <bool kGated>
+void column_range(int MV, const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
                   int64_t n0, int64_t n1, int64_t I) {
   switch (MV) {
     case 4:
-      if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated, W>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
       break;
     case 3:
-      if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated, W>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
       break;
     case 2:
-      if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated, W>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
       break;
     default:
-      column_range<linear_tile_rows(1), kGated, W>(w, xb, K, bias, y, ldy, n0, n1, I);
+      column_range<linear_tile_rows(1), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
       break;
   }
 }
@@ -251,9 +239,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   const char* name = gated ? "small_batch_gated_linear" : "small_batch_linear";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
               ": x must be a float32 [M, K] tensor with contiguous rows");
-  const bool half = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(w.dim() == 2 && (half || w.scalar_type() == at::kFloat) && w.is_contiguous() && w.size(1) == x.size(1),
-              name, ": w must be a contiguous float32 or bfloat16 [N, K] tensor matching x's K");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1), name,
+              ": w must be a contiguous float32 [N, K] tensor matching x's K");
   TORCH_CHECK(!gated || w.size(0) % 2 == 0, name, ": w must have an even number of rows (gate, then up)");
   const int64_t M = x.size(0), K = x.size(1), N = gated ? w.size(0) / 2 : w.size(0);
   const float* bp = nullptr;
@@ -272,7 +259,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     return y.copy_((at::silu(b[0]) * b[1]).expand({M, N}));
   }
   const float* xp = x.data_ptr<float>();
-  const void* wp = w.data_ptr();
+  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   const int64_t count = (M + kBlockRows - 1) / kBlockRows;
@@ -289,15 +276,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     for (int64_t b = 0; b < count; ++b)
       transpose_block(xp + b * kBlockRows * ldx, ldx, xb.rows(b), K, xb.mv(b), xt.data() + b * stride);
     // The tile height is set by the tallest block (the first): a shorter last block has spare registers.
-    const int mv = xb.mv(0);
-    if (half) {
-      const bf16* wh = static_cast<const bf16*>(wp);
-      gated ? column_range<true>(mv, wh, xb, K, bp, yp, N, n0, n1, N)
-            : column_range<false>(mv, wh, xb, K, bp, yp, N, n0, n1, N);
+    if (gated) {
+      column_range<true>(xb.mv(0), wp, xb, K, bp, yp, N, n0, n1, N);
     } else {
-      const float* wf = static_cast<const float*>(wp);
-      gated ? column_range<true>(mv, wf, xb, K, bp, yp, N, n0, n1, N)
-            : column_range<false>(mv, wf, xb, K, bp, yp, N, n0, n1, N);
+      column_range<false>(xb.mv(0), wp, xb, K, bp, yp, N, n0, n1, N);
     }
   });
   return y;

@@ -54,42 +54,30 @@ def add_rms_norm(
 
 def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str = "linear") -> bool:
     """Whether the native small-batch kernel `op` ("linear" or "gated_linear") takes this product: chosen by the
-    policy, a 2-D CPU `x` with contiguous rows, a contiguous weight, no autograd (the kernels have no backward);
-    float32 with SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows, or bf16 (weight and x; the kernel reads the
-    weight as it is and multiplies in float32) with 1 to SMALL_BATCH_ROWS rows."""
-    bf16 = weight.dtype == torch.bfloat16
+    policy, a 2-D float32 CPU `x` of SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a
+    contiguous weight, no autograd (the kernels have no backward)."""
     return (
         x.dim() == 2
-        and (1 if bf16 else SMALL_BATCH_MIN_ROWS) <= x.shape[0] <= SMALL_BATCH_ROWS
-        and x.dtype == weight.dtype
-        and (bf16 or x.dtype == torch.float32)
+        and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
         and policy().uses(op, x.shape[0])
+        and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         and not _needs_grad(x, weight, bias)
     )
-
-
-def _small_batch(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native kernel `op` on float32 activations (a bf16 x and bias widened, the result rounded back)."""
-    if x.dtype == torch.float32:
-        return cast(torch.Tensor, getattr(_ops(), op)(x, weight, bias))
-    out = getattr(_ops(), op)(x.float(), weight, None if bias is None else bias.float())
-    return cast(torch.Tensor, out.to(x.dtype))
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
-    oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd where the native kernel
-    does not take the product."""
-    if small_batch_applies(x, weight, bias):
-        return _small_batch("small_batch_linear", x, weight, bias)
+    oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
         return packing.linear(x, packed, bias)
+    if small_batch_applies(x, weight, bias):
+        return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
     return F.linear(x, weight, bias)
 
 
@@ -99,7 +87,7 @@ def gated_linear(
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
     if small_batch_applies(x, weight, bias, "gated_linear"):
-        return _small_batch("small_batch_gated_linear", x, weight, bias)
+        return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
     return silu_and_mul(linear(x, weight, bias, packed))
 
 

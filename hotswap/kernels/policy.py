@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import native
-from hotswap.kernels import packed as packing
 
 logger = logging.getLogger(__name__)
 
@@ -388,25 +387,13 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
         r = max(2, min(n, (64 << 20) // (4 * k)))
         return r - r % 2 if n % 2 == 0 else r  # [gate; up] keeps two halves
 
-    # bf16 models: bf16 weights, timed against the bf16 product the facade would take instead (packed where
-    # torch can pack, else F.linear)
-    bf16 = shapes.dtype == "bfloat16"
-    weights = {name: [torch.full((rows(n, k), k), 0.01, dtype=torch.bfloat16 if bf16 else torch.float32)
-                      for _ in range(copies)]
+    weights = {name: [torch.full((rows(n, k), k), 0.01) for _ in range(copies)]
                for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}
-    packs = ({name: [packing.pack(t) for t in ts] for name, ts in weights.items()}
-             if bf16 and packing.supported() else None)
     turn = [0]
 
     def w(name: str) -> torch.Tensor:
         turn[0] += 1
         return weights[name][turn[0] % copies]
-
-    def torch_product(x: torch.Tensor, name: str) -> torch.Tensor:
-        turn[0] += 1
-        if packs is not None:
-            return packing.linear(x, packs[name][turn[0] % copies], None)
-        return F.linear(x, weights[name][turn[0] % copies])
 
     norm_w = randn(h)
     positions_max = 2048
@@ -414,18 +401,16 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     ratios: dict[str, dict[int, float]] = {op: {} for op in CALIBRATED}
     for m in BATCHES:
-        for op, (native_fn, torch_fn) in _pairs(kernels, shapes, m, randn, w, torch_product, norm_w, cos, sin,
-                                                gen).items():
+        for op, (native_fn, torch_fn) in _pairs(kernels, shapes, m, randn, w, norm_w, cos, sin, gen).items():
             native_s, torch_s = paired_seconds(native_fn, torch_fn, reps)
             ratios[op][m] = native_s / torch_s
     return ratios
 
 
 def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor], w: Callable[[str], torch.Tensor],
-           torch_product: Callable[[torch.Tensor, str], torch.Tensor], norm_w: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, gen: torch.Generator) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
-    """(native call, torch call) per calibrated op, on a batch of `m` rows. The products run in the weights'
-    dtype: float32, or bf16 (the native kernel on widened activations, against `torch_product`)."""
+           norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gen: torch.Generator
+           ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """(native call, torch call) per calibrated op, on a batch of `m` rows."""
     h, i = shapes.hidden, shapes.intermediate
     act = getattr(torch, shapes.dtype)  # the products and the logits are float32 on their native paths
     x, xi, residual = randn(m, h), randn(m, i), randn(m, h).to(act)
@@ -434,24 +419,15 @@ def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tens
     q = randn(m, shapes.heads, shapes.head_dim).to(act)
     k = randn(m, max(1, shapes.heads // 3), shapes.head_dim).to(act)
     positions = torch.randint(0, cos.shape[0], (m,), generator=gen)
-    product = torch.bfloat16 if shapes.dtype == "bfloat16" else torch.float32
-    xw, xiw = x.to(product), xi.to(product)  # what the products take, and widen to float32 on the native path
-
-    def wide(t: torch.Tensor) -> torch.Tensor:
-        return t.float()
-
-    def narrow(t: torch.Tensor) -> torch.Tensor:
-        return t.to(product)
-
     return {
         "rms_norm": (lambda: kernels.rms_norm(xa, norm_a, 1e-6), lambda: _torch_rms_norm(xa, norm_a, 1e-6)),
         "add_rms_norm": (lambda: kernels.add_rms_norm(xa, residual.clone(), norm_a, 1e-6),
                          lambda: _torch_rms_norm(residual.clone() + xa, norm_a, 1e-6)),
-        "linear": (lambda: (narrow(kernels.small_batch_linear(wide(xw), w("qkv"), None)),
-                            narrow(kernels.small_batch_linear(wide(xiw), w("down"), None))),
-                   lambda: (torch_product(xw, "qkv"), torch_product(xiw, "down"))),
-        "gated_linear": (lambda: narrow(kernels.small_batch_gated_linear(wide(xw), w("gate_up"), None)),
-                         lambda: _torch_silu_and_mul(torch_product(xw, "gate_up"))),
+        "linear": (lambda: (kernels.small_batch_linear(x, w("qkv"), None),
+                            kernels.small_batch_linear(xi, w("down"), None)),
+                   lambda: (F.linear(x, w("qkv")), F.linear(xi, w("down")))),
+        "gated_linear": (lambda: kernels.small_batch_gated_linear(x, w("gate_up"), None),
+                         lambda: _torch_silu_and_mul(F.linear(x, w("gate_up")))),
         "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: _torch_silu_and_mul(gu)),
         "rotary": (lambda: kernels.rotary(q, k, positions, cos, sin), lambda: _torch_rotary(q, k, positions, cos, sin)),
         "greedy_sample": (lambda: kernels.greedy_sample(logits), lambda: _torch_greedy(logits)),
