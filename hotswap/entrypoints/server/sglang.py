@@ -52,10 +52,10 @@ admin_router = APIRouter()
 
 
 def local_engine(state: StateDep) -> AsyncLLMEngine:
-    """The one engine SGLang's routes drive (a FastAPI dependency; `create_app` includes these routes only for an
+    """The one engine SGLang's admin routes drive (a FastAPI dependency; `create_app` includes them only for an
     `AsyncLLMEngine`, a fleet gets a 404)."""
     if not isinstance(state.engine, AsyncLLMEngine):
-        raise ApiError(404, "SGLang's routes are served for one engine, not a fleet", "not_found")
+        raise ApiError(404, "SGLang's admin routes are served for one engine, not a fleet", "not_found")
     return state.engine
 
 
