@@ -29,8 +29,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,48 +45,21 @@ import torch
 from safetensors.torch import load_file
 
 from hotswap.entrypoints.client import AdminClient, AdminError
-from hotswap.testing import make_tiny_model
+from hotswap.testing import free_port, make_tiny_model, running_server
 
 Named = list[tuple[str, torch.Tensor]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serving(model: Path, log: Path, replicas: int = 1, admin_key: str = "k") -> Iterator[tuple[str, int]]:
-    """`hotswap serve` on a free loopback port, its output in `log`; yields (base URL, pid); stops it after."""
-    port = free_port()
-    args = [sys.executable, "-m", "hotswap", "serve", str(model), "--port", str(port), "--admin-key", admin_key,
-            "--served-model-name", "m", "--kv-cache-memory-bytes", str(1 << 23), "--log-level", "info"]
+    """`hotswap serve` of `model` (a fleet of `replicas` on a local Ray when above 1), its output in `log`;
+    yields (base URL, pid)."""
+    args = ["--admin-key", admin_key, "--served-model-name", "m", "--kv-cache-memory-bytes", str(1 << 23),
+            "--log-level", "info"]
     if replicas > 1:
         args += ["--data-parallel-size", str(replicas), "--num-gpus-per-worker", "0"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited early:\n{log.read_text()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("server did not become healthy")
-                time.sleep(0.2)
-            yield base, proc.pid
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running_server(model, *args, log=log) as (base, proc):
+        yield base, proc.pid
 
 
 # ---- the process tree's memory and file descriptors ----------------------------------------------------------
@@ -110,19 +81,8 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def rss_and_fds(root: int) -> tuple[int, int]:
-    """Resident bytes and open file descriptors summed over `root`'s process tree."""
-    rss = fds = 0
-    for pid in process_tree(root):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/statm") as f:
-                rss += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-    return rss, fds
-
-
-def rss_by_process(root: int) -> dict[int, tuple[str, int]]:
-    """(a short command line, resident bytes) per process of `root`'s tree, by pid."""
+def processes(root: int) -> dict[int, tuple[str, int, int]]:
+    """(a short command line, resident bytes, open file descriptors) per process of `root`'s tree, by pid."""
     out = {}
     for pid in process_tree(root):
         with contextlib.suppress(OSError):
@@ -131,8 +91,13 @@ def rss_by_process(root: int) -> dict[int, tuple[str, int]]:
             with open(f"/proc/{pid}/statm") as f:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             name = " ".join(Path(w).name if i == 0 else w for i, w in enumerate(words[:3]))[:60]
-            out[pid] = (name, rss)
+            out[pid] = (name, rss, len(os.listdir(f"/proc/{pid}/fd")))
     return out
+
+
+def totals(tree: dict[int, tuple[str, int, int]]) -> tuple[int, int]:
+    """Resident bytes and open file descriptors summed over a `processes` result."""
+    return sum(rss for _, rss, _ in tree.values()), sum(fds for _, _, fds in tree.values())
 
 
 # ---- clients -------------------------------------------------------------------------------------------------
@@ -500,8 +465,8 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         trainer.act("full_shm")
         samples: list[tuple[float, int, int]] = []
         t0 = time.monotonic()
-        samples.append((0.0, *rss_and_fds(pid)))
-        by_process: dict[int, tuple[str, int]] = {}  # after warm-up (the first minute, or the first sample after it)
+        samples.append((0.0, *totals(processes(pid))))
+        by_process: dict[int, tuple[str, int, int]] = {}  # after warm-up (the first sample at 1 minute or later)
         stop, lock, outcomes = threading.Event(), threading.Lock(), []
         threads = [threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
                    for i in range(clients)]
@@ -510,9 +475,10 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
             thread.start()
         while time.monotonic() - t0 < seconds:
             time.sleep(min(sample_every_s, max(0.0, seconds - (time.monotonic() - t0))))
-            samples.append((time.monotonic() - t0, *rss_and_fds(pid)))
+            tree = processes(pid)
+            samples.append((time.monotonic() - t0, *totals(tree)))
             if not by_process and samples[-1][0] >= min(60.0, seconds / 2):
-                by_process = rss_by_process(pid)
+                by_process = tree
             if progress:
                 with lock:
                     done = len(outcomes)
@@ -524,8 +490,8 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         hung = sum(thread.is_alive() for thread in threads)
         time.sleep(1.0)  # the last connections close
         trainer.verify("the end")
-        end_rss, end_fds = rss_and_fds(pid)
-        end_by_process = rss_by_process(pid)
+        end_by_process = processes(pid)
+        end_rss, end_fds = totals(end_by_process)
         trainer.admin.close()
     text = log.read_text(errors="replace")
     exceptions = [line for line in text.splitlines() if re.search(r"Traceback|^ERROR|\bERROR:", line)]
@@ -552,8 +518,8 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         "rss_mib_at_5_min": round(five[1] / 2**20, 1), "rss_mib_at_end": round(end_rss / 2**20, 1),
         "fds_at_start": samples[0][2], "fds_at_end": end_fds,
         "rss_growth_mib_by_process": dict(sorted(  # since warm-up; a process started since: all of its RSS
-            ((f"{pid} {name}", round((rss - by_process.get(pid, ("", 0))[1]) / 2**20, 1))
-             for pid, (name, rss) in end_by_process.items()), key=lambda item: -item[1])[:6]),
+            ((f"{pid} {name}", round((rss - by_process.get(pid, ("", 0, 0))[1]) / 2**20, 1))
+             for pid, (name, rss, _) in end_by_process.items()), key=lambda item: -item[1])[:6]),
     }
 
 

@@ -14,11 +14,19 @@ norm weights and biases are non-trivial, and the output depends on context.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import pathlib
 import random
-from typing import Any
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
 
 import torch
 
@@ -310,3 +318,51 @@ def make_tiny_model(
     config_json["torch_dtype"] = dtype
     config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(
+    model_dir: str | pathlib.Path, *args: str, log: pathlib.Path | None = None, start_timeout_s: float = 180.0
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Runs `python -m hotswap serve model_dir --port <free> *args` on loopback; yields (its base URL, the process)
+    once `/health` answers 200; stops it afterwards (SIGTERM, then SIGKILL after 30 s). With `log`, the server's
+    output goes to that file, else to a pipe (shown if it exits before it is healthy)."""
+    import httpx
+
+    port = free_port()
+    out: IO[str] | int = open(log, "w") if log is not None else subprocess.PIPE  # closed once the process ended
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hotswap", "serve", str(model_dir), "--port", str(port), *args],
+        stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                output = proc.stdout.read() if proc.stdout else pathlib.Path(str(log)).read_text()[-3000:]
+                raise RuntimeError(f"server exited early:\n{output}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log is not None and not isinstance(out, int):
+            out.close()
+

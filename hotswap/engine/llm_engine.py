@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
@@ -40,17 +38,13 @@ class LLMEngine:
 
                 executor_class = MultiprocExecutor
         mc, cc = config.model_config, config.cache_config
-        # the tokenizer (and transformers, ~1 s to import) loads in a thread while the workers load the model
-        tokenizer = _Background(_load_tokenizer, mc.tokenizer)
-        self.executor = executor_class(config)
-        try:
-            self.executor.collective_rpc("load_model")
-        finally:
-            self.tokenizer = tokenizer.result()
+        self.tokenizer = _load_tokenizer(mc.tokenizer)
         assert mc.max_model_len is not None
         self.outputs = OutputProcessor(
             Detokenizer(self.tokenizer), _eos_token_ids(mc.hf_config, self.tokenizer, mc.model), mc.max_model_len
         )
+        self.executor = executor_class(config)
+        self.executor.collective_rpc("load_model")
         if cc.num_kv_blocks is None:
             cc.num_kv_blocks = min(self.executor.collective_rpc("determine_num_kv_blocks"))
         if cc.num_kv_blocks * cc.block_size < mc.max_model_len:
@@ -605,30 +599,7 @@ def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) ->
     return ids
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer  # imported here: `import hotswap` stays without transformers
 
     return AutoTokenizer.from_pretrained(path)
-
-
-class _Background:
-    """`fn(*args)` run in a daemon thread; `result()` waits for it and returns its value or raises its error."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._box: list[Any] = []
-        self._error: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._box.append(fn(*args))
-            except BaseException as err:  # handed to the caller of result()
-                self._error.append(err)
-
-        self._thread = threading.Thread(target=run, daemon=True, name="hotswap-background")
-        self._thread.start()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error:
-            raise self._error[0]
-        return self._box[0]
