@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -458,14 +459,21 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
     seconds = minutes * 60
     with serving(checkpoints["A"], log, replicas) as (base, pid):
         trainer = Trainer(base, checkpoints, replicas)
-        warm = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4},
-                          timeout=120)
-        warm.raise_for_status()
+
+        def warm(route: str, body: dict[str, Any]) -> None:
+            httpx.post(f"{base}{route}", json=body, timeout=120).raise_for_status()
+        # as many requests at once as there will be clients, on both routes: the connection pools (the fleet
+        # router's to its replicas, Ray's between processes) reach their working size before the first sample
+        with ThreadPoolExecutor(2 * clients) as pool:
+            list(pool.map(lambda i: warm(*(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4})
+                                           if i % 2 else ("/generate", {"text": "hi", "sampling_params": {
+                                               "max_new_tokens": 4}}))), range(2 * clients)))
         trainer.act("full_dist")  # the torch_dist group exists before the first sample
         trainer.act("full_shm")
         samples: list[tuple[float, int, int]] = []
         t0 = time.monotonic()
-        samples.append((0.0, *totals(processes(pid))))
+        at_start = processes(pid)
+        samples.append((0.0, *totals(at_start)))
         by_process: dict[int, tuple[str, int, int]] = {}  # after warm-up (the first sample at 1 minute or later)
         stop, lock, outcomes = threading.Event(), threading.Lock(), []
         threads = [threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
@@ -488,8 +496,9 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         for thread in threads:
             thread.join(timeout=300)
         hung = sum(thread.is_alive() for thread in threads)
-        time.sleep(1.0)  # the last connections close
         trainer.verify("the end")
+        trainer.act("full_shm")  # the state of the first sample: shm open, no torch_dist group (its sockets closed)
+        time.sleep(1.0)  # the last connections close
         end_by_process = processes(pid)
         end_rss, end_fds = totals(end_by_process)
         trainer.admin.close()
@@ -517,6 +526,15 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         "fds": [[round(t), f] for t, _, f in samples],
         "rss_mib_at_5_min": round(five[1] / 2**20, 1), "rss_mib_at_end": round(end_rss / 2**20, 1),
         "fds_at_start": samples[0][2], "fds_at_end": end_fds,
+        # Descriptors gained by each process alive at the start (a leak per request shows here) and the processes
+        # started since (Ray starts and retires workers of its own; a process per request would show as many).
+        "fds_growth_by_process": dict(sorted(
+            ((f"{pid} {name}", fds - at_start[pid][2]) for pid, (name, _, fds) in end_by_process.items()
+             if pid in at_start), key=lambda item: -item[1])[:6]),
+        "processes_started_since": sorted(f"{pid} {name} ({fds} fds)" for pid, (name, _, fds) in end_by_process.items()
+                                          if pid not in at_start),
+        "processes_ended_since": sorted(f"{pid} {name}" for pid, (name, _, _) in at_start.items()
+                                        if pid not in end_by_process),
         "rss_growth_mib_by_process": dict(sorted(  # since warm-up; a process started since: all of its RSS
             ((f"{pid} {name}", round((rss - by_process.get(pid, ("", 0, 0))[1]) / 2**20, 1))
              for pid, (name, rss, _) in end_by_process.items()), key=lambda item: -item[1])[:6]),

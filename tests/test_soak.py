@@ -31,4 +31,8 @@ def test_soak_loses_nothing(ckpts, tmp_path, replicas):
     trainer = figures["trainer"]
     for action in ("full_shm", "partial_shm", "full_dist", "bad_shape", "nan", "pause_abort", "pause_wait"):
         assert trainer.get(action, 0) >= 1, summary  # every kind ran, and each failing one was refused (400)
-    assert figures["fds_at_end"] <= figures["fds_at_start"] + 8, summary  # no descriptor kept per request
+    # No descriptor kept per request (over a thousand requests, a leak on one in a hundred shows). Both ends are
+    # measured in the same transport state (shm open, no torch_dist group). A fleet's Ray processes open a few
+    # connections of their own on first use (its raylet 3, each replica 1-2: measured, the same in every run).
+    assert figures["fds_at_end"] <= figures["fds_at_start"] + 8 * replicas, summary
+    assert all(growth <= 8 for growth in figures["fds_growth_by_process"].values()), summary
