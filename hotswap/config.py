@@ -42,7 +42,8 @@ class ModelConfig:
     `model` is a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files). `dtype` is
     "auto" (the checkpoint's dtype) or one of float32/bfloat16/float16. `max_model_len` None means the model's
     context length; it may not exceed it. `max_logprobs` bounds the log probabilities a request may ask for per
-    token (-1: up to the whole vocabulary).
+    token (-1: up to the whole vocabulary). `enable_return_routed_experts` (vLLM's flag): every completion of a
+    mixture-of-experts model carries its routed experts, as if each request set `return_routed_experts`.
     """
 
     model: str
@@ -51,6 +52,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     max_logprobs: int = 20
+    enable_return_routed_experts: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -54,11 +55,39 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
+class SamplingMask:
+    """Per generated token, the token ids sampling could pick (vLLM's CSR shape): token i's are
+    `token_ids[offsets[i]:offsets[i + 1]]`, ascending. `full[i]` marks a token drawn from the whole vocabulary
+    (greedy, or sampling that filtered nothing out): its span is empty, meaning every token."""
+
+    token_ids: list[int]
+    offsets: list[int]
+    full: list[bool]
+
+    @staticmethod
+    def of(rows: list[list[int] | None]) -> SamplingMask:
+        """From one entry per token: the kept ids, or None for the whole vocabulary."""
+        ids: list[int] = []
+        offsets = [0]
+        for row in rows:
+            ids += row or []
+            offsets.append(len(ids))
+        return SamplingMask(ids, offsets, [row is None for row in rows])
+
+    def row(self, i: int) -> list[int] | None:
+        """Token i's kept ids; None for the whole vocabulary."""
+        return None if self.full[i] else self.token_ids[self.offsets[i] : self.offsets[i + 1]]
+
+
+@dataclass
 class CompletionOutput:
     """One sampled completion of a request. `finish_reason` is 'stop', 'length', 'abort' or None while running;
     `stop_reason` is the stop string or token id that ended it, None for EOS or length. `weight_versions` are
     spans over `token_ids` (over the whole output, also in a delta) naming the weight version of each token.
-    `spec_stats`: with speculative decoding on, the proposals and acceptances behind it."""
+    `spec_stats`: with speculative decoding on, the proposals and acceptances behind it. `routed_experts`
+    (return_routed_experts, once finished): [prompt + output tokens - 1, sparse layers, top_k] global expert ids
+    (numpy, uint8 up to 256 experts, else int16), row p for the pass over token p. `sampling_mask`
+    (return_sampling_mask): per output token (of this delta, when streaming deltas), what sampling could pick."""
 
     index: int
     text: str
@@ -69,6 +98,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     spec_stats: SpecStats | None = None  # with speculative decoding on
+    routed_experts: Any = None
+    sampling_mask: SamplingMask | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -22,7 +25,15 @@ class SamplingParams:
     ids to values added to their logits ([-100, 100]). `include_stop_str_in_output` keeps a matched stop string in
     the text. Logprobs are of the raw distribution, before these. `output_kind` says what a streaming
     consumer gets after each step: the whole output so far ("cumulative"), only what is new ("delta"), or
-    nothing until it finishes ("final_only"). Invalid values raise ValueError naming the field.
+    nothing until it finishes ("final_only").
+
+    Replay (mixture-of-experts models; see docs/replay.md): `return_routed_experts` returns each token's top-k
+    experts per sparse layer (`CompletionOutput.routed_experts`); `forced_routed_experts` ([rows, sparse layers,
+    top_k] global expert ids, one row per prompt token from the first, at most one per prompt token) makes the model
+    use those experts for those tokens instead of its router's choice (the router's probabilities of the forced
+    experts weight them, renormalized where the model renormalizes its top-k). `return_sampling_mask` returns, per
+    generated token, the token ids that top-k / top-p / min-p (and banned tokens) left to sample from
+    (`CompletionOutput.sampling_mask`). Invalid values raise ValueError naming the field.
     """
 
     n: int = 1
@@ -45,6 +56,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"
+    return_routed_experts: bool = False
+    forced_routed_experts: Any = None
+    return_sampling_mask: bool = False
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -111,6 +125,11 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        for name in ("return_routed_experts", "return_sampling_mask"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.forced_routed_experts is not None:
+            self.forced_routed_experts = forced_routes_array(self.forced_routed_experts)
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             raise ValueError(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
 
@@ -126,3 +145,18 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether logits depend on the tokens so far (repetition, presence or frequency penalty)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def forced_routes_array(value: Any) -> np.ndarray:
+    """`forced_routed_experts` as an int64 array [rows, layers, top_k] (from nested lists or an array). Raises
+    ValueError for another shape or non-integers; the engine checks the sizes against the model."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"forced_routed_experts must be an integer array [tokens, layers, top_k]: {err}") from None
+    if array.ndim != 3 or 0 in array.shape:
+        raise ValueError(f"forced_routed_experts must be an integer array [tokens, layers, top_k], got shape "
+                         f"{list(array.shape)}")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"forced_routed_experts must hold integer expert ids, got {array.dtype}")
+    return array.astype(np.int64)

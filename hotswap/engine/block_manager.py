@@ -9,6 +9,9 @@ Invariants:
   shared block first copies it (recorded in `pending_copies`, executed before the next forward pass).
 - Only full blocks whose KV is computed are hashed. The hash of block i covers its tokens and block i-1's hash,
   so a hit on block i implies the whole prefix matches.
+- A cached block keeps the routed experts of its tokens when the sequence that computed it recorded them; a
+  sequence that records routes hits only blocks that kept theirs, and takes them with the block. A request with
+  forced routes neither hits nor fills the cache (its KV depends on the routes it forces).
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+import numpy as np
+
 from hotswap.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+    __slots__ = ("block_id", "hash", "ref_count", "routes", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.routes: np.ndarray | None = None  # [block_size, sparse layers, top_k] while cached, when recorded
 
 
 class BlockManager:
@@ -55,7 +61,7 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block id, hash) of the leading cached blocks of `seq`, leaving at least one token to compute. None for
         a request whose prompt logprobs are still to be computed: every prompt position must run."""
-        if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs or seq.request.forced_routes:
             return []
         hits: list[tuple[int, int]] = []
         prev: int | None = self._root(seq)
@@ -66,6 +72,8 @@ class BlockManager:
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
+            if seq.routes is not None and self.blocks[block_id].routes is None:
+                break  # computed without recording routes: this sequence computes it again
             hits.append((block_id, h))
             prev = h
         return hits
@@ -83,7 +91,7 @@ class BlockManager:
             assert block.hash is not None, "an evictable block holds a cached prefix"
             if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.routes = None, (), None
         block.ref_count = 1
         return block
 
@@ -97,7 +105,8 @@ class BlockManager:
         """The hash of `seq`'s first KV block where the prefix cache could share it with another sequence but does
         not hold it yet; None otherwise (caching off, prompt logprobs to compute, no full block, or cached)."""
         bs = self.block_size
-        if not self.enable_prefix_caching or seq.request.needs_prompt_logprobs or len(seq) <= bs:
+        if (not self.enable_prefix_caching or seq.request.needs_prompt_logprobs or seq.request.forced_routes
+                or len(seq) <= bs):
             return None
         h = self._chain_hash(self._root(seq), tuple(seq.token_ids[:bs]))
         return None if h in self.cached else h
@@ -119,6 +128,11 @@ class BlockManager:
             self._ref(block_id)
         seq.block_table = [b for b, _ in hits]
         seq.block_hashes = [h for _, h in hits]
+        if seq.routes is not None:
+            for i, (block_id, _) in enumerate(hits):
+                routes = self.blocks[block_id].routes
+                assert routes is not None  # _prefix_hits stops at a block without routes
+                seq.routes.write(i * self.block_size, routes)
         seq.cache_salt = self._root(seq)
         for _ in range(self._blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
@@ -177,7 +191,7 @@ class BlockManager:
     def commit(self, seq: Sequence, upto: int | None = None) -> None:
         """Registers the newly full, computed blocks of `seq` in the prefix cache (those within its first `upto`
         tokens when given: a draft model's KV, cached in the same blocks, may lag the target's)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.request.forced_routes:
             return
         bs = self.block_size
         computed = seq.num_computed_tokens if upto is None else min(upto, seq.num_computed_tokens)
@@ -189,6 +203,10 @@ class BlockManager:
             if block.hash is None and h not in self.cached:
                 block.hash, block.token_ids = h, tokens
                 self.cached[h] = block.block_id
+            cached = self.blocks[self.cached[h]] if h in self.cached else None
+            if cached is not None and cached.routes is None and seq.routes is not None and (
+                    seq.routes.length >= (i + 1) * bs):
+                cached.routes = seq.routes.rows(i * bs, (i + 1) * bs)  # the same tokens' routes, same weights
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -198,7 +216,7 @@ class BlockManager:
         """Forgets every cached prefix; blocks in use stay allocated."""
         self.cached.clear()
         for block in self.blocks:
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.routes = None, (), None
         self.empty.extend(self.evictable)  # least recently freed deepest in the stack
         self.evictable.clear()
 

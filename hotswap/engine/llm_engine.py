@@ -8,6 +8,9 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+import torch
+
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.detokenizer import Detokenizer
@@ -20,6 +23,7 @@ from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
+from hotswap.model.registry import model_class
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionLabels
@@ -43,6 +47,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(
             Detokenizer(self.tokenizer), _eos_token_ids(mc.hf_config, self.tokenizer, mc.model), mc.max_model_len
         )
+        # (sparse layers, top_k, experts) of a mixture-of-experts model, None for a dense one
+        self.routing_shape = model_class(mc.architecture).routing_shape(mc.hf_config)  # type: ignore[attr-defined]
         self.executor = executor_class(config)
         self.executor.collective_rpc("load_model")
         if cc.num_kv_blocks is None:
@@ -146,6 +152,28 @@ class LLMEngine:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab} (use -1 to disable top-k)")
         if params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
+        if (params.return_routed_experts or params.forced_routed_experts is not None) and self.routing_shape is None:
+            name = "return_routed_experts" if params.return_routed_experts else "forced_routed_experts"
+            raise ValueError(f"{name} needs a mixture-of-experts model; {self.config.model_config.architecture} "
+                             "routes no token")
+        if params.forced_routed_experts is not None:
+            self._check_forced_routes(params.forced_routed_experts, len(prompt_token_ids))
+
+    def _check_forced_routes(self, forced: np.ndarray, num_prompt_tokens: int) -> None:
+        assert self.routing_shape is not None
+        layers, top_k, experts = self.routing_shape
+        rows = forced.shape[0]
+        if forced.shape[1:] != (layers, top_k):
+            raise ValueError(f"forced_routed_experts has shape {list(forced.shape)}; this model needs [tokens, "
+                             f"{layers}, {top_k}] (sparse layers, experts per token)")
+        if rows > num_prompt_tokens:
+            raise ValueError(f"forced_routed_experts has {rows} rows for a prompt of {num_prompt_tokens} tokens; give "
+                             "at most one row per prompt token, from the first")
+        if forced.min() < 0 or forced.max() >= experts:
+            raise ValueError(f"forced_routed_experts holds expert ids outside [0, {experts}): "
+                             f"{int(forced.min())}..{int(forced.max())}")
+        if any(len(set(row)) != top_k for row in forced.reshape(-1, top_k).tolist()):
+            raise ValueError("forced_routed_experts names an expert twice for one token and layer")
 
     def add_request(
         self,
@@ -169,6 +197,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt)
+        request.record_routes = self.routing_shape is not None and (
+            params.return_routed_experts or self.config.model_config.enable_return_routed_experts)
         request.admission_weight_version = self.weights.version
         seq = Sequence(request, 0, prompt_token_ids)
         request.seqs.append(seq)
@@ -263,8 +293,15 @@ class LLMEngine:
         sample_rows: list[int] = []
         specs: list[SampleSpec] = []
         prompt_logprobs: list[PromptLogprobsAsk] = []
+        route_seqs: list[int] = []
+        forced: list[tuple[int, np.ndarray, int, int]] = []  # (flat offset, forced rows, first, last position)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.routes is not None:
+                route_seqs.append(i)
+            rows = seq.request.params.forced_routed_experts
+            if rows is not None and start < len(rows):
+                forced.append((len(input_ids), rows, start, min(end, len(rows))))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(n)
@@ -292,7 +329,19 @@ class LLMEngine:
             spec=self._spec_input(batch) if self._speculating and not batch.is_prefill else None,
             draft_prefill=drafting and batch.is_prefill,
             prompt_logprobs=prompt_logprobs,
+            route_seqs=route_seqs,
+            forced_routes=self._forced_tensor(forced, len(input_ids)) if forced else None,
         )
+
+    def _forced_tensor(self, forced: list[tuple[int, np.ndarray, int, int]], num_tokens: int) -> torch.Tensor:
+        """ModelInput.forced_routes for a step's flat tokens: the given rows where a sequence forces them, -1
+        elsewhere."""
+        assert self.routing_shape is not None
+        layers, top_k, _ = self.routing_shape
+        out = torch.full((num_tokens, layers, top_k), -1, dtype=torch.long)
+        for offset, rows, first, last in forced:
+            out[offset : offset + last - first] = torch.from_numpy(rows[first:last])
+        return out
 
     def _spec_input(self, batch: SchedulerOutput) -> SpecInput:
         assert self.speculator is not None
@@ -332,6 +381,7 @@ class LLMEngine:
             frequency_penalty=p.frequency_penalty,
             seen_token_ids=seq.token_ids if p.penalized else None,
             num_prompt_tokens=seq.num_prompt_tokens,
+            return_mask=p.return_sampling_mask,
         )
 
     def _process(self, batch: SchedulerOutput, results: Samples | SpecOutput) -> list[RequestOutput]:
@@ -343,6 +393,8 @@ class LLMEngine:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             if drafting and batch.is_prefill and seq.num_draft_computed == seq.num_computed_tokens:
                 seq.num_draft_computed += n  # the draft ran these tokens too (not if it missed earlier chunks)
+            if seq.routes is not None:
+                seq.routes.write(seq.num_computed_tokens, results.routes[i])
             seq.num_computed_tokens += n
             self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
             request = seq.request
@@ -372,8 +424,10 @@ class LLMEngine:
         assert self.speculator is not None
         drafting = self.speculator.uses_draft
         touched: dict[str, Request] = {}
-        for seq, emitted, proposed in zip(batch.seqs, out.tokens, out.num_proposed, strict=True):
+        for i, (seq, emitted, proposed) in enumerate(zip(batch.seqs, out.tokens, out.num_proposed, strict=True)):
             length = len(seq)
+            if seq.routes is not None:  # the rows of the last token and the accepted proposals (trimmed at output)
+                seq.routes.write(length - 1, out.routes[i][: len(emitted)])
             for result in emitted:
                 seq.num_computed_tokens = len(seq)
                 self.outputs.append(seq, result, self.weights.version)

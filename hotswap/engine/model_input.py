@@ -4,6 +4,7 @@ owns these types; the model runner and the sampler consume them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SampleSpec:
     # with a penalty: the sequence's tokens so far (prompt, then the first `len - num_prompt_tokens` outputs)
     seen_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    return_mask: bool = False  # report the token ids left to sample from (SampleResult.kept)
 
     @property
     def adjusts(self) -> bool:
@@ -59,6 +61,9 @@ class SampleResult:
     rank: int | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    # with SampleSpec.return_mask: the token ids the draw could pick (ascending), None when it could pick any
+    # token of the vocabulary (greedy rows, and sampling that filtered nothing out)
+    kept: list[int] | None = None
 
 
 @dataclass
@@ -78,6 +83,9 @@ class Samples:
 
     samples: list[SampleResult]
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # sequence index in the step -> its query tokens' routed experts, [query tokens, sparse layers, top_k]
+    # (numpy, the smallest integer dtype for the expert count), for the sequences in ModelInput.route_seqs
+    routes: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +110,7 @@ class SpecOutput:
 
     tokens: list[list[SampleResult]]
     num_proposed: list[int]
+    routes: dict[int, Any] = field(default_factory=dict)  # as Samples.routes, over each verified token
 
 
 @dataclass
@@ -111,7 +120,9 @@ class ModelInput:
     last-token logits sample row j, following `sample_specs[j]`. `block_copies` run before the forward pass.
     `spec`: a speculative decode step (see SpecInput). `draft_prefill`: the draft model computes its KV for the
     same tokens (a prefill with a draft model). `prompt_logprobs`: the prompt logprobs asked for (see
-    PromptLogprobsAsk)."""
+    PromptLogprobsAsk). `route_seqs`: the sequences whose routed experts come back (Samples.routes).
+    `forced_routes`: [len(input_ids), sparse layers, top_k] int64 global expert ids (torch), -1 in a row's first
+    column where the router chooses (see hotswap/model/routing.py); None when no token is forced."""
 
     input_ids: list[int]
     positions: list[int]
@@ -124,6 +135,8 @@ class ModelInput:
     spec: SpecInput | None = None
     draft_prefill: bool = False
     prompt_logprobs: list[PromptLogprobsAsk] = field(default_factory=list)
+    route_seqs: list[int] = field(default_factory=list)
+    forced_routes: Any = None
 
 
 ModelOutput = Samples | SpecOutput

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hotswap.engine.detokenizer import Detokenizer, find_stop
 from hotswap.engine.model_input import SampleResult
 from hotswap.engine.sequence import Request, Sequence
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SpecStats, WeightVersionSpan
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask, SpecStats, WeightVersionSpan
 from hotswap.weights.version import VersionLabels
 
 
@@ -29,6 +29,8 @@ class OutputProcessor:
         seq.token_ids.append(token)
         seq.record_version(weight_version)
         seq.cumulative_logprob += result.logprob
+        if params.return_sampling_mask:
+            seq.sampling_mask.append(result.kept)
         if params.logprobs is not None:
             entry = {token: Logprob(result.logprob, result.rank, self.detokenizer.token_text(token))}
             for rank, (tid, lp) in enumerate(
@@ -86,6 +88,7 @@ class OutputProcessor:
             if text is None:
                 text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
             tokens, logprobs = list(seq.output_token_ids), (seq.logprobs if params.logprobs is not None else None)
+            masks = seq.sampling_mask if params.return_sampling_mask else None
             if delta:
                 ready = len(text)
                 if seq.finish_reason is None:
@@ -96,6 +99,7 @@ class OutputProcessor:
                 start, seq.streamed_tokens = seq.streamed_tokens, len(tokens)
                 tokens = tokens[start:]
                 logprobs = logprobs[start:] if logprobs is not None else None
+                masks = masks[start:] if masks is not None else None
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
@@ -110,6 +114,10 @@ class OutputProcessor:
                     spec_stats=SpecStats(seq.num_proposed, seq.num_accepted, seq.num_spec_steps)
                     if self.speculative
                     else None,
+                    routed_experts=seq.routes.array(len(seq) - 1)
+                    if seq.routes is not None and seq.finish_reason is not None
+                    else None,
+                    sampling_mask=SamplingMask.of(masks) if masks is not None else None,
                 )
             )
         return RequestOutput(

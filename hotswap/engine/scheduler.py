@@ -201,6 +201,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.request.drop_partial_prompt_logprobs()  # recomputed with the prompt (on the weights of then)
+        seq.drop_routes_before_output()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from hotswap.engine.model_input import PromptLogprobs
+from hotswap.engine.routes import RouteLog
 from hotswap.outputs import Logprob
 from hotswap.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class Sequence:
         self.cache_salt: int | None = None  # prefix-cache salt of its block hash chain (salt policy)
         self.streamed_tokens = 0  # output tokens already delivered as deltas
         self.streamed_text = 0  # characters of text already delivered as deltas
+        self.routes: RouteLog | None = RouteLog() if request.record_routes else None
+        self.sampling_mask: list[list[int] | None] = []  # per output token, with return_sampling_mask
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -67,6 +70,13 @@ class Sequence:
         else:
             self.weight_versions.append([version, end - 1, end])
 
+    def drop_routes_before_output(self) -> None:
+        """On preemption: routes recorded by passes that sampled nothing yet (a prompt part-way through, or whole
+        but not sampled) are recomputed with the prompt, on the weights of then; once a token is out, the rows
+        that led to it stay (see hotswap/engine/routes.py)."""
+        if self.routes is not None and not self.started:
+            self.routes = RouteLog()
+
     @property
     def started(self) -> bool:
         """Whether it has produced output (so it is in flight, even if preempted)."""
@@ -83,6 +93,8 @@ class Sequence:
         child.logprobs = list(self.logprobs)
         child.weight_versions = [list(span) for span in self.weight_versions]
         child.cache_salt = self.cache_salt
+        child.routes = self.routes.copy() if self.routes is not None else None
+        child.sampling_mask = list(self.sampling_mask)
         return child
 
 
@@ -102,6 +114,13 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None  # complete, once its prompt ran (when asked for)
     partial_prompt_logprobs: PromptLogprobs | None = None  # those of the prompt's chunks that ran so far
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
+    record_routes: bool = False  # its sequences keep their routed experts (a mixture-of-experts model)
+
+    @property
+    def forced_routes(self) -> bool:
+        """Whether some of its tokens run on given experts: its KV is its own, never shared through the prefix
+        cache in either direction."""
+        return self.params.forced_routed_experts is not None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -147,6 +147,11 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s feed-forward block; None: the dense MLP (mixture-of-experts models override this)."""
         return None
 
+    @classmethod
+    def routing_shape(cls, cfg: dict[str, Any]) -> tuple[int, int, int] | None:
+        """(sparse layers, top_k, experts) of a mixture-of-experts model of `cfg`; None: a dense model."""
+        return None
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

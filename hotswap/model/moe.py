@@ -17,6 +17,7 @@ from torch import nn
 from hotswap.model.layers.fused_moe import FusedMoE, route
 from hotswap.model.layers.linear import Linear
 from hotswap.model.llama import LlamaForCausalLM, LlamaMLP
+from hotswap.model.routing import Routing
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
@@ -48,9 +49,15 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, quantizable=False)
+        # set by `bind_routing` on the model a runner serves: recording and forced routes (hotswap/model/routing.py)
+        self.routing: Routing | None = None
+        self.routing_layer = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.routing is not None and (self.routing.record or self.routing.forced is not None):
+            weights, ids = self.routing.use(self.routing_layer, weights, ids, logits, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None  # built together
@@ -62,10 +69,20 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     qk_norm = True
     shared_expert = False
 
+    @staticmethod
+    def is_sparse(cfg: dict[str, Any], layer: int) -> bool:
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        return layer not in (cfg.get("mlp_only_layers") or []) and bool(num_experts(cfg)) and not (layer + 1) % step
+
+    @classmethod
+    def routing_shape(cls, cfg: dict[str, Any]) -> tuple[int, int, int] | None:
+        """(sparse layers, top_k, experts) of a model of `cfg`; None when no layer is sparse."""
+        layers = sum(cls.is_sparse(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        return (layers, int(cfg["num_experts_per_tok"]), num_experts(cfg)) if layers else None
+
     def mlp_for(self, layer: int) -> nn.Module | None:
         cfg = self.hf_config
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        if layer in (cfg.get("mlp_only_layers") or []) or not num_experts(cfg) or (layer + 1) % step:
+        if not self.is_sparse(cfg, layer):
             return None
         return SparseMoeBlock(
             cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
@@ -81,6 +98,11 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def routing_shape(cls, cfg: dict[str, Any]) -> tuple[int, int, int] | None:
+        """(sparse layers, top_k, experts): every layer is sparse."""
+        return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]), num_experts(cfg)
+
     def mlp_for(self, layer: int) -> nn.Module | None:
         cfg = self.hf_config
         return SparseMoeBlock(

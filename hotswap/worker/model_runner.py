@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
+from collections.abc import Iterator
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,6 +20,7 @@ from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
+from hotswap.model.routing import bind_routing, routes_dtype
 from hotswap.worker.decoder_stack import NativeDecoderStack
 
 
@@ -29,6 +33,7 @@ class ModelRunner:
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
         self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None
         self.stack = NativeDecoderStack(model)
+        self.routing = bind_routing(model)  # None for a dense model
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -114,17 +119,40 @@ class ModelRunner:
         hidden = self.hidden_states(input_ids, positions, query_lens, context_lens, block_tables)
         return None if rows is None else self.logits(hidden, rows)
 
+    @contextlib.contextmanager
+    def routes(self, seqs: list[int], query_lens: list[int], forced: torch.Tensor | None = None
+               ) -> Iterator[dict[int, np.ndarray]]:
+        """Around one forward pass over a flat batch of sequences with `query_lens`: forces `forced` routes and
+        records the routed experts; the dict yielded holds, after the pass, sequence i's rows for each i in `seqs`
+        ([query_lens[i], sparse layers, top_k], the smallest integer dtype). Nothing for a dense model."""
+        out: dict[int, np.ndarray] = {}
+        routing = self.routing
+        if routing is None or (not seqs and forced is None):
+            yield out
+            return
+        routing.record, routing.forced = bool(seqs), forced
+        try:
+            yield out
+            if seqs:
+                ids = routing.take().to(routes_dtype(routing.num_experts)).numpy()
+                starts = [0, *itertools.accumulate(query_lens)]
+                for i in seqs:
+                    out[i] = ids[starts[i] : starts[i + 1]].copy()
+        finally:
+            routing.clear()
+
     def execute(self, model_input: ModelInput) -> Samples:
         self.copy_blocks(model_input.block_copies)
         mi = model_input
         ends = list(itertools.accumulate(mi.query_lens))
-        hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
+        with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes:
+            hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
         prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask.targets, ask.top_k)
                   for ask in mi.prompt_logprobs}
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
-        return Samples(sample(logits, mi.sample_specs), prompt)
+        return Samples(sample(logits, mi.sample_specs), prompt, routes)
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:

@@ -61,11 +61,12 @@ class SpeculativeStep:
             query_lens.append(len(tokens))
             context_lens.append(length - 1 + len(tokens))
         rows = list(range(len(input_ids)))
-        logits = self.target.forward(input_ids, positions, query_lens, context_lens, mi.block_tables, rows)
+        with self.target.routes(mi.route_seqs, query_lens) as routes:  # decodes: past any forced prompt row
+            logits = self.target.forward(input_ids, positions, query_lens, context_lens, mi.block_tables, rows)
         assert logits is not None
         if self.parallel.rank != 0:
             return SpecOutput([], [])
-        return SpecOutput(verify(logits, proposals, draft_probs, spec.specs), [len(p) for p in proposals])
+        return SpecOutput(verify(logits, proposals, draft_probs, spec.specs), [len(p) for p in proposals], routes)
 
     def _draft_proposals(self, mi: ModelInput, spec: SpecInput) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Runs the draft: one pass over each sequence's catch-up tokens, then one pass per further proposal, for

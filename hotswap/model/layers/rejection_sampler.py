@@ -17,7 +17,16 @@ import torch
 
 from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
-from hotswap.model.layers.sampler import adjusted, banned, distribution, draw, results_for, uniform_for, uniforms_for
+from hotswap.model.layers.sampler import (
+    adjusted,
+    attach_masks,
+    banned,
+    distribution,
+    draw,
+    results_for,
+    uniform_for,
+    uniforms_for,
+)
 
 
 def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], torch.Tensor | None]:
@@ -108,7 +117,10 @@ def verify(
         counts.append(emitted)
         offset += len(props) + 1
     index = torch.tensor(rows, dtype=torch.long)
-    results = results_for(logits[index].log_softmax(dim=-1), torch.tensor(tokens_out), [flat[r] for r in rows])
+    emitted_specs = [flat[r] for r in rows]
+    results = results_for(logits[index].log_softmax(dim=-1), torch.tensor(tokens_out), emitted_specs)
+    if any(spec.return_mask for spec in emitted_specs):  # an emitted token's support is the target's (p_j's)
+        attach_masks(results, banned(adjusted(logits[index], emitted_specs), emitted_specs), emitted_specs)
     out = []
     start = 0
     for count in counts:

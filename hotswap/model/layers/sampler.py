@@ -91,7 +91,25 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
         temps = torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)
         probs = _filter(logits[rows] / temps[:, None], sub_specs).softmax(dim=-1)
         tokens[rows] = draw(probs, uniforms_for(sub_specs))
-    return results_for(logprobs, tokens, specs)
+    results = results_for(logprobs, tokens, specs)
+    attach_masks(results, logits, specs)
+    return results
+
+
+def attach_masks(results: list[SampleResult], logits: torch.Tensor, specs: list[SampleSpec]) -> None:
+    """Sets `kept` on the results whose spec asks for the sampling mask: the token ids left finite by
+    temperature, min-p, top-k and top-p over `logits` [R, V] (banned tokens and logit bias already applied),
+    None where that is the whole vocabulary. Greedy rows keep None: the argmax is no draw."""
+    rows = [r for r, s in enumerate(specs) if s.return_mask and s.temperature > 0]
+    if not rows:
+        return
+    index = torch.tensor(rows)
+    sub = [specs[r] for r in rows]
+    temps = torch.tensor([s.temperature for s in sub], dtype=logits.dtype)
+    finite = torch.isfinite(_filter(logits[index] / temps[:, None], sub))
+    full = finite.all(dim=-1).tolist()
+    for j, r in enumerate(rows):
+        results[r].kept = None if full[j] else finite[j].nonzero().squeeze(1).tolist()
 
 
 def results_for(logprobs: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
