@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ def replay_routes(model: nn.Module, routed_experts: Any, input_shape: tuple[int,
     found = routers(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts router (*TopKRouter) to replay")
-    top_k = int(getattr(found[0], "top_k"))
+    top_k = int(cast(Any, found[0]).top_k)
     batch, length = input_shape
     forced = _as_tensor(routed_experts, batch, length, len(found), top_k)
     saved = [router.__dict__.get("forward") for router in found]  # an instance's own forward, if it had one
