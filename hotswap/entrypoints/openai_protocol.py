@@ -9,6 +9,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hotswap.entrypoints.replay_wire import forced_routes, mask_lists, npy_base64
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 
@@ -71,6 +72,9 @@ class _Request(BaseModel):
     cache_salt: str | None = None
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = Field(None, ge=-1)
+    return_routed_experts: bool = False
+    return_sampling_mask: bool = False
+    forced_routed_experts: Any = None
 
 
 class CompletionRequest(_Request):
@@ -160,7 +164,20 @@ def sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         output_kind="delta" if request.stream else "cumulative",
+        return_routed_experts=request.return_routed_experts,
+        return_sampling_mask=request.return_sampling_mask,
+        forced_routed_experts=forced_routes(request.forced_routed_experts),
     )
+
+
+def replay_fields(c: CompletionOutput) -> dict[str, Any]:
+    """A choice's `routed_experts` (once finished) and `sampling_mask`, where the request asked for them."""
+    fields: dict[str, Any] = {}
+    if c.routed_experts is not None:
+        fields["routed_experts"] = npy_base64(c.routed_experts)
+    if c.sampling_mask is not None:
+        fields["sampling_mask"] = mask_lists(c.sampling_mask)
+    return fields
 
 
 def new_id(prefix: str) -> str:
@@ -297,6 +314,7 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         "weight_versions": spans(c, shape),
+        **replay_fields(c),
     }
     if shape.token_ids:
         choice["token_ids"] = [] if shape.drop_output else list(c.token_ids)
@@ -339,6 +357,7 @@ def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, s
                 "stop_reason": c.stop_reason,
                 "weight_versions": spans(c, shape),
                 **({"token_ids": list(c.token_ids)} if shape.token_ids else {}),
+                **replay_fields(c),
             }
             for c in out.outputs
         ],

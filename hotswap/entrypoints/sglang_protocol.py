@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from hotswap.entrypoints.openai_protocol import span_object
+from hotswap.entrypoints.replay_wire import int32_base64, sglang_mask
 from hotswap.outputs import CompletionOutput, RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -31,6 +32,10 @@ class GenerateBody(_Lenient):
     top_logprobs_num: int = Field(0, ge=0)
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)  # rows before it are not returned (the caller holds them)
+    return_sampling_mask: bool = False
+    forced_routed_experts: Any = None
 
 
 class PauseGenerationBody(_Lenient):
@@ -93,8 +98,12 @@ _IGNORED = ("spaces_between_special_tokens", "no_stop_trim", "stream_interval")
 
 def sampling_params(raw: dict[str, Any], vocab: int) -> SamplingParams:
     """SGLang's sampling_params as SamplingParams. Raises ValueError naming a field that would change the output
-    and is not supported."""
+    and is not supported. `custom_params.return_top_p_token_ids` asks for the sampling mask (slime's key)."""
     fields: dict[str, Any] = {"max_tokens": 128}  # SGLang's default max_new_tokens
+    custom = dict(raw.get("custom_params") or {})
+    if isinstance(custom, dict) and "return_top_p_token_ids" in custom:
+        fields["return_sampling_mask"] = bool(custom.pop("return_top_p_token_ids"))
+        raw = {**raw, "custom_params": custom}
     for key, value in raw.items():
         if key in _REFUSED and value not in (None, False, {}, ""):
             raise ValueError(f"sampling_params.{key} is not supported by this server (it would change the output)")
@@ -154,6 +163,12 @@ def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_o
                 [None if plp[i] is None else plp[i][ids[i]].logprob, ids[i], text(ids[i])]  # type: ignore[index]
                 for i in range(start, len(ids))
             ]
+    if c.routed_experts is not None:
+        start = min(body.routed_experts_start_len, len(c.routed_experts))
+        meta["routed_experts"] = int32_base64(c.routed_experts[start:])
+        meta["routed_experts_start_len"] = start
+    if c.sampling_mask is not None:
+        meta.update(sglang_mask(c.sampling_mask))
     result: dict[str, Any] = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
     if body.return_prompt_token_ids:
         result["prompt_token_ids"] = list(out.prompt_token_ids)

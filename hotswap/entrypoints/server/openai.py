@@ -162,6 +162,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
                 "logprobs": oai.chat_logprobs(c, top_n, shape),
                 "finish_reason": c.finish_reason,
                 "weight_versions": oai.spans(c, shape),
+                **oai.replay_fields(c),
             }
             if shape.token_ids:
                 choice["token_ids"] = list(c.token_ids)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import hotswap.entrypoints.server.generation as generation
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.replay_wire import forced_routes
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.sglang_protocol import (
     AbortBody,
@@ -117,6 +118,9 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
             params.logprobs = body.top_logprobs_num
             if body.logprob_start_len >= 0:
                 params.prompt_logprobs = body.top_logprobs_num
+        params.return_routed_experts = body.return_routed_experts
+        params.return_sampling_mask = params.return_sampling_mask or body.return_sampling_mask
+        params.forced_routed_experts = forced_routes(body.forced_routed_experts)
         params.__post_init__()
         state.check_limits(params.stop, params)
     except (ValueError, TypeError) as err:

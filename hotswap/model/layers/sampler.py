@@ -42,7 +42,9 @@ def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # rows with top_p 1 keep everything top-k left (float rounding can make the mass ahead of a token of
+        # negligible probability reach 1)
+        drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
