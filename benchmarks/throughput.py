@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,6 +106,8 @@ class HotswapRunner:
         start = time.perf_counter()
         self.llm = LLM(path, dtype="float32")
         self.ready = time.perf_counter() - start
+        self.extra: dict[str, Any] = {}  # more SamplingParams fields (e.g. return_routed_experts)
+        self.last: list[Any] = []  # the outputs of the latest run
 
     def warm_up(self, prompts: list[list[int]], max_tokens: int) -> None:
         self.run(prompts[:4], max_tokens)
@@ -112,11 +115,12 @@ class HotswapRunner:
     def run(self, prompts: list[list[int]], max_tokens: int) -> float:
         """Tokens per second of one `generate` over `prompts`, starting from an empty prefix cache."""
         self.llm.reset_prefix_cache()  # a repetition must not reuse the previous one's prompt blocks
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **self.extra)
         start = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        self.last = outs
         return len(prompts) * max_tokens / elapsed
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import random
 from pathlib import Path
 
@@ -118,9 +119,10 @@ def test_blocks_cached_without_routes_are_computed_again_for_a_request_that_want
     assert generate(llm, PROMPTS[:1], ROUTES)[0].num_cached_tokens > 0  # now cached with its routes
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("scenario", ["chunked", "preempted", "ngram", "n2_seeded"])
-def test_routes_hold_through_scheduling(moe, scenario):
-    path = moe["qwen3_moe"]
+def test_routes_hold_through_scheduling(moe, scenario, arch):
+    path = moe[arch]
     kwargs: dict = {"kv_cache_memory_bytes": KV}
     params = ROUTES
     if scenario == "chunked":
@@ -341,6 +343,16 @@ def test_http_shapes_decode_as_slime_and_verl_decode_them(moe):
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
         assert meta["routed_experts_start_len"] == 5
         assert np.array_equal(flat.reshape(-1, layers, top_k), reference.routed_experts[5:].astype(np.int32))
+        # streamed: the routes come with the final chunk only
+        chunks = []
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:])["choices"][0])
+        assert [("routed_experts" in c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert chunks[-1]["finish_reason"] == "length"
+        streamed = np.load(io.BytesIO(base64.b64decode(chunks[-1]["routed_experts"])), allow_pickle=False)
+        assert np.array_equal(streamed, reference.routed_experts)
         # sampling masks: vLLM's per-token lists and SGLang's CSR (slime's custom_params key)
         body = {**body, "temperature": 1.0, "top_k": 7, "seed": 2, "return_sampling_mask": True,
                 "return_routed_experts": False}

@@ -168,6 +168,9 @@ class Request:
         while len(self.seqs) < self.params.n:
             child = Sequence(self, len(self.seqs), self.prompt_token_ids)
             child.finish_reason, child.status = finish_reason, SequenceStatus.FINISHED
+            first = self.seqs[0].routes
+            if first is not None:  # the prompt's rows computed so far, as each sibling would have had them
+                child.routes = first.copy()
             self.seqs.append(child)
 
     @property
