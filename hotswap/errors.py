@@ -4,3 +4,9 @@
 class EngineUnavailable(RuntimeError):
     """The engine cannot take requests now (asleep, paused, or no replica routable); retry after wake_up /
     resume_generation. HTTP: 503 with Retry-After."""
+
+
+class EngineUnresponsive(RuntimeError):
+    """A liveness check (`check_liveness`) got no answer in time: the engine did not come between steps, or a
+    worker did not answer (a worker that misses the deadline is declared dead: its channel is out of step). HTTP:
+    503 with `engine_unresponsive`."""

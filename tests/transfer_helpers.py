@@ -70,12 +70,14 @@ class Pusher:
         else:
             self.llm.init_weight_transfer_engine(info)
 
-    def update(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """One update_weights call of an open session; raises what the engine raises."""
+    def update(self, named: list[tuple[str, torch.Tensor]], extra: dict | None = None) -> None:
+        """One update_weights call of an open session (`extra`: more update_info fields, e.g. a delta's encoding);
+        raises what the engine raises."""
+        extra = extra or {}
         if self.backend == "tensors":
-            self.llm.update_weights(tensors_update_info(named))
+            self.llm.update_weights({**tensors_update_info(named), **extra})
         elif self.backend == "shm":
-            self.llm.update_weights(self.shm.write(named))
+            self.llm.update_weights({**self.shm.write(named), **extra})
         elif self.backend == "disk":
             self.count += 1
             folder = Path(self.tmp.name) / f"u{self.count}"
@@ -88,9 +90,9 @@ class Pusher:
                 target[n] = t.contiguous()
             for i, f in enumerate(files):
                 save_file(f, str(folder / f"model-{i:05d}.safetensors"))
-            self.llm.update_weights({"path": str(folder)})
+            self.llm.update_weights({"path": str(folder), **extra})
         else:
-            info = self.dist.update_info(named)
+            info = {**self.dist.update_info(named), **extra}
             errors: list[BaseException] = []
 
             def send() -> None:
@@ -108,9 +110,10 @@ class Pusher:
             if errors:  # the engine took the update, so the trainer's side must have succeeded too
                 raise errors[0]
 
-    def push(self, named: list[tuple[str, torch.Tensor]], weight_version: int | None = None) -> None:
+    def push(self, named: list[tuple[str, torch.Tensor]], weight_version: int | None = None,
+             extra: dict | None = None) -> None:
         self.llm.start_weight_update()
-        self.update(named)
+        self.update(named, extra)
         self.llm.finish_weight_update(weight_version)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -17,7 +18,7 @@ from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
-from hotswap.errors import EngineUnavailable
+from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -230,6 +231,30 @@ class AsyncLLMEngine:
     export_weights = _between_steps(WeightsController.export_weights)
     adopt_weights = _between_steps(WeightsController.adopt_weights)
     shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine)
+
+    async def check_liveness(self, timeout_s: float = 5.0) -> float:
+        """Waits (up to `timeout_s`) for the engine to come between steps, then makes a no-op round trip through
+        every worker within the time left; returns the seconds it all took. Raises EngineUnresponsive otherwise
+        (a step that does not end, a worker that does not answer)."""
+        self._ensure_loop()
+        assert self._lock is not None and self._wake is not None
+        start = time.monotonic()
+        lock = self._lock
+        acquiring = asyncio.ensure_future(lock.acquire())
+        done, _ = await asyncio.wait({acquiring}, timeout=timeout_s)
+        if not done:
+            acquiring.cancel()
+            # it may have taken the lock as it was cancelled: then give it back
+            acquiring.add_done_callback(lambda t: lock.release() if not t.cancelled() and t.exception() is None
+                                        else None)
+            raise EngineUnresponsive(f"the engine did not come between steps within {timeout_s:g} s")
+        try:
+            left = max(0.05, timeout_s - (time.monotonic() - start))
+            await asyncio.to_thread(self.engine.check_liveness, left)
+        finally:
+            lock.release()
+            self._wake.set()
+        return time.monotonic() - start
 
     async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         await self._locked(self.engine.update_config, overrides)

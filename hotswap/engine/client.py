@@ -109,7 +109,12 @@ class EngineClient(Protocol):
         weights_iterator: Any = None,
         target: str = "model",
         weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
     ) -> None: ...
+
+    async def check_liveness(self, timeout_s: float = 5.0) -> float: ...
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from hotswap.engine.sequence import Request, Sequence
 from hotswap.engine.speculator import Speculator
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
+from hotswap.errors import EngineUnresponsive
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
 from hotswap.model.registry import model_class
@@ -462,6 +464,17 @@ class LLMEngine:
         if problem is None and not self.weights.valid and not self.is_asleep():
             problem = "the weights are invalid (a failed update, or sleep(2)); reload_weights() restores them"
         return problem
+
+    def check_liveness(self, timeout_s: float) -> float:
+        """A no-op round trip through every worker (`weight_state`), bounded by `timeout_s` where the executor can
+        bound it (worker processes); returns its seconds. Raises EngineUnresponsive when a worker does not answer
+        in time (the executor is then broken: `health_problem` says so)."""
+        start = time.monotonic()
+        try:
+            self.executor.collective_rpc("weight_state", timeout=timeout_s)
+        except Exception as err:
+            raise EngineUnresponsive(f"a worker did not answer a liveness round trip: {err}") from err
+        return time.monotonic() - start
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies a live config change to the engine and every worker together: validated here first (the same

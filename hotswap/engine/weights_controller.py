@@ -16,12 +16,13 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
+from hotswap.engine.canary import Canary, score
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
@@ -191,6 +192,12 @@ class WeightsController:
                 raise ValueError("update_info given per worker must hold one identical declaration per worker "
                                  "(the session was rolled back)")
             update_info = update_info[0]
+        if isinstance(update_info, dict) and update_info.get("base_version") is not None:
+            try:
+                self.check_base(update_info["base_version"])
+            except ValueError as err:
+                self._session_rpc("abort_weight_update")  # like any failed update, it ends the session
+                raise ValueError(f"{err} (the session was rolled back)") from None
         if isinstance(update_info, dict) and self.last_update_info is not None and _empty_declaration(update_info):
             update_info = {**self.last_update_info, **{k: v for k, v in update_info.items() if v}}
         self._session_rpc("update_weights", update_info)
@@ -241,16 +248,33 @@ class WeightsController:
             except Exception:  # the workers are gone: health_problem reports the executor's reason
                 pass
 
+    def check_base(self, base_version: VersionArg) -> None:
+        """Raises ValueError when a delta declares a base version other than the served one (a delta applies only
+        on top of the weights it was computed against). None: no check."""
+        if base_version is None:
+            return
+        number, label = parse_version(base_version, "base_version")
+        current = self.current_label
+        if (number is not None and number != self.version) or (number is None and label != current):
+            raise ValueError(f"this delta applies on top of version {str(base_version)!r}, but the engine serves "
+                             f"version {current!r} (version id {self.version}); send a full update, or a delta "
+                             f"against {current!r}")
+
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       target: str = "model", weight_version: VersionArg = None) -> None:
+                       target: str = "model", weight_version: VersionArg = None, encoding: str | None = None,
+                       base_version: VersionArg = None, checksums: dict[str, str] | None = None) -> None:
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
         records a new folder only after every worker loaded it. Advances the weight version on success; `target`
         "draft" reloads the speculative draft instead, which then counts as updated for the current version.
-        `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version."""
+        `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version. `encoding`
+        (xor, sparse, overwrite: hotswap/weights/delta.py) reads the tensors as a delta, refused unless
+        `base_version` (when given) is the served version; `checksums` are the trainer's SHA-256 of each result,
+        verified before the commit."""
         self.check_can_change("reload_weights")
         check_target(target, ("model", "draft"), "reload_weights target")
         parse_version(weight_version)
+        self.check_base(base_version)
         if target == "draft" and weight_version is not None:
             raise ValueError("weight_version names a new version of the model; a draft reload keeps the current one")
         if target == "draft" and self.config.draft_model_config is None:
@@ -260,7 +284,7 @@ class WeightsController:
         ok = False
         try:
             self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
-                            target=target)
+                            target=target, **_delta_kwargs(encoding, checksums))
             ok = True
         finally:
             self._weights_changed(failed=not ok)
@@ -272,29 +296,48 @@ class WeightsController:
                 self.config.speculative_config.model = self.config.draft_model_config.model = str(weights_path)
             self.draft_version = self.version
             return
-        if weights_path is not None:
+        if weights_path is not None and encoding in (None, "full"):  # a folder of deltas is not the model's
             self._record_model_folder(str(weights_path))
         self._advance_version(weight_version)
 
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
+                             canary: Any = None) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
-        cache is invalidated and the version advances (or takes `weight_version`: an integer or a label)."""
+        cache is invalidated and the version advances (or takes `weight_version`: an integer or a label).
+        `canary` (hotswap/engine/canary.py): probes scored with the new weights before the commit; a probe that
+        fails rolls every rank back and raises ValueError naming it."""
         self.check_session(session_token)
         parse_version(weight_version)
         if self.prepared is not None:
             raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
+        probes = self._canary(canary)
         ok = False
         try:
-            self._two_phase("finish_weight_update")
+            if probes is None:
+                self._two_phase("finish_weight_update")
+            else:
+                self._prepare("finish_weight_update", {}, probes)
+                self.executor.collective_rpc("finish_weight_update")
             ok = True
         finally:
             self._end()
             self._weights_changed(failed=not ok)
         self._versions_after_commit(weight_version)
 
+    def _canary(self, canary: Any) -> Canary | None:
+        """The parsed canary (None: none given). A malformed one ends the session (rolled back), as any failed
+        update does."""
+        if canary is None:
+            return None
+        try:
+            return Canary.parse(canary, self.config.model_config.hf_config["vocab_size"])
+        except ValueError as err:
+            self._session_rpc("abort_weight_update")
+            raise ValueError(f"{err} (the session was rolled back)") from None
+
     # ---- two-phase changes for a fleet of engines ------------------------------------------------------------
 
-    def prepare_weight_update(self, session_token: str | None = None) -> None:
+    def prepare_weight_update(self, session_token: str | None = None, canary: Any = None) -> None:
         """Phase one of finishing the open session: every worker post-processes what it received and keeps its
         rollback copies (nothing can fail after this but the process itself). The session stays open, serving
         nothing new, until `commit_weight_update()` or `abort_weight_update()`. A failure rolls every rank back
@@ -304,25 +347,34 @@ class WeightsController:
             raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
         if self.prepared is not None:
             raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
-        self._prepare("finish_weight_update", {})
+        self._prepare("finish_weight_update", {}, self._canary(canary))
         self.prepared = ("session", None)
 
-    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None) -> None:
+    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None,
+                       encoding: str | None = None, base_version: VersionArg = None,
+                       checksums: dict[str, str] | None = None) -> None:
         """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
         place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
         or `abort_weight_update()`. A failure rolls every rank back."""
         self.check_can_change("reload_weights")
         if self.engine.state is EngineState.UPDATING:
             raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
+        self.check_base(base_version)
         if weights_iterator is not None:
             weights_iterator = list(weights_iterator)
         self.engine.enter_state(EngineState.UPDATING)
-        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator})
-        self.prepared = ("reload", None if weights_path is None else str(weights_path))
+        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator,
+                                         **_delta_kwargs(encoding, checksums)})
+        folder = None if weights_path is None or encoding not in (None, "full") else str(weights_path)
+        self.prepared = ("reload", folder)  # a folder of deltas is not recorded as the model's
 
-    def _prepare(self, method: str, kwargs: dict[str, Any]) -> None:
+    def _prepare(self, method: str, kwargs: dict[str, Any], canary: Canary | None = None) -> None:
+        """Phase one on every worker, then the canary's probes on the prepared weights; any failure rolls every
+        rank back and ends the update."""
         try:
             self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
+            if canary is not None:
+                canary.check(score(cast(Any, self.engine), canary.token_ids))
         except BaseException:
             try:
                 self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too
@@ -431,6 +483,11 @@ class WeightsController:
 
 
 _DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
+
+
+def _delta_kwargs(encoding: str | None, checksums: dict[str, str] | None) -> dict[str, Any]:
+    """The worker's reload_weights keywords of a delta (none for a plain reload: older workers' signature)."""
+    return {k: v for k, v in (("encoding", encoding), ("checksums", checksums)) if v is not None}
 
 
 def _empty_declaration(update_info: dict[str, Any]) -> bool:

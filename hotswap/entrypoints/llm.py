@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.weights_controller import WeightsController
-from hotswap.errors import EngineUnavailable
+from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
@@ -65,6 +65,16 @@ class _HandoverLock:
 
     def __exit__(self, *exc: object) -> None:
         self.raw.release()
+
+    def acquire(self, timeout: float) -> bool:
+        """`with lock:`'s entry, giving up after `timeout` seconds (False: not taken)."""
+        with self._count:
+            self._waiting += 1
+        try:
+            return self.raw.acquire(timeout=timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
 
     @property
     def waiting(self) -> int:
@@ -261,16 +271,35 @@ class LLM:
         weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         target: str = "model",
         weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
     ) -> None:
         """Updates the weights in place from a checkpoint folder, from (name, tensor) pairs (e.g. a trainer's
         `model.named_parameters()`), or from the current folder. Advances the weight version on success (or
         takes `weight_version`: an integer or a label).
-        `target` "draft": the speculative draft model's weights (its own names) instead."""
+        `target` "draft": the speculative draft model's weights (its own names) instead. `encoding` "xor",
+        "sparse" or "overwrite": the tensors are a delta (docs/weight-sync.md), refused unless `base_version`
+        (when given) is the served version; `checksums`: the trainer's SHA-256 of each result, verified before
+        the commit (a mismatch rolls back)."""
         with self._lock:
             self.llm_engine.weights.reload_weights(
                 weights_path=weights_path, weights_iterator=weights_iterator, target=target,
-                weight_version=weight_version,
+                weight_version=weight_version, encoding=encoding, base_version=base_version, checksums=checksums,
             )
+
+    def check_liveness(self, timeout_s: float = 5.0) -> float:
+        """A no-op round trip through every worker, once the engine is between steps; returns its seconds.
+        Raises EngineUnresponsive when that takes longer than `timeout_s` (a worker that misses the deadline is
+        declared dead, as any call that outlives its timeout)."""
+        start = time.monotonic()
+        if not self._lock.acquire(timeout_s):
+            raise EngineUnresponsive(f"the engine did not come between steps within {timeout_s:g} s")
+        try:
+            self.llm_engine.check_liveness(max(0.05, timeout_s - (time.monotonic() - start)))
+        finally:
+            self._lock.raw.release()
+        return time.monotonic() - start
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""

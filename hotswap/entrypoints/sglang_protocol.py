@@ -42,7 +42,15 @@ class PauseGenerationBody(_Lenient):
     mode: str = Field(default="abort", pattern="^(abort|retract|in_place)$")
 
 
-class DiskBody(_Lenient):
+class _Delta(_Lenient):
+    """A delta update's fields (hotswap/weights/delta.py), on SGLang's weight routes."""
+
+    encoding: str | None = Field(default=None, pattern="^(full|overwrite|xor|sparse)$")
+    base_version: StrictStr | StrictInt | None = None
+    checksums: dict[str, str] | None = None
+
+
+class DiskBody(_Delta):
     model_path: str
     load_format: str | None = None
     weight_version: StrictStr | StrictInt | None = None
@@ -59,7 +67,7 @@ class GroupBody(_Lenient):
     backend: str = "nccl"
 
 
-class DistributedBody(_Lenient):
+class DistributedBody(_Delta):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]

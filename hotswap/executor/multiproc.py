@@ -143,7 +143,7 @@ class MultiprocExecutor(Executor):
 
     def _break(self, reason: str) -> None:
         self.broken = reason
-        _stop(self.processes, self.conns)
+        _stop(self.processes, self.conns, grace_s=0.5)  # out of step: no worker is expected to answer
         raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
 
     def interrupt_waits(self) -> None:
@@ -164,8 +164,9 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> None:
-    """Asks workers to exit, then terminates the ones that do not."""
+def _stop(processes: list[subprocess.Popen[bytes]], conns: list[Connection], grace_s: float = 5.0) -> None:
+    """Asks workers to exit, then terminates the ones that do not within `grace_s`, then kills those that still
+    do not (a stopped or hung worker)."""
     for conn in conns:
         try:
             conn.send_bytes(cloudpickle.dumps(None))
@@ -173,11 +174,11 @@ def _stop(processes: list[subprocess.Popen[bytes]], conns: list[Connection]) -> 
             pass
     for proc in processes:
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.terminate()
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

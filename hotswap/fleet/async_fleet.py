@@ -177,6 +177,7 @@ class AsyncFleet:
                 await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
 
     # The fleet's verbs block (they wait on every replica): each runs in a worker thread.
+    check_liveness = _in_thread(Fleet.check_liveness)
     pause_generation = _in_thread(Fleet.pause_generation)
     resume_generation = _in_thread(Fleet.resume_generation)
     sleep = _in_thread(Fleet.sleep)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from hotswap.config import apply_overrides, live_overrides
-from hotswap.errors import EngineUnavailable
+from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.fleet.replicas import (
     FleetReplicas,
     FleetUpdateFailed,
@@ -280,11 +280,15 @@ class Fleet(FleetReplicas):
         weights_iterator: Iterable[tuple[str, Any]] | None = None,
         target: str = "model",
         weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
     ) -> None:
         """Reloads every replica in place, two-phase: all of them commit one new version (the next, or
         `weight_version`: an integer or a label), or none changes. As for one engine, requests in flight refuse
         it: pause first. With a folder, this also brings the fleet back when no replica holds its version any
-        more: the replicas restart from the folder."""
+        more: the replicas restart from the folder. `encoding` / `base_version` / `checksums`: a delta, as for
+        one engine (every replica holds the same weights, so one delta fits them all)."""
         parse_version(weight_version)
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
@@ -301,7 +305,10 @@ class Fleet(FleetReplicas):
             confirmed = True
             if members:
                 weights = None if weights_iterator is None else ray.put(list(weights_iterator))
-                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights, version=weight_version)
+                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights, encoding, base_version,
+                                            checksums, version=weight_version)
+            elif encoding not in (None, "full"):
+                raise ValueError("a delta needs a replica holding the weights it applies to; none does")
             elif not self._restart:
                 raise EngineUnavailable("no replica holds the fleet's weights and restart_replicas is off")
             with self._lock:  # before a restart is scheduled from it
@@ -443,6 +450,20 @@ class Fleet(FleetReplicas):
     def _check_no_session(self, method: str) -> None:
         if self._session is not None:
             raise RuntimeError(f"{method}() while a fleet weight-update session is open; finish or abort it first")
+
+    def check_liveness(self, timeout_s: float = 5.0) -> float:
+        """Every routable replica's `check_liveness` at once; returns the seconds it took. Raises
+        EngineUnresponsive when no replica answered in time (naming each one's reason); a replica that did not
+        answer at all is marked down and restarted, as for any call."""
+        start = time.monotonic()
+        members = self._current(required=False)
+        if not members:
+            raise EngineUnresponsive(f"no replica is routable: {self.health_problem()}")
+        results, errors = self._call(members, "check_liveness", timeout_s, timeout=timeout_s + 1.0)
+        if not results:
+            reasons = "; ".join(f"replica {i}: {_first_line(e)}" for i, e in sorted(errors.items()))
+            raise EngineUnresponsive(f"no replica answered a liveness round trip within {timeout_s:g} s ({reasons})")
+        return time.monotonic() - start
 
     def _current(self, required: bool = True) -> list[_Member]:
         """The replicas a weight change runs on: up and holding the fleet's version. With `required`, raises

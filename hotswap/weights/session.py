@@ -30,6 +30,7 @@ import torch
 
 from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, clear_interrupt, create_engine
+from hotswap.weights.delta import check_encoding, checked, decoded
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, prefixed_source
 
@@ -74,15 +75,17 @@ class WeightSession:
     # ---- one-shot loads ---------------------------------------------------------------------------------------
 
     def load(
-        self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True
+        self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True,
+        encoding: dict[str, Any] | None = None,
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
-        the update stays open with its rollback copies (see the two-phase commit above). Returns the update (its
-        `loaded_names`)."""
+        the update stays open with its rollback copies (see the two-phase commit above). `encoding`: the
+        source's delta encoding and checksums ({"encoding", "checksums"}, see hotswap/weights/delta.py). Returns
+        the update (its `loaded_names`)."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
         try:
-            update.apply(source, final=commit)
+            update.apply(encoded(source, encoding or {}, update), final=commit)
             update.finish(keep_copies=not commit)
         except BaseException as err:
             self._fail(update, err)
@@ -127,7 +130,8 @@ class WeightSession:
         assert engine is not None and update is not None
         try:
             source = selection.apply(engine.source(update_info))
-            return update.apply(prefixed_source(source, prefix) if prefix else source)
+            source = prefixed_source(source, prefix) if prefix else source
+            return update.apply(encoded(source, update_info, update))
         except BaseException as err:
             self._end()
             if not engine.survives_failure:
@@ -233,3 +237,11 @@ class WeightSession:
         if isinstance(err, Exception):
             raise WeightUpdateFailed(f"weight update failed: {err!r} ({outcome})") from err
         raise err
+
+
+def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate) -> WeightSource:
+    """`source` decoded from `info["encoding"]` and verified against `info["checksums"]` (both optional; an
+    update_info carries them, as `reload_weights` passes them)."""
+    encoding = check_encoding(info.get("encoding") if isinstance(info, dict) else None)
+    checksums = info.get("checksums") if isinstance(info, dict) else None
+    return checked(decoded(source, encoding, update.index, update.delta_names), update.index, checksums)

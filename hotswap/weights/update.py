@@ -203,6 +203,7 @@ class WeightUpdate:
         self.pending: set[str] = set()  # written modules whose post-processing has not run since
         self.loaded_names: set[str] = set()
         self.loaded_keys: set[tuple[str, object]] = set()
+        self.delta_names: set[str] = set()  # names a delta of this update applied to (each applies once)
         # atomic, but wrote without rollback copies (nothing was expected to fail after the first write): a
         # failure that happens anyway cannot be undone, and the caller must treat the weights as invalid
         self.unprotected = False

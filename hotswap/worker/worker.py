@@ -233,6 +233,8 @@ class Worker:
         weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         commit: bool = True,
         target: str = "model",
+        encoding: str | None = None,
+        checksums: dict[str, str] | None = None,
     ) -> int:
         """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
         success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
@@ -240,14 +242,20 @@ class Worker:
         failure behaviour. `commit` False keeps the update open with its rollback copies until
         `finish_weight_update()` or `abort_weight_update()` (how the engine makes worker processes change
         together), and leaves recording a new folder to the caller. `target` "draft" reloads the speculative draft
-        model instead (its own checkpoint names, in its config scope)."""
+        model instead (its own checkpoint names, in its config scope). `encoding` / `checksums`: the tensors are a
+        delta, and the trainer's digests of the results (hotswap/weights/delta.py)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         check_target(target, ("model", "draft"), "reload_weights target")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         config = self._config_of(target)
+        delta = encoding not in (None, "full")
         if weights_iterator is not None:
             source = pairs_source(weights_iterator)
+        elif delta:  # a folder of delta tensors: no config of its own, never the model's folder
+            if weights_path is None:
+                raise ValueError(f"encoding {encoding!r} needs the delta's tensors (weights_path or weights_iterator)")
+            source = folder_source(str(weights_path), complete=False)
         else:
             if weights_path is not None:
                 live_overrides(config, {"model_config": {"model": str(weights_path)}})  # same model shape
@@ -255,8 +263,9 @@ class Worker:
         if target == "draft":
             source = prefixed_source(source, DRAFT_PREFIX)
         wt = self.config.weight_transfer_config
-        update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit)
-        if weights_path is not None and commit:  # uncommitted: the engine records it once every rank committed
+        update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
+                                   encoding={"encoding": encoding, "checksums": checksums})
+        if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
 

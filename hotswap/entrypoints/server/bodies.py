@@ -40,6 +40,9 @@ class ReloadBody(_Body):
     weights_path: str | None = None
     target: str = Field(default="model", pattern="^(model|draft)$")
     weight_version: VersionField = None
+    encoding: str | None = Field(default=None, pattern="^(full|overwrite|xor|sparse)$")  # a folder of deltas
+    base_version: VersionField = None
+    checksums: dict[str, str] | None = None
 
 
 class InitBody(_Body):

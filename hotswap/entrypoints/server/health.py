@@ -1,7 +1,8 @@
-"""`/health` and `/metrics`, served without a key; and the metric names the server exports.
+"""`/health`, `/liveness` and `/metrics`, served without a key; and the metric names the server exports.
 
 `/health` answers 200 `{"status": "ok"}`, or 503 with the reason when the engine cannot serve (a dead worker,
-invalid weights). `/metrics` answers every metric in Prometheus' text format, reading the engine's figures
+invalid weights), without calling the workers. `/liveness` makes a round trip through them (see `liveness`).
+`/metrics` answers every metric in Prometheus' text format, reading the engine's figures
 (requests running, speculative decoding's counters, a fleet's replicas) when scraped.
 """
 
@@ -11,7 +12,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hotswap.entrypoints.metrics import Metrics
+from hotswap.entrypoints.openai_protocol import error_body
 from hotswap.entrypoints.server.state import StateDep
+from hotswap.errors import EngineUnresponsive
 from hotswap.fleet.async_fleet import AsyncFleet
 
 router = APIRouter()
@@ -86,6 +89,21 @@ async def health(state: StateDep) -> JSONResponse:
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/liveness")
+async def liveness(state: StateDep, timeout_s: float = 5.0) -> JSONResponse:
+    """A no-op round trip through every worker (every routable replica of a fleet) once the engine is between
+    steps, within `timeout_s` (query parameter, 0.1-60): 200 with its milliseconds, or 503 `engine_unresponsive`.
+    `/health` stays the cheap check (no worker call)."""
+    if not 0.1 <= timeout_s <= 60:
+        return JSONResponse(error_body(f"timeout_s must be in [0.1, 60], got {timeout_s}", "invalid_request_error",
+                                       400, "timeout_s"), status_code=400)
+    try:
+        seconds = await state.engine.check_liveness(timeout_s)
+    except EngineUnresponsive as err:
+        return JSONResponse(error_body(str(err), "engine_unresponsive", 503), status_code=503)
+    return JSONResponse({"status": "ok", "round_trip_ms": round(seconds * 1e3, 3)})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -258,7 +258,8 @@ async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: Engi
     resume = await paused(engine, body.abort_all_requests)
     try:
         _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path,
-                                                         weight_version=body.weight_version))
+                                                         weight_version=body.weight_version, encoding=body.encoding,
+                                                         base_version=body.base_version, checksums=body.checksums))
     finally:
         if resume:
             await engine.resume_generation()
@@ -311,7 +312,9 @@ async def end_weight_update(state: StateDep, engine: EngineDep) -> Any:
 
 @admin_router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> Any:
-    info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format}
+    info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format,
+            **{k: v for k, v in (("encoding", body.encoding), ("base_version", body.base_version),
+                                 ("checksums", body.checksums)) if v is not None}}
     try:
         parse_version(body.weight_version)  # checked before anything moves
     except ValueError as err:

@@ -70,7 +70,8 @@ async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dic
     start = time.perf_counter()
     body = body or ReloadBody()
     await state.guarded(state.engine.reload_weights(weights_path=body.weights_path, target=body.target,
-                                                    weight_version=body.weight_version))
+                                                    weight_version=body.weight_version, encoding=body.encoding,
+                                                    base_version=body.base_version, checksums=body.checksums))
     state.metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
     state.version_changed()
     return state.versions()

@@ -1,0 +1,235 @@
+"""Delta updates (docs/weight-sync.md): xor, sparse and overwrite deltas over every transport and through
+reload_weights, each bitwise equal to the full update it encodes; a delta on the wrong base version refused before
+anything moves; the trainer's checksums verified (a mismatch rolls back); fp8 layers re-quantized only where a
+delta wrote; the trainer's encoder skipping what did not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hotswap import LLM, SamplingParams
+from hotswap.transfer.checksum import tensor_sha256
+from hotswap.transfer.delta import DeltaEncoder, sparse_delta, xor_delta
+from hotswap.weights.delta import INDICES, VALUES
+from transfer_helpers import BACKENDS, Pusher
+
+KV = 1 << 22
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    return dict(load_file(str(path / "model.safetensors")))
+
+
+def perturbed(base: dict[str, torch.Tensor], fraction: float, seed: int, skip_every: int = 3
+              ) -> dict[str, torch.Tensor]:
+    """`base` with `fraction` of the elements of two in three tensors changed (the others identical)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, t) in enumerate(sorted(base.items())):
+        new = t.clone()
+        if i % skip_every:
+            mask = torch.rand(t.shape, generator=gen) < fraction
+            new[mask] += 0.01 * torch.randn(int(mask.sum()), generator=gen)
+        out[name] = new
+    return out
+
+
+def delta_of(encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+             ) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a sender sends for `encoding` (unchanged tensors left out)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name in sorted(new):
+        if torch.equal(old[name], new[name]):
+            continue
+        if encoding == "xor":
+            out.append((name, xor_delta(old[name], new[name])))
+        elif encoding == "sparse":
+            indices, values = sparse_delta(old[name], new[name])
+            out += [(name + INDICES, indices), (name + VALUES, values)]
+        else:
+            out.append((name, new[name]))
+    return out
+
+
+def sums(llm: LLM) -> dict[str, str]:
+    return llm.collective_rpc("weight_checksums")[0]
+
+
+def expected_sums(tensors: dict[str, torch.Tensor], llm: LLM) -> dict[str, str]:
+    return {name: tensor_sha256(tensors[name]) for name in sums(llm)}
+
+
+@pytest.fixture(scope="module")
+def states(ckpts):
+    a = tensors_of(ckpts["A"])
+    return {"A": a, "B": perturbed(a, 0.02, seed=0)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("encoding", ["xor", "sparse", "overwrite"])
+def test_a_delta_over_each_transport_equals_the_full_update(ckpts, states, backend, encoding):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    pusher = Pusher(llm, backend)
+    try:
+        named = delta_of(encoding, states["A"], states["B"])
+        pusher.push(named, extra={"encoding": encoding, "base_version": 0})
+    finally:
+        pusher.close()
+    assert sums(llm) == expected_sums(states["B"], llm)
+    assert llm.get_weight_version() == 1
+
+
+@pytest.mark.parametrize("encoding", ["xor", "sparse"])
+def test_reload_weights_takes_a_delta_and_generates_as_a_fresh_engine(ckpts, states, tmp_path, encoding):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    llm.reload_weights(weights_iterator=delta_of(encoding, states["A"], states["B"]), encoding=encoding,
+                       base_version=0, checksums={n: tensor_sha256(t) for n, t in states["B"].items()
+                                                  if not torch.equal(t, states["A"][n])})
+    assert sums(llm) == expected_sums(states["B"], llm)
+    folder = tmp_path / "B"
+    folder.mkdir()
+    for f in ckpts["A"].iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file({n: t.contiguous() for n, t in states["B"].items()}, str(folder / "model.safetensors"))
+    fresh = LLM(str(folder), kv_cache_memory_bytes=KV)
+    prompts = ["the quick brown fox", "hello world"]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in fresh.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_a_folder_of_deltas_reloads_by_path(ckpts, states, tmp_path):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    folder = tmp_path / "delta"
+    folder.mkdir()
+    save_file({n: t.contiguous() for n, t in delta_of("xor", states["A"], states["B"])},
+              str(folder / "model.safetensors"))
+    llm.reload_weights(weights_path=str(folder), encoding="xor", base_version="0")
+    assert sums(llm) == expected_sums(states["B"], llm)
+
+
+def test_a_delta_on_another_base_version_is_refused_before_anything_moves(ckpts, states):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    before = sums(llm)
+    named = delta_of("xor", states["A"], states["B"])
+    with pytest.raises(ValueError, match=r"applies on top of version '7'.*serves version '0'"):
+        llm.reload_weights(weights_iterator=named, encoding="xor", base_version=7)
+    pusher = Pusher(llm, "shm")
+    try:
+        with pytest.raises(ValueError, match=r"applies on top of version 'step-3'.*serves version '0'"):
+            pusher.push(named, extra={"encoding": "xor", "base_version": "step-3"})
+        assert sums(llm) == before and llm.get_weight_version() == 0
+        pusher.push(named, weight_version="step-1", extra={"encoding": "xor", "base_version": 0})
+        second = perturbed(states["B"], 0.01, seed=5)
+        pusher.push(delta_of("sparse", states["B"], second), extra={"encoding": "sparse",
+                                                                   "base_version": "step-1"})
+    finally:
+        pusher.close()
+    assert sums(llm) == expected_sums(second, llm)
+    assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+@pytest.mark.parametrize("backend", ["tensors", "shm"])
+def test_a_checksum_mismatch_rolls_back(ckpts, states, backend):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    before = sums(llm)
+    named = delta_of("xor", states["A"], states["B"])
+    checksums = {n: tensor_sha256(states["B"][n]) for n, _ in named}
+    checksums[named[0][0]] = tensor_sha256(states["A"][named[0][0]])  # the trainer meant another result
+    pusher = Pusher(llm, backend)
+    try:
+        with pytest.raises(ValueError, match=f"checksum mismatch.*{named[0][0]}.*restored"):
+            pusher.push(named, extra={"encoding": "xor", "checksums": checksums})
+    finally:
+        pusher.close()
+    assert sums(llm) == before and llm.get_weight_version() == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("dtype", "an xor delta of torch.float32 weights is torch.int32"),
+    ("shape", "wrong shape"),
+    ("twice", "sent twice in one delta update"),
+    ("values_alone", "without its indices"),
+    ("index_range", "sparse indices outside"),
+    ("encoding", "unknown encoding 'zstd'"),
+])
+def test_malformed_deltas_are_refused_and_change_nothing(ckpts, states, bad, message):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    before = sums(llm)
+    name = next(n for n, t in sorted(states["B"].items()) if not torch.equal(t, states["A"][n]))
+    xor = xor_delta(states["A"][name], states["B"][name])
+    indices, values = sparse_delta(states["A"][name], states["B"][name])
+    encoding, named = "xor", [(name, xor)]
+    if bad == "dtype":
+        named = [(name, xor.view(torch.float32))]
+    elif bad == "shape":
+        named = [(name, xor.reshape(-1))]
+    elif bad == "values_alone":
+        encoding, named = "sparse", [(name + VALUES, values)]
+    elif bad == "index_range":
+        encoding, named = "sparse", [(name + INDICES, indices + 10**9), (name + VALUES, values)]
+    elif bad == "encoding":
+        encoding = "zstd"
+    pusher = Pusher(llm, "tensors")
+    try:
+        llm.start_weight_update()
+        if bad == "twice":
+            pusher.update(named, {"encoding": encoding})
+            named = [(name, xor)]
+        with pytest.raises(ValueError, match=message):
+            pusher.update(named, {"encoding": encoding})
+            llm.finish_weight_update()
+    finally:
+        pusher.close()
+    assert sums(llm) == before
+
+
+def test_fp8_layers_take_whole_tensors_and_requantize_only_what_was_written(ckpts, states):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV, quantization="fp8")
+    before = sums(llm)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=r"fp8.*encoding .overwrite."):
+        llm.reload_weights(weights_iterator=[(name, xor_delta(states["A"][name], states["B"][name]))],
+                           encoding="xor")
+    assert sums(llm) == before
+    new = tensors_of(ckpts["B"])[name]  # other weights altogether: every fp8 value of it changes
+    llm.reload_weights(weights_iterator=[(name, new)], encoding="overwrite", base_version=0)
+    after = sums(llm)
+    changed = {n for n in after if after[n] != before[n]}
+    assert changed == {name}  # only the written projection was re-quantized (its scale lives with it)
+    reference = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV, quantization="fp8")
+    reference.reload_weights(weights_iterator=[(name, new)])
+    assert sums(reference)[name] == after[name]
+
+
+def test_the_trainer_encoder_sends_only_what_changed(ckpts, states):
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    pusher = Pusher(llm, "shm")
+    encoder = DeltaEncoder("sparse", dtype=torch.float32, checksums=True)
+    try:
+        state = states["A"]
+        for step in range(3):
+            named, extra = encoder.encode(state.items())
+            if step == 0:
+                assert "encoding" not in extra and encoder.last_bytes == encoder.last_full_bytes
+            else:
+                assert extra["encoding"] == "sparse" and extra["base_version"] == step
+                assert encoder.last_bytes < 0.2 * encoder.last_full_bytes
+            pusher.push(named, extra=extra)
+            encoder.committed(llm.get_weight_version())
+            assert sums(llm) == expected_sums(state, llm)
+            state = perturbed(state, 0.02, seed=10 + step)
+    finally:
+        pusher.close()
+    xor = DeltaEncoder("xor")
+    xor.encode(states["A"].items())
+    xor.committed(0)
+    named, extra = xor.encode(states["B"].items())
+    unchanged = [n for n in states["B"] if torch.equal(states["A"][n], states["B"][n])]
+    assert unchanged and not {n for n, _ in named} & set(unchanged)
+    assert all(t.dtype == torch.int32 for _, t in named)
