@@ -94,11 +94,15 @@ class AdminClient:
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: dict[str, Any] | None = None,
+        canary: dict[str, Any] | None = None,
     ) -> str:
         """Sends the tensors to the engine in one session and returns the new version's label (`weight_version`
         if given: an integer or a label; else the next integer, as a string). `backend` is
         "shm" (same host) or "torch_dist" (give `master_port` on first use; this process hosts the rendezvous).
-        `pause_mode` None skips pausing (the server refuses if requests are in flight)."""
+        `pause_mode` None skips pausing (the server refuses if requests are in flight). `delta`: the update_info
+        fields of a delta (`DeltaEncoder.encode`'s second result: encoding, base_version, checksums); `canary`:
+        probes the engine scores before it commits (hotswap/engine/canary.py)."""
         named = [(name, t.detach().cpu()) for name, t in named_tensors]
         self._connect(backend, master_address, master_port, bucket_size_bytes)
         if pause_mode is not None:
@@ -106,8 +110,9 @@ class AdminClient:
         try:
             token = self._call("POST", "/start_weight_update", {"target": "model"})["session_token"]
             try:
-                self._send(backend, named, token)
-                body = {"weight_version": weight_version, "session_token": token}
+                self._send(backend, named, token, delta or {})
+                body = {"weight_version": weight_version, "session_token": token,
+                        **({"canary": canary} if canary is not None else {})}
                 return str(self._call("POST", "/finish_weight_update", body)["weight_version"])
             except BaseException:
                 try:
@@ -156,13 +161,14 @@ class AdminClient:
                 raise errors[0]
         self._backend = backend
 
-    def _send(self, backend: str, named: list[tuple[str, torch.Tensor]], token: str) -> None:
+    def _send(self, backend: str, named: list[tuple[str, torch.Tensor]], token: str, extra: dict[str, Any]) -> None:
         if backend == "shm":
             assert self._shm is not None
-            self._call("POST", "/update_weights", {"update_info": self._shm.write(named), "session_token": token})
+            info = {**self._shm.write(named), **extra}
+            self._call("POST", "/update_weights", {"update_info": info, "session_token": token})
             return
         assert self._dist is not None
-        info = self._dist.update_info(named)
+        info = {**self._dist.update_info(named), **extra}
         errors: list[BaseException] = []
 
         def post() -> None:

@@ -418,14 +418,17 @@ class Fleet(FleetReplicas):
             if errors:
                 self._roll_back(members, errors, "update_weights")
 
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
+                             canary: Any = None) -> None:
         """Prepares the session's update on every replica, then commits it on all with one version (the fleet's
-        next, or `weight_version`: an integer or a label); if any replica fails to prepare, all roll back."""
+        next, or `weight_version`: an integer or a label); if any replica fails to prepare, all roll back.
+        `canary`: probes every replica scores on its prepared weights (hotswap/engine/canary.py); one that fails
+        anywhere rolls every replica back."""
         parse_version(weight_version)
         with self._change:
             members = self._session_members(session_token, "finish_weight_update")
             self._session = None
-            confirmed = self._two_phase(members, "prepare_weight_update", version=weight_version)
+            confirmed = self._two_phase(members, "prepare_weight_update", None, canary, version=weight_version)
             self._folder_current = False
             if not confirmed:
                 raise _no_commit(self.version)

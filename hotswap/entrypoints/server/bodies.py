@@ -61,6 +61,7 @@ class UpdateBody(_Body):
 class FinishBody(_Body):
     weight_version: VersionField = None  # a label (vLLM and SGLang send strings) or an integer
     session_token: str | None = None
+    canary: dict[str, Any] | None = None  # probes scored before the commit (hotswap/engine/canary.py)
 
 
 class RenameBody(_Body):

@@ -103,7 +103,7 @@ async def finish_weight_update(state: StateDep, body: FinishBody | None = None) 
         parse_version(body.weight_version)  # before anything moves; the session stays open for a retry
     except ValueError as err:
         raise ApiError(400, str(err)) from None
-    await state.guarded(state.engine.finish_weight_update(body.weight_version, body.session_token))
+    await state.guarded(state.engine.finish_weight_update(body.weight_version, body.session_token, body.canary))
     if state.update_started is not None:
         state.metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - state.update_started)
         state.update_started = None
