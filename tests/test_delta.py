@@ -233,3 +233,49 @@ def test_the_trainer_encoder_sends_only_what_changed(ckpts, states):
     unchanged = [n for n in states["B"] if torch.equal(states["A"][n], states["B"][n])]
     assert unchanged and not {n for n, _ in named} & set(unchanged)
     assert all(t.dtype == torch.int32 for _, t in named)
+
+
+def test_deltas_over_the_http_routes(ckpts, states, tmp_path):
+    """hotswap's session routes (AdminClient with a DeltaEncoder over shm), SGLang's /update_weights_from_disk
+    and vLLM's /reload_weights with a folder of deltas; a wrong base version is a 400 naming both versions."""
+    import httpx
+
+    from hotswap.entrypoints.client import AdminClient
+    from hotswap.testing import running_server
+
+    def folder(name: str, named: list[tuple[str, torch.Tensor]]) -> str:
+        where = tmp_path / name
+        where.mkdir()
+        save_file({n: t.contiguous() for n, t in named}, str(where / "model.safetensors"))
+        return str(where)
+
+    c = perturbed(states["B"], 0.02, seed=7)
+    d = perturbed(c, 0.02, seed=8)
+    with running_server(str(ckpts["A"]), "--admin-key", "k", "--kv-cache-memory-bytes", str(KV)) as (base, _):
+        client = AdminClient(base, admin_key="k")
+        headers = {"Authorization": "Bearer k"}
+        try:
+            encoder = DeltaEncoder("sparse", dtype=torch.float32, checksums=True)
+            for target in (states["B"], c):
+                named, extra = encoder.encode(target.items())
+                version = client.push_weights(named, delta=extra or None)
+                encoder.committed(version)
+            assert client.verify(list(c.items())) == []
+            assert encoder.last_bytes < 0.2 * encoder.last_full_bytes
+            # SGLang: a folder of xor deltas on top of the served version
+            served = client.get_weight_version()
+            body = {"model_path": folder("cd", delta_of("xor", c, d)), "encoding": "xor", "base_version": "nope"}
+            refused = httpx.post(f"{base}/update_weights_from_disk", json=body, headers=headers, timeout=60)
+            assert refused.status_code == 400 and "'nope'" in refused.text and f"'{served}'" in refused.text
+            assert client.verify(list(c.items())) == []
+            ok = httpx.post(f"{base}/update_weights_from_disk", json={**body, "base_version": served},
+                            headers=headers, timeout=60)
+            assert ok.status_code == 200 and ok.json()["success"], ok.text
+            assert client.verify(list(d.items())) == []
+            # vLLM-style /reload_weights with a sparse folder back to B
+            body = {"weights_path": folder("db", delta_of("sparse", d, states["B"])), "encoding": "sparse",
+                    "base_version": client.get_weight_version()}
+            assert httpx.post(f"{base}/reload_weights", json=body, headers=headers, timeout=60).status_code == 200
+            assert client.verify(list(states["B"].items())) == []
+        finally:
+            client.close()

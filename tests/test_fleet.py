@@ -424,3 +424,37 @@ def test_restarted_replicas_get_the_fleets_config_and_transport_and_a_folder_bri
     wait_routable(fleet)
     assert all(m.restored_from == "folder" for m in fleet.members)
     assert replica_serves(fleet, 0, ckpts["A"]) and replica_serves(fleet, 1, ckpts["A"])
+
+
+def test_a_delta_and_a_canary_reach_every_replica(fleet, ckpts, b_tensors):
+    """An xor delta on top of the fleet's version commits on both replicas exactly; one on another base is refused
+    by every replica; a canary that fails on the prepared weights rolls both back."""
+    from hotswap.transfer.checksum import tensor_sha256
+    from hotswap.transfer.delta import xor_delta
+    from hotswap.transfer.tensors import tensors_update_info
+
+    a = dict(load_a(ckpts))
+    b = dict(b_tensors)
+    base = fleet.get_weight_version()
+    delta = [(n, xor_delta(a[n], b[n])) for n in sorted(b)]
+    with pytest.raises(Exception, match="applies on top of version 'other'"):
+        fleet.reload_weights(weights_iterator=delta, encoding="xor", base_version="other")
+    fleet.reload_weights(weights_iterator=delta, encoding="xor", base_version=base)
+    held = same_weights(fleet)
+    assert all(held[n] == tensor_sha256(b[n]) for n in held)
+    fleet.init_weight_transfer_engine({"backend": "tensors"})
+    try:
+        fleet.start_weight_update()
+        fleet.update_weights(tensors_update_info(list(a.items())))
+        with pytest.raises(Exception, match="canary probe 0"):
+            fleet.finish_weight_update(canary={"token_ids": [[5, 6, 7, 8]], "max_nll": 0.01})
+    finally:
+        fleet.shutdown_weight_transfer_engine()
+    assert same_weights(fleet) == held
+    fleet.reload_weights(weights_iterator=list(a.items()))  # back to A for the tests after this one
+
+
+def load_a(ckpts) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return list(load_file(str(ckpts["A"] / "model.safetensors")).items())
