@@ -23,6 +23,8 @@ class DemoResult:
     update_ms: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     train_ms: list[float] = field(default_factory=list)
+    push_mb: list[float] = field(default_factory=list)  # bytes each RL push sent (a sparse delta), MB
+    full_mb: float = 0.0  # what a full push sends, MB
     checksums_ok: bool = True
     mismatched: list[str] = field(default_factory=list)
     random_init_reward: float = math.nan  # before any push

@@ -209,7 +209,7 @@ def run_demo(
             version = llm.get_weight_version()
             batch, outputs, tokens_per_s = _sample(llm, task, rng, prompts_per_step, group_size)
             _check_versions(outputs, version)
-            trainer.requests.put(("train", batch))
+            trainer.requests.put(("train", batch, llm.get_weight_version()))  # the base of its next delta
             info, sums, stats = trainer.receive("pushed")
             update_ms, bad = _apply_push(llm, info, sums)
             reward = _mean_reward(batch)
@@ -218,6 +218,8 @@ def run_demo(
             result.update_ms.append(update_ms)
             result.tokens_per_s.append(tokens_per_s)
             result.train_ms.append(stats["train_ms"])
+            result.push_mb.append(stats["push_bytes"] / 1e6)
+            result.full_mb = stats["full_bytes"] / 1e6
             result.max_logprob_gap = max(result.max_logprob_gap, stats["logprob_gap"])
             if bad:
                 result.checksums_ok, result.mismatched = False, bad
@@ -305,6 +307,11 @@ def _report(result: DemoResult, out: Path, steps: int, say: Callable[[str], None
             f"  update (engine start -> finish) median {statistics.median(result.update_ms):.1f} ms; rollouts median "
             f"{statistics.median(result.tokens_per_s):,.0f} tok/s; trainer step median "
             f"{statistics.median(result.train_ms):.0f} ms"
+        )
+        say(
+            f"  pushes as sparse deltas against the committed version: median {statistics.median(result.push_mb):.2f}"
+            f" MB of a full {result.full_mb:.2f} MB ({statistics.median(result.push_mb) / result.full_mb:.0%}; Adam "
+            "moves nearly every element each step, so most tensors travel whole)"
         )
         say(f"  greedy on 256 new prompts: {result.greedy_exact_match:.1%} copied exactly")
     if result.plot_path:

@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from hotswap.demo.task import CopyTask
+from hotswap.transfer.delta import DeltaEncoder
 
 _REPLY_TIMEOUT_S = 300.0  # longest wait for one trainer reply (its start-up and warm-up included)
 
@@ -63,6 +64,9 @@ class _Trainer:
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)  # the RL steps'
         self.sender = ShmSender()
+        # pushes are sparse deltas against what the engine committed (the first is full); Adam moves nearly every
+        # element each step, so most tensors still travel whole: the report shows how much a push saved
+        self.encoder = DeltaEncoder("sparse", dtype=torch.float32)
 
     def _completion_log_softmax(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For `sequences` [B, prompt_len + K]: the log-softmax at each completion position [B, K, V] and the
@@ -124,23 +128,29 @@ class _Trainer:
             "train_ms": (time.perf_counter() - start) * 1e3,
         }
 
-    def push(self) -> tuple[dict[str, Any], dict[str, str]]:
-        """Writes every parameter into the shared segment; returns (update_info, {name: sha256})."""
+    def push(self, committed: int | None) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
+        """Writes what changed since the engine's `committed` version (None: nothing committed yet, a full push)
+        into the shared segment; returns (update_info, {name: sha256 of every parameter}, bytes sent / full)."""
         from hotswap.transfer.checksum import tensor_sha256
 
+        if committed is not None:
+            self.encoder.committed(committed)
         named = [(name, p.detach()) for name, p in self.model.named_parameters()]  # a tied weight appears once
-        info = self.sender.write(named)
-        return info, {name: tensor_sha256(t) for name, t in named}
+        delta, extra = self.encoder.encode(named)
+        info = {**self.sender.write(delta), **extra}
+        sizes = {"push_bytes": float(self.encoder.last_bytes), "full_bytes": float(self.encoder.last_full_bytes)}
+        return info, {name: tensor_sha256(t) for name, t in named}, sizes
 
     def close(self) -> None:
         self.sender.close()
 
 
 def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> None:
-    """The trainer process. Requests: ("warmup",), ("train", RolloutBatch), ("stop",). Each of the first two is
-    answered ("pushed", update_info, checksums, stats) once the new weights are in shared memory; any failure is
-    answered ("error", traceback) and ends the process. The engine must finish `update_weights` for one push
-    before it sends the next request: the sender rewrites its buffer in place."""
+    """The trainer process. Requests: ("warmup",), ("train", RolloutBatch, committed version), ("stop",). Each of
+    the first two is answered ("pushed", update_info, checksums, stats) once the new weights are in shared memory
+    (a delta against the version the engine committed from the previous push); any failure is answered ("error",
+    traceback) and ends the process. The engine must finish `update_weights` for one push before it sends the
+    next request: the sender rewrites its buffer in place."""
     trainer: _Trainer | None = None
     try:
         torch.set_num_threads(settings.num_threads)
@@ -152,8 +162,8 @@ def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> Non
             if request[0] == "stop":
                 break
             stats = trainer.warmup() if request[0] == "warmup" else trainer.train(request[1])
-            info, checksums = trainer.push()
-            replies.put(("pushed", info, checksums, stats))
+            info, checksums, sizes = trainer.push(None if request[0] == "warmup" else request[2])
+            replies.put(("pushed", info, checksums, {**stats, **sizes}))
     except BaseException:
         replies.put(("error", traceback.format_exc()))
     finally:
