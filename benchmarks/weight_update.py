@@ -84,10 +84,57 @@ def memcpy_seconds(nbytes: int, reps: int) -> float:
     return median_seconds(lambda: dst.copy_(src), reps)
 
 
+def changed(base: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """`base` with `fraction` of every tensor's elements moved slightly (an RL step's footprint)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in base.items():
+        new = t.clone()
+        picked = torch.randperm(t.numel(), generator=gen)[: max(1, int(fraction * t.numel()))]
+        new.view(-1)[picked] += 1e-3
+        out[name] = new
+    return out
+
+
+def deltas(llm: LLM, start: dict[str, torch.Tensor], full_s: float, floor_s: float, reps: int) -> dict[str, object]:
+    """In-process reloads of deltas with 1 %, 3 % and 10 % of the elements changed, sparse and xor, back and forth
+    between two states (each delta applies on top of the other's result); each against the full reload."""
+    from hotswap.transfer.delta import sparse_delta, xor_delta
+    from hotswap.weights.delta import INDICES, VALUES
+
+    out: dict[str, object] = {}
+    for fraction in (0.01, 0.03, 0.10):
+        other = changed(start, fraction, seed=int(fraction * 1000))
+        for encoding in ("sparse", "xor"):
+            def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                       encoding: str = encoding) -> list[tuple[str, torch.Tensor]]:
+                if encoding == "xor":
+                    return [(n, xor_delta(old[n], new[n])) for n in new]
+                return [pair for n in new for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]),
+                                                          strict=True)]
+
+            there, back = encode(start, other), encode(other, start)
+            sent = sum(t.numel() * t.element_size() for _, t in there)
+            times = []
+            for rep in range(2 * reps):
+                payload = there if rep % 2 == 0 else back
+                t0 = time.perf_counter()
+                llm.reload_weights(weights_iterator=payload, encoding=encoding)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+            label = f"{encoding} delta, {fraction:.0%} changed"
+            print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / full_s:5.1%} of the full reload, "
+                  f"{seconds / floor_s:4.2f}x the floor; {sent / 1e6:.0f} MB sent")
+            out[label] = {"ms": round(seconds * 1e3, 1), "of_full": round(seconds / full_s, 3),
+                          "mb_sent": round(sent / 1e6, 1)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--preset", default="125m")
+    parser.add_argument("--canary-tokens", type=int, default=16, help="tokens of the canary's one probe")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a = make_tiny_model(Path(tmp) / "A", preset=args.preset, seed=0)
@@ -118,8 +165,24 @@ def main() -> None:
             llm.reload_weights(weights_iterator=named)
 
         report("reload_weights(iterator)", median_seconds(reload_iterator, args.reps))
+        full = figures["reload_weights(iterator)"]["ms"] / 1e3
+        figures["deltas"] = deltas(llm, dict(named), full, floor, args.reps)
         llm.init_weight_transfer_engine({"backend": "tensors"})
         report("tensors session", median_seconds(tensors_session, args.reps))
+        probe = {"token_ids": [list(range(5, 5 + args.canary_tokens))], "max_nll": 1e9}
+
+        def canary_session() -> None:
+            llm.start_weight_update()
+            llm.update_weights(tensors_update_info(named))
+            llm.finish_weight_update(canary=probe)
+
+        with_canary = median_seconds(canary_session, args.reps)
+        plain = figures["tensors session"]["ms"] / 1e3
+        report(f"tensors session + canary ({args.canary_tokens} tokens)", with_canary)
+        cost = with_canary - plain
+        print(f"    canary cost: {cost * 1e3:.1f} ms, {cost / plain:.1%} of the update")
+        figures["canary_ms"] = round((with_canary - plain) * 1e3, 1)
+        figures["canary_share"] = round((with_canary - plain) / plain, 4)
         llm.update_config({"weight_transfer_config": {"atomic": False}})
         report("tensors session (atomic off)", median_seconds(tensors_session, args.reps))
         llm.update_config({"weight_transfer_config": {"atomic": True}})

@@ -134,20 +134,42 @@ def test_a_delta_on_another_base_version_is_refused_before_anything_moves(ckpts,
     assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
 
+@pytest.mark.parametrize("encoding", ["xor", "sparse"])
 @pytest.mark.parametrize("backend", ["tensors", "shm"])
-def test_a_checksum_mismatch_rolls_back(ckpts, states, backend):
+def test_a_checksum_mismatch_rolls_back(ckpts, states, backend, encoding):
+    """The trainer's digest of a result differs: everything the update wrote (sparse: the elements patched in
+    place) is restored bit for bit."""
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     before = sums(llm)
-    named = delta_of("xor", states["A"], states["B"])
-    checksums = {n: tensor_sha256(states["B"][n]) for n, _ in named}
-    checksums[named[0][0]] = tensor_sha256(states["A"][named[0][0]])  # the trainer meant another result
+    named = delta_of(encoding, states["A"], states["B"])
+    changed = sorted({n.removesuffix(INDICES).removesuffix(VALUES) for n, _ in named})
+    checksums = {n: tensor_sha256(states["B"][n]) for n in changed}
+    checksums[changed[-1]] = tensor_sha256(states["A"][changed[-1]])  # the trainer meant another result
     pusher = Pusher(llm, backend)
     try:
-        with pytest.raises(ValueError, match=f"checksum mismatch.*{named[0][0]}.*restored"):
-            pusher.push(named, extra={"encoding": "xor", "checksums": checksums})
+        with pytest.raises(ValueError, match=f"checksum mismatch.*{changed[-1]}.*restored"):
+            pusher.push(named, extra={"encoding": encoding, "checksums": checksums})
     finally:
         pusher.close()
     assert sums(llm) == before and llm.get_weight_version() == 0
+
+
+def test_a_streamed_sparse_delta_failing_midway_restores_the_patched_elements(ckpts, states):
+    """Over shm the patches are written as they arrive; a NaN in a later tensor undoes the earlier patches."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    before = sums(llm)
+    named = delta_of("sparse", states["A"], states["B"])
+    last_values = len(named) - 1
+    bad = named[last_values][1].clone()
+    bad[0] = float("nan")
+    named[last_values] = (named[last_values][0], bad)
+    pusher = Pusher(llm, "shm")
+    try:
+        with pytest.raises(ValueError, match="NaN"):
+            pusher.push(named, extra={"encoding": "sparse"})
+    finally:
+        pusher.close()
+    assert sums(llm) == before
 
 
 @pytest.mark.parametrize("bad, message", [

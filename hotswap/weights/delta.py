@@ -23,12 +23,13 @@ loaded, a mismatch fails the update (rolled back).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import Target, WeightIndex
-from hotswap.weights.update import Declared, WeightSource
+from hotswap.weights.update import Declared, Patch, WeightSource
 
 ENCODINGS = ("full", "overwrite", "xor", "sparse")
 INDICES, VALUES = "#indices", "#values"
@@ -91,15 +92,20 @@ def _local_indices(flat: torch.Tensor, target: Target, pre_sliced: bool) -> tupl
     return kept, local
 
 
-def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_sliced: bool) -> torch.Tensor:
-    """This rank's new values: its current part with the elements at `flat` (full-tensor indices, or the part's
-    when `pre_sliced`) set to `values`."""
+def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_sliced: bool
+                  ) -> torch.Tensor | Patch:
+    """This rank's change: the elements at `flat` (full-tensor indices, or the part's when `pre_sliced`) set to
+    `values`, as a `Patch` written in place (only those elements move), or, where this rank's part is not one
+    contiguous view, as its whole new value."""
     numel = torch.Size(target.local_shape if pre_sliced else target.full_shape).numel()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
         raise ValueError(f"sparse indices outside [0, {numel}) for a tensor of shape "
                          f"{target.local_shape if pre_sliced else target.full_shape}")
-    new = target.local_view().clone()
+    current = target.local_view()
     kept, local = _local_indices(flat, target, pre_sliced)
+    if current.is_contiguous():
+        return Patch(local, values[kept].to(current.dtype))
+    new = current.clone()
     new.view(-1)[local] = values[kept].to(new.dtype)
     return new
 
@@ -174,7 +180,8 @@ def decoded(source: WeightSource, encoding: str, index: WeightIndex, seen: set[s
                 halves[base] = delta.clone()  # the transport may reuse its buffer for the next tensor
                 continue
             flat, values = (delta, other) if name.endswith(INDICES) else (other, delta)
-            yield base, _apply_sparse(index.targets[base], flat, values, base + INDICES in source.pre_sliced)
+            change = _apply_sparse(index.targets[base], flat, values, base + INDICES in source.pre_sliced)
+            yield base, cast(torch.Tensor, change)  # a Patch: WeightUpdate writes it in place
 
     return WeightSource(
         declared=declared,

@@ -166,6 +166,16 @@ class RankSelection:
 # ---- the update ---------------------------------------------------------------------------------------------
 
 
+class Patch:
+    """Elements of one tensor's local part written in place: flat `indices` into it (int64) and their new
+    `values` (the parameter's dtype). What a sparse delta becomes (hotswap/weights/delta.py)."""
+
+    __slots__ = ("indices", "values")
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        self.indices, self.values = indices, values
+
+
 def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
     """True if no element is NaN or Inf, nor becomes Inf when cast to `limit_dtype` (e.g. fp32 above 65504
     into fp16). A sum is one cheap pass; only a non-finite sum (a bad value, or an overflow of huge finite ones)
@@ -199,6 +209,9 @@ class WeightUpdate:
         self.check_finite = check_finite
         self.backup_pool = {} if backups is None else backups
         self.saved: dict[str, dict[str, torch.Tensor]] = {}  # module -> its parameters before the first write
+        # what rollback undoes, in the order it happened: ("module", name) for a module saved whole, ("patch",
+        # flat view, indices, old values) for elements written in place by a sparse delta
+        self.undo: list[tuple[Any, ...]] = []
         self.arrived: dict[str, set[tuple[str, object]]] = {}  # module -> targets loaded since its post-processing
         self.pending: set[str] = set()  # written modules whose post-processing has not run since
         self.loaded_names: set[str] = set()
@@ -263,7 +276,7 @@ class WeightUpdate:
             return True
         target = self.index.targets[name]
         limit = getattr(self.index.modules[target.module_name], "stage_dtype", None) or target.param.dtype
-        return all_finite(tensor, limit)
+        return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, limit)
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -315,11 +328,15 @@ class WeightUpdate:
             target = self.index.targets.get(name)
             assert target is not None, f"the {kind} delivered {name!r}, which it did not declare"
             sliced = name in pre_sliced
-            if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
-                raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as declared")
-            if backup or target.module_name in self.index.staging_modules:
-                self._save(target.module_name)
-            target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
+            if isinstance(tensor, Patch):
+                self._patch(target, tensor, backup)
+            else:
+                if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
+                    raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
+                                     "declared")
+                if backup or target.module_name in self.index.staging_modules:
+                    self._save(target.module_name)
+                target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
             self.loaded_names.add(name)
             self.loaded_keys.update(target.keys)
@@ -332,6 +349,15 @@ class WeightUpdate:
         if non_finite:
             raise _non_finite_error(non_finite)
         return count
+
+    def _patch(self, target: Any, patch: Patch, backup: bool) -> None:
+        """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
+        their old values for rollback when `backup`."""
+        view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
+        if backup and self.atomic and target.module_name not in self.saved:
+            self.undo.append(("patch", view, patch.indices, view[patch.indices].clone()))
+        view[patch.indices] = patch.values
+        packing.drop(self.index.modules[target.module_name])  # a packed copy holds the old values
 
     def _save(self, module_name: str) -> None:
         if not self.atomic or module_name in self.saved:
@@ -347,6 +373,7 @@ class WeightUpdate:
             buffer.copy_(param.detach())
             saved[name] = buffer
         self.saved[module_name] = saved
+        self.undo.append(("module", module_name))
 
     def _post_process(self, module_name: str) -> None:
         hook = getattr(self.index.modules[module_name], "process_weights_after_loading", None)
@@ -374,6 +401,7 @@ class WeightUpdate:
             self._post_process(module_name)
         if not keep_copies:
             self.saved.clear()
+            self.undo.clear()
             self.arrived.clear()
 
     def rollback(self) -> None:
@@ -381,16 +409,23 @@ class WeightUpdate:
         staged data."""
         assert self.atomic, "rollback needs atomic mode"
         with torch.no_grad():
-            for module_name, saved in self.saved.items():
-                module = self.index.modules[module_name]
+            for entry in reversed(self.undo):  # latest first: each undo sees the state its write left
+                if entry[0] == "patch":
+                    _, view, indices, old = entry
+                    view[indices] = old
+                    continue
+                module = self.index.modules[entry[1]]
                 packing.drop(module)  # a packed copy holds the weights being undone
                 params = dict(module.named_parameters(recurse=False))
-                for name, value in saved.items():
+                for name, value in self.saved[entry[1]].items():
                     params[name].data.copy_(value)
+            for module_name in {e[1] for e in self.undo if e[0] == "module"} | set(self.arrived):
+                packing.drop(self.index.modules[module_name])
         for module_name in self.arrived:
             discard = getattr(self.index.modules[module_name], "discard_stage", None)
             if discard is not None:
                 discard()
         self.saved.clear()
+        self.undo.clear()
         self.arrived.clear()
         self.pending.clear()
