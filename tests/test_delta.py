@@ -155,7 +155,8 @@ def test_a_checksum_mismatch_rolls_back(ckpts, states, backend, encoding):
 
 
 def test_a_streamed_sparse_delta_failing_midway_restores_the_patched_elements(ckpts, states):
-    """Over shm the patches are written as they arrive; a NaN in a later tensor undoes the earlier patches."""
+    """Over torch_dist (a stream) the patches are written as they arrive; a NaN in a later tensor undoes the earlier
+    patches."""
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     before = sums(llm)
     named = delta_of("sparse", states["A"], states["B"])
@@ -163,7 +164,7 @@ def test_a_streamed_sparse_delta_failing_midway_restores_the_patched_elements(ck
     bad = named[last_values][1].clone()
     bad[0] = float("nan")
     named[last_values] = (named[last_values][0], bad)
-    pusher = Pusher(llm, "shm")
+    pusher = Pusher(llm, "torch_dist")
     try:
         with pytest.raises(ValueError, match="NaN"):
             pusher.push(named, extra={"encoding": "sparse"})

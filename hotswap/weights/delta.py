@@ -74,17 +74,20 @@ def _local(delta: torch.Tensor, target: Target, pre_sliced: bool) -> torch.Tenso
     return delta
 
 
-def _local_indices(flat: torch.Tensor, target: Target, pre_sliced: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions in `flat` that fall in this rank's part, their flat indices within the part)."""
-    shape = target.local_shape if pre_sliced else target.full_shape
+def _local_indices(flat: torch.Tensor, target: Target, pre_sliced: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(positions in `flat` that fall in this rank's part, None for all of them; their flat indices within the
+    part)."""
+    shape = target.full_shape
+    cuts = [(d, s, n) for d, s, n in target.narrowings() if not (s == 0 and n == shape[d])]  # no-op cuts dropped
+    if pre_sliced or not cuts:
+        return None, flat  # the rank holds the tensor whole: its indices are the part's
     coords = list(torch.unravel_index(flat, shape)) if flat.numel() else [flat.new_empty(0) for _ in shape]
     keep = torch.ones_like(flat, dtype=torch.bool)
     dims = list(shape)
-    if not pre_sliced:
-        for dim, start, length in target.narrowings():
-            keep &= (coords[dim] >= start) & (coords[dim] < start + length)
-            coords[dim] = coords[dim] - start
-            dims[dim] = length
+    for dim, start, length in cuts:
+        keep &= (coords[dim] >= start) & (coords[dim] < start + length)
+        coords[dim] = coords[dim] - start
+        dims[dim] = length
     kept = keep.nonzero().squeeze(1)
     local = torch.zeros_like(kept)
     for dim, size in enumerate(dims):
@@ -103,10 +106,11 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
                          f"{target.local_shape if pre_sliced else target.full_shape}")
     current = target.local_view()
     kept, local = _local_indices(flat, target, pre_sliced)
+    values = (values if kept is None else values[kept]).to(current.dtype)
     if current.is_contiguous():
-        return Patch(local, values[kept].to(current.dtype))
+        return Patch(local, values)
     new = current.clone()
-    new.view(-1)[local] = values[kept].to(new.dtype)
+    new.view(-1)[local] = values
     return new
 
 
