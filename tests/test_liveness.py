@@ -50,7 +50,7 @@ def test_a_stopped_worker_answers_503_within_the_timeout(ckpts):
             took = time.monotonic() - start
             assert stalled.status_code == 503, stalled.text
             assert stalled.json()["error"]["type"] == "engine_unresponsive"
-            assert took < 4.0, took
+            assert took < 2.0 + 4.0, took  # the timeout, then the stuck worker is stopped (0.5 s grace, then killed)
             # a worker that missed the deadline is out of step: the engine now says so on /health too
             assert httpx.get(f"{base}/health", timeout=10).status_code == 503
         finally:
