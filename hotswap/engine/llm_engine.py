@@ -667,6 +667,21 @@ def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) ->
 
 
 def _load_tokenizer(path: str | None) -> Any:
-    from transformers import AutoTokenizer  # imported here: `import hotswap` stays without transformers
+    """The checkpoint's tokenizer. When its tokenizer_config.json names a class transformers exports, that class
+    loads it directly: the same object `AutoTokenizer` returns, without the model config (whose import costs ~2 s
+    of a fresh process's start-up). Otherwise `AutoTokenizer`."""
+    import transformers  # imported here: `import hotswap` stays without transformers
 
-    return AutoTokenizer.from_pretrained(path)
+    config_file = os.path.join(path or "", "tokenizer_config.json")
+    name = None
+    if path is not None and os.path.isfile(config_file):
+        with open(config_file) as f:
+            try:
+                name = json.load(f).get("tokenizer_class")
+            except (ValueError, AttributeError):
+                name = None
+    for candidate in (name, f"{name}Fast") if isinstance(name, str) else ():
+        klass = getattr(transformers, candidate, None)
+        if isinstance(klass, type) and hasattr(klass, "from_pretrained"):
+            return klass.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
