@@ -680,8 +680,14 @@ def _load_tokenizer(path: str | None) -> Any:
                 name = json.load(f).get("tokenizer_class")
             except (ValueError, AttributeError):
                 name = None
-    for candidate in (name, f"{name}Fast") if isinstance(name, str) else ():
-        klass = getattr(transformers, candidate, None)
+    # the fast variant first, as AutoTokenizer (use_fast=True) picks it for a hub config naming the slow class
+    for candidate in (f"{name}Fast", name) if isinstance(name, str) and not name.endswith("Fast") else (name,):
+        if not isinstance(candidate, str):
+            continue
+        try:
+            klass = getattr(transformers, candidate, None)
+        except Exception:  # a class whose optional backend is missing (e.g. sentencepiece)
+            klass = None
         if isinstance(klass, type) and hasattr(klass, "from_pretrained"):
             return klass.from_pretrained(path)
     return transformers.AutoTokenizer.from_pretrained(path)
