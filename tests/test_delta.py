@@ -177,7 +177,7 @@ def test_a_streamed_sparse_delta_failing_midway_restores_the_patched_elements(ck
     ("dtype", "an xor delta of torch.float32 weights is torch.int32"),
     ("shape", "wrong shape"),
     ("twice", "sent twice in one delta update"),
-    ("values_alone", "without its indices"),
+    ("values_alone", "partner never arrived"),
     ("index_range", "sparse indices outside"),
     ("encoding", "unknown encoding 'zstd'"),
 ])
@@ -302,3 +302,26 @@ def test_deltas_over_the_http_routes(ckpts, states, tmp_path):
             assert client.verify(list(states["B"].items())) == []
         finally:
             client.close()
+
+
+def test_a_sparse_pair_may_span_two_update_calls_but_must_complete(ckpts, states):
+    """A sender that batches by size may put a pair's indices and values in different update_weights calls of
+    one session: they meet; a half whose partner never comes fails the finish, rolled back."""
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
+    before = sums(llm)
+    named = delta_of("sparse", states["A"], states["B"])
+    pusher = Pusher(llm, "shm")
+    try:
+        llm.start_weight_update()
+        pusher.update(named[:3], {"encoding": "sparse"})  # the second pair's values come in the next call
+        pusher.update(named[3:], {"encoding": "sparse"})
+        llm.finish_weight_update()
+        assert sums(llm) == expected_sums(states["B"], llm)
+        back = delta_of("sparse", states["B"], states["A"])
+        llm.start_weight_update()
+        pusher.update(back[:-1], {"encoding": "sparse"})
+        with pytest.raises(ValueError, match=r"partner never arrived.*restored"):
+            llm.finish_weight_update()
+    finally:
+        pusher.close()
+    assert sums(llm) == expected_sums(states["B"], llm) != before

@@ -133,6 +133,7 @@ class BlockManager:
                 routes = self.blocks[block_id].routes
                 assert routes is not None  # _prefix_hits stops at a block without routes
                 seq.routes.write(i * self.block_size, routes)
+            seq.route_stale = (len(hits) * self.block_size, max(len(hits) * self.block_size, seq.routes.length))
         seq.cache_salt = self._root(seq)
         for _ in range(self._blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
@@ -204,7 +205,9 @@ class BlockManager:
                 block.hash, block.token_ids = h, tokens
                 self.cached[h] = block.block_id
             cached = self.blocks[self.cached[h]] if h in self.cached else None
-            if cached is not None and cached.routes is None and seq.routes is not None and (
+            stale_start, stale_end = seq.route_stale
+            fresh = not (i * bs < stale_end and (i + 1) * bs > stale_start)  # rows of this allocation's passes
+            if cached is not None and cached.routes is None and seq.routes is not None and fresh and (
                     seq.routes.length >= (i + 1) * bs):
                 cached.routes = seq.routes.rows(i * bs, (i + 1) * bs)  # the same tokens' routes, same weights
 

@@ -36,7 +36,7 @@ class Canary:
     max_nll: float | None = None
 
     @classmethod
-    def parse(cls, value: Any, vocab: int) -> Canary:
+    def parse(cls, value: Any, vocab: int, max_model_len: int) -> Canary:
         """From a dict {"token_ids", "logprobs" and/or "max_nll", "atol"?}. Raises ValueError naming the field."""
         if isinstance(value, Canary):
             return value
@@ -52,6 +52,8 @@ class Canary:
             raise ValueError(f"canary.token_ids must be 1..{MAX_PROBES} probes of at least 2 token ids each")
         if sum(map(len, probes)) > MAX_PROBE_TOKENS:
             raise ValueError(f"canary probes hold more than {MAX_PROBE_TOKENS} tokens")
+        if max(map(len, probes)) > max_model_len:
+            raise ValueError(f"a canary probe is longer than max_model_len={max_model_len}")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for p in probes for t in p):
             raise ValueError(f"canary.token_ids must be token ids in [0, {vocab})")
         expected, bound = value.get("logprobs"), value.get("max_nll")

@@ -49,6 +49,9 @@ class Sequence:
         self.streamed_tokens = 0  # output tokens already delivered as deltas
         self.streamed_text = 0  # characters of text already delivered as deltas
         self.routes: RouteLog | None = RouteLog() if request.record_routes else None
+        # [start, end) of the positions whose rows came from an earlier allocation's passes while this one's KV is
+        # recomputed (perhaps on other weights): those rows never go into the prefix cache with the new blocks
+        self.route_stale = (0, 0)
         self.sampling_mask: list[list[int] | None] = []  # per output token, with return_sampling_mask
 
     def __len__(self) -> int:
@@ -94,6 +97,7 @@ class Sequence:
         child.weight_versions = [list(span) for span in self.weight_versions]
         child.cache_salt = self.cache_salt
         child.routes = self.routes.copy() if self.routes is not None else None
+        child.route_stale = self.route_stale
         child.sampling_mask = list(self.sampling_mask)
         return child
 

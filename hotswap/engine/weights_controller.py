@@ -51,6 +51,8 @@ class EngineHooks(Protocol):
 
     def leave_state(self, state: EngineState) -> None: ...
 
+    def is_asleep(self) -> bool: ...
+
 
 # the worker methods of a transfer session that `_session_rpc` runs
 SessionMethod = Literal[
@@ -253,9 +255,9 @@ class WeightsController:
         on top of the weights it was computed against). None: no check."""
         if base_version is None:
             return
-        number, label = parse_version(base_version, "base_version")
+        number, _ = parse_version(base_version, "base_version")
         current = self.current_label
-        if (number is not None and number != self.version) or (number is None and label != current):
+        if str(base_version) != current and number != self.version:  # the served label, or its integer
             raise ValueError(f"this delta applies on top of version {str(base_version)!r}, but the engine serves "
                              f"version {current!r} (version id {self.version}); send a full update, or a delta "
                              f"against {current!r}")
@@ -330,7 +332,12 @@ class WeightsController:
         if canary is None:
             return None
         try:
-            return Canary.parse(canary, self.config.model_config.hf_config["vocab_size"])
+            if self.engine.is_asleep():
+                raise ValueError("the canary scores its probes through the KV cache, which sleep released; "
+                                 "wake_up(['kv_cache']) before finishing, or finish without a canary")
+            mc = self.config.model_config
+            assert mc.max_model_len is not None
+            return Canary.parse(canary, mc.hf_config["vocab_size"], mc.max_model_len)
         except ValueError as err:
             self._session_rpc("abort_weight_update")
             raise ValueError(f"{err} (the session was rolled back)") from None

@@ -296,19 +296,18 @@ class Fleet(FleetReplicas):
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         new_folder = None
-        if weights_path is not None:  # a folder of this model, checked before any replica is asked
+        delta = encoding not in (None, "full")
+        if weights_path is not None and not delta:  # a folder of this model, checked before any replica is asked
             new_folder = live_overrides(self.config, {"model_config": {"model": str(weights_path)}})
         ray = _ray()
         with self._change:
             self._check_no_session("reload_weights")
-            members = self._current(required=weights_path is None)
+            members = self._current(required=weights_path is None or delta)
             confirmed = True
             if members:
                 weights = None if weights_iterator is None else ray.put(list(weights_iterator))
                 confirmed = self._two_phase(members, "prepare_reload", weights_path, weights, encoding, base_version,
                                             checksums, version=weight_version)
-            elif encoding not in (None, "full"):
-                raise ValueError("a delta needs a replica holding the weights it applies to; none does")
             elif not self._restart:
                 raise EngineUnavailable("no replica holds the fleet's weights and restart_replicas is off")
             with self._lock:  # before a restart is scheduled from it

@@ -29,7 +29,7 @@ import torch
 
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.weights.index import Target, WeightIndex
-from hotswap.weights.update import Declared, Patch, WeightSource
+from hotswap.weights.update import Declared, Patch, PendingHalf, WeightSource, WeightUpdate
 
 ENCODINGS = ("full", "overwrite", "xor", "sparse")
 INDICES, VALUES = "#indices", "#values"
@@ -114,15 +114,18 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
     return new
 
 
-def decoded(source: WeightSource, encoding: str, index: WeightIndex, seen: set[str]) -> WeightSource:
+def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> WeightSource:
     """`source` (this rank's selection applied) as new values; see the module doc. Raises ValueError for a
-    declaration that does not fit the encoding, before any data moves. `seen`: names decoded earlier in this
-    update (added to)."""
+    declaration that does not fit the encoding, before any data moves. A sparse pair may be split across the
+    update's sources (two update_weights calls of a session): the first half waits in `update.sparse_pending`,
+    and `WeightUpdate.finish` fails an update that still holds one. Names decoded are added to
+    `update.delta_names` (each applies once)."""
     if encoding in ("full", "overwrite"):
         return source
+    index, pending = update.index, update.sparse_pending
     entries = source.loaded_entries()
     declared: Declared = []
-    sparse_pairs: set[str] = set()
+    complete: set[str] = set()  # sparse pairs whose both halves are known by the end of this source
     if encoding == "xor":
         for name, dtype, shape in entries:
             target = _target(index, name, encoding)
@@ -134,38 +137,40 @@ def decoded(source: WeightSource, encoding: str, index: WeightIndex, seen: set[s
                 raise ValueError(f"tensors with the wrong shape: ['{name}: expected shape {expected}, got {shape}']")
             declared.append((name, target.param.dtype, target.local_shape))
     else:
-        by_name = {name: (dtype, shape) for name, dtype, shape in entries}
+        halves: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
         for name, dtype, shape in entries:
-            if name.endswith(VALUES):
-                if name.removesuffix(VALUES) + INDICES not in by_name:
-                    raise ValueError(f"a sparse delta sends '<name>{INDICES}' with '<name>{VALUES}'; got {name!r} "
-                                     "without its indices")
-                continue
-            if not name.endswith(INDICES):
+            kind = "indices" if name.endswith(INDICES) else "values" if name.endswith(VALUES) else None
+            if kind is None:
                 declared.append((name, dtype, shape))  # a whole tensor
                 continue
-            base = name.removesuffix(INDICES)
-            if base + VALUES not in by_name:
-                raise ValueError(f"a sparse delta sends '{base}{INDICES}' with '{base}{VALUES}'; the values are "
-                                 "missing")
+            base = name.removesuffix(INDICES).removesuffix(VALUES)
+            if kind in halves.get(base, {}) or (base in pending and pending[base].kind == kind):
+                raise ValueError(f"a sparse delta sent '{name}' twice in one update")
+            halves.setdefault(base, {})[kind] = (dtype, tuple(shape))
+        for base, kinds in halves.items():
             target = _target(index, base, encoding)
-            values_dtype, values_shape = by_name[base + VALUES]
-            if dtype != torch.int64 or len(shape) != 1 or len(values_shape) != 1 or values_shape[0] != shape[0]:
-                raise ValueError(f"{base}: a sparse delta is int64 flat indices and as many values, got {dtype} "
-                                 f"{list(shape)} and {values_dtype} {list(values_shape)}")
-            if not values_dtype.is_floating_point:
-                raise ValueError(f"{base}: sparse values must be floating point, got {values_dtype}")
-            sparse_pairs.add(base)
-            declared.append((base, target.param.dtype, target.local_shape))
-    repeated = sorted({n for n, _, _ in declared} & seen)
+            if base in pending:
+                kinds = {**kinds, pending[base].kind: (pending[base].dtype, pending[base].shape)}
+            for kind, (dtype, shape) in kinds.items():
+                if len(shape) != 1 or (kind == "indices" and dtype != torch.int64) or (
+                        kind == "values" and not dtype.is_floating_point):
+                    raise ValueError(f"{base}: a sparse delta is int64 flat indices and floating-point values, "
+                                     f"1-D; got {kind} {dtype} {list(shape)}")
+            if len(kinds) == 2:
+                if kinds["indices"][1] != kinds["values"][1]:
+                    raise ValueError(f"{base}: {kinds['indices'][1][0]} sparse indices but {kinds['values'][1][0]} "
+                                     "values")
+                complete.add(base)
+                declared.append((base, target.param.dtype, target.local_shape))
+    repeated = sorted({n for n, _, _ in declared} & update.delta_names)
     if repeated:
         raise ValueError(f"tensors sent twice in one delta update (each delta applies once): {repeated}")
-    seen.update(n for n, _, _ in declared)
+    update.delta_names.update(n for n, _, _ in declared)
 
-    whole_names = {n for n, _, _ in declared} - sparse_pairs if encoding == "sparse" else set()
+    whole_names = {n for n, _, _ in declared} - complete if encoding == "sparse" else set()
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        halves: dict[str, torch.Tensor] = {}  # a sparse pair's first half, until its other half arrives
+        waiting: dict[str, PendingHalf] = {}  # a pair's first half, until its other half arrives
         for name, delta in source.stream():
             if name in whole_names:
                 yield name, delta
@@ -179,13 +184,17 @@ def decoded(source: WeightSource, encoding: str, index: WeightIndex, seen: set[s
                     current.dtype)
                 continue
             base = name.removesuffix(INDICES).removesuffix(VALUES)
-            other = halves.pop(base, None)
-            if other is None:
-                halves[base] = delta.clone()  # the transport may reuse its buffer for the next tensor
+            kind = "indices" if name.endswith(INDICES) else "values"
+            other = waiting.pop(base, None) or pending.pop(base, None)
+            if other is None:  # the transport may reuse its buffer for the next tensor: keep a copy
+                waiting[base] = PendingHalf(kind, delta.dtype, tuple(delta.shape), delta.clone(),
+                                            name in source.pre_sliced)
                 continue
-            flat, values = (delta, other) if name.endswith(INDICES) else (other, delta)
-            change = _apply_sparse(index.targets[base], flat, values, base + INDICES in source.pre_sliced)
+            flat, values = (delta, other.tensor) if kind == "indices" else (other.tensor, delta)
+            sliced = (name in source.pre_sliced) if kind == "indices" else other.pre_sliced
+            change = _apply_sparse(index.targets[base], flat, values, sliced)
             yield base, cast(torch.Tensor, change)  # a Patch: WeightUpdate writes it in place
+        pending.update(waiting)  # halves whose partner comes in a later source of this update
 
     return WeightSource(
         declared=declared,

@@ -85,7 +85,8 @@ class WeightSession:
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
         try:
-            update.apply(encoded(source, encoding or {}, update), final=commit)
+            info = encoding or {}
+            update.apply(encoded(source, info, update, info.get("prefix", "")), final=commit)
             update.finish(keep_copies=not commit)
         except BaseException as err:
             self._fail(update, err)
@@ -131,7 +132,7 @@ class WeightSession:
         try:
             source = selection.apply(engine.source(update_info))
             source = prefixed_source(source, prefix) if prefix else source
-            return update.apply(encoded(source, update_info, update))
+            return update.apply(encoded(source, update_info, update, prefix))
         except BaseException as err:
             self._end()
             if not engine.survives_failure:
@@ -239,9 +240,12 @@ class WeightSession:
         raise err
 
 
-def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate) -> WeightSource:
+def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate, prefix: str = "") -> WeightSource:
     """`source` decoded from `info["encoding"]` and verified against `info["checksums"]` (both optional; an
-    update_info carries them, as `reload_weights` passes them)."""
+    update_info carries them, as `reload_weights` passes them). `prefix`: put before checksum names that lack it,
+    as before the source's own names (a draft model's tensors)."""
     encoding = check_encoding(info.get("encoding") if isinstance(info, dict) else None)
     checksums = info.get("checksums") if isinstance(info, dict) else None
-    return checked(decoded(source, encoding, update.index, update.delta_names), update.index, checksums)
+    if prefix and isinstance(checksums, dict):
+        checksums = {k if k.startswith(prefix) else prefix + k: v for k, v in checksums.items()}
+    return checked(decoded(source, encoding, update), update.index, checksums)

@@ -166,6 +166,18 @@ class RankSelection:
 # ---- the update ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class PendingHalf:
+    """One half of a sparse delta's pair ("indices" or "values") whose partner has not arrived yet in this update
+    (hotswap/weights/delta.py); `pre_sliced`: it is already this rank's part."""
+
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+    pre_sliced: bool
+
+
 class Patch:
     """Elements of one tensor's local part written in place: flat `indices` into it (int64) and their new
     `values` (the parameter's dtype). What a sparse delta becomes (hotswap/weights/delta.py)."""
@@ -217,6 +229,7 @@ class WeightUpdate:
         self.loaded_names: set[str] = set()
         self.loaded_keys: set[tuple[str, object]] = set()
         self.delta_names: set[str] = set()  # names a delta of this update applied to (each applies once)
+        self.sparse_pending: dict[str, PendingHalf] = {}  # sparse halves awaiting their partner (delta.py)
         # atomic, but wrote without rollback copies (nothing was expected to fail after the first write): a
         # failure that happens anyway cannot be undone, and the caller must treat the weights as invalid
         self.unprotected = False
@@ -396,7 +409,10 @@ class WeightUpdate:
     def finish(self, keep_copies: bool = False) -> None:
         """Post-processes modules that received part of their tensors (the rest stay as they were); then drops
         the rollback copies (their buffers stay in the pool), unless `keep_copies`: the update may still be
-        rolled back (the first phase of a two-phase commit)."""
+        rolled back (the first phase of a two-phase commit). Raises ValueError, before post-processing, when a
+        sparse delta's half never met its partner."""
+        if self.sparse_pending:
+            raise ValueError(f"sparse delta halves whose partner never arrived: {sorted(self.sparse_pending)[:5]}")
         for module_name in sorted(self.pending):
             self._post_process(module_name)
         if not keep_copies:

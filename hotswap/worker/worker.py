@@ -264,7 +264,8 @@ class Worker:
             source = prefixed_source(source, DRAFT_PREFIX)
         wt = self.config.weight_transfer_config
         update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
-                                   encoding={"encoding": encoding, "checksums": checksums})
+                                   encoding={"encoding": encoding, "checksums": checksums,
+                                             "prefix": DRAFT_PREFIX if target == "draft" else ""})
         if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
