@@ -300,7 +300,9 @@ def test_full_vocabulary_and_greedy_tokens_are_marked_whole(moe):
     llm = LLM(str(moe["qwen3_moe"]), kv_cache_memory_bytes=KV,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     for params in (SamplingParams(temperature=0.0, max_tokens=4, return_sampling_mask=True),
-                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, return_sampling_mask=True)):
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, return_sampling_mask=True),
+                   # min_tokens bans EOS, but no filter is on: still the whole-vocabulary marker, not V-1 ids
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, min_tokens=4, return_sampling_mask=True)):
         c = generate(llm, PROMPTS[:1], params)[0].outputs[0]
         assert c.sampling_mask.full == [True] * 4 and c.sampling_mask.token_ids == []
         assert [c.sampling_mask.row(i) for i in range(4)] == [None] * 4

@@ -19,10 +19,11 @@ from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
 from hotswap.model.layers.sampler import (
     adjusted,
-    attach_masks,
+    apply_filters,
     banned,
     distribution,
     draw,
+    kept_sets,
     results_for,
     uniform_for,
     uniforms_for,
@@ -119,8 +120,13 @@ def verify(
     index = torch.tensor(rows, dtype=torch.long)
     emitted_specs = [flat[r] for r in rows]
     results = results_for(logits[index].log_softmax(dim=-1), torch.tensor(tokens_out), emitted_specs)
-    if any(spec.return_mask for spec in emitted_specs):  # an emitted token's support is the target's (p_j's)
-        attach_masks(results, banned(adjusted(logits[index], emitted_specs), emitted_specs), emitted_specs)
+    masked = [j for j, spec in enumerate(emitted_specs) if spec.return_mask and spec.temperature > 0]
+    if masked:  # an emitted token's support is the target's at its position (p_j's), filtered as `distribution`
+        sub = [emitted_specs[j] for j in masked]
+        rows_logits = banned(adjusted(logits[index[torch.tensor(masked)]], sub), sub)
+        temps = torch.tensor([s.temperature for s in sub], dtype=rows_logits.dtype)
+        for j, ids in kept_sets(apply_filters(rows_logits / temps[:, None], sub), sub, masked).items():
+            results[j].kept = ids
     out = []
     start = 0
     for count in counts:

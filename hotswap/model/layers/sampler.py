@@ -26,7 +26,7 @@ def _row_seed(seed: int, index: int, position: int) -> int:
     return x & (2**63 - 1)
 
 
-def _filter(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+def apply_filters(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Applies min-p, then top-k and top-p, per row (vLLM's order); filtered entries become -inf."""
     top_k = torch.tensor([s.top_k if s.top_k > 0 else logits.shape[1] for s in specs])
     top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype)
@@ -87,31 +87,34 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     logits = banned(adjusted(logits, specs), specs)
     tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, but in one vectorised pass
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
+    kept: dict[int, list[int]] = {}
     if random_rows:
         rows = torch.tensor(random_rows)
         sub_specs = [specs[r] for r in random_rows]
         temps = torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)
-        probs = _filter(logits[rows] / temps[:, None], sub_specs).softmax(dim=-1)
-        tokens[rows] = draw(probs, uniforms_for(sub_specs))
+        filtered = apply_filters(logits[rows] / temps[:, None], sub_specs)
+        tokens[rows] = draw(filtered.softmax(dim=-1), uniforms_for(sub_specs))
+        kept = kept_sets(filtered, sub_specs, random_rows)  # from the very tensor the draw used
     results = results_for(logprobs, tokens, specs)
-    attach_masks(results, logits, specs)
+    for row, ids in kept.items():
+        results[row].kept = ids
     return results
 
 
-def attach_masks(results: list[SampleResult], logits: torch.Tensor, specs: list[SampleSpec]) -> None:
-    """Sets `kept` on the results whose spec asks for the sampling mask: the token ids left finite by
-    temperature, min-p, top-k and top-p over `logits` [R, V] (banned tokens and logit bias already applied),
-    None where that is the whole vocabulary. Greedy rows keep None: the argmax is no draw."""
-    rows = [r for r, s in enumerate(specs) if s.return_mask and s.temperature > 0]
-    if not rows:
-        return
-    index = torch.tensor(rows)
-    sub = [specs[r] for r in rows]
-    temps = torch.tensor([s.temperature for s in sub], dtype=logits.dtype)
-    finite = torch.isfinite(_filter(logits[index] / temps[:, None], sub))
-    full = finite.all(dim=-1).tolist()
-    for j, r in enumerate(rows):
-        results[r].kept = None if full[j] else finite[j].nonzero().squeeze(1).tolist()
+def filters(spec: SampleSpec, vocab: int) -> bool:
+    """Whether min-p, top-k or top-p can remove a token from this row's distribution."""
+    return 0 < spec.top_k < vocab or spec.top_p < 1.0 or spec.min_p > 0.0
+
+
+def kept_sets(filtered: torch.Tensor, specs: list[SampleSpec], rows: list[int]) -> dict[int, list[int]]:
+    """For each of `filtered`'s rows [R, V] (after temperature, filters and banned tokens) whose spec asks for the
+    sampling mask and filters: `rows[j]` -> its finite token ids, ascending. Rows that filter nothing are left out
+    (their mask is the whole vocabulary, `SampleResult.kept` None, whatever min_tokens bans)."""
+    wanted = [j for j, s in enumerate(specs) if s.return_mask and filters(s, filtered.shape[1])]
+    if not wanted:
+        return {}
+    finite = torch.isfinite(filtered[torch.tensor(wanted)])
+    return {rows[j]: finite[i].nonzero().squeeze(1).tolist() for i, j in enumerate(wanted)}
 
 
 def results_for(logprobs: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
@@ -155,7 +158,7 @@ def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         rows = torch.tensor(random_rows)
         sub = [specs[r] for r in random_rows]
         temps = torch.tensor([s.temperature for s in sub], dtype=logits.dtype)
-        probs[rows] = _filter(logits[rows] / temps[:, None], sub).softmax(dim=-1)
+        probs[rows] = apply_filters(logits[rows] / temps[:, None], sub).softmax(dim=-1)
     return probs
 
 
