@@ -10,3 +10,8 @@ class EngineUnresponsive(RuntimeError):
     """A liveness check (`check_liveness`) got no answer in time: the engine did not come between steps, or a
     worker did not answer (a worker that misses the deadline is declared dead: its channel is out of step). HTTP:
     503 with `engine_unresponsive`."""
+
+
+class EngineBusy(RuntimeError):
+    """A liveness check found the engine held by an admin call (a reload, an update, a sleep) for the whole
+    timeout: alive and working, not asked. HTTP: `/liveness` answers 200 with status "busy"."""

@@ -83,3 +83,29 @@ def test_an_engine_stuck_in_a_step_is_unresponsive(ckpts):
         release.set()
         thread.join()
     assert llm.check_liveness(timeout_s=2.0) < 2.0
+
+
+def test_an_engine_held_by_an_admin_call_is_busy_not_dead(ckpts):
+    """A reload or an update holds the engine between steps for as long as it takes: the check says "busy" (alive,
+    not asked) instead of declaring it dead; once the call ends, the round trip runs."""
+    import asyncio
+
+    from hotswap.engine.async_llm_engine import AsyncLLMEngine
+    from hotswap.errors import EngineBusy
+
+    async def main() -> float:
+        engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+
+        def long_admin_call() -> None:
+            time.sleep(1.5)
+
+        held = asyncio.create_task(engine._locked(long_admin_call))
+        await asyncio.sleep(0.1)
+        with pytest.raises(EngineBusy, match=r"long_admin_call\(\) has held the engine"):
+            await engine.check_liveness(timeout_s=0.5)
+        await held
+        seconds = await engine.check_liveness(timeout_s=2.0)
+        await engine.shutdown()
+        return seconds
+
+    assert asyncio.run(main()) < 2.0

@@ -18,7 +18,7 @@ from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
-from hotswap.errors import EngineUnavailable, EngineUnresponsive
+from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class AsyncLLMEngine:
         self._wake: asyncio.Event | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self._holder: tuple[str, float] | None = None  # what holds the engine lock now ("step" or a call), since
         self._ids = itertools.count()
         self._stopped = False
         # Requests whose consumer went away; aborted by the loop (a cancelled caller cannot await the lock).
@@ -95,12 +96,15 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 try:
+                    self._holder = ("step", time.monotonic())
                     outputs = await asyncio.to_thread(engine.step)
                 except Exception as err:  # a worker failure ends the requests in flight, not the loop
                     for request_id in list(engine.requests):
                         engine.abort_request(request_id)
                         self._deliver_error(request_id, err)
                     continue
+                finally:
+                    self._holder = None
             for out in outputs:
                 error = engine.take_error(out.request_id)
                 if error is not None:
@@ -125,7 +129,11 @@ class AsyncLLMEngine:
         assert self._lock is not None and self._wake is not None
         try:
             async with self._lock:
-                return await asyncio.to_thread(fn, *args, **kwargs)
+                self._holder = (getattr(fn, "__name__", "call"), time.monotonic())
+                try:
+                    return await asyncio.to_thread(fn, *args, **kwargs)
+                finally:
+                    self._holder = None
         finally:
             self._wake.set()  # the call may have made the engine able to step again (an update ended, a wake-up)
 
@@ -234,8 +242,10 @@ class AsyncLLMEngine:
 
     async def check_liveness(self, timeout_s: float = 5.0) -> float:
         """Waits (up to `timeout_s`) for the engine to come between steps, then makes a no-op round trip through
-        every worker within the time left; returns the seconds it all took. Raises EngineUnresponsive otherwise
-        (a step that does not end, a worker that does not answer)."""
+        every worker within the time left (at least a second); returns the seconds it all took. Raises
+        EngineBusy when an admin call (a reload, an update, a sleep) held the engine all along (it is working;
+        the workers were not asked), EngineUnresponsive when a step did not end in time or a worker did not
+        answer."""
         self._ensure_loop()
         assert self._lock is not None and self._wake is not None
         start = time.monotonic()
@@ -247,9 +257,12 @@ class AsyncLLMEngine:
             # it may have taken the lock as it was cancelled: then give it back
             acquiring.add_done_callback(lambda t: lock.release() if not t.cancelled() and t.exception() is None
                                         else None)
+            holder = self._holder
+            if holder is not None and holder[0] != "step":
+                raise EngineBusy(f"{holder[0]}() has held the engine for {time.monotonic() - holder[1]:.1f} s")
             raise EngineUnresponsive(f"the engine did not come between steps within {timeout_s:g} s")
         try:
-            left = max(0.05, timeout_s - (time.monotonic() - start))
+            left = max(1.0, timeout_s - (time.monotonic() - start))  # a late turn still gets a fair round trip
             await asyncio.to_thread(self.engine.check_liveness, left)
         finally:
             lock.release()

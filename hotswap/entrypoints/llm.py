@@ -296,7 +296,7 @@ class LLM:
         if not self._lock.acquire(timeout_s):
             raise EngineUnresponsive(f"the engine did not come between steps within {timeout_s:g} s")
         try:
-            self.llm_engine.check_liveness(max(0.05, timeout_s - (time.monotonic() - start)))
+            self.llm_engine.check_liveness(max(1.0, timeout_s - (time.monotonic() - start)))  # a fair round trip
         finally:
             self._lock.raw.release()
         return time.monotonic() - start

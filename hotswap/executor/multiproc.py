@@ -127,8 +127,8 @@ class MultiprocExecutor(Executor):
             while not conn.poll(_POLL_S):
                 if proc.poll() is not None:
                     self._break(f"worker {rank} (pid {proc.pid}) died with exit code {proc.returncode} during {name}()")
-                if time.monotonic() > deadline:
-                    self._break(f"{name}() timed out after {timeout:.0f} s waiting for worker {rank}")
+                if time.monotonic() > deadline:  # out of step: no worker is expected to answer, stop them at once
+                    self._break(f"{name}() timed out after {timeout:.0f} s waiting for worker {rank}", grace_s=0.5)
             try:
                 status, value = cloudpickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
@@ -141,9 +141,9 @@ class MultiprocExecutor(Executor):
             raise errors[0]
         return results
 
-    def _break(self, reason: str) -> None:
+    def _break(self, reason: str, grace_s: float = 5.0) -> None:
         self.broken = reason
-        _stop(self.processes, self.conns, grace_s=0.5)  # out of step: no worker is expected to answer
+        _stop(self.processes, self.conns, grace_s)
         raise RuntimeError(f"{reason}; the workers were stopped, create a new LLM")
 
     def interrupt_waits(self) -> None:

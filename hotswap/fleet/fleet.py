@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from hotswap.config import apply_overrides, live_overrides
-from hotswap.errors import EngineUnavailable, EngineUnresponsive
+from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
 from hotswap.fleet.replicas import (
     FleetReplicas,
     FleetUpdateFailed,
@@ -454,14 +454,17 @@ class Fleet(FleetReplicas):
             raise RuntimeError(f"{method}() while a fleet weight-update session is open; finish or abort it first")
 
     def check_liveness(self, timeout_s: float = 5.0) -> float:
-        """Every routable replica's `check_liveness` at once; returns the seconds it took. Raises
-        EngineUnresponsive when no replica answered in time (naming each one's reason); a replica that did not
-        answer at all is marked down and restarted, as for any call."""
+        """Every routable replica's `check_liveness` at once; returns the seconds it took. Raises EngineBusy when
+        no replica answered because admin calls held them, EngineUnresponsive when no replica answered in time
+        (naming each one's reason); a replica that did not answer at all is marked down and restarted, as for
+        any call."""
         start = time.monotonic()
         members = self._current(required=False)
         if not members:
             raise EngineUnresponsive(f"no replica is routable: {self.health_problem()}")
         results, errors = self._call(members, "check_liveness", timeout_s, timeout=timeout_s + 1.0)
+        if not results and any(isinstance(e, EngineBusy) for e in errors.values()):
+            raise EngineBusy("; ".join(f"replica {i}: {_first_line(e)}" for i, e in sorted(errors.items())))
         if not results:
             reasons = "; ".join(f"replica {i}: {_first_line(e)}" for i, e in sorted(errors.items()))
             raise EngineUnresponsive(f"no replica answered a liveness round trip within {timeout_s:g} s ({reasons})")

@@ -133,7 +133,7 @@ class ModelRunner:
         routing.record, routing.forced = bool(seqs), forced
         try:
             yield out
-            if seqs:
+            if seqs and current_parallel().rank == 0:  # the engine reads rank 0's; the others only clear
                 ids = routing.take().to(routes_dtype(routing.num_experts)).numpy()
                 starts = [0, *itertools.accumulate(query_lens)]
                 for i in seqs:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.entrypoints.openai_protocol import error_body
 from hotswap.entrypoints.server.state import StateDep
-from hotswap.errors import EngineUnresponsive
+from hotswap.errors import EngineBusy, EngineUnresponsive
 from hotswap.fleet.async_fleet import AsyncFleet
 
 router = APIRouter()
@@ -94,13 +94,16 @@ async def health(state: StateDep) -> JSONResponse:
 @router.get("/liveness")
 async def liveness(state: StateDep, timeout_s: float = 5.0) -> JSONResponse:
     """A no-op round trip through every worker (every routable replica of a fleet) once the engine is between
-    steps, within `timeout_s` (query parameter, 0.1-60): 200 with its milliseconds, or 503 `engine_unresponsive`.
+    steps, within `timeout_s` (query parameter, 0.1-60): 200 with its milliseconds; 200 `{"status": "busy"}` while
+    an admin call (a reload, an update) held the engine all along; or 503 `engine_unresponsive`.
     `/health` stays the cheap check (no worker call)."""
     if not 0.1 <= timeout_s <= 60:
         return JSONResponse(error_body(f"timeout_s must be in [0.1, 60], got {timeout_s}", "invalid_request_error",
                                        400, "timeout_s"), status_code=400)
     try:
         seconds = await state.engine.check_liveness(timeout_s)
+    except EngineBusy as err:  # alive: an update or reload holds the engine (its own timeouts bound it)
+        return JSONResponse({"status": "busy", "reason": str(err)})
     except EngineUnresponsive as err:
         return JSONResponse(error_body(str(err), "engine_unresponsive", 503), status_code=503)
     return JSONResponse({"status": "ok", "round_trip_ms": round(seconds * 1e3, 3)})
