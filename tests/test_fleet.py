@@ -458,3 +458,37 @@ def load_a(ckpts) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     return list(load_file(str(ckpts["A"] / "model.safetensors")).items())
+
+
+def test_group_abort_reaches_the_replicas_holding_the_group(fleet):
+    """A group spread over both replicas is aborted by prefix in one call: every request ends with its partial
+    output and finish_reason 'abort'; the other request finishes."""
+    import asyncio
+
+    from hotswap.fleet.async_fleet import AsyncFleet
+
+    async def main():
+        front = AsyncFleet(fleet)
+        long = SamplingParams(temperature=1.0, seed=1, max_tokens=600, ignore_eos=True)
+        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+        async def run(rid: str, params: SamplingParams):
+            return [o async for o in front.generate(PROMPTS[0], params, rid)][-1]
+
+        tasks = {rid: asyncio.create_task(run(rid, long)) for rid in ("g::0", "g::1", "g::2", "g::3")}
+        tasks["solo"] = asyncio.create_task(run("solo", short))
+        deadline = time.monotonic() + 60
+        while len([r for r in fleet.router.in_flight() if r.startswith("g::")]) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # tokens out on both replicas
+        replicas = {fleet.router.replica_of(r) for r in tasks if r.startswith("g::")}
+        aborted = await front.abort_requests(prefix="g::")
+        return replicas, aborted, {rid: await task for rid, task in tasks.items()}
+
+    replicas, aborted, finals = asyncio.run(main())
+    assert replicas == {0, 1}  # the group was spread over both replicas
+    assert sorted(aborted) == ["g::0", "g::1", "g::2", "g::3"]
+    for rid in aborted:
+        c = finals[rid].outputs[0]
+        assert c.finish_reason == "abort" and len(c.token_ids) < 600
+    assert finals["solo"].outputs[0].finish_reason == "length"

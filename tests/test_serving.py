@@ -312,3 +312,31 @@ def test_sleep_wake_restores_outputs_and_returns_memory(tmp_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in before
     ]
+
+
+def test_group_abort_by_ids_and_by_prefix_returns_partial_outputs(ckpts):
+    """`abort_requests` ends a group between two steps: each stream gets its partial output (tokens, logprobs,
+    version spans) with finish_reason 'abort'; requests outside the group finish normally."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=400, ignore_eos=True, logprobs=1)
+
+    async def main():
+        engine = make_engine(ckpts["A"])
+        ids = ["grp::0", "grp::1", "grp::2", "solo", "pair-a"]
+        short = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        tasks = {rid: asyncio.create_task(collect(engine, PROMPTS[i], short if rid == "solo" else params, rid))
+                 for i, rid in enumerate(ids)}
+        await wait_tokens(engine, 2)
+        by_prefix = await engine.abort_requests(prefix="grp::")
+        by_id = await engine.abort_requests(["pair-a", "no-such-request"])
+        finals = {rid: (await task)[-1] for rid, task in tasks.items()}
+        await engine.shutdown()
+        return by_prefix, by_id, finals
+
+    by_prefix, by_id, finals = asyncio.run(main())
+    assert sorted(by_prefix) == ["grp::0", "grp::1", "grp::2"] and by_id == ["pair-a"]
+    for rid in (*by_prefix, *by_id):
+        c = finals[rid].outputs[0]
+        assert finals[rid].finished and c.finish_reason == "abort" and 2 <= len(c.token_ids) < 400
+        assert len(c.logprobs) == len(c.token_ids) and c.weight_versions[-1].end_token == len(c.token_ids)
+    solo = finals["solo"].outputs[0]
+    assert solo.finish_reason == "length" and len(solo.token_ids) == 30

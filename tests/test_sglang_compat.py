@@ -206,3 +206,45 @@ def test_released_weights_come_back_through_bucketed_updates(ckpts):
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False)
     llm.reload_weights(weights_iterator=tensors[half:])
     assert llm.llm_engine.health_problem() is None and serves(llm, ckpts["A"])
+
+
+def test_group_abort_by_prefix_on_sglang_and_vllm_routes(server):
+    """SGLang's `{"rid": "group::", "prefix": true}` and vLLM's `/abort_requests` (ids, and hotswap's `prefix`)
+    end a whole group at once, each request answering with its partial output and finish_reason abort; requests
+    outside the group go on."""
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True,
+                                                           "temperature": 1.0}}
+    results: dict[str, dict] = {}
+
+    def run(rid: str) -> None:
+        results[rid] = post(server, "/generate", rid=rid, **body).json()
+
+    def running() -> int:
+        return httpx.get(f"{server}/v1/loads").json()["loads"][0]["num_reqs"]
+
+    def start(rids: list[str]) -> list[threading.Thread]:
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while running() < len(rids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return threads
+
+    threads = start(["g1::0", "g1::1", "g1::2", "other"])
+    assert post(server, "/abort_request", rid="g1::", prefix=True).json()["aborted"] == 3
+    for thread in threads[:3]:
+        thread.join(30)
+    for rid in ("g1::0", "g1::1", "g1::2"):
+        meta = results[rid]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == len(results[rid]["output_ids"])
+    assert "other" not in results and running() == 1  # outside the group: still generating
+    vllm = post(server, "/abort_requests", request_ids=["other"]).json()
+    assert vllm["aborted"] == 1 and vllm["request_ids"] == ["other"]
+    threads[3].join(30)
+    assert results["other"]["meta_info"]["finish_reason"]["type"] == "abort"
+    threads = start(["g2::a", "g2::b"])
+    assert sorted(post(server, "/abort_requests", prefix="g2::").json()["request_ids"]) == ["g2::a", "g2::b"]
+    for thread in threads:
+        thread.join(30)
+    assert running() == 0

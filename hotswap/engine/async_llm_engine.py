@@ -189,6 +189,17 @@ class AsyncLLMEngine:
         if out is not None:
             self._deliver(out)
 
+    async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]:
+        """Group abort between two steps (see `LLMEngine.abort_requests`): each stream receives its final output;
+        returns the ids aborted."""
+        self._ensure_loop()
+        assert self._lock is not None
+        async with self._lock:
+            outs = self.engine.abort_requests(request_ids, prefix)
+        for out in outs:
+            self._deliver(out)
+        return [out.request_id for out in outs]
+
     def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)

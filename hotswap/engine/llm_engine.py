@@ -222,6 +222,17 @@ class LLMEngine:
         self._settle_drain()
         return self.outputs.output(request)
 
+    def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[RequestOutput]:
+        """Group abort: ends every request named in `request_ids` and every one whose id starts with `prefix`
+        (neither given: all of them) as `abort_request` does, at once; returns their final outputs (the partial
+        tokens, logprobs, version spans). Unknown ids are skipped."""
+        if request_ids is None and prefix is None:
+            chosen = list(self.requests)
+        else:
+            wanted = set(request_ids or ())
+            chosen = [r for r in self.requests if r in wanted or (prefix is not None and r.startswith(prefix))]
+        return [out for rid in chosen if (out := self.abort_request(rid)) is not None]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -85,6 +85,7 @@ class SelectorBody(_Lenient):
 class AbortBody(_Lenient):
     rid: str = ""
     abort_all: bool = False
+    prefix: bool = False  # `rid` is a prefix ("group::"): every request whose id starts with it
 
 
 class TagsBody(_Lenient):

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
@@ -175,6 +175,28 @@ class AsyncFleet:
             # a replica that is gone took its requests with it (their streams end with 'abort')
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
+
+    async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]:
+        """Group abort on every replica holding one of the requests (as `AsyncLLMEngine.abort_requests`, one call
+        per replica, concurrently); returns the ids aborted."""
+        wanted = set(request_ids or ())
+        chosen = [r for r in self.fleet.router.in_flight()
+                  if (request_ids is None and prefix is None) or r in wanted
+                  or (prefix is not None and r.startswith(prefix))]
+        by_replica: dict[int, list[str]] = {}
+        for request_id in chosen:
+            index = self.fleet.router.replica_of(request_id)
+            if index is not None:
+                by_replica.setdefault(index, []).append(request_id)
+
+        async def one(index: int, ids: list[str]) -> list[str]:
+            with contextlib.suppress(Exception):  # a replica that is gone took its requests with it
+                return cast(list[str], await asyncio.wait_for(
+                    self.fleet.members[index].actor.abort_requests.remote(ids), timeout=30))
+            return []
+
+        done = await asyncio.gather(*(one(i, ids) for i, ids in by_replica.items()))
+        return [r for ids in done for r in ids]
 
     # The fleet's verbs block (they wait on every replica): each runs in a worker thread.
     check_liveness = _in_thread(Fleet.check_liveness)

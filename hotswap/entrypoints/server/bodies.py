@@ -73,6 +73,7 @@ class RenameBody(_Body):
 
 class AbortRequestsBody(_Body):
     request_ids: list[str] | None = None
+    prefix: str | None = Field(default=None, min_length=1)  # every request whose id starts with it
 
 
 class TokenizeBody(_Body):

@@ -229,10 +229,14 @@ async def flush_cache(engine: EngineDep) -> Any:
 async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> Any:
     body = body or AbortBody()
     rid = body.rid
-    ids = [r for r in list(engine.engine.requests)
-           if body.abort_all or (rid and (r == rid or r.startswith(f"{rid}-")))]
-    for request_id in ids:
-        await engine.abort(request_id)
+    if body.abort_all:
+        ids = await engine.abort_requests()
+    elif not rid:
+        ids = []
+    elif body.prefix:
+        ids = await engine.abort_requests(prefix=rid)
+    else:  # the request, and the prompts of a /generate batch sent under it ("<rid>-<i>")
+        ids = await engine.abort_requests([rid], prefix=f"{rid}-")
     return {"success": True, "aborted": len(ids)}
 
 

@@ -198,13 +198,11 @@ async def reset_prefix_cache(state: StateDep) -> dict[str, Any]:
 
 @router.post("/abort_requests")
 async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None) -> dict[str, Any]:
-    """Ends the named requests (none named: all of them) with finish_reason 'abort'."""
-    wanted = (body or AbortRequestsBody()).request_ids
-    current = list(state.engine.engine.requests)  # a snapshot: the step thread removes finished requests
-    ids = current if not wanted else [r for r in wanted if r in current]
-    for request_id in ids:
-        await state.engine.abort(request_id)
-    return {"status": "aborted", "aborted": len(ids)}
+    """Group abort: ends the named requests and those whose id starts with `prefix` (neither: all of them) at
+    once, with finish_reason 'abort' and their partial outputs; answers how many, and which."""
+    body = body or AbortRequestsBody()
+    ids = await state.engine.abort_requests(body.request_ids or None, body.prefix)  # none named (or []): all
+    return {"status": "aborted", "aborted": len(ids), "request_ids": ids}
 
 
 # ---- versions and inspection ------------------------------------------------------------------------------
