@@ -138,7 +138,7 @@ def test_query_parameter_admin_routes_and_info(server, ckpts):
     r = httpx.post(f"{server}/wake_up", params=[("tags", "kv_cache"), ("tags", "weights")])
     assert r.json() == {"status": "awake", "tags": ["kv_cache", "weights"]}
     assert httpx.post(f"{server}/reset_prefix_cache", json={"reset_running_requests": True}).json()["success"]
-    assert post(server, "/abort_requests").json() == {"status": "aborted", "aborted": 0}
+    assert post(server, "/abort_requests").json() == {"status": "aborted", "aborted": 0, "request_ids": []}
     relabel = post(server, "/update_weight_version", new_version="41").json()
     assert relabel["success"] is True and relabel["new_version"] == "41"
     assert httpx.get(f"{server}/weight_info").json() == {"weight_version": "41"}
