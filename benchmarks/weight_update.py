@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import tempfile
 import time
@@ -26,14 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from hotswap import LLM
-from hotswap.testing import make_tiny_model
+from hotswap.testing import free_port, make_tiny_model
 from hotswap.transfer.tensors import tensors_update_info
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer(backend: str, checkpoint: str, port: int, commands, replies) -> None:

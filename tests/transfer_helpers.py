@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -12,17 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from hotswap import LLM
+from hotswap.testing import free_port
 from hotswap.transfer.shm import ShmSender
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.transfer.torch_dist import TorchDistSender
 
 BACKENDS = ["tensors", "shm", "torch_dist", "disk"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workers_of(llm) -> int:
@@ -135,6 +129,7 @@ def shm_segments() -> set[str]:
 SHM_TRAINER = """
 import json, sys, time
 from safetensors.torch import load_file
+from hotswap.testing import free_port
 from hotswap.transfer.shm import ShmSender
 tensors = list(load_file(sys.argv[1]).items())
 sender = ShmSender()

@@ -182,12 +182,7 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
-        self._ensure_loop()
-        assert self._lock is not None
-        async with self._lock:
-            out = self.engine.abort_request(request_id)
-        if out is not None:
-            self._deliver(out)
+        await self.abort_requests([request_id])
 
     async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]:
         """Group abort between two steps (see `LLMEngine.abort_requests`): each stream receives its final output;

@@ -555,7 +555,7 @@ class LLMEngine:
         self.pause_mode = mode
         outputs: list[RequestOutput] = []
         if mode == "abort":
-            outputs = [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
+            outputs = self.abort_requests()
         elif mode == "keep" and clear_cache:
             self.scheduler.preempt_all()
         self.scheduler.admit_new = False

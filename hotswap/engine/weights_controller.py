@@ -27,6 +27,7 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
+from hotswap.weights.delta import is_delta
 from hotswap.weights.target import WeightTarget, check_target
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
 
@@ -298,7 +299,7 @@ class WeightsController:
                 self.config.speculative_config.model = self.config.draft_model_config.model = str(weights_path)
             self.draft_version = self.version
             return
-        if weights_path is not None and encoding in (None, "full"):  # a folder of deltas is not the model's
+        if weights_path is not None and not is_delta(encoding):  # a folder of deltas is not the model's
             self._record_model_folder(str(weights_path))
         self._advance_version(weight_version)
 
@@ -372,7 +373,7 @@ class WeightsController:
         self.engine.enter_state(EngineState.UPDATING)
         self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator,
                                          **_delta_kwargs(encoding, checksums)})
-        folder = None if weights_path is None or encoding not in (None, "full") else str(weights_path)
+        folder = None if weights_path is None or is_delta(encoding) else str(weights_path)
         self.prepared = ("reload", folder)  # a folder of deltas is not recorded as the model's
 
     def _prepare(self, method: str, kwargs: dict[str, Any], canary: Canary | None = None) -> None:

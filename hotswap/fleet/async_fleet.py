@@ -170,11 +170,7 @@ class AsyncFleet:
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
-        index = self.fleet.router.replica_of(request_id)
-        if index is not None:
-            # a replica that is gone took its requests with it (their streams end with 'abort')
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.fleet.members[index].actor.abort.remote(request_id), timeout=30)
+        await self.abort_requests([request_id])
 
     async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]:
         """Group abort on every replica holding one of the requests (as `AsyncLLMEngine.abort_requests`, one call

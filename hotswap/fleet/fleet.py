@@ -50,6 +50,7 @@ from hotswap.fleet.router import request_cost
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.delta import is_delta
 from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg, parse_version
 
@@ -296,7 +297,7 @@ class Fleet(FleetReplicas):
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         new_folder = None
-        delta = encoding not in (None, "full")
+        delta = is_delta(encoding)
         if weights_path is not None and not delta:  # a folder of this model, checked before any replica is asked
             new_folder = live_overrides(self.config, {"model_config": {"model": str(weights_path)}})
         ray = _ray()

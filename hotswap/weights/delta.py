@@ -22,6 +22,7 @@ loaded, a mismatch fails the update (rolled back).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import cast
 
@@ -34,6 +35,12 @@ from hotswap.weights.update import Declared, Patch, PendingHalf, WeightSource, W
 ENCODINGS = ("full", "overwrite", "xor", "sparse")
 INDICES, VALUES = "#indices", "#values"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def is_delta(encoding: str | None) -> bool:
+    """Whether `encoding` names a delta (xor, sparse, overwrite) rather than a full checkpoint: a folder of it has
+    no config and a subset of the names, and is never recorded as the model's folder."""
+    return encoding not in (None, "full")
 
 
 def check_encoding(encoding: object) -> str:
@@ -238,5 +245,4 @@ def checked(source: WeightSource, index: WeightIndex, checksums: dict[str, str] 
             raise ValueError(f"checksum mismatch after applying the update (the result differs from the trainer's): "
                              f"{wrong[:10]}")
 
-    return WeightSource(source.declared, source.tensors, source.in_memory, source.complete, source.pre_sliced,
-                        source.skip, verify, source.description)
+    return dataclasses.replace(source, verify=verify)

@@ -435,7 +435,7 @@ class WeightUpdate:
                 params = dict(module.named_parameters(recurse=False))
                 for name, value in self.saved[entry[1]].items():
                     params[name].data.copy_(value)
-            for module_name in {e[1] for e in self.undo if e[0] == "module"} | set(self.arrived):
+            for module_name in self.arrived:  # patched in place (modules restored whole dropped theirs above)
                 packing.drop(self.index.modules[module_name])
         for module_name in self.arrived:
             discard = getattr(self.index.modules[module_name], "discard_stage", None)

@@ -40,6 +40,7 @@ from hotswap.kernels import policy as kernel_policy
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
+from hotswap.weights.delta import is_delta
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.session import SessionState, WeightSession
 from hotswap.weights.target import check_target
@@ -249,7 +250,7 @@ class Worker:
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         config = self._config_of(target)
-        delta = encoding not in (None, "full")
+        delta = is_delta(encoding)
         if weights_iterator is not None:
             source = pairs_source(weights_iterator)
         elif delta:  # a folder of delta tensors: no config of its own, never the model's folder
