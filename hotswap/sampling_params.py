@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from hotswap.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -33,7 +35,10 @@ class SamplingParams:
     use those experts for those tokens instead of its router's choice (the router's probabilities of the forced
     experts weight them, renormalized where the model renormalizes its top-k). `return_sampling_mask` returns, per
     generated token, the token ids that top-k / top-p / min-p (and banned tokens) left to sample from
-    (`CompletionOutput.sampling_mask`). Invalid values raise ValueError naming the field.
+    (`CompletionOutput.sampling_mask`).
+
+    `structured_outputs` (a `StructuredOutputsParams` or a dict of its fields) constrains the output to a JSON
+    schema, regex, choice or grammar (hotswap/engine/grammar.py). Invalid values raise ValueError naming the field.
     """
 
     n: int = 1
@@ -59,6 +64,7 @@ class SamplingParams:
     return_routed_experts: bool = False
     forced_routed_experts: Any = None
     return_sampling_mask: bool = False
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -130,6 +136,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.forced_routed_experts is not None:
             self.forced_routed_experts = forced_routes_array(self.forced_routed_experts)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             raise ValueError(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
 
@@ -140,6 +148,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def grammar(self) -> StructuredOutputsParams | None:
+        """The structured output asked for (always the parsed form after construction)."""
+        assert not isinstance(self.structured_outputs, dict)
+        return self.structured_outputs
 
     @property
     def penalized(self) -> bool:

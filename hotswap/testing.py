@@ -20,13 +20,15 @@ import math
 import os
 import pathlib
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -331,38 +333,43 @@ def free_port() -> int:
 def running_server(
     model_dir: str | pathlib.Path, *args: str, log: pathlib.Path | None = None, start_timeout_s: float = 180.0
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """Runs `python -m hotswap serve model_dir --port <free> *args` on loopback; yields (its base URL, the process)
-    once `/health` answers 200; stops it afterwards (SIGTERM, then SIGKILL after 30 s). With `log`, the server's
-    output goes to that file, else to a pipe (shown if it exits before it is healthy)."""
+    """Runs `python -m hotswap serve model_dir --port 0 *args` on loopback; yields (its base URL, the process) once
+    `/health` answers 200; stops it afterwards (SIGTERM, then SIGKILL after 30 s). The server binds its port before
+    it loads the model and prints it; the URL is read from that line, so no other process can take the port in
+    between. The server's output goes to `log` (a temporary file without it), shown if it exits before it is
+    healthy."""
     import httpx
 
-    port = free_port()
-    out: IO[str] | int = open(log, "w") if log is not None else subprocess.PIPE  # closed once the process ended
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hotswap", "serve", str(model_dir), "--port", str(port), *args],
-        stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                output = proc.stdout.read() if proc.stdout else pathlib.Path(str(log)).read_text()[-3000:]
-                raise RuntimeError(f"server exited early:\n{output}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.2)
-        yield base, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory())) / "server.log"
+        out = stack.enter_context(open(log, "w"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hotswap", "serve", str(model_dir), "--port", "0", *args],
+            stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log is not None and not isinstance(out, int):
-            out.close()
+            deadline = time.monotonic() + start_timeout_s
+            base: str | None = None
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited early:\n{log.read_text()[-3000:]}")
+                if base is None:
+                    found = re.search(r"serving .* on (http://\S+:\d+) ", log.read_text())
+                    base = found.group(1) if found else None
+                if base is not None:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server did not become healthy:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+            yield base, proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 

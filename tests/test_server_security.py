@@ -61,6 +61,25 @@ def test_keys_that_would_turn_auth_off_are_refused_at_start(ckpts):
         assert out.returncode != 0 and ("empty" in out.stderr or "refused" in out.stderr), (args, out.stderr)
 
 
+def test_a_port_in_use_is_refused_before_the_model_loads_and_port_0_picks_one(ckpts):
+    """The server binds its port before it builds the engine, so worker processes started while the model loads
+    cannot take it (a fleet's Ray once did); a port in use fails at once, naming the address."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "hotswap", "serve", str(ckpts["A"]), "--port", str(port),
+                              "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
+        assert "serving" not in out.stdout  # refused before the engine (and its two workers) started
+    assert time.monotonic() - start < 30
+    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22)) as base:  # --port 0
+        assert not base.endswith(":0") and httpx.get(f"{base}/health").status_code == 200
+
+
 def test_bearer_keys_with_any_characters_get_401_not_500(ckpts):
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--api-key", "sk-user",
                         "--admin-key", "sk-admin") as base:

@@ -56,7 +56,7 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
         assert token == ids[pos] and abs(lp - ref[pos - 1, ids[pos]].item()) < 1e-4
     batch = post(server, "/generate", text=[PROMPT, "hello"], sampling_params={"max_new_tokens": 3}).json()
     assert isinstance(batch, list) and len(batch) == 2 and all(len(b["output_ids"]) <= 3 for b in batch)
-    r = post(server, "/generate", text=PROMPT, sampling_params={"regex": "a+"})
+    r = post(server, "/generate", text=PROMPT, sampling_params={"regex": "a+", "json_schema": "{}"})
     assert r.status_code == 400 and "regex" in r.text
 
 

@@ -15,6 +15,7 @@ import torch
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.detokenizer import Detokenizer
+from hotswap.engine.grammar import Grammars
 from hotswap.engine.model_input import ModelInput, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +51,7 @@ class LLMEngine:
             Detokenizer(self.tokenizer), _eos_token_ids(mc.hf_config, self.tokenizer, mc.model), mc.max_model_len
         )
         # (sparse layers, top_k, experts) of a mixture-of-experts model, None for a dense one
+        self.grammars = Grammars(self.tokenizer, mc.hf_config["vocab_size"], self.outputs.eos_token_ids)
         self.routing_shape = model_class(mc.architecture).routing_shape(mc.hf_config)  # type: ignore[attr-defined]
         self.executor = executor_class(config)
         self.executor.collective_rpc("load_model")
@@ -160,6 +162,8 @@ class LLMEngine:
                              "routes no token")
         if params.forced_routed_experts is not None:
             self._check_forced_routes(params.forced_routed_experts, len(prompt_token_ids))
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # an invalid schema, regex or grammar is refused here
 
     def _check_forced_routes(self, forced: np.ndarray, num_prompt_tokens: int) -> None:
         assert self.routing_shape is not None
@@ -203,6 +207,8 @@ class LLMEngine:
             params.return_routed_experts or self.config.model_config.enable_return_routed_experts)
         request.admission_weight_version = self.weights.version
         seq = Sequence(request, 0, prompt_token_ids)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -395,6 +401,7 @@ class LLMEngine:
             seen_token_ids=seq.token_ids if p.penalized else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             return_mask=p.return_sampling_mask,
+            allowed=self.grammars.mask(seq.matcher) if seq.matcher is not None else None,
         )
 
     def _process(self, batch: SchedulerOutput, results: Samples | SpecOutput) -> list[RequestOutput]:

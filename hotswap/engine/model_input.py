@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class SampleSpec:
@@ -28,6 +30,8 @@ class SampleSpec:
     seen_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     return_mask: bool = False  # report the token ids left to sample from (SampleResult.kept)
+    # a grammar's allowed tokens, packed 32 to an int32 word (hotswap/engine/grammar.py); None: unconstrained
+    allowed: torch.Tensor | None = None
 
     @property
     def adjusts(self) -> bool:

@@ -4,6 +4,7 @@ conditions, and building `RequestOutput`s (whole, or as deltas for streaming).""
 from __future__ import annotations
 
 from hotswap.engine.detokenizer import Detokenizer, find_stop
+from hotswap.engine.grammar import advance
 from hotswap.engine.model_input import SampleResult
 from hotswap.engine.sequence import Request, Sequence
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask, SpecStats, WeightVersionSpan
@@ -27,6 +28,8 @@ class OutputProcessor:
         params = seq.request.params
         token = result.token_id
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            advance(seq.matcher, token)
         seq.record_version(weight_version)
         seq.cumulative_logprob += result.logprob
         if params.return_sampling_mask:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from hotswap.engine.model_input import PromptLogprobs
 from hotswap.engine.routes import RouteLog
@@ -53,6 +54,7 @@ class Sequence:
         # recomputed (perhaps on other weights): those rows never go into the prefix cache with the new blocks
         self.route_stale = (0, 0)
         self.sampling_mask: list[list[int] | None] = []  # per output token, with return_sampling_mask
+        self.matcher: Any = None  # its grammar's state (structured outputs): has consumed exactly its outputs
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -99,6 +101,7 @@ class Sequence:
         child.routes = self.routes.copy() if self.routes is not None else None
         child.route_stale = self.route_stale
         child.sampling_mask = list(self.sampling_mask)
+        child.matcher = self.matcher.deep_copy() if self.matcher is not None else None
         return child
 
 

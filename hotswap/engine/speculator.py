@@ -70,8 +70,9 @@ class Speculator:
         """How many tokens `seq` may have proposed now: k, fewer near max_tokens or the model's length (the step
         emits at most that many plus one)."""
         params = seq.request.params
-        if params.penalized:
-            return 0  # its distribution at a proposal's position would depend on the proposals before it
+        if params.penalized or params.structured_outputs is not None:
+            return 0  # its distribution (penalties, grammar mask) at a proposal's position would depend on the
+            # proposals before it
         k = self.config.num_speculative_tokens
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - seq.num_output_tokens - 1)

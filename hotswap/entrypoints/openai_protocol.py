@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,9 +17,8 @@ from hotswap.sampling_params import SamplingParams
 # Fields that would change what is generated and that hotswap does not implement: refused with a 400 naming the
 # field, never silently ignored (a constrained-decoding request answered unconstrained is a wrong answer).
 UNSUPPORTED = (
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
-    "suffix", "use_beam_search", "length_penalty", "logits_processors", "bad_words", "allowed_token_ids",
-    "truncate_prompt_tokens", "prompt_embeds", "logprob_token_ids", "functions", "function_call",
+    "guided_whitespace_pattern", "suffix", "use_beam_search", "length_penalty", "logits_processors", "bad_words",
+    "allowed_token_ids", "truncate_prompt_tokens", "prompt_embeds", "logprob_token_ids", "functions", "function_call",
 )
 
 
@@ -39,9 +39,9 @@ class _Request(BaseModel):
             for name in UNSUPPORTED:
                 if data.get(name) not in (None, False, [], {}):
                     raise ValueError(f"{name!r} is not supported by this server (it would change the output)")
-            fmt = data.get("response_format")
-            if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-                raise ValueError("'response_format' other than {'type': 'text'} is not supported")
+            constraint = constraint_of(data)
+            if constraint is not None:
+                data = {**data, "structured_outputs": constraint}
             best_of = data.get("best_of")
             if best_of not in (None, 1) and best_of != data.get("n", 1):
                 raise ValueError("'best_of' other than n is not supported")
@@ -75,6 +75,40 @@ class _Request(BaseModel):
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
     forced_routed_experts: Any = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's, or from response_format / guided_* (see constraint_of)
+
+
+# vLLM's older per-field names -> StructuredOutputsParams fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def constraint_of(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's output constraint as StructuredOutputsParams fields, from one of `structured_outputs`,
+    OpenAI's `response_format` (json_schema, json_object; text is none) and vLLM's `guided_*`. Raises ValueError
+    when more than one is given or a response_format is malformed."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if data.get("structured_outputs") not in (None, {}):
+        if not isinstance(data["structured_outputs"], dict):
+            raise ValueError("'structured_outputs' must be an object")
+        found.append(("structured_outputs", data["structured_outputs"]))
+    fmt = data.get("response_format")
+    if fmt not in (None, {}):
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+            found.append(("response_format", {"json": spec.get("schema", {})}))
+        elif kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    for name, field in _GUIDED.items():
+        if data.get(name) not in (None, [], ""):
+            found.append((name, {field: data[name]}))
+    if len(found) > 1:
+        raise ValueError(f"give one output constraint, got {', '.join(name for name, _ in found)}")
+    return found[0][1] if found else None
 
 
 class CompletionRequest(_Request):
@@ -121,17 +155,29 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-
-    @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
-        if self.tools and self.tool_choice not in (None, "none"):
-            raise ValueError(
-                f"'tool_choice' {self.tool_choice!r} is not supported (tool calls are not parsed); send 'none'"
-            )
-        return self
+    parallel_tool_calls: bool = True
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
+        """The messages as chat templates take them: content as text, and an assistant's tool-call arguments as
+        objects (OpenAI sends them as JSON text; templates render them with `tojson`)."""
+        out = []
+        for m in self.messages:
+            message = {**m.model_dump(exclude_none=True), "content": m.text()}
+            calls = message.get("tool_calls")
+            if isinstance(calls, list):
+                message["tool_calls"] = [_call_for_template(c) for c in calls]
+            out.append(message)
+        return out
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except json.JSONDecodeError:
+            return call
+    return call
 
 
 def sampling_params(
@@ -167,6 +213,7 @@ def sampling_params(
         return_routed_experts=request.return_routed_experts,
         return_sampling_mask=request.return_sampling_mask,
         forced_routed_experts=forced_routes(request.forced_routed_experts),
+        structured_outputs=request.structured_outputs,
     )
 
 

@@ -101,7 +101,9 @@ _SAMPLING = {
     "presence_penalty": "presence_penalty", "n": "n", "sampling_seed": "seed", "seed": "seed",
     "logit_bias": "logit_bias",
 }
-_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_REFUSED = ("structural_tag", "custom_params")
+# SGLang's constraint keys -> StructuredOutputsParams fields (at most one per request)
+_CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 _IGNORED = ("spaces_between_special_tokens", "no_stop_trim", "stream_interval")
 
 
@@ -118,6 +120,11 @@ def sampling_params(raw: dict[str, Any], vocab: int) -> SamplingParams:
             raise ValueError(f"sampling_params.{key} is not supported by this server (it would change the output)")
         if key in _SAMPLING and value is not None:
             fields[_SAMPLING[key]] = value
+    given = {key: raw[key] for key in _CONSTRAINTS if raw.get(key) not in (None, "")}
+    if len(given) > 1:
+        raise ValueError(f"sampling_params may hold one of json_schema, regex and ebnf, got {sorted(given)}")
+    for key, value in given.items():
+        fields["structured_outputs"] = {_CONSTRAINTS[key]: value}
     if raw.get("no_stop_trim"):
         fields["include_stop_str_in_output"] = True
     if fields.get("top_k") == 0:

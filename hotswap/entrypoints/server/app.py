@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import hotswap.entrypoints.server.chat as chat_routes
 import hotswap.entrypoints.server.fleet as fleet
 import hotswap.entrypoints.server.health as health
 import hotswap.entrypoints.server.openai as openai
@@ -39,7 +40,7 @@ from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.client import EngineClient
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
-from hotswap.entrypoints.server.state import ApiError, RequestLimits, ServerState, get_state
+from hotswap.entrypoints.server.state import ApiError, ChatSettings, RequestLimits, ServerState, get_state
 from hotswap.fleet.async_fleet import AsyncFleet
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -209,6 +210,7 @@ def create_app(
     admin_auth: str = "key",
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES,
     limits: RequestLimits = DEFAULT_LIMITS,
+    chat: ChatSettings | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. `admin_auth` "key" (admin routes need `admin_key`; without one they are
     off) or "none" (no key asked: a trusted network). Admin requests must name one of `allowed_hosts` in their
@@ -227,6 +229,7 @@ def create_app(
         engine=engine, served_model_name=served_model_name, metrics=metrics, limits=limits, api_key=api_key,
         admin_key=admin_key, admin_auth=admin_auth, allowed_hosts=allowed_hosts,
         vocab_size=int(engine.engine.config.model_config.hf_config.get("vocab_size", 0)),
+        chat=chat or ChatSettings(),
     )
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(RequestValidationError)(_validation)
@@ -238,6 +241,7 @@ def create_app(
     one_engine = isinstance(engine, AsyncLLMEngine)  # SGLang's admin routes reach into one engine's scheduler
     app.include_router(health.router)
     app.include_router(openai.router, dependencies=user)
+    app.include_router(chat_routes.router, dependencies=user)
     app.include_router(sglang.generate_router, dependencies=user)
     app.include_router(sglang.public_router)
     if not enable_admin:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.entrypoints.chat_output import REASONING_PARSERS
 from hotswap.entrypoints.server.app import LOOPBACK_NAMES, check_keys, create_app, is_loopback
-from hotswap.entrypoints.server.state import RequestLimits
+from hotswap.entrypoints.server.state import ChatSettings, RequestLimits
+from hotswap.entrypoints.tools import PARSERS
 from hotswap.fleet.async_fleet import AsyncFleet
 
 
@@ -16,7 +19,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the options of `hotswap serve` to `parser`."""
     parser.add_argument("model", help="Hugging Face checkpoint folder")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (the line printed at start names it)")
     parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer' on /v1 routes")
     parser.add_argument("--admin-key", default=None, help="required as 'Authorization: Bearer' on admin routes")
     parser.add_argument(
@@ -73,6 +76,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         'or \'{"method": "draft_model", "model": DRAFT_DIR}\'')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="parse tool calls from chat outputs in this format (needed for tool_choice 'auto')")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility (tool_choice 'auto' needs only --tool-call-parser)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split <think> reasoning into reasoning_content")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -120,6 +129,9 @@ def serve(args: argparse.Namespace) -> int:
     engine: AsyncLLMEngine | AsyncFleet
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    # the port is bound before the engine starts: a port in use fails at once, and the worker processes (Ray's
+    # among them) cannot take it while the model loads
+    sock = bind_socket(args.host, args.port)
     if args.data_parallel_size > 1 or args.ray_address is not None:
         from hotswap.fleet import Fleet
 
@@ -133,11 +145,29 @@ def serve(args: argparse.Namespace) -> int:
         args.max_request_bytes, args.max_stop_strings, args.max_stop_string_chars, args.max_pause_wait_s,
         args.max_n, args.max_tokens,
     )
-    app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits)
-    print(
-        f"serving {name!r} on http://{args.host}:{args.port} (admin routes {'on' if enable_admin else 'off'})",
-        flush=True,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
+    chat = ChatSettings(args.tool_call_parser, args.reasoning_parser)
+    app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits,
+                     chat)
+    port = sock.getsockname()[1]
+    print(f"serving {name!r} on http://{args.host}:{port} (admin routes {'on' if enable_admin else 'off'})", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), port 0 meaning any free one. Raises OSError naming the address if it
+    is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(False)
+    return sock

@@ -48,6 +48,24 @@ class RequestLimits:
     max_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """How chat outputs are read: the tool-call parser (`--tool-call-parser`: hermes, llama3_json, mistral; None:
+    tool_choice "auto" is refused, "required" and named choices use hermes' format) and the reasoning parser
+    (`--reasoning-parser`: deepseek_r1, qwen3; None: no reasoning_content)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        from hotswap.entrypoints.chat_output import check_reasoning_parser
+        from hotswap.entrypoints.tools import tool_parser
+
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)
+
+
 @dataclass
 class SGLangSession:
     """The `/begin_weight_update` session SGLang's routes opened: its token, and the weight_version its updates
@@ -74,6 +92,7 @@ class ServerState:
     # when the open vLLM-route weight update started (perf_counter), for hotswap_weight_update_seconds
     update_started: float | None = None
     sglang_session: SGLangSession = field(default_factory=SGLangSession)
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
     @staticmethod
     async def guarded(awaitable: Awaitable[T]) -> T:

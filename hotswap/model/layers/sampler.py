@@ -77,7 +77,9 @@ def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
     plain_greedy = all(
-        s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts for s in specs
+        s.temperature == 0 and not s.banned_token_ids and s.allowed is None and s.num_logprobs is None
+        and not s.adjusts
+        for s in specs
     )
     if plain_greedy and ops.greedy_native(logits):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
@@ -102,8 +104,8 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
 
 
 def filters(spec: SampleSpec, vocab: int) -> bool:
-    """Whether min-p, top-k or top-p can remove a token from this row's distribution."""
-    return 0 < spec.top_k < vocab or spec.top_p < 1.0 or spec.min_p > 0.0
+    """Whether min-p, top-k, top-p or a grammar can remove a token from this row's distribution."""
+    return 0 < spec.top_k < vocab or spec.top_p < 1.0 or spec.min_p > 0.0 or spec.allowed is not None
 
 
 def kept_sets(filtered: torch.Tensor, specs: list[SampleSpec], rows: list[int]) -> dict[int, list[int]]:
@@ -135,13 +137,28 @@ def results_for(logprobs: torch.Tensor, tokens: torch.Tensor, specs: list[Sample
 
 
 def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-    """`logits` with each row's banned tokens (min_tokens) at -inf (a copy when any row bans)."""
-    if any(spec.banned_token_ids for spec in specs):
+    """`logits` with each row's banned tokens (min_tokens) and the tokens its grammar disallows at -inf (a copy
+    when any row bans). Where min_tokens would ban every token the grammar allows (it allows only EOS once
+    complete), the grammar wins: the output must stay valid."""
+    if any(spec.banned_token_ids or spec.allowed is not None for spec in specs):
         logits = logits.clone()
         for row, spec in enumerate(specs):
-            if spec.banned_token_ids:
+            if spec.allowed is not None:
+                allowed = unpack(spec.allowed, logits.shape[1])
+                if spec.banned_token_ids:
+                    kept = allowed.clone()
+                    kept[spec.banned_token_ids] = False
+                    allowed = kept if kept.any() else allowed
+                logits[row].masked_fill_(~allowed, float("-inf"))
+            elif spec.banned_token_ids:
                 logits[row, spec.banned_token_ids] = float("-inf")
     return logits
+
+
+def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [vocab] from a grammar's packed mask: bit t % 32 of word t // 32 says whether token t is allowed."""
+    bits = (words.to(torch.int64)[:, None] >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab].bool()
 
 
 def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
