@@ -127,6 +127,8 @@ class CacheConfig:
     prefix_cache_policy: str = "reset"
     num_kv_blocks: int | None = None  # derived at startup
     kv_cache_dtype: str = "auto"
+    session_cache_fraction: float = 0.5  # of the blocks: at most this many free cached blocks of open sessions
+    # are evicted after every other (hotswap/engine/sessions.py)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
@@ -140,6 +142,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 <= self.session_cache_fraction <= 1.0:
+            raise ValueError(f"session_cache_fraction must be in [0, 1], got {self.session_cache_fraction}")
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

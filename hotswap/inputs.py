@@ -1,7 +1,8 @@
 """Prompts and their sampling params, normalized once: what `LLM` and the fleet both take.
 
-A prompt is a string, or a dict with "prompt_token_ids" (and optionally "prompt", the text, and "cache_salt"), or a
-dict with "prompt" alone. `stage` turns one into `Staged`: its text, token ids and cache salt, each checked.
+A prompt is a string, or a dict with "prompt_token_ids" (and optionally "prompt", the text, "cache_salt" and
+"session_id"), or a dict with "prompt" alone. `stage` turns one into `Staged`: its text, token ids, cache salt and
+session, each checked.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ class Staged:
     text: str | None
     token_ids: list[int]
     cache_salt: str | None = None
+    session_id: str | None = None  # the conversation it is a turn of (hotswap/engine/sessions.py)
 
     def as_dict(self) -> dict[str, Any]:
-        """{"prompt", "prompt_token_ids", "cache_salt"?}: the prompt as a replica takes it."""
+        """{"prompt", "prompt_token_ids", "cache_salt"?, "session_id"?}: the prompt as a replica takes it."""
         out: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
         if self.cache_salt is not None:
             out["cache_salt"] = self.cache_salt
+        if self.session_id is not None:
+            out["session_id"] = self.session_id
         return out
 
 
@@ -37,17 +41,19 @@ def stage(prompt: PromptType, tokenizer: Any) -> Staged:
         return Staged(prompt, list(tokenizer.encode(prompt, add_special_tokens=True)))
     if not isinstance(prompt, dict):
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
-    salt = prompt.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+    salt, session = prompt.get("cache_salt"), prompt.get("session_id")
+    for name, value in (("cache_salt", salt), ("session_id", session)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
         text = prompt.get("prompt")
-        return Staged(text if isinstance(text, str) else None, list(ids), salt)
+        return Staged(text if isinstance(text, str) else None, list(ids), salt, session)
     if isinstance(prompt.get("prompt"), str):
-        return Staged(prompt["prompt"], list(tokenizer.encode(prompt["prompt"], add_special_tokens=True)), salt)
+        ids = list(tokenizer.encode(prompt["prompt"], add_special_tokens=True))
+        return Staged(prompt["prompt"], ids, salt, session)
     raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' (or a 'prompt' string)")
 
 

@@ -73,3 +73,36 @@ def test_reset_prefix_cache_makes_every_free_block_empty():
     again = run_prompt(bm, list(range(12)))
     assert again.num_cached_tokens == 0
     assert set(again.block_table) == used  # the same memory, recomputed
+
+
+def test_open_sessions_keep_their_prefixes_while_other_traffic_churns_within_their_budget():
+    """A session's cached blocks are evicted after every other free cached block; beyond the budget the oldest
+    lose that priority; closing the session returns them to the common queue."""
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, session_budget=3)
+    bm.open_session("chat")
+    turn = Sequence(Request("t1", None, list(range(13)), SamplingParams(), session_id="chat"), 0, list(range(13)))
+    bm.allocate(turn)
+    turn.num_computed_tokens = 13
+    bm.commit(turn)  # 3 full blocks cached + 1 partial
+    bm.free_seq(turn)
+    assert len(bm.session_evictable) == 3 and not bm.evictable
+    for start in range(100, 400, 20):  # other traffic: each prompt caches 4 blocks, more than the cache spares
+        bm.free_seq(run_prompt(bm, list(range(start, start + 17))))
+        bm.check_integrity([])
+    assert bm.num_cached_tokens(make_seq(list(range(13)))) == 12  # the session's turn is still all there
+    assert bm.num_cached_tokens(make_seq(list(range(100, 117)))) == 0  # early traffic was evicted
+    bm.close_session("chat")
+    assert not bm.session_evictable and len(bm.evictable) > 0
+    for start in range(400, 600, 20):
+        bm.free_seq(run_prompt(bm, list(range(start, start + 17))))
+    assert bm.num_cached_tokens(make_seq(list(range(13)))) == 0  # closed: evicted in turn
+
+    over = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, session_budget=2)
+    over.open_session("s")
+    seq = Sequence(Request("t", None, list(range(13)), SamplingParams(), session_id="s"), 0, list(range(13)))
+    over.allocate(seq)
+    seq.num_computed_tokens = 13
+    over.commit(seq)
+    over.free_seq(seq)
+    assert len(over.session_evictable) == 2 and len(over.evictable) == 1  # the oldest beyond the budget moved
+    over.check_integrity([])

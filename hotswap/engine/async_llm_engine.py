@@ -148,7 +148,8 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes (the last has `finished` True). A request that
         arrives while the engine is paused waits for resume; one while it is asleep raises EngineUnavailable.
-        Cancelling the iteration aborts the request. (`routing_key` is a fleet's; one engine ignores it.)"""
+        Cancelling the iteration aborts the request. `routing_key` (a fleet routes by it) names the request's
+        session here, as a prompt dict's "session_id" does (hotswap/engine/sessions.py)."""
         params = sampling_params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
         if self.engine.is_asleep():  # would wait for a wake_up that may never come
@@ -163,7 +164,9 @@ class AsyncLLMEngine:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            self.engine.add_request(request_id, text, token_ids, params, stream=True, cache_salt=salt)
+            session = routing_key or (prompt.get("session_id") if isinstance(prompt, dict) else None)
+            self.engine.add_request(request_id, text, token_ids, params, stream=True, cache_salt=salt,
+                                    session_id=session)
             self._queues[request_id] = queue
         self._wake.set()
         finished = False
@@ -179,6 +182,28 @@ class AsyncLLMEngine:
             if not finished:  # the consumer stopped early (cancelled, disconnected): abort without awaiting
                 self._pending_aborts.add(request_id)
                 self._wake.set()
+
+    # ---- sessions (hotswap/engine/sessions.py) --------------------------------------------------------------
+
+    async def open_session(self, session_id: str) -> None:
+        """Opens a session: its requests' cached prefixes are evicted after other traffic's."""
+        self._ensure_loop()
+        assert self._lock is not None
+        async with self._lock:
+            self.engine.sessions.open(session_id)
+
+    async def close_session(self, session_id: str) -> dict[str, Any] | None:
+        """Closes a session; returns its figures (None if it was not open)."""
+        self._ensure_loop()
+        assert self._lock is not None
+        async with self._lock:
+            stats = self.engine.sessions.close(session_id)
+        return stats.json() if stats is not None else None
+
+    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
+        """An open session's figures: requests, prompt tokens, prefix-cache hits (None if it is not open)."""
+        stats = self.engine.sessions.stats.get(session_id)
+        return stats.json() if stats is not None else None
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""

@@ -12,6 +12,10 @@ Invariants:
 - A cached block keeps the routed experts of its tokens when the sequence that computed it recorded them; a
   sequence that records routes hits only blocks that kept theirs, and takes them with the block. A request with
   forced routes neither hits nor fills the cache (its KV depends on the routes it forces).
+- Sessions (multi-turn conversations): free cached blocks last held by a request of an open session sit in
+  `session_evictable` instead of `evictable`, at most `session_budget` of them (the oldest beyond it move to
+  `evictable`). Allocation evicts from `evictable` before it touches them, so a conversation's next turn finds its
+  prefix while other traffic churns the cache; closing the session returns them to `evictable`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from hotswap.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "ref_count", "routes", "token_ids")
+    __slots__ = ("block_id", "hash", "ref_count", "routes", "session", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -33,15 +37,20 @@ class Block:
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
         self.routes: np.ndarray | None = None  # [block_size, sparse layers, top_k] while cached, when recorded
+        self.session: str | None = None  # the open session whose request last held it
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 session_budget: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty: list[int] = list(reversed(range(num_blocks)))  # popped from the end: block 0 first
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.session_evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks of open sessions
+        self.session_budget = session_budget
+        self.open_sessions: set[str] = set()
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.pending_copies: list[tuple[int, int]] = []
         self.salt = 0  # mixed into the first block hash of every chain (the weight version, salt policy)
@@ -50,7 +59,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.empty) + len(self.evictable)
+        return len(self.empty) + len(self.evictable) + len(self.session_evictable)
 
     def _blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -87,7 +96,8 @@ class BlockManager:
         if self.empty:
             block = self.blocks[self.empty.pop()]
         else:
-            block = self.blocks[self.evictable.popitem(last=False)[0]]
+            queue = self.evictable if self.evictable else self.session_evictable
+            block = self.blocks[queue.popitem(last=False)[0]]
             assert block.hash is not None, "an evictable block holds a cached prefix"
             if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
@@ -97,8 +107,11 @@ class BlockManager:
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.evictable[block_id]  # only a cached prefix block is referenced again while free
+        if block.ref_count == 0:  # only a cached prefix block is referenced again while free
+            if block_id in self.session_evictable:
+                del self.session_evictable[block_id]
+            else:
+                del self.evictable[block_id]
         block.ref_count += 1
 
     def uncached_first_block(self, seq: Sequence) -> int | None:
@@ -146,17 +159,37 @@ class BlockManager:
         """Releases the blocks of `seq` (most recent last, so a prefix outlives its tail in the cache)."""
         owned = set(seq.block_table)
         self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in owned]
+        session = seq.request.session_id if seq.request.session_id in self.open_sessions else None
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
+                block.session = session
                 if block.hash is None:
                     self.empty.append(block_id)
+                elif session is not None and self.session_budget > 0:
+                    self.session_evictable[block_id] = None
                 else:
                     self.evictable[block_id] = None
+        while len(self.session_evictable) > self.session_budget:  # the oldest beyond the budget lose priority
+            self.evictable[self.session_evictable.popitem(last=False)[0]] = None
         seq.block_table = []
         seq.block_hashes = []
+
+    def open_session(self, session_id: str) -> None:
+        """From now on, the cached blocks `session_id`'s requests leave are evicted after the others."""
+        self.open_sessions.add(session_id)
+
+    def close_session(self, session_id: str) -> int:
+        """Its cached blocks lose their priority (they stay cached, evicted in turn); returns how many it held."""
+        self.open_sessions.discard(session_id)
+        held = [b for b in self.session_evictable if self.blocks[b].session == session_id]
+        for block_id in held:
+            del self.session_evictable[block_id]
+            self.evictable[block_id] = None
+            self.blocks[block_id].session = None
+        return len(held)
 
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Whether `seq` can get writable slots for its last token and `lookahead` more positions (speculation)."""
@@ -221,7 +254,9 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids, block.routes = None, (), None
         self.empty.extend(self.evictable)  # least recently freed deepest in the stack
+        self.empty.extend(self.session_evictable)
         self.evictable.clear()
+        self.session_evictable.clear()
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
         """Asserts the invariants above, given every sequence that may hold blocks: each block's ref_count equals
@@ -234,11 +269,13 @@ class BlockManager:
                 refs[block_id] += 1
         counted = [block.ref_count for block in self.blocks]
         assert refs == counted, f"ref counts {counted} differ from the block tables' references {refs}"
-        free = list(self.empty) + list(self.evictable)
+        free = list(self.empty) + list(self.evictable) + list(self.session_evictable)
         assert len(free) == len(set(free)), "a free block is listed twice"
         assert set(free) == {b.block_id for b in self.blocks if b.ref_count == 0}, "free lists != blocks unreferenced"
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert self.num_free_blocks + used == len(self.blocks), "free + used != total"
-        assert all(self.blocks[b].hash is not None for b in self.evictable), "an evictable block holds no prefix"
+        assert all(self.blocks[b].hash is not None for b in [*self.evictable, *self.session_evictable]), \
+            "an evictable block holds no prefix"
+        assert len(self.session_evictable) <= self.session_budget, "sessions hold more blocks than their budget"
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h, f"cached hash {h} points at block {block_id} holding another"

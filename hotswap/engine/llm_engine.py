@@ -20,6 +20,7 @@ from hotswap.engine.model_input import ModelInput, PromptLogprobsAsk, Samples, S
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
 from hotswap.engine.sequence import Request, Sequence
+from hotswap.engine.sessions import Sessions
 from hotswap.engine.speculator import Speculator
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
@@ -63,7 +64,8 @@ class LLMEngine:
                 f"{mc.max_model_len}; raise kv_cache_memory_bytes / memory_fraction or lower max_model_len"
             )
         self.executor.collective_rpc("initialize_cache", (cc.num_kv_blocks,))
-        self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.sessions = Sessions()
+        self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -80,6 +82,15 @@ class LLMEngine:
         if self.speculator is not None:
             self.scheduler.lookahead = self._lookahead
             self.outputs.speculative = True
+
+    def _new_block_manager(self) -> BlockManager:
+        """An empty block manager for the configured cache; the open sessions keep their priority in it."""
+        cc = self.config.cache_config
+        assert cc.num_kv_blocks is not None
+        bm = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching,
+                          int(cc.num_kv_blocks * cc.session_cache_fraction))
+        self.sessions.attach(bm)
+        return bm
 
     # ---- what the front ends read (an `AsyncFleet`'s view answers the same names) ---------------------------
 
@@ -190,19 +201,24 @@ class LLMEngine:
         stream: bool = False,
         cache_salt: str | None = None,
         validated: bool = False,
+        session_id: str | None = None,
     ) -> None:
         """Queues a request (it starts when the engine is running and capacity allows). With `stream`, `step`
         returns its output after every step that advanced it; otherwise only when it finishes. Requests with
         different `cache_salt`s never share prefix-cache blocks (vLLM's per-user isolation). `validated`: the
         caller already ran `validate_prompt` on this prompt and params (and checked the salt's type), as
-        `LLM.generate` does for every prompt before it queues any."""
+        `LLM.generate` does for every prompt before it queues any. `session_id` makes it a turn of that session
+        (opened if it is not; see hotswap/engine/sessions.py)."""
         if not validated:
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
             self.validate_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt)
+        if session_id is not None:
+            self.sessions.open(session_id)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt,
+                          session_id=session_id)
         request.record_routes = self.routing_shape is not None and (
             params.return_routed_experts or self.config.model_config.enable_return_routed_experts)
         request.admission_weight_version = self.weights.version
@@ -469,6 +485,9 @@ class LLMEngine:
             if request.finished:
                 outputs.append(self.outputs.output(request))
                 del self.requests[request.request_id]
+                if request.session_id is not None:
+                    self.sessions.finished(request.session_id, len(request.prompt_token_ids),
+                                           request.seqs[0].num_cached_tokens)
             elif request.stream and request.params.output_kind != "final_only":
                 outputs.append(self.outputs.output(request))
         return outputs
@@ -612,7 +631,7 @@ class LLMEngine:
         if "kv_cache" in tags and "kv_cache" in self.released:
             cc = self.config.cache_config
             assert cc.num_kv_blocks is not None
-            self.block_manager = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching)
+            self.block_manager = self._new_block_manager()
             self.block_manager.salt = self.weights.next_salt()
             self.scheduler.block_manager = self.block_manager
         self.released -= set(tags)
@@ -651,6 +670,7 @@ class LLMEngine:
             "shared_block_refs": bm.shared_block_refs,
             "num_free_blocks": bm.num_free_blocks,
             "num_kv_blocks": len(bm.blocks),
+            **self.sessions.totals(),
             **(self._spec_stats() if self.speculator is not None else {}),
         }
 

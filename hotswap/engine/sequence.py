@@ -122,6 +122,7 @@ class Request:
     partial_prompt_logprobs: PromptLogprobs | None = None  # those of the prompt's chunks that ran so far
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
     record_routes: bool = False  # its sequences keep their routed experts (a mixture-of-experts model)
+    session_id: str | None = None  # the conversation it is a turn of (hotswap/engine/sessions.py)
 
     @property
     def forced_routes(self) -> bool:

@@ -136,7 +136,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt") and
+        """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt" and a
+        "session_id": see hotswap/engine/sessions.py) and
         returns outputs in prompt order. `sampling_params` is one for all prompts or one per prompt. Every prompt
         is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was.
 
@@ -156,7 +157,7 @@ class LLM:
             for prompt, params in zip(staged, params_list, strict=True):
                 request_id = engine.next_request_id()
                 engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
-                                   validated=True)
+                                   validated=True, session_id=prompt.session_id)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 

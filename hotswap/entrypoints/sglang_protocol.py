@@ -36,6 +36,16 @@ class GenerateBody(_Lenient):
     routed_experts_start_len: int = Field(0, ge=0)  # rows before it are not returned (the caller holds them)
     return_sampling_mask: bool = False
     forced_routed_experts: Any = None
+    session_params: dict[str, Any] | None = None  # {"id": <an open session's id>, ...}: a turn of that session
+
+
+class OpenSessionBody(_Lenient):
+    capacity_of_str_len: int | None = None  # SGLang's; the cache budget here is --session-cache-fraction
+    session_id: str | None = Field(default=None, min_length=1)
+
+
+class CloseSessionBody(_Lenient):
+    session_id: str = Field(min_length=1)
 
 
 class PauseGenerationBody(_Lenient):

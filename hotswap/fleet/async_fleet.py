@@ -19,6 +19,7 @@ from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.client import EngineClient
 from hotswap.engine.detokenizer import Detokenizer
+from hotswap.errors import EngineUnavailable
 from hotswap.fleet.fleet import Fleet
 from hotswap.fleet.replicas import _cause, _first_line, _ray
 from hotswap.outputs import RequestOutput
@@ -135,6 +136,9 @@ class AsyncFleet:
         params = sampling_params or SamplingParams()
         request_id = request_id or fleet.next_request_id()
         staged = await asyncio.to_thread(fleet.prepare_prompt, prompt)
+        if routing_key is not None:  # the session the replica keeps its KV for
+            staged["session_id"] = routing_key
+        routing_key = routing_key or staged.get("session_id")
         tried: set[int] = set()
         last: RequestOutput | None = None
         while True:
@@ -167,6 +171,27 @@ class AsyncFleet:
                 if not finished and stream is not None:  # the consumer went away: the replica aborts the request
                     with contextlib.suppress(Exception):
                         ray.cancel(stream)
+
+    # ---- sessions: answered by the replica the session id routes to ----------------------------------------
+
+    async def _session_call(self, method: str, session_id: str) -> Any:
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"a session id must be a non-empty string, got {session_id!r}")
+        try:
+            index = self.fleet.router.pick(self.fleet.routable(), session_id)
+        except RuntimeError as err:
+            raise EngineUnavailable(str(err)) from None
+        return await asyncio.wait_for(getattr(self.fleet.members[index].actor, method).remote(session_id), timeout=30)
+
+    async def open_session(self, session_id: str) -> None:
+        """Opens the session on the replica its id routes to (where its requests go)."""
+        await self._session_call("open_session", session_id)
+
+    async def close_session(self, session_id: str) -> dict[str, Any] | None:
+        return cast("dict[str, Any] | None", await self._session_call("close_session", session_id))
+
+    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
+        return cast("dict[str, Any] | None", await self._session_call("session_stats", session_id))
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 import hotswap.entrypoints.server.generation as generation
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.chat_output import ChoiceStream, parse_message
+from hotswap.entrypoints.render import render_ids
 from hotswap.entrypoints.server.openai import check_unicode, engine_prompt, usage_chunk
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.tools import ToolParser, check_tools, tool_parser
@@ -72,23 +73,22 @@ class ChatPlan:
                 messages.insert(0, {"role": "system", "content": block})
         return messages
 
-    def render(self, tokenizer: Any) -> list[int]:
-        """The prompt's token ids. Raises ValueError (a 400) for a template that cannot render these messages."""
+    def render(self, tokenizer: Any, vocab_size: int) -> list[int]:
+        """The prompt's token ids, earlier turns' `token_ids` kept exactly (hotswap/entrypoints/render.py).
+        Raises ValueError (a 400) for a template that cannot render these messages."""
         body = self.body
         template = body.chat_template or getattr(tokenizer, "chat_template", None) or ""
         try:
-            ids = tokenizer.apply_chat_template(
-                self.messages(template), tools=self.tools if self.render_tools else None,
+            return render_ids(
+                tokenizer, self.messages(template), vocab_size, tools=self.tools if self.render_tools else None,
                 chat_template=body.chat_template,
                 add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message, tokenize=True, return_dict=False,
-                **(body.chat_template_kwargs or {}),
+                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
             )
         except ValueError:
             raise
         except Exception as err:  # jinja errors
             raise ValueError(f"the chat template failed on these messages: {err}") from err
-        return list(ids)
 
     @property
     def parses(self) -> bool:
@@ -107,7 +107,7 @@ class ChatPlan:
 async def plan_of(body: oai.ChatCompletionRequest, state: ServerState) -> tuple[ChatPlan, list[int]]:
     try:
         plan = ChatPlan(body, state)
-        ids = await asyncio.to_thread(plan.render, state.engine.tokenizer)  # CPU work off the event loop
+        ids = await asyncio.to_thread(plan.render, state.engine.tokenizer, state.vocab_size)  # off the event loop
     except ValueError as err:
         raise ApiError(400, str(err)) from err
     return plan, ids

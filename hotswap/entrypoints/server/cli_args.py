@@ -82,6 +82,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accepted for vLLM compatibility (tool_choice 'auto' needs only --tool-call-parser)")
     parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split <think> reasoning into reasoning_content")
+    parser.add_argument("--session-cache-fraction", type=float, default=0.5,
+                        help="share of the KV blocks that open sessions' cached prefixes may hold with priority")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -122,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         prefix_cache_policy=args.prefix_cache_policy,
+        session_cache_fraction=args.session_cache_fraction,
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,
         speculative_config=args.speculative_config,

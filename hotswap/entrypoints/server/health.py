@@ -29,6 +29,19 @@ SPEC_METRICS = {
     "draft_weight_version": "hotswap_draft_weight_version",
     "draft_stale": "hotswap_draft_stale",
 }
+# sessions (hotswap/engine/sessions.py): their hit rate is cached / prompt tokens, from each one's second request
+SESSION_METRICS = {
+    "open_sessions": "hotswap_sessions_open",
+    "session_later_prompt_tokens": "hotswap_session_prompt_tokens",
+    "session_later_cached_tokens": "hotswap_session_cached_tokens",
+    "session_cached_blocks": "hotswap_session_cached_blocks",
+}
+SESSION_METRIC_HELP = {
+    "hotswap_sessions_open": ("gauge", "Open sessions"),
+    "hotswap_session_prompt_tokens": ("gauge", "Prompt tokens of open sessions' requests after their first"),
+    "hotswap_session_cached_tokens": ("gauge", "Of those, tokens found in the prefix cache"),
+    "hotswap_session_cached_blocks": ("gauge", "Free cached KV blocks held with priority for open sessions"),
+}
 SPEC_METRIC_HELP = {
     "hotswap_spec_draft_tokens": ("counter", "Speculative tokens proposed"),
     "hotswap_spec_accepted_tokens": ("counter", "Speculative tokens the target accepted"),
@@ -71,7 +84,7 @@ def server_metrics(fleet: bool, weight_version_label: str) -> Metrics:
     metrics.describe("hotswap_request_latency_seconds", "summary", "End-to-end latency of generation requests")
     metrics.describe("hotswap_weight_version", "gauge", "Weight version being served (the integer that orders them)")
     metrics.describe("hotswap_weight_version_info", "gauge", "1, labelled with the served version's label")
-    for name, (kind, text) in SPEC_METRIC_HELP.items():
+    for name, (kind, text) in (SPEC_METRIC_HELP | SESSION_METRIC_HELP).items():
         metrics.describe(name, kind, text)
     if fleet:
         for name, (kind, text) in FLEET_METRIC_HELP.items():
@@ -114,7 +127,7 @@ async def get_metrics(state: StateDep) -> str:
     engine, metrics = state.engine, state.metrics
     metrics.set("hotswap_requests_running", len(engine.engine.requests))
     stats = engine.engine.stats()
-    for key, name in SPEC_METRICS.items():
+    for key, name in (SPEC_METRICS | SESSION_METRICS).items():
         if key in stats:
             metrics.set(name, float(stats[key]))
     if isinstance(engine, AsyncFleet):

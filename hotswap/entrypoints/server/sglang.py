@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar, cast
 
@@ -31,10 +32,12 @@ from hotswap.entrypoints.replay_wire import forced_routes
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.sglang_protocol import (
     AbortBody,
+    CloseSessionBody,
     DiskBody,
     DistributedBody,
     GenerateBody,
     GroupBody,
+    OpenSessionBody,
     PauseGenerationBody,
     SelectorBody,
     TagsBody,
@@ -110,6 +113,11 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
     engine = state.engine  # one engine or a fleet (its router picks the replica; X-Session-ID keeps it sticky)
     inner = engine.engine
     key = http.headers.get("x-session-id")
+    if body.session_params is not None:
+        key = body.session_params.get("id") if isinstance(body.session_params.get("id"), str) else None
+        if not key:
+            return JSONResponse({"error": {"message": "session_params.id must name a session (see /open_session)"}},
+                                400)
     if (body.text is None) == (body.input_ids is None):
         return JSONResponse({"error": {"message": "give exactly one of 'text' and 'input_ids'"}}, 400)
     try:
@@ -183,6 +191,34 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
         return error_response(errors.exceptions[0])
     results = [response(o, c, body, text_of, inner.weight_version_label) for o in outs for c in o.outputs]
     return results if batch or params.n > 1 else results[0]
+
+
+@generate_router.post("/open_session")
+async def open_session_route(state: StateDep, body: OpenSessionBody | None = None) -> Any:
+    """SGLang's: opens a session (its id, or a new one) and answers its id. Requests naming it (session_params.id,
+    or the X-Session-ID header) keep their cached prefixes with priority (hotswap/engine/sessions.py)."""
+    session_id = (body.session_id if body is not None else None) or uuid.uuid4().hex
+    await state.guarded(state.engine.open_session(session_id))
+    return session_id
+
+
+@generate_router.post("/close_session")
+async def close_session_route(body: CloseSessionBody, state: StateDep) -> Any:
+    """SGLang's: closes a session; answers its figures (hotswap's addition), 404 for an unknown one."""
+    stats = await state.guarded(state.engine.close_session(body.session_id))
+    if stats is None:
+        raise ApiError(404, f"no open session {body.session_id!r}", "not_found_error")
+    return {"success": True, "session_id": body.session_id, **stats}
+
+
+@generate_router.get("/v1/sessions/{session_id}")
+async def session_stats_route(session_id: str, state: StateDep) -> Any:
+    """An open session's figures: requests, prompt tokens, prefix-cache hits and the hit rate from its second
+    request on; 404 for an unknown one."""
+    stats = await state.guarded(state.engine.session_stats(session_id))
+    if stats is None:
+        raise ApiError(404, f"no open session {session_id!r}", "not_found_error")
+    return {"session_id": session_id, **stats}
 
 
 @public_router.get("/health_generate")
