@@ -40,12 +40,18 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
         assert out["token_ids"] == hf_greedy(str(ckpts["A"]), tuple(tokenizer.encode(prompt)), 8)[0]
     spread = [r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)]
     assert min(spread) > 0 and sum(spread) == len(PROMPTS)
-    # one session id: one replica
+    # one session id: one replica, whose prefix cache serves its later turns (figures from that replica)
     routed = [r["routed"] for r in replicas(base)]
+    prompt = list(range(3, 60))
     for _ in range(4):
-        httpx.post(f"{base}/v1/completions", json={"model": "A", "prompt": "hi", "max_tokens": 2},
-                   headers={"X-Session-ID": "conversation-7"}, timeout=120).raise_for_status()
+        out = httpx.post(f"{base}/v1/completions", json={"model": "A", "prompt": prompt, "max_tokens": 2,
+                                                          "return_token_ids": True},
+                         headers={"X-Session-ID": "conversation-7"}, timeout=120).json()["choices"][0]
+        prompt = prompt + out["token_ids"] + [5, 6, 7]
     assert sorted(r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)) == [0, 4]
+    stats = httpx.get(f"{base}/v1/sessions/conversation-7", timeout=60).json()
+    assert stats["requests"] == 4 and stats["prefix_cache_hit_rate"] > 0.7
+    assert httpx.post(f"{base}/close_session", json={"session_id": "conversation-7"}, timeout=60).json()["success"]
     # streaming passes through with its version spans
     chunks = []
     body = {"model": "A", "prompt": "count", "max_tokens": 6, "stream": True, "ignore_eos": True}

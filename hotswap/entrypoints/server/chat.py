@@ -56,8 +56,10 @@ class ChatPlan:
                                  "response_format / structured_outputs")
             body.structured_outputs = {"grammar": self.parser.grammar(self.tools, body.parallel_tool_calls
                                                                       and choice == "required")}
-        # a constrained output (a schema, a required call) is all answer: no reasoning is split from it
-        self.reasoning = chat.reasoning_parser if body.structured_outputs is None else None
+        # a constrained output (a schema, a required call) holds reasoning only where it marks it (<think>)
+        self.reasoning = chat.reasoning_parser
+        if body.structured_outputs is not None and self.reasoning is not None:
+            self.reasoning = "qwen3"
         self.render_tools = bool(self.tools) and body.tool_choice != "none"
         self.body = body
 
