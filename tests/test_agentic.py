@@ -137,8 +137,8 @@ def test_render_returns_the_prompt_and_uses_the_templates_tool_rendering(server,
     fallback = post(server, "/v1/chat/completions/render", model="A", messages=USER, tools=TOOLS).json()["prompt"]
     assert "You may call one or more of these functions" in fallback and "<tool_call>" in fallback
     none = post(server, "/v1/chat/completions/render", model="A", messages=USER, tools=TOOLS,
-                tool_choice="none").json()
-    assert none["prompt_token_ids"] == rendered["prompt_token_ids"]
+                tool_choice="none").json()["prompt"]
+    assert none == fallback  # rendered whatever the choice: an agent's prompt prefix survives a change of it
 
 
 @pytest.mark.parametrize("template", [None, LLAMA3, MISTRAL, QWEN_TOOLS], ids=["chatml", "llama3", "mistral",
@@ -199,3 +199,49 @@ def test_sglang_sessions_and_constraints_on_generate(server):
         out = post(server, "/generate", text="Answer:", sampling_params={key: value, "max_new_tokens": 120,
                                                                         "temperature": 1.0, "sampling_seed": 4})
         assert out.status_code == 200 and check(out.json()["text"]), (key, out.text)
+
+
+@pytest.mark.parametrize("parser, script, content", [
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}', None),
+    ("mistral", 'Adding.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Adding."),
+])
+def test_the_other_parsers_read_a_scripted_output_through_the_app(ckpts, parser, script, content):
+    """llama3_json and mistral, served in process (the app on an AsyncLLMEngine, through httpx's ASGI transport):
+    a scripted output is parsed into the call, whole and streamed, and required calls come in that format."""
+    import asyncio
+
+    from hotswap.engine.async_llm_engine import AsyncLLMEngine
+    from hotswap.entrypoints.server import create_app
+    from hotswap.entrypoints.server.state import ChatSettings
+
+    engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    app = create_app(engine, "A", admin_auth="none", chat=ChatSettings(tool_call_parser=parser))
+
+    async def run() -> None:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
+        client = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="none", http_client=http)
+        body = dict(model="A", messages=USER, tools=TOOLS, max_tokens=100, temperature=0,
+                    extra_body={"structured_outputs": {"choice": [script]}})
+        whole = (await client.chat.completions.create(**body)).choices[0]
+        assert (whole.finish_reason, whole.message.content) == ("tool_calls", content)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+            ("add", {"a": 1, "b": 2})]
+        text, calls = "", []
+        async for chunk in await client.chat.completions.create(**body, stream=True):
+            text += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+        assert (text or None, [c.function.name for c in calls]) == (content, ["add"])
+        required = (await client.chat.completions.create(
+            model="A", messages=USER, tools=TOOLS, max_tokens=150, tool_choice="required", temperature=1.0, seed=3,
+            parallel_tool_calls=False)).choices[0]
+        (call,) = required.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        await http.aclose()
+
+    async def main() -> None:
+        try:
+            await run()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

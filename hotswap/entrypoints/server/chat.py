@@ -42,7 +42,8 @@ class ChatPlan:
 
     def __init__(self, body: oai.ChatCompletionRequest, state: ServerState) -> None:
         chat = state.chat
-        self.tools, choice = check_tools(body.tools, body.tool_choice)
+        callable_tools, choice = check_tools(body.tools, body.tool_choice)  # a named choice: that function alone
+        self.tools = body.tools or []
         self.parser: ToolParser | None = None
         if choice == "auto":
             if chat.tool_call_parser is None:
@@ -54,13 +55,15 @@ class ChatPlan:
             if body.structured_outputs is not None:
                 raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output already; drop "
                                  "response_format / structured_outputs")
-            body.structured_outputs = {"grammar": self.parser.grammar(self.tools, body.parallel_tool_calls
+            body.structured_outputs = {"grammar": self.parser.grammar(callable_tools, body.parallel_tool_calls
                                                                       and choice == "required")}
         # a constrained output (a schema, a required call) holds reasoning only where it marks it (<think>)
         self.reasoning = chat.reasoning_parser
         if body.structured_outputs is not None and self.reasoning is not None:
             self.reasoning = "qwen3"
-        self.render_tools = bool(self.tools) and body.tool_choice != "none"
+        # tools are rendered whatever the choice (as vLLM does): an agent's turns keep one prompt prefix when its
+        # tool_choice changes between them
+        self.render_tools = bool(self.tools)
         self.body = body
 
     def messages(self, template: str) -> list[dict[str, Any]]:
@@ -146,7 +149,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
     counts = {"prompt": 0, "completion": 0}
 
     def chunk(out: RequestOutput) -> dict[str, Any]:
-        counts["prompt"] = len(out.prompt_token_ids)
+        counts["prompt"], counts["cached"] = len(out.prompt_token_ids), out.num_cached_tokens
         counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
         choices = []
         for c in out.outputs:

@@ -44,7 +44,7 @@ def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: di
     total = counts["prompt"] + counts["completion"]
     return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
             "usage": {"prompt_tokens": counts["prompt"], "completion_tokens": counts["completion"],
-                      "total_tokens": total}}
+                      "total_tokens": total, "prompt_tokens_details": {"cached_tokens": counts.get("cached", 0)}}}
 
 
 @router.get("/v1/models")
@@ -100,7 +100,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
     echoed = [False]
 
     def chunk(out: RequestOutput) -> dict[str, Any]:
-        counts["prompt"] = len(out.prompt_token_ids)
+        counts["prompt"], counts["cached"] = len(out.prompt_token_ids), out.num_cached_tokens
         counts["completion"] += sum(len(c.token_ids) for c in out.outputs)
         prefix = texts[0] if not echoed[0] else ""
         echoed[0] = True
