@@ -15,7 +15,8 @@ all unconstrained, half under a grammar, all under it (a regex that stays open, 
 Reported: tokens/s and the step time of each, as ratios to the unconstrained batch.
 
     python benchmarks/agentic.py [--parts sessions,grammar] [--sessions 16] [--turns 20] [--preset 125m]
-        [--vocab 39084] [--kv-cache-memory-bytes N] [--rows 32] [--tokens 128] [--isa native|avx2-kernels|avx2]
+        [--vocab 39084] [--kv-cache-memory-bytes N] [--max-model-len 8192] [--rows 32] [--tokens 128]
+        [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -110,7 +111,7 @@ async def conversation(client: Any, base: str, index: int, turns: int, exact: bo
             assistant["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         messages.append(assistant)
         for call in calls:
-            result = " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40)))
+            result = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20)))
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         if not calls:
             messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(20))})
@@ -192,7 +193,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--preset", default="125m")
     parser.add_argument("--vocab", type=int, default=39084)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30)
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
@@ -210,7 +212,8 @@ def main() -> None:
     print(f"cpu: {build['cpu']}; kernels: {build['build']}; torch: {build['torch_isa']}")
     figures: dict[str, Any] = {"isa": args.isa, "preset": args.preset, "vocab": args.vocab, **build}
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_tiny_model(Path(tmp) / "model", preset=args.preset, vocab_size=args.vocab))
+        model = str(make_tiny_model(Path(tmp) / "model", preset=args.preset, vocab_size=args.vocab,
+                                    max_position_embeddings=args.max_model_len))
         if "sessions" in args.parts:
             print(f"sessions: {args.sessions} x {args.turns} turns")
             figures["sessions"] = sessions_part(model, args)
