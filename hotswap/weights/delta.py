@@ -108,7 +108,8 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
     `values`, as a `Patch` written in place (only those elements move), or, where this rank's part is not one
     contiguous view, as its whole new value."""
     numel = torch.Size(target.local_shape if pre_sliced else target.full_shape).numel()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= numel):
+    low, high = (int(x) for x in torch.aminmax(flat)) if flat.numel() else (0, 0)
+    if flat.numel() and (low < 0 or high >= numel):
         raise ValueError(f"sparse indices outside [0, {numel}) for a tensor of shape "
                          f"{target.local_shape if pre_sliced else target.full_shape}")
     current = target.local_view()
@@ -117,7 +118,7 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
     if current.is_contiguous():
         return Patch(local, values)
     new = current.clone()
-    new.view(-1)[local] = values
+    new.view(-1).index_copy_(0, local, values)
     return new
 
 
@@ -193,15 +194,19 @@ def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> Weight
             base = name.removesuffix(INDICES).removesuffix(VALUES)
             kind = "indices" if name.endswith(INDICES) else "values"
             other = waiting.pop(base, None) or pending.pop(base, None)
-            if other is None:  # the transport may reuse its buffer for the next tensor: keep a copy
-                waiting[base] = PendingHalf(kind, delta.dtype, tuple(delta.shape), delta.clone(),
-                                            name in source.pre_sliced)
+            if other is None:  # a transport may reuse its buffer for the next tensor: keep a copy (not of the
+                # caller's own tensors, which stay as they are while the update runs)
+                kept = delta if source.in_memory else delta.clone()
+                waiting[base] = PendingHalf(kind, delta.dtype, tuple(delta.shape), kept, name in source.pre_sliced)
                 continue
             flat, values = (delta, other.tensor) if kind == "indices" else (other.tensor, delta)
             sliced = (name in source.pre_sliced) if kind == "indices" else other.pre_sliced
             change = _apply_sparse(index.targets[base], flat, values, sliced)
             yield base, cast(torch.Tensor, change)  # a Patch: WeightUpdate writes it in place
-        pending.update(waiting)  # halves whose partner comes in a later source of this update
+        # halves whose partner comes in a later source of this update (an in-memory source's buffer, e.g. an shm
+        # segment, may be rewritten before then: copied now)
+        pending.update({base: dataclasses.replace(half, tensor=half.tensor.clone()) if source.in_memory else half
+                        for base, half in waiting.items()})
 
     return WeightSource(
         declared=declared,

@@ -368,8 +368,9 @@ class WeightUpdate:
         their old values for rollback when `backup`."""
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
         if backup and self.atomic and target.module_name not in self.saved:
-            self.undo.append(("patch", view, patch.indices, view[patch.indices].clone()))
-        view[patch.indices] = patch.values
+            self.undo.append(("patch", view, patch.indices, view.index_select(0, patch.indices)))
+        # index_select / index_copy_: 2-3x faster on CPU than advanced indexing (which goes through index_put)
+        view.index_copy_(0, patch.indices, patch.values)
         packing.drop(self.index.modules[target.module_name])  # a packed copy holds the old values
 
     def _save(self, module_name: str) -> None:
@@ -428,7 +429,7 @@ class WeightUpdate:
             for entry in reversed(self.undo):  # latest first: each undo sees the state its write left
                 if entry[0] == "patch":
                     _, view, indices, old = entry
-                    view[indices] = old
+                    view.index_copy_(0, indices, old)
                     continue
                 module = self.index.modules[entry[1]]
                 packing.drop(module)  # a packed copy holds the weights being undone
