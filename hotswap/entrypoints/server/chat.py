@@ -67,6 +67,8 @@ class ChatPlan:
         self.body = body
 
     def messages(self, template: str) -> list[dict[str, Any]]:
+        """The messages as the template takes them, with a system block describing the tools where `template`
+        (its source) does not render them itself. Raises ValueError for content that is not valid Unicode."""
         messages = self.body.template_messages()
         for message in messages:
             check_unicode(message["content"], "a message's content")
@@ -82,7 +84,7 @@ class ChatPlan:
         """The prompt's token ids, earlier turns' `token_ids` kept exactly (hotswap/entrypoints/render.py).
         Raises ValueError (a 400) for a template that cannot render these messages."""
         body = self.body
-        template = body.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        template = str(body.chat_template or getattr(tokenizer, "chat_template", None) or "")
         try:
             return render_ids(
                 tokenizer, self.messages(template), vocab_size, tools=self.tools if self.render_tools else None,
@@ -97,6 +99,7 @@ class ChatPlan:
 
     @property
     def parses(self) -> bool:
+        """Whether the output's text is read by a tool-call or reasoning parser."""
         return self.parser is not None or self.reasoning is not None
 
     def text(self, state: ServerState, c: CompletionOutput, token_ids: list[int]) -> str:
