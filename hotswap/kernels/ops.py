@@ -78,6 +78,8 @@ def linear(
         return packing.linear(x, packed, bias)
     if small_batch_applies(x, weight, bias):
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
+    if not _needs_grad(x, weight, bias) and packing.dense_applies(x, weight):
+        return packing.dense_linear(x, weight, bias)  # fp32 where oneDNN beats the BLAS (kernels/packed.py)
     return F.linear(x, weight, bias)
 
 

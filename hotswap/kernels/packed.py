@@ -1,4 +1,12 @@
-"""oneDNN-packed copies of bf16 linear weights: the bf16 products' fast path on CPUs with AVX512-BF16 / AMX.
+"""oneDNN for the linear products torch would hand to its BLAS: packed copies of bf16 weights (the bf16 products'
+fast path on CPUs with AVX512-BF16 / AMX), and fp32 products with the weight as it is.
+
+fp32 (`dense_linear`, `dense_faster`): torch's fp32 `F.linear` on x86 is MKL's sgemm, which on AMD Zen runs 2.5-4x
+slower than oneDNN's product on the same plain weight (docs/log.md). No copy is packed: oneDNN reorders the weight
+per call, which at these sizes costs about 10 % of what a packed copy saves, and a packed fp32 copy would double
+the weights' memory and need packing again after every update. Taken only for a weight shape where oneDNN measured
+at least 5 % faster than `F.linear` at both 32 and 256 rows, timed once per shape and process: a CPU where MKL
+wins (Intel's, mostly) keeps MKL.
 
 `F.linear` in bf16 reorders its weight into oneDNN's blocked layout on every call; a copy packed once
 (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with `_linear_pointwise` skips that (on the AMX Xeon
@@ -73,6 +81,70 @@ def faster(out_features: int, in_features: int) -> bool:
         if best[0] >= WIN_RATIO * best[1]:
             return False
     return True
+
+
+@functools.cache
+def dense_supported() -> bool:
+    """Whether torch has oneDNN's linear for plain fp32 weights."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through oneDNN, the fp32 weight [out, in] as it is."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], ""))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+DENSE_ROWS = (32, 256)  # the batch sizes oneDNN must win at: decode batches and prefill chunks
+
+
+@functools.cache
+def dense_faster(out_features: int, in_features: int) -> bool:
+    """Whether oneDNN's fp32 product measured at least 5 % faster than `F.linear` for a weight of this shape at
+    each of DENSE_ROWS (the fastest of 3 calls each, in turn). Measured once per machine, ISA cap and thread count:
+    the ratios are cached beside the kernel build with the policy's calibration."""
+    if not dense_supported():
+        return False
+    from hotswap.kernels import policy
+
+    key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "dense_fp32_linear"
+    ratios = policy._cached(key, op, DENSE_ROWS)
+    if ratios is None:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.02
+        ratios = {}
+        for rows in DENSE_ROWS:
+            x = torch.randn(rows, in_features, generator=gen)
+            calls = (functools.partial(dense_linear, x, weight, None), functools.partial(F.linear, x, weight))
+            best = [float("inf"), float("inf")]
+            for fn in calls:
+                fn()
+            for _ in range(3):
+                for i, fn in enumerate(calls):
+                    start = time.perf_counter()
+                    fn()
+                    best[i] = min(best[i], time.perf_counter() - start)
+            ratios[rows] = best[0] / best[1]
+        policy._store(key, op, ratios)
+    return all(ratio < WIN_RATIO for ratio in ratios.values())
+
+
+def dense_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `F.linear(x, weight)` goes through oneDNN here: fp32 on the CPU, a 2-D weight, and oneDNN measured
+    faster for its shape (`dense_faster`). The caller checks that autograd is not needed."""
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and dense_faster(weight.shape[0], weight.shape[1])
+    )
 
 
 def weight_for(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:

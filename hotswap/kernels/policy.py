@@ -84,9 +84,14 @@ class Shapes:
         """The cache key: the shapes, the threads the ops run on (a tensor-parallel worker has fewer) and the ISA
         torch's own kernels run (capped by the environment under `emulation`), which the torch paths' times
         depend on."""
-        caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
-        torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
-        return "x".join(str(v) for v in asdict(self).values()) + f"@{torch.get_num_threads()}t@{torch_isa}"
+        return "x".join(str(v) for v in asdict(self).values()) + threads_and_isa()
+
+
+def threads_and_isa() -> str:
+    """"@<threads>t@<torch's ISA and its caps>": what a torch path's time depends on besides the shapes."""
+    caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+    torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
+    return f"@{torch.get_num_threads()}t@{torch_isa}"
 
 
 @dataclass(frozen=True)
@@ -217,11 +222,11 @@ def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
     return KernelPolicy(mode_, decisions, shapes)
 
 
-def _cached(key: str, op: str) -> dict[int, float] | None:
-    """The cached ratios of `op` for shapes `key`, or None."""
+def _cached(key: str, op: str, batches: tuple[int, ...] = BATCHES) -> dict[int, float] | None:
+    """The cached ratios of `op` for shapes `key` at `batches`, or None."""
     try:
         entry = json.loads(_cache_file().read_text())[key][op]
-        return {b: float(entry[str(b)]) for b in BATCHES}
+        return {b: float(entry[str(b)]) for b in batches}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
