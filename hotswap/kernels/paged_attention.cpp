@@ -60,9 +60,11 @@ inline void for_each_slot(const Problem& P, int64_t b, int64_t len, Fn&& fn) {
   }
 }
 
-// Requests the D floats at `row` (one key or value of one KV head), a line at a time.
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += kWidth) __builtin_prefetch(row + d, 0, 3);
+// Requests the D elements at `row` (one key or value of one KV head), a 64-byte line at a time.
+template <typename KT>
+inline void prefetch_row(const KT* row, int64_t D) {
+  constexpr int64_t per_line = 64 / sizeof(KT);
+  for (int64_t d = 0; d < D; d += per_line) __builtin_prefetch(row + d, 0, 3);
 }
 
 // Softmax of scores[0, len) in place; returns the normaliser.
@@ -100,8 +102,9 @@ inline float exp_normaliser_f32(float* scores, int64_t len, float max_score) {
 // once for all G heads; query and accumulator tiles stay in registers. The rows are held as V native vectors
 // (simd.h), not as C 16-lane ones: arrays of vectors wider than the target's registers are kept on the stack by
 // GCC (on AVX2 every accumulation went through memory).
-template <int C, int G>
-void attend_group_f32(const Problem& P, const float* q, const float* kbase, const float* vbase, float* out,
+// KT: the cache's element, float or bfloat16 (its bits, uint16_t; loaded as floats, exactly): q and out are float.
+template <int C, int G, typename KT>
+void attend_group_f32(const Problem& P, const float* q, const KT* kbase, const KT* vbase, float* out,
                       int64_t tok, const int64_t* heads, float* scores) {
   constexpr int V = C * 16 / kLanes;
   const int64_t b = P.seq_of[tok], len = P.keys_of[tok], row = P.KVH * P.D;
@@ -116,7 +119,7 @@ void attend_group_f32(const Problem& P, const float* q, const float* kbase, cons
   for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
     if (ahead >= 0) prefetch_row(kbase + ahead * row, P.D);
     prefetch_row(vbase + slot * row, P.D);
-    const float* k = kbase + slot * row;
+    const KT* k = kbase + slot * row;
     fvec kv[V];
     for (int c = 0; c < V; ++c) kv[c] = load_vec(k + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -132,7 +135,7 @@ void attend_group_f32(const Problem& P, const float* q, const float* kbase, cons
   fvec acc[G][V] = {};
   for_each_slot(P, b, len, [&](int64_t t, int64_t slot, int64_t ahead) {
     if (ahead >= 0) prefetch_row(vbase + ahead * row, P.D);
-    const float* v = vbase + slot * row;
+    const KT* v = vbase + slot * row;
     fvec vv[V];
     for (int c = 0; c < V; ++c) vv[c] = load_vec(v + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -149,20 +152,20 @@ void attend_group_f32(const Problem& P, const float* q, const float* kbase, cons
 }
 
 // One (query token, KV head) task: its query heads in groups of up to 4.
-template <int C>
-void attend_task_f32(const Problem& P, const float* q, const float* kc, const float* vc, float* out, int64_t tok,
+template <int C, typename KT>
+void attend_task_f32(const Problem& P, const float* q, const KT* kc, const KT* vc, float* out, int64_t tok,
                      int64_t kvh, std::vector<float>& scores) {
   const std::vector<int64_t>& heads = P.heads_of[kvh];
-  const float* kbase = kc + kvh * P.D;
-  const float* vbase = vc + kvh * P.D;
+  const KT* kbase = kc + kvh * P.D;
+  const KT* vbase = vc + kvh * P.D;
   scores.resize(4 * P.keys_of[tok]);
   for (size_t i = 0; i < heads.size(); i += 4) {
     const int64_t* group = heads.data() + i;
     switch (std::min<size_t>(4, heads.size() - i)) {
-      case 4: attend_group_f32<C, 4>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      case 3: attend_group_f32<C, 3>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      case 2: attend_group_f32<C, 2>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
-      default: attend_group_f32<C, 1>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 4: attend_group_f32<C, 4, KT>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 3: attend_group_f32<C, 3, KT>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      case 2: attend_group_f32<C, 2, KT>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
+      default: attend_group_f32<C, 1, KT>(P, q, kbase, vbase, out, tok, group, scores.data()); break;
     }
   }
 }
@@ -194,13 +197,14 @@ void attend_task_generic(const Problem& P, const T* q, const T* kc, const T* vc,
   }
 }
 
-template <typename T>
-void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
-  // Tasks are (query token, KV head): the query heads of one group reuse its keys and values from cache, and
-  // consecutive tasks (the tokens of one sequence) reuse the same keys. Threads take chunks of tasks (one
-  // token's, or fewer when there are few tasks per thread) from a shared counter: contexts differ in length, and
-  // the cores do not always run at the same speed, so an even split by count leaves one thread waiting for the
-  // other. Each task writes its own rows of `out`, so the order they run in does not change the result.
+// Runs task(tok, kvh, scores) for every (query token, KV head). Tasks are (query token, KV head): the query heads of
+// one group reuse its keys and values from cache, and consecutive tasks (the tokens of one sequence) reuse the same
+// keys. Threads take chunks of tasks (one token's, or fewer when there are few tasks per thread) from a shared
+// counter: contexts differ in length, and the cores do not always run at the same speed, so an even split by
+// count leaves one thread waiting for the other. Each task writes its own rows of `out`, so the order they run in
+// does not change the result.
+template <typename Task>
+void for_each_task(const Problem& P, Task&& task) {
   const int64_t tasks = static_cast<int64_t>(P.seq_of.size()) * P.KVH;
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::clamp<int64_t>(tasks / (4 * threads), 1, P.KVH);
@@ -208,24 +212,39 @@ void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
   at::parallel_for(0, std::min(threads, (tasks + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     for (int64_t first; (first = next.fetch_add(chunk)) < tasks;) {
-      for (int64_t task = first; task < std::min(tasks, first + chunk); ++task) {
-        const int64_t tok = task / P.KVH, kvh = task % P.KVH;
-        if constexpr (std::is_same_v<T, float>) {
-          switch (P.D) {
-            case 16: attend_task_f32<1>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 32: attend_task_f32<2>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 48: attend_task_f32<3>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 64: attend_task_f32<4>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 80: attend_task_f32<5>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 96: attend_task_f32<6>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 128: attend_task_f32<8>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            case 256: attend_task_f32<16>(P, q, kc, vc, out, tok, kvh, scores); continue;
-            default: break;
-          }
-        }
-        attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
-      }
+      for (int64_t t = first; t < std::min(tasks, first + chunk); ++t) task(t / P.KVH, t % P.KVH, scores);
     }
+  });
+}
+
+// The vectorised task for head_dim D (a multiple of 16 up to 256, as `vectorised` says) over a cache of KT.
+template <typename KT>
+void attend_task_vec(const Problem& P, const float* q, const KT* kc, const KT* vc, float* out, int64_t tok,
+                     int64_t kvh, std::vector<float>& scores) {
+  switch (P.D) {
+    case 16: attend_task_f32<1, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 32: attend_task_f32<2, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 48: attend_task_f32<3, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 64: attend_task_f32<4, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 80: attend_task_f32<5, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 96: attend_task_f32<6, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 128: attend_task_f32<8, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    case 256: attend_task_f32<16, KT>(P, q, kc, vc, out, tok, kvh, scores); return;
+    default: TORCH_CHECK(false, "no vectorised attention for head_dim ", P.D);
+  }
+}
+
+inline bool vectorised(int64_t D) {
+  return D == 16 || D == 32 || D == 48 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
+}
+
+template <typename T>
+void attend(const Problem& P, const T* q, const T* kc, const T* vc, T* out) {
+  for_each_task(P, [&](int64_t tok, int64_t kvh, std::vector<float>& scores) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (vectorised(P.D)) return attend_task_vec<float>(P, q, kc, vc, out, tok, kvh, scores);
+    }
+    attend_task_generic<T>(P, q, kc, vc, out, tok, kvh, scores);
   });
 }
 
@@ -296,6 +315,20 @@ Problem prepare(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 // Attention of the prepared problem; q contiguous, shaped and typed as `prepare` checked.
 at::Tensor attend_all(const Problem& P, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  if (q.scalar_type() == at::kBFloat16 && vectorised(P.D)) {
+    // a bfloat16 cache read by the vectorised path (each key and value widened to float as it is loaded, exactly);
+    // q and out go through float (a pass over rows that are few beside the keys and values read)
+    const at::Tensor qf = q.to(at::kFloat).contiguous();
+    at::Tensor outf = at::empty({q.size(0), P.H * P.D}, qf.options());
+    const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    const float* qp = qf.data_ptr<float>();
+    float* op = outf.data_ptr<float>();
+    for_each_task(P, [&](int64_t tok, int64_t kvh, std::vector<float>& scores) {
+      attend_task_vec<uint16_t>(P, qp, kc, vc, op, tok, kvh, scores);
+    });
+    return outf.to(at::kBFloat16);
+  }
   at::Tensor out = at::empty({q.size(0), P.H * P.D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(P, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

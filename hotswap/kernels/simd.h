@@ -47,6 +47,18 @@ inline fvec load_vec(const float* p) {
 
 inline void store_vec(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+// kLanes bfloat16 values (their bits) as floats: exact, bf16 being the upper half of a float.
+typedef uint16_t hvec __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
+inline fvec load_vec(const uint16_t* p) {
+  hvec h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const uvec w = __builtin_convertvector(h, uvec) << 16;
+  fvec v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 // The small-batch linear kernel's register tile (linear.cpp): a block of x is kLinearVectors vectors of rows
 // (kLanes rows each), and a tile of linear_tile_rows(MV) weight rows against MV of those vectors holds R x MV
 // accumulators, MV operands of x and one broadcast weight in the vector registers. R <= kLanes (the output
