@@ -55,9 +55,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed` holds; x [..., in] in bf16."""
+    return _onednn_linear(x, packed, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product of x [..., in] with `weight` (packed, or a plain [out, in] tensor)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], ""))
+    out = cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], ""))
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _time_ratio(candidate: Any, baseline: Any, reps: int) -> float:
+    """The fastest of `reps` calls of `candidate` over the fastest of `baseline`'s, the two taking turns (after one
+    warm-up call each)."""
+    calls = (candidate, baseline)
+    best = [float("inf"), float("inf")]
+    for fn in calls:
+        fn()
+    for _ in range(reps):
+        for i, fn in enumerate(calls):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]
 
 
 @functools.cache
@@ -69,16 +89,8 @@ def faster(out_features: int, in_features: int) -> bool:
     packed = pack(weight)
     for rows in (1, PACK_ROWS):
         x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-        best = [float("inf"), float("inf")]
-        calls = (functools.partial(linear, x, packed, None), functools.partial(F.linear, x, weight))
-        for fn in calls:
-            fn()
-        for _ in range(5):
-            for i, fn in enumerate(calls):
-                start = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - start)
-        if best[0] >= WIN_RATIO * best[1]:
+        if _time_ratio(functools.partial(linear, x, packed, None), functools.partial(F.linear, x, weight), 5) >= (
+                WIN_RATIO):
             return False
     return True
 
@@ -94,9 +106,7 @@ def dense_supported() -> bool:
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through oneDNN, the fp32 weight [out, in] as it is."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], ""))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _onednn_linear(x, weight, bias)
 
 
 DENSE_ROWS = (32, 256)  # the batch sizes oneDNN must win at: decode batches and prefill chunks
@@ -119,16 +129,8 @@ def dense_faster(out_features: int, in_features: int) -> bool:
         ratios = {}
         for rows in DENSE_ROWS:
             x = torch.randn(rows, in_features, generator=gen)
-            calls = (functools.partial(dense_linear, x, weight, None), functools.partial(F.linear, x, weight))
-            best = [float("inf"), float("inf")]
-            for fn in calls:
-                fn()
-            for _ in range(3):
-                for i, fn in enumerate(calls):
-                    start = time.perf_counter()
-                    fn()
-                    best[i] = min(best[i], time.perf_counter() - start)
-            ratios[rows] = best[0] / best[1]
+            ratios[rows] = _time_ratio(functools.partial(dense_linear, x, weight, None),
+                                       functools.partial(F.linear, x, weight), 3)
         policy._store(key, op, ratios)
     return all(ratio < WIN_RATIO for ratio in ratios.values())
 

@@ -108,10 +108,11 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
     `values`, as a `Patch` written in place (only those elements move), or, where this rank's part is not one
     contiguous view, as its whole new value."""
     numel = torch.Size(target.local_shape if pre_sliced else target.full_shape).numel()
-    low, high = (int(x) for x in torch.aminmax(flat)) if flat.numel() else (0, 0)
-    if flat.numel() and (low < 0 or high >= numel):
-        raise ValueError(f"sparse indices outside [0, {numel}) for a tensor of shape "
-                         f"{target.local_shape if pre_sliced else target.full_shape}")
+    if flat.numel():
+        low, high = torch.aminmax(flat)
+        if int(low) < 0 or int(high) >= numel:
+            raise ValueError(f"sparse indices outside [0, {numel}) for a tensor of shape "
+                             f"{target.local_shape if pre_sliced else target.full_shape}")
     current = target.local_view()
     kept, local = _local_indices(flat, target, pre_sliced)
     values = (values if kept is None else values[kept]).to(current.dtype)

@@ -83,27 +83,28 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     )
     if plain_greedy and ops.greedy_native(logits):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
-        tokens, chosen = ops.greedy_sample(logits)
-        return [SampleResult(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]
+        greedy, chosen = ops.greedy_sample(logits)
+        return [SampleResult(t, lp) for t, lp in zip(greedy.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1)
     logits = banned(adjusted(logits, specs), specs)
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
-    every_row = len(random_rows) == len(specs)
-    # the first maximum, as argmax, in one vectorised pass (not needed where every row samples)
-    tokens = torch.empty(len(specs), dtype=torch.long) if every_row else logits.max(dim=-1).indices
+    # rows drawn from, as an index (None: every row, taken whole: no gather, and no argmax pass for greedy rows)
+    index = None if len(random_rows) == len(specs) else torch.tensor(random_rows, dtype=torch.long)
+    tokens: torch.Tensor | None = None if index is None else logits.max(dim=-1).indices  # the first maximum
     kept: dict[int, list[int]] = {}
     if random_rows:
-        sub_specs = [specs[r] for r in random_rows] if not every_row else specs
-        scaled = logits if every_row else logits[torch.tensor(random_rows)]
+        sub_specs = specs if index is None else [specs[r] for r in random_rows]
+        scaled = logits if index is None else logits[index]
         if any(s.temperature != 1.0 for s in sub_specs):  # x / 1 is x: the common case skips the pass
             scaled = scaled / torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)[:, None]
         filtered = apply_filters(scaled, sub_specs)
         drawn = draw(filtered.softmax(dim=-1), uniforms_for(sub_specs))
-        if every_row:
+        if tokens is None:
             tokens = drawn
         else:
-            tokens[torch.tensor(random_rows)] = drawn
+            tokens[index] = drawn
         kept = kept_sets(filtered, sub_specs, random_rows)  # from the very tensor the draw used
+    assert tokens is not None
     results = results_for(logprobs, tokens, specs)
     for row, ids in kept.items():
         results[row].kept = ids
