@@ -44,6 +44,9 @@ class ModelConfig:
     context length; it may not exceed it. `max_logprobs` bounds the log probabilities a request may ask for per
     token (-1: up to the whole vocabulary). `enable_return_routed_experts` (vLLM's flag): every completion of a
     mixture-of-experts model carries its routed experts, as if each request set `return_routed_experts`.
+    `deterministic`: the batch-invariant forward pass (docs/determinism.md): every request's tokens and logprobs
+    are the same bits whatever else is batched with it, however its prompt is chunked or cached, on one rank or
+    two, and equal to `hotswap.train.token_logprobs` on the trainer's model. Float32 weights, native kernels.
     """
 
     model: str
@@ -53,6 +56,7 @@ class ModelConfig:
     tokenizer: str | None = None
     max_logprobs: int = 20
     enable_return_routed_experts: bool = False
+    deterministic: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -350,6 +354,8 @@ class EngineConfig:
             mc.max_model_len = mc.max_context_len
         check_batch_budget(sc, mc.max_model_len)
         check_expert_placement(self.parallel_config, mc.hf_config)
+        if mc.deterministic:
+            check_deterministic(self)
         self.draft_model_config = draft_model_config(self) if self.speculative_config.uses_draft else None
 
     @classmethod
@@ -440,6 +446,29 @@ MODEL_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers",
 )
+
+
+def check_deterministic(config: EngineConfig) -> None:
+    """Raises ValueError where `deterministic=True` cannot keep its promise (docs/determinism.md): only float32
+    weights have the batch-invariant products, and the two-way reduction order that makes one rank equal two
+    covers tensor_parallel_size 1 and 2, with experts split along their width (not placed whole)."""
+    dtype = config.model_config.torch_dtype
+    if dtype != torch.float32:
+        raise ValueError(
+            f"deterministic=True runs float32 weights (the batch-invariant products are float32 kernels); got "
+            f"dtype {str(dtype).removeprefix('torch.')}: pass dtype='float32' (fp8 quantization is allowed)"
+        )
+    tp = config.parallel_config.tensor_parallel_size
+    if tp > 2:
+        raise ValueError(f"deterministic=True supports tensor_parallel_size 1 or 2, got {tp}")
+    if config.parallel_config.enable_expert_parallel:
+        raise ValueError("deterministic=True does not support enable_expert_parallel (experts placed whole sum in "
+                         "another order on each rank count); leave it off to split the experts along their width")
+
+
+def current_config_or_none() -> EngineConfig | None:
+    """The live engine config, or None outside any `use_config` scope."""
+    return _CURRENT.get()
 
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:

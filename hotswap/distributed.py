@@ -29,6 +29,19 @@ class ParallelContext:
             self.group.allreduce([tensor]).wait()
         return tensor
 
+    def sum_in_rank_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `tensor`, computed as ((rank 0 + rank 1) + rank 2) + ... on each rank: the same
+        bits on every rank, in every run, whatever algorithm the collective library picks (deterministic mode;
+        `tensor` itself is left as it was on more than one rank)."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        return total
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrites `tensor` on every rank with rank `src`'s, in place (a no-op on one rank)."""
         if self.size > 1:

@@ -185,7 +185,7 @@ def test_decoder_layers_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="entries per layer"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True)
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0)
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch):

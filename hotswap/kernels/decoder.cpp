@@ -6,14 +6,15 @@
 //
 // decoder_layers(x [T, H], positions [T] int64, layers, k_caches, v_caches, slot_mapping, block_tables,
 //                context_lens, query_lens?, kv_of_q?, num_heads, num_kv_heads, head_dim, scale, eps,
-//                final_norm [H], native_linear, native_gated, native_silu) -> [T, H]
+//                final_norm [H], native_linear, native_gated, native_silu, o_split, down_split) -> [T, H]
 // runs every layer on the embedded tokens x and returns the final RMSNorm of the last hidden state. `layers`
 // holds kLayerTensors entries per layer, in the order of LayerTensor (biases may be None); k/v_caches hold each
 // layer's cache; the other attention arguments are those of rope_paged_attention (paged_attention.cpp), shared by
 // every layer. x's storage becomes the residual stream (as in the modules). The three flags say which products
 // take the native small-batch kernels and which torch's (at::linear, the BLAS; the SwiGLU gate native or as
 // silu(gate) * up), as the kernel policy chose for this batch: the modules' choice, so the same bits, without
-// the Python between the ops. Each layer is:
+// the Python between the ops. o_split / down_split (deterministic mode; 0: none) compute o and down as two partial
+// products over their inputs split there, added, then the bias (as the modules do). Each layer is:
 //   h = rms_norm(residual += x)              (the first layer: residual = x, h = rms_norm(x))
 //   q, k, v = split(h · qkvᵀ + qkv_bias)
 //   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
@@ -40,7 +41,8 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
                           const at::Tensor& block_tables, const at::Tensor& context_lens,
                           const OptTensor& query_lens, const OptTensor& kv_of_q,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-                          const at::Tensor& final_norm, bool native_linear, bool native_gated, bool native_silu) {
+                          const at::Tensor& final_norm, bool native_linear, bool native_gated, bool native_silu,
+                          int64_t o_split, int64_t down_split) {
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
               " entries per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
@@ -59,6 +61,16 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   };
   auto linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
     return native_linear ? hotswap_ops::small_batch_linear(a, w, b) : at::linear(a, w, b);
+  };
+  // Deterministic mode's row-parallel product on one rank (hotswap/model/layers/linear.py): the two partial
+  // products over inputs [0, split) and [split, K), added, then the bias; split 0: one product.
+  auto row_linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t split) -> at::Tensor {
+    if (split <= 0 || split >= a.size(1)) return linear(a, w, b);
+    const int64_t rest = a.size(1) - split;
+    at::Tensor y = linear(a.narrow(1, 0, split), w.narrow(1, 0, split), c10::nullopt);
+    y.add_(linear(a.narrow(1, split, rest), w.narrow(1, split, rest), c10::nullopt));
+    if (b.has_value()) y.add_(*b);
+    return y;
   };
   auto gated = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
     if (native_gated) return hotswap_ops::small_batch_gated_linear(a, w, b);
@@ -84,9 +96,9 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     const at::Tensor attn =
         hotswap_ops::rope_paged_attention(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
                            slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
-    hidden = linear(attn, need(l, kO), get(l, kOBias));
+    hidden = row_linear(attn, need(l, kO), get(l, kOBias), o_split);
     h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
-    hidden = linear(gated(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown), get(l, kDownBias));
+    hidden = row_linear(gated(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown), get(l, kDownBias), down_split);
   }
   if (num_layers == 0) return hotswap_ops::rms_norm(hidden, final_norm, eps);
   return hotswap_ops::add_rms_norm(hidden, residual, final_norm, eps);
@@ -99,7 +111,7 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
       "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? query_lens, "
       "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm, "
-      "bool native_linear, bool native_gated, bool native_silu) -> Tensor");
+      "bool native_linear, bool native_gated, bool native_silu, int o_split, int down_split) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -98,18 +98,18 @@ void transpose_block(const float* x, int64_t ldx, int64_t rows, int64_t K, int M
 // Rows [0, R) of w (row stride K) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
 // `next_rows` rows at `next` (the following tile) along the way, in the order that tile will read them.
 template <int R, int MV>
-inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, const float* bias,
+inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, int64_t ldw, const float* bias,
                  float* __restrict y, int64_t ldy, int64_t rows, const float* next, int64_t next_rows) {
   static_assert(R * MV + MV + 1 <= kVectorRegisters, "the tile's accumulators and operands must fit the registers");
   fvec acc[R][MV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = fvec{};
   const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
-  for (int r = 0; r < R; ++r) rows_of[r] = w + r * K;
+  for (int r = 0; r < R; ++r) rows_of[r] = w + r * ldw;
   constexpr int64_t kLine = 16;  // floats per cache line
   for (int64_t k0 = 0; k0 < K; k0 += kLine) {
     // The lines the next tile reads at this k: each arrives about one tile ahead of its use.
-    for (int64_t r = 0; r < next_rows; ++r) __builtin_prefetch(next + r * K + k0, 0, 2);
+    for (int64_t r = 0; r < next_rows; ++r) __builtin_prefetch(next + r * ldw + k0, 0, 2);
     const int64_t k1 = std::min<int64_t>(k0 + kLine, K);
     for (int64_t k = k0; k < k1; ++k) {
       fvec xv[MV];
@@ -137,22 +137,22 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
 }
 
 template <int R>
-inline void tile(int MV, const float* w, const float* xt, int64_t K, const float* bias, float* y, int64_t ldy,
+inline void tile(int MV, const float* w, const float* xt, int64_t K, int64_t ldw, const float* bias, float* y, int64_t ldy,
                  int64_t rows, const float* next, int64_t next_rows) {
   // MV is at most the first block's, for which R was chosen: the cases past it do not occur.
   static_assert(kMaxMV <= 4, "one case per block height");
   switch (MV) {
     case 4:
-      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
       break;
     case 3:
-      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
       break;
     case 2:
-      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
       break;
     default:
-      tile<R, 1>(w, xt, K, bias, y, ldy, rows, next, next_rows);
+      tile<R, 1>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
       break;
   }
 }
@@ -179,7 +179,7 @@ struct Blocks {
 // I + n (computed back to back into the gate/up scratch, [m][t] with a row stride of 16). `next` (next_rows
 // rows) is what the following call reads first, for the prefetches.
 template <int T, bool kGated>
-inline void columns(const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
+inline void columns(const float* w, const Blocks& xb, int64_t K, int64_t ldw, const float* bias, float* y, int64_t ldy,
                     int64_t n, int64_t I, float* gate, float* up, const float* next, int64_t next_rows) {
   for (int64_t b = 0; b < xb.count; ++b) {
     const float* xt = xb.xt + b * xb.stride;
@@ -188,12 +188,12 @@ inline void columns(const float* w, const Blocks& xb, int64_t K, const float* bi
     float* yb = y + b * kBlockRows * ldy;
     const bool first = b == 0;  // later blocks find the tile in cache: nothing to prefetch
     if constexpr (!kGated) {
-      tile<T>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows, first ? next : nullptr,
+      tile<T>(mv, w + n * ldw, xt, K, ldw, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows, first ? next : nullptr,
               first ? next_rows : 0);
     } else {
-      tile<T>(mv, w + n * K, xt, K, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
-              first ? w + (I + n) * K : nullptr, first ? T : 0);
-      tile<T>(mv, w + (I + n) * K, xt, K, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
+      tile<T>(mv, w + n * ldw, xt, K, ldw, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
+              first ? w + (I + n) * ldw : nullptr, first ? T : 0);
+      tile<T>(mv, w + (I + n) * ldw, xt, K, ldw, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
               first ? next : nullptr, first ? next_rows : 0);
       write_gated(gate, up, yb + n, ldy, rows, T);
     }
@@ -202,7 +202,8 @@ inline void columns(const float* w, const Blocks& xb, int64_t K, const float* bi
 
 // Output columns [n0, n1): tiles of R rows, then single rows for the tail.
 template <int R, bool kGated>
-void column_range(const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy, int64_t n0,
+void column_range(const float* w, const Blocks& xb, int64_t K, int64_t ldw, const float* bias, float* y, int64_t ldy,
+                  int64_t n0,
                   int64_t n1, int64_t I) {
   constexpr int64_t kScratch = kGated ? kBlockRows * 16 : 1;
   alignas(64) float gate[kScratch] = {};
@@ -210,26 +211,27 @@ void column_range(const float* w, const Blocks& xb, int64_t K, const float* bias
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>(R, n1 - n - R));
-    columns<R, kGated>(w, xb, K, bias, y, ldy, n, I, gate, up, w + (n + R) * K, next_rows);
+    columns<R, kGated>(w, xb, K, ldw, bias, y, ldy, n, I, gate, up, w + (n + R) * ldw, next_rows);
   }
-  for (; n < n1; ++n) columns<1, kGated>(w, xb, K, bias, y, ldy, n, I, gate, up, nullptr, 0);
+  for (; n < n1; ++n) columns<1, kGated>(w, xb, K, ldw, bias, y, ldy, n, I, gate, up, nullptr, 0);
 }
 
 template <bool kGated>
-void column_range(int MV, const float* w, const Blocks& xb, int64_t K, const float* bias, float* y, int64_t ldy,
+void column_range(int MV, const float* w, const Blocks& xb, int64_t K, int64_t ldw, const float* bias, float* y,
+                  int64_t ldy,
                   int64_t n0, int64_t n1, int64_t I) {
   switch (MV) {
     case 4:
-      if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 4) column_range<linear_tile_rows(4), kGated>(w, xb, K, ldw, bias, y, ldy, n0, n1, I);
       break;
     case 3:
-      if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 3) column_range<linear_tile_rows(3), kGated>(w, xb, K, ldw, bias, y, ldy, n0, n1, I);
       break;
     case 2:
-      if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      if constexpr (kMaxMV >= 2) column_range<linear_tile_rows(2), kGated>(w, xb, K, ldw, bias, y, ldy, n0, n1, I);
       break;
     default:
-      column_range<linear_tile_rows(1), kGated>(w, xb, K, bias, y, ldy, n0, n1, I);
+      column_range<linear_tile_rows(1), kGated>(w, xb, K, ldw, bias, y, ldy, n0, n1, I);
       break;
   }
 }
@@ -239,8 +241,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   const char* name = gated ? "small_batch_gated_linear" : "small_batch_linear";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
               ": x must be a float32 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1), name,
-              ": w must be a contiguous float32 [N, K] tensor matching x's K");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.stride(1) == 1 && w.size(1) == x.size(1) &&
+                  (w.size(0) <= 1 || w.stride(0) >= w.size(1)), name,
+              ": w must be a float32 [N, K] tensor with contiguous rows, matching x's K");
   TORCH_CHECK(!gated || w.size(0) % 2 == 0, name, ": w must have an even number of rows (gate, then up)");
   const int64_t M = x.size(0), K = x.size(1), N = gated ? w.size(0) / 2 : w.size(0);
   const float* bp = nullptr;
@@ -261,7 +264,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  const int64_t ldx = x.stride(0), ldw = w.size(0) <= 1 ? K : w.stride(0);
   const int64_t count = (M + kBlockRows - 1) / kBlockRows;
   const int64_t stride = (K + kXtAhead) * kBlockRows;  // one block's xt, with the prefetches' slack
   // Threads take whole tiles of output columns (the tile height is set by the first block's), so only the end has
@@ -277,9 +280,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
       transpose_block(xp + b * kBlockRows * ldx, ldx, xb.rows(b), K, xb.mv(b), xt.data() + b * stride);
     // The tile height is set by the tallest block (the first): a shorter last block has spare registers.
     if (gated) {
-      column_range<true>(xb.mv(0), wp, xb, K, bp, yp, N, n0, n1, N);
+      column_range<true>(xb.mv(0), wp, xb, K, ldw, bp, yp, N, n0, n1, N);
     } else {
-      column_range<false>(xb.mv(0), wp, xb, K, bp, yp, N, n0, n1, N);
+      column_range<false>(xb.mv(0), wp, xb, K, ldw, bp, yp, N, n0, n1, N);
     }
   });
   return y;

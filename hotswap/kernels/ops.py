@@ -5,11 +5,15 @@ these and nothing else; they never hold a kernel handle or see None."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from hotswap.config import current_config_or_none
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import _torch_greedy, _torch_rms_norm, _torch_rotary, _torch_silu_and_mul
@@ -26,6 +30,97 @@ def _ops() -> Any:
     return native.ops()
 
 
+# ---- deterministic mode -----------------------------------------------------------------------------------
+# Every product, norm, activation and attention takes one path whatever the batch: the native kernels, which
+# compute each output element from its own row alone, in a fixed order (no split of a reduction that depends on
+# the batch size, the thread count or the neighbours). See docs/determinism.md.
+
+_DETERMINISTIC: contextvars.ContextVar[bool | None] = contextvars.ContextVar("hotswap_deterministic", default=None)
+
+
+def deterministic() -> bool:
+    """Whether the batch-invariant paths are on: as `deterministic_scope` set them, else the live config's
+    `model_config.deterministic` (off outside any config scope)."""
+    forced = _DETERMINISTIC.get()
+    if forced is not None:
+        return forced
+    config = current_config_or_none()
+    return config is not None and config.model_config.deterministic
+
+
+@contextlib.contextmanager
+def deterministic_scope(on: bool = True) -> Iterator[None]:
+    """Turns the batch-invariant paths on (or off) inside the block, whatever the config says; restored on exit.
+    Raises RuntimeError when they are asked for and the native kernels are not available."""
+    if on:
+        require_native()
+    token = _DETERMINISTIC.set(on)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC.reset(token)
+
+
+def require_native() -> None:
+    """Raises RuntimeError naming the cause when the native kernels (which deterministic mode runs on) are not
+    available."""
+    if _ops() is None:
+        why = "HOTSWAP_NATIVE_KERNELS turns them off" if not native.enabled() else "they failed to build (see the log)"
+        raise RuntimeError(f"deterministic mode runs on hotswap's native kernels, and {why}")
+
+
+class _Exact(torch.autograd.Function):
+    """The kernel's result forward, the reference formula's gradient backward (see `exact`)."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: Any) -> Any:
+        ctx.reference = reference
+        ctx.tensor_at = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_at))
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        args = list(ctx.others)
+        leaves = []
+        with torch.enable_grad():
+            for i, saved in zip(ctx.tensor_at, ctx.saved_tensors, strict=True):
+                args[i] = saved.detach().requires_grad_(saved.requires_grad)
+                leaves.append(args[i])
+            out = ctx.reference(*args)
+            outs = out if isinstance(out, tuple) else (out,)
+            wanted = [t for t in leaves if t.requires_grad]
+            found = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+        result: list[torch.Tensor | None] = [None] * len(args)
+        for i, leaf in zip(ctx.tensor_at, leaves, strict=True):
+            if leaf.requires_grad:
+                result[i] = next(found)
+        return (None, None, *result)
+
+
+def exact(kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: Any) -> Any:
+    """`kernel(*inputs)`; where autograd is recording, differentiable with the gradient of `reference(*inputs)`
+    (the same function written in torch ops). The trainer's forward (`hotswap.train.token_logprobs`) thus computes
+    the engine's bits and still back-propagates."""
+    if not _needs_grad(*(a for a in inputs if isinstance(a, torch.Tensor))):
+        return kernel(*inputs)
+    return _Exact.apply(kernel, reference, *inputs)
+
+
+def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the batch-invariant product (the native small-batch kernel at any row count) takes these
+    inputs: float32 CPU tensors, x 2-D, rows of x and of the weight contiguous."""
+    return (
+        x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+        and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+    )
+
+
+def _torch_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _torch_silu_and_mul(F.linear(x, weight, bias))
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -36,6 +131,9 @@ def _rows_fit(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in float32 and cast back to x's dtype."""
+    if deterministic() and x.device.type == "cpu" and x.dim() >= 2:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # per-head norms (q/k) come as [T, heads, D] views
+        return cast(torch.Tensor, exact(_ops().rms_norm, _torch_rms_norm, rows, weight, eps)).view(x.shape)
     if _rows_fit(x) and policy().uses("rms_norm", x.shape[0]):
         return cast(torch.Tensor, _ops().rms_norm(x, weight, eps))
     return _torch_rms_norm(x, weight, eps)
@@ -46,6 +144,11 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x). The sum may be written into `residual` in place: the caller owns
     it and must not need its old value."""
+    if deterministic() and _rows_fit(x) and residual.is_contiguous():
+        if not _needs_grad(x, residual, weight):
+            return _ops().add_rms_norm(x, residual, weight, eps), residual
+        residual = residual + x  # one float32 addition per element, as the kernel's
+        return rms_norm(residual, weight, eps), residual
     if _rows_fit(x) and residual.is_contiguous() and policy().uses("add_rms_norm", x.shape[0]):
         return _ops().add_rms_norm(x, residual, weight, eps), residual
     residual = residual + x
@@ -74,6 +177,8 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
     oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
+    if deterministic() and _canonical(x, weight, bias):
+        return cast(torch.Tensor, exact(_ops().small_batch_linear, F.linear, x, weight, bias))
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
         return packing.linear(x, packed, bias)
     if small_batch_applies(x, weight, bias):
@@ -88,6 +193,8 @@ def gated_linear(
 ) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
+    if deterministic() and _canonical(x, weight, bias) and weight.shape[0] % 2 == 0:
+        return cast(torch.Tensor, exact(_ops().small_batch_gated_linear, _torch_gated, x, weight, bias))
     if small_batch_applies(x, weight, bias, "gated_linear"):
         return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
     return silu_and_mul(linear(x, weight, bias, packed))
@@ -95,6 +202,8 @@ def gated_linear(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]`."""
+    if deterministic() and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1:
+        return cast(torch.Tensor, exact(_ops().silu_and_mul, _torch_silu_and_mul, x))
     if (
         x.device.type == "cpu"
         and x.dim() == 2
@@ -117,6 +226,8 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [T, H, D] and k [T, KVH, D] by the float32 cos/sin tables [P, D] at `positions` [T]; returns
     new contiguous tensors."""
+    if deterministic() and q.device.type == "cpu" and positions.dtype == torch.long:
+        return cast(tuple[torch.Tensor, torch.Tensor], exact(_ops().rotary, _torch_rotary, q, k, positions, cos, sin))
     if rotary_applies(positions, q) and policy().uses("rotary", q.shape[0]):
         return cast(tuple[torch.Tensor, torch.Tensor], _ops().rotary(q, k, positions, cos, sin))
     return _torch_rotary(q, k, positions, cos, sin)
@@ -136,8 +247,9 @@ def write_kv_cache(
 
 def paged_attention_available() -> bool:
     """Whether attention runs in the native paged kernels (`paged_attention`, `rope_paged_attention`): then the
-    batch needs none of the padded layout the torch path (SDPA) uses."""
-    return policy().uses("paged_attention")
+    batch needs none of the padded layout the torch path (SDPA) uses. Always in deterministic mode (its one
+    attention path)."""
+    return deterministic() or policy().uses("paged_attention")
 
 
 def paged_attention(*args: Any) -> torch.Tensor:
@@ -154,7 +266,10 @@ def rope_paged_attention(*args: Any) -> torch.Tensor:
 
 def greedy_native(logits: torch.Tensor) -> bool:
     """Whether `greedy_sample` takes its native kernel for these logits (the sampler's general path, which also
-    serves logprobs and seeds, is as fast elsewhere)."""
+    serves logprobs and seeds, is as fast elsewhere). Never in deterministic mode: every row's logprob is then
+    the general path's log-softmax, whatever the other rows ask."""
+    if deterministic():
+        return False
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and policy().uses("greedy_sample", len(logits))
 
 
@@ -169,8 +284,8 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decoder_stack_available(rows: int) -> bool:
     """Whether the native decoder stack (`decoder_layers`) may run the layers on a batch of `rows` tokens (see
-    hotswap/worker/decoder_stack)."""
-    return policy().uses("decoder_stack", rows)
+    hotswap/worker/decoder_stack). Deterministic mode: at any row count, with every product native."""
+    return deterministic() or policy().uses("decoder_stack", rows)
 
 
 def decoder_layers(*args: Any) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from hotswap.distributed import split
 from hotswap.model.layers.activation import SiluAndMul
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.embedding import VocabEmbedding
@@ -32,6 +33,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row",
             in_split=(self.qkv_proj.q_start * self.head_dim, local_heads * self.head_dim),
+            det_split=split(self.num_heads, 0, 2)[1] * self.head_dim,  # whole heads, as two ranks split them
         )
         self.num_heads, self.num_kv_heads = local_heads, self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim

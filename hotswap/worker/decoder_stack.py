@@ -64,8 +64,10 @@ class NativeDecoderStack:
         qkv, cache = attention.qkv_proj, attention.attn.k_cache
         policy = ops.policy()
         return (
-            ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
-            and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
+            (ops.deterministic() or (
+                ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
+                and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
+            ))
             and qkv.weight.dtype == torch.float32
             and cache is not None
             and cache.dtype == torch.float32
@@ -163,9 +165,13 @@ class NativeDecoderStack:
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        splits = (0, 0)
+        if ops.deterministic():  # every product native, the row-parallel ones split as the modules split them
+            products = (True, True, True)
+            splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
-            first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu,
+            first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu, *splits,
         )

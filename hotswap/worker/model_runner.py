@@ -31,7 +31,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
-        self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None
+        if config.model_config.deterministic:
+            ops.require_native()  # its one path for every batch
+        deterministic = config.model_config.deterministic
+        self.attention_kernel = ops.paged_attention if deterministic or ops.paged_attention_available() else None
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
 

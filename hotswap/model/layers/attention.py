@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,8 @@ class AttentionMetadata:
         kernel: Callable[..., torch.Tensor] | None = None,
     ) -> AttentionMetadata:
         max_q = max(query_lens)
-        short = KERNEL_MAX_QUERY_LEN if kernel is not None else 1  # the longest query attended without padding
+        cap = KERNEL_MAX_QUERY_LEN if not ops.deterministic() else max_q  # deterministic: one path for every query
+        short = cap if kernel is not None else 1  # the longest query attended without padding
         if max_q > short and min(query_lens) <= short:
             return cls._split(query_lens, context_lens, block_tables, block_size, kernel, short)
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
@@ -75,7 +77,7 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         q_len = torch.tensor(query_lens)
         c_len = torch.tensor(context_lens)
-        if kernel is not None and max_q <= KERNEL_MAX_QUERY_LEN:
+        if kernel is not None and max_q <= cap:
             return cls(
                 torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, max_q, gather, kernel,
                 None if max_q == 1 else q_len,
@@ -164,6 +166,8 @@ class Attention(nn.Module):
             return out
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
+            if meta.kernel is not None and ops.deterministic() and positions.dtype == torch.long:
+                return self._rope_attend_exact(q, k, v, positions, rotary, meta)
             if meta.kernel is not None and ops.rotary_applies(positions, q):
                 return ops.rope_paged_attention(
                     q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
@@ -196,6 +200,43 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads * self.head_dim)
         return out if meta.pad_index is None else out[meta.pad_index]
+
+
+    def _rope_attend_exact(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Deterministic mode: `rope_paged_attention`, the one attention path of every query (a decode step, a
+        prompt, a chunk, a cache hit: each query alone over its keys in order). Where autograd records (the
+        trainer's forward, `hotswap.train`, whose sequences have no cached prefix), differentiable through the same
+        attention written in torch ops."""
+        assert self.k_cache is not None and self.v_cache is not None  # checked by forward
+
+        def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ops.rope_paged_attention(
+                q, k.contiguous(), v.contiguous(), positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
+                meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index,
+                self.scale,
+            )
+
+        def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = rotary(positions, q, k)
+            lens = meta.context_lens.tolist()
+            seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+            if len(seq) != q.shape[0]:
+                raise ValueError("the trainer's attention takes whole sequences (no cached prefix)")
+            mask = (seq[:, None] == seq[None, :]) & (positions[None, :] <= positions[:, None])
+            index = self.expand_index
+            if index is None:
+                index = torch.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
+            keys, values = k.index_select(1, index), v.index_select(1, index)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=mask[None, None], scale=self.scale,
+            )
+            return out[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+
+        return cast(torch.Tensor, ops.exact(kernel, reference, q, k, v))
 
 
 def _pad(x: torch.Tensor, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import nn
 
 from hotswap.config import EngineConfig, current_config
 from hotswap.distributed import current_parallel, split
+from hotswap.kernels import ops
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
@@ -52,7 +53,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if ops.deterministic():  # the k weights added left to right, whatever the batch's shape
+            total = weights[:, 0]
+            for j in range(1, top_k):
+                total = total + weights[:, j]
+            weights = weights / total[:, None]
+        else:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
 
@@ -421,6 +428,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         assert self.expert_map is not None, "FusedMoE used before its weights were post-processed"
+        if ops.deterministic():
+            return self._forward_deterministic(x, weights, ids)
         tokens, k = ids.shape
         local = self.expert_map[ids.flatten()] if self.expert_parallel else ids.flatten()
         num_local = len(self.local_experts)
@@ -438,6 +447,37 @@ class FusedMoE(nn.Module):
         combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
         combined.index_add_(0, rows, out.float() * weights.flatten()[picked, None])
         return self.tp.all_reduce(combined).to(x.dtype)
+
+    def _forward_deterministic(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`forward` with batch-invariant products (`ops`, one expert at a time) and a fixed order of sums: each
+        token adds its experts' outputs in ascending expert id, one sum per half of the intermediate size that two
+        ranks hold, then the halves in rank order (one rank equals two; no expert parallelism, see
+        `config.check_deterministic`)."""
+        tokens, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        w13, w2 = self._weights(x.dtype, counts)
+        if self.tp.size > 1:
+            halves = [(0, self.i_local)]
+        else:
+            first = split(self.intermediate_size, 0, 2)[1]
+            halves = [(0, first), (first, self.intermediate_size - first)]
+        parts = [torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device) for _ in halves]
+        scale = weights.flatten()
+        start, slot = 0, 0
+        for n in counts.tolist():
+            if n:
+                picked = order[start : start + n]
+                rows = picked // k
+                h = ops.gated_linear(x[rows], w13[slot])
+                for part, (a, width) in zip(parts, halves, strict=True):
+                    out = ops.linear(h[:, a : a + width], w2[slot][:, a : a + width])
+                    part.index_add_(0, rows, out.float() * scale[picked, None])
+                start += n
+            slot += 1 if (n or not self.fp8) else 0  # fp8: `_weights` holds the experts with rows only
+        total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        return self.tp.sum_in_rank_order(total).to(x.dtype)
 
     def _weights(self, dtype: torch.dtype, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights to multiply by: the parameters, or (fp8) the dequantized experts that have rows."""

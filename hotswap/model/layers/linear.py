@@ -42,7 +42,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Param
 
 class Linear(nn.Module):
     """y = x W^T (+ b). `parallel` is None (replicated), "column" or "row"; ignored on a single rank. Shares
-    may be uneven (the first ranks take one more). `quantizable` False keeps the weight in high precision."""
+    may be uneven (the first ranks take one more). `quantizable` False keeps the weight in high precision.
+
+    Deterministic mode (`ops.deterministic()`): a row-parallel product sums its ranks' partial products in rank
+    order, and on one rank it is computed as the two partial products two ranks would compute (the input split at
+    `det_split`, by default the first of two shares), summed the same way: one rank equals two, bit for bit."""
 
     def __init__(
         self,
@@ -53,10 +57,15 @@ class Linear(nn.Module):
         parallel: str | None = None,
         shard_specs: dict[object, ShardSpec] | None = None,
         in_split: tuple[int, int] | None = None,
+        det_split: int | None = None,
     ) -> None:
         super().__init__()
         self.tp = current_parallel()
         self.parallel = parallel if self.tp.size > 1 else None
+        # one rank of a row-parallel product: where the first of two ranks' inputs would end (0: not row-parallel)
+        self.det_split = 0
+        if parallel == "row" and self.tp.size == 1:
+            self.det_split = det_split if det_split is not None else split(in_features, 0, 2)[1]
         self.in_features, self.out_features = in_features, out_features
         if shard_specs is None:
             start, size = (0, out_features)
@@ -167,9 +176,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.effective_weight(x.dtype)
-        if self.parallel != "row":
+        if self.parallel == "row":
+            partial = ops.linear(x, weight, None, self.packed())
+            out = self.tp.sum_in_rank_order(partial) if ops.deterministic() else self.tp.all_reduce(partial)
+        elif 0 < self.det_split < self.in_features and ops.deterministic():
+            s = self.det_split  # the two ranks' partial products, summed in rank order (see the class)
+            out = ops.linear(x[:, :s], weight[:, :s]) + ops.linear(x[:, s:], weight[:, s:])
+        else:
             return ops.linear(x, weight, self.bias, self.packed())
-        out = self.tp.all_reduce(ops.linear(x, weight, None, self.packed()))
         return out if self.bias is None else out + self.bias
 
 
