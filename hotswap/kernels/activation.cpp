@@ -62,8 +62,34 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// 1 / (1 + exp(-x)) per element of a float32 tensor, every element through the same vector code (the tail padded
+// to a whole vector): an element's result does not depend on where it sits, as torch's (a scalar tail) does.
+at::Tensor sigmoid(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "sigmoid: x must be float32");
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const float* xp = in.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t n = in.numel();
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) store(op + i, 1.f / (1.f + exp_clamped(-load(xp + i))));
+  if (i < n) {
+    alignas(64) float t[kWidth] = {};
+    std::memcpy(t, xp + i, (n - i) * sizeof(float));
+    store(t, 1.f / (1.f + exp_clamped(-load(t))));
+    std::memcpy(op + i, t, (n - i) * sizeof(float));
+  }
+  return out;
+}
+
 }  // namespace hotswap_ops
 
-TORCH_LIBRARY_FRAGMENT(hotswap, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(hotswap, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("sigmoid(Tensor x) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("silu_and_mul", &hotswap_ops::silu_and_mul); }
+TORCH_LIBRARY_IMPL(hotswap, CPU, m) {
+  m.impl("silu_and_mul", &hotswap_ops::silu_and_mul);
+  m.impl("sigmoid", &hotswap_ops::sigmoid);
+}

@@ -216,6 +216,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _torch_silu_and_mul(x)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`torch.sigmoid(x)`; in deterministic mode (float32 on the CPU) the native kernel, whose result for an
+    element does not depend on its place in the tensor."""
+    if deterministic() and x.device.type == "cpu" and x.dtype == torch.float32:
+        return cast(torch.Tensor, exact(_ops().sigmoid, torch.sigmoid, x))
+    return torch.sigmoid(x)
+
+
 def rotary_applies(positions: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether the native kernels rotate these tokens (`rotary`, and inside `rope_paged_attention`)."""
     return q.device.type == "cpu" and positions.dtype == torch.long and not _needs_grad(q)

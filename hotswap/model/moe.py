@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from hotswap.kernels import ops
 from hotswap.model.layers.fused_moe import FusedMoE, route
 from hotswap.model.layers.linear import Linear
 from hotswap.model.llama import LlamaForCausalLM, LlamaMLP
@@ -61,7 +62,7 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None  # built together
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + ops.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return cast(torch.Tensor, out)
 
 
