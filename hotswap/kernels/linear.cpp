@@ -18,7 +18,9 @@
 // Threads split the output columns (rows of w; gated, a gate row and its up row each); each transposes x for
 // itself, so one parallel region does the whole call.
 // Per output element the sum runs over k in order, with fused multiply-adds (results differ from a BLAS in the
-// last bits, as two BLAS builds do), whatever the build's tiling.
+// last bits, as two BLAS builds do), whatever the build's tiling, the thread count, the number of rows and the
+// row's place among them: an element depends on its row of x and its row of w alone. Deterministic mode
+// (hotswap/kernels/ops.py) relies on this at any row count. w's rows may have any stride (a slice of columns).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,6 +40,7 @@ using namespace hotswap_simd;
 constexpr int kMaxMV = kLinearVectors;
 constexpr int64_t kBlockRows = kLanes * kMaxMV;  // rows of x per block
 constexpr int64_t kXtAhead = 8;  // k distance of the prefetches into xt
+constexpr int64_t kGroupBytes = 1 << 20;  // of xt a thread keeps in L2 across its weight tiles (see `run`)
 
 constexpr bool tiles_fit() {
   for (int mv = 1; mv <= kMaxMV; ++mv)
@@ -95,7 +98,7 @@ void transpose_block(const float* x, int64_t ldx, int64_t rows, int64_t K, int M
   }
 }
 
-// Rows [0, R) of w (row stride K) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
+// Rows [0, R) of w (row stride ldw) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
 // `next_rows` rows at `next` (the following tile) along the way, in the order that tile will read them.
 template <int R, int MV>
 inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, int64_t ldw, const float* bias,
@@ -278,11 +281,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     const Blocks xb{xt.data(), stride, count, M};
     for (int64_t b = 0; b < count; ++b)
       transpose_block(xp + b * kBlockRows * ldx, ldx, xb.rows(b), K, xb.mv(b), xt.data() + b * stride);
-    // The tile height is set by the tallest block (the first): a shorter last block has spare registers.
-    if (gated) {
-      column_range<true>(xb.mv(0), wp, xb, K, ldw, bp, yp, N, n0, n1, N);
-    } else {
-      column_range<false>(xb.mv(0), wp, xb, K, ldw, bp, yp, N, n0, n1, N);
+    // Blocks go by groups whose xt stays in L2 (kGroupBytes) while every weight tile of the thread meets them: a
+    // tall x (a prefill) would otherwise stream all of xt from the last-level cache once per tile. A decode batch
+    // is one group. The tile height is set by the group's tallest block (its first).
+    const int64_t group = std::max<int64_t>(1, kGroupBytes / (stride * static_cast<int64_t>(sizeof(float))));
+    for (int64_t g0 = 0; g0 < count; g0 += group) {
+      const Blocks gb{xt.data() + g0 * stride, stride, std::min(group, count - g0), M - g0 * kBlockRows};
+      float* yg = yp + g0 * kBlockRows * N;
+      if (gated) {
+        column_range<true>(gb.mv(0), wp, gb, K, ldw, bp, yg, N, n0, n1, N);
+      } else {
+        column_range<false>(gb.mv(0), wp, gb, K, ldw, bp, yg, N, n0, n1, N);
+      }
     }
   });
   return y;

@@ -140,8 +140,6 @@ def token_logprobs(
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}, input_ids {list(input_ids.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     mask = attention_mask.bool().cpu()
     ids_all = input_ids.cpu()
     batch, seq = ids_all.shape
@@ -149,22 +147,40 @@ def token_logprobs(
     for b, where in enumerate(rows):
         if len(where) and int(where[-1] - where[0]) + 1 != len(where):
             raise ValueError(f"row {b} of attention_mask is not one contiguous run of tokens")
-    lens = [len(where) for where in rows]
     out = torch.zeros(batch, max(seq - 1, 0), dtype=torch.float32)
-    scored = [b for b in range(batch) if lens[b] >= 2]
-    if not scored or seq < 2:
+    scored = [b for b in range(batch) if len(rows[b]) >= 2]
+    if not scored:
         return out
+    sequences = [ids_all[b, rows[b]].long() for b in scored]
+    for b, seq_ids, logprobs in zip(scored, sequences, sequence_logprobs(model, sequences, temperature), strict=True):
+        n, first = len(seq_ids), int(rows[b][0])
+        chosen = logprobs.gather(1, seq_ids[1:, None]).squeeze(1)
+        out = out.index_put((torch.full((n - 1,), b), torch.arange(first, first + n - 1)), chosen)
+    return out
+
+
+def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperature: float = 1.0
+                      ) -> list[torch.Tensor]:
+    """For each token sequence (1-D int64, at least 2 tokens), the log-softmax over the vocabulary after each of
+    its tokens but the last ([len - 1, V] float32): the engine's deterministic-mode distributions, differentiable
+    (see `token_logprobs`). The sequences run as one packed batch; none changes another's bits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if any(s.dim() != 1 or len(s) < 2 for s in sequences):
+        raise ValueError("every sequence must be a 1-D tensor of at least 2 token ids")
+    if not sequences:
+        return []
     mirror = mirror_of(model)
+    lens = [len(s) for s in sequences]
     with ops.deterministic_scope():
-        flat_ids = torch.cat([ids_all[b, rows[b]] for b in scored]).long()
-        positions = torch.cat([torch.arange(lens[b]) for b in scored])
+        flat_ids = torch.cat(list(sequences)).long()
+        positions = torch.cat([torch.arange(n) for n in lens])
         tables, next_block = [], 0
-        for b in scored:
-            blocks = -(-lens[b] // BLOCK_SIZE)
+        for n in lens:
+            blocks = -(-n // BLOCK_SIZE)
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-        lengths = [lens[b] for b in scored]
-        meta = AttentionMetadata.build(lengths, lengths, tables, BLOCK_SIZE, ops.paged_attention)
+        meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, ops.paged_attention)
         attention = [m for m in mirror.model.modules() if isinstance(m, Attention)]
         for attn in attention:
             shape = (next_block, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
@@ -180,12 +196,8 @@ def token_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logits.log_softmax(dim=-1)
-    start = 0
-    for b in scored:
-        n = lens[b]
-        targets = flat_ids[start + 1 : start + n]
-        chosen = logprobs[start : start + n - 1].gather(1, targets[:, None]).squeeze(1)
-        first = int(rows[b][0])
-        out = out.index_put((torch.full((n - 1,), b), torch.arange(first, first + n - 1)), chosen)
+    out, start = [], 0
+    for n in lens:
+        out.append(logprobs[start : start + n - 1])
         start += n
     return out

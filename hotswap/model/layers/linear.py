@@ -46,7 +46,8 @@ class Linear(nn.Module):
 
     Deterministic mode (`ops.deterministic()`): a row-parallel product sums its ranks' partial products in rank
     order, and on one rank it is computed as the two partial products two ranks would compute (the input split at
-    `det_split`, by default the first of two shares), summed the same way: one rank equals two, bit for bit."""
+    `det_split`, by default the first of two shares), summed the same way: one rank equals two, bit for bit. An
+    fp8 weight there has a scale per row and per half, as two ranks quantize their shares."""
 
     def __init__(
         self,
@@ -81,7 +82,10 @@ class Linear(nn.Module):
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
         self.stage_dtype = current_config().model_config.torch_dtype if self.fp8 else None  # fp8: the stage's dtype
         if self.fp8:
-            self.weight_scale = _param((self.out_local,), torch.float32)
+            # deterministic mode, one rank of a row-parallel product: a scale per row and per half (the shares of
+            # two ranks), so that the quantized weight is the two ranks' (see the class)
+            halves = self.det_split > 0 and current_config().model_config.deterministic
+            self.weight_scale = _param((self.out_local, 2) if halves else (self.out_local,), torch.float32)
             # computed by post-processing, never loaded (an ad-hoc tag, read back with getattr)
             self.weight_scale.hotswap_derived = True  # type: ignore[attr-defined]
             self._stage: torch.Tensor | None = None
@@ -157,9 +161,15 @@ class Linear(nn.Module):
         assert current_config().quant_config.quantization == "fp8", "fp8 layer outside an fp8 config"
         assert self._staged_rows is not None  # allocated and freed with the stage
         rows = self._staged_rows.nonzero().squeeze(1)
-        q, scale = quantize_per_channel(self._stage[rows])
-        self.weight.data[rows] = q
-        self.weight_scale.data[rows] = scale
+        if self.weight_scale.dim() == 2:  # a scale per half (see __init__)
+            staged, s = self._stage[rows], self.det_split
+            (q0, s0), (q1, s1) = quantize_per_channel(staged[:, :s]), quantize_per_channel(staged[:, s:])
+            self.weight.data[rows] = torch.cat([q0, q1], dim=1)
+            self.weight_scale.data[rows] = torch.stack([s0, s1], dim=1)
+        else:
+            q, scale = quantize_per_channel(self._stage[rows])
+            self.weight.data[rows] = q
+            self.weight_scale.data[rows] = scale
         self.discard_stage()
 
     def discard_stage(self) -> None:
@@ -168,6 +178,9 @@ class Linear(nn.Module):
 
     def effective_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply by: the parameter itself, or for fp8 its dequantized copy in `dtype`."""
+        if self.fp8 and self.weight_scale.dim() == 2:  # a scale per half (see __init__)
+            widths = torch.tensor([self.det_split, self.in_local - self.det_split])
+            return (self.weight.float() * self.weight_scale.repeat_interleave(widths, dim=1)).to(dtype)
         return dequantize(self.weight, self.weight_scale, dtype) if self.fp8 else self.weight
 
     def packed(self) -> torch.Tensor | None:

@@ -76,6 +76,8 @@ def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
+    if not specs:  # a step that only prefills
+        return []
     plain_greedy = all(
         s.temperature == 0 and not s.banned_token_ids and s.allowed is None and s.num_logprobs is None
         and not s.adjusts

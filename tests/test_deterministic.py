@@ -1,0 +1,284 @@
+"""Deterministic mode: a request's tokens and logprobs are the same bits whatever else runs ("needle in a batch"),
+and `hotswap.train.token_logprobs` on the trainer's transformers model equals them. Every comparison is
+`torch.equal` on float64 tensors built from the float32 values (exact)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hotswap import LLM, SamplingParams
+from hotswap.config import EngineConfig
+from hotswap.testing import make_tiny_model
+from hotswap.train import token_logprobs
+
+KV = 1 << 24
+NEEDLE = "the quick brown fox jumps over the lazy dog and then"
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5, prompt_logprobs=5),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=5,
+                             prompt_logprobs=5),
+}
+KINDS = ["dense", "moe", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("det")
+    return {
+        "dense": make_tiny_model(root / "dense", seed=0),
+        "dense_B": make_tiny_model(root / "dense_B", seed=1),
+        "moe": make_tiny_model(root / "moe", arch="qwen3_moe", seed=0),
+        "moe_B": make_tiny_model(root / "moe_B", arch="qwen3_moe", seed=1),
+    }
+
+
+def engine_kwargs(kind: str) -> dict[str, Any]:
+    return {"quantization": "fp8"} if kind == "fp8" else {}
+
+
+def model_of(models: dict[str, Path], kind: str, which: str = "") -> Path:
+    return models[("moe" if kind == "moe" else "dense") + which]
+
+
+def det_llm(models: dict[str, Path], kind: str, which: str = "", **kwargs: Any) -> LLM:
+    kwargs = {"kv_cache_memory_bytes": KV, **engine_kwargs(kind), **kwargs}
+    return LLM(str(model_of(models, kind, which)), deterministic=True, **kwargs)
+
+
+_engines: dict[str, LLM] = {}
+
+
+def base(models: dict[str, Path], kind: str) -> LLM:
+    """One deterministic engine per model kind, shared by the tests of this module."""
+    if kind not in _engines:
+        _engines[kind] = det_llm(models, kind)
+    return _engines[kind]
+
+
+def signature(out: Any, prompt: bool = True) -> dict[str, torch.Tensor]:
+    """Everything a request returns that deterministic mode promises, as exact tensors."""
+    c = out.outputs[0]
+    sampled = [d[t] for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+    found = {
+        "tokens": torch.tensor(c.token_ids),
+        "logprobs": torch.tensor([lp.logprob for lp in sampled], dtype=torch.float64),
+        "top_ids": torch.tensor([sorted(d) for d in c.logprobs]),
+        "top_logprobs": torch.tensor([[d[k].logprob for k in sorted(d)] for d in c.logprobs], dtype=torch.float64),
+    }
+    if prompt:
+        rows = out.prompt_logprobs[1:]
+        found["prompt_ids"] = torch.tensor([sorted(d) for d in rows])
+        found["prompt_logprobs"] = torch.tensor([[d[k].logprob for k in sorted(d)] for d in rows], dtype=torch.float64)
+    return found
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{what}: {key} differs"
+
+
+def others(n: int, seed: int) -> list[tuple[dict[str, Any], SamplingParams]]:
+    """n random requests: prompts of 1-40 token ids, 1-16 new tokens, greedy or sampled, some with logprobs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 41))]}
+        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 17),
+                                ignore_eos=True, logprobs=rng.choice([None, 2]))
+        out.append((prompt, params))
+    return out
+
+
+def needle_in(llm: LLM, mode: str, crowd: list[tuple[dict[str, Any], SamplingParams]], at: int
+              ) -> dict[str, torch.Tensor]:
+    prompts: list[Any] = [p for p, _ in crowd]
+    params = [s for _, s in crowd]
+    prompts.insert(at, NEEDLE)
+    params.insert(at, PARAMS[mode])
+    return signature(llm.generate(prompts, params, use_tqdm=False)[at])
+
+
+def alone(llm: LLM, mode: str) -> dict[str, torch.Tensor]:
+    return needle_in(llm, mode, [], 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_is_the_same_bits_in_any_batch_at_any_place(models, kind):
+    llm = base(models, kind)
+    for mode in PARAMS:
+        want = alone(llm, mode)
+        for n, at in ((1, 1), (7, 3), (63, 0), (255, 255)):
+            assert_same(needle_in(llm, mode, others(n, seed=n), at), want, f"{kind} {mode} among {n} at {at}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunking_caching_preemption_and_speculation_change_no_bit(models, kind):
+    llm = base(models, kind)
+    want = {mode: alone(llm, mode) for mode in PARAMS}
+    # a prefix-cache hit (requests with prompt logprobs never take one: the prompt's rows must be computed)
+    for mode in PARAMS:
+        params = copy.copy(PARAMS[mode])
+        params.prompt_logprobs = None
+        miss, hit = (llm.generate([NEEDLE], params, use_tqdm=False)[0] for _ in range(2))
+        assert hit.num_cached_tokens > 0
+        expected = {k: v for k, v in want[mode].items() if not k.startswith("prompt")}
+        assert_same(signature(miss, prompt=False), expected, f"{kind} {mode} on a cache miss")
+        assert_same(signature(hit, prompt=False), expected, f"{kind} {mode} on a cache hit")
+    variants = {
+        "chunked prefill of 4 tokens a step": {"max_num_batched_tokens": 4, "max_num_seqs": 4, "block_size": 4},
+        "ngram speculation": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_min": 1}},
+    }
+    if kind == "dense":
+        variants["draft speculation"] = {"speculative_config": {
+            "method": "draft_model", "model": str(models["dense_B"]), "num_speculative_tokens": 3}}
+    for what, kwargs in variants.items():
+        other = det_llm(models, kind, **kwargs)
+        try:
+            for mode in PARAMS:
+                assert_same(alone(other, mode), want[mode], f"{kind} {mode} with {what}")
+        finally:
+            other.shutdown()
+    # preemption: a cache of 12 blocks of 8 that the crowd outgrows; the needle is recomputed at least once
+    per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
+    crowded = det_llm(models, kind, block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block,
+                      max_num_batched_tokens=16, max_num_seqs=8)
+    try:
+        crowd = [({"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30)]},
+                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for i in range(6)]
+        for mode in PARAMS:
+            assert_same(needle_in(crowded, mode, crowd, 0), want[mode], f"{kind} {mode} with preemption")
+        assert crowded.llm_engine.stats()["num_preemptions"] > 0
+    finally:
+        crowded.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_equal_one(models, kind):
+    want = {mode: alone(base(models, kind), mode) for mode in PARAMS}
+    tp2 = det_llm(models, kind, tensor_parallel_size=2)
+    try:
+        for mode in PARAMS:
+            assert_same(alone(tp2, mode), want[mode], f"{kind} {mode} on two ranks")
+            assert_same(needle_in(tp2, mode, others(7, seed=7), 3), want[mode], f"{kind} {mode} on two ranks, batched")
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_update_equals_a_fresh_engine_on_the_new_weights(models, kind):
+    fresh = det_llm(models, kind, "_B")
+    try:
+        want = {mode: alone(fresh, mode) for mode in PARAMS}
+    finally:
+        fresh.shutdown()
+    llm = det_llm(models, kind)
+    try:
+        before = alone(llm, "greedy")
+        llm.reload_weights(weights_path=str(model_of(models, kind, "_B")))
+        for mode in PARAMS:
+            assert_same(alone(llm, mode), want[mode], f"{kind} {mode} after an update")
+        assert not torch.equal(before["logprobs"], want["greedy"]["logprobs"])  # the update changed something
+    finally:
+        llm.shutdown()
+
+
+# ---- the trainer's forward ----------------------------------------------------------------------------------
+
+
+def hf(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def rollouts(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Three prompts of unequal lengths, one sampled continuation each: the token ids, and the engine's logprob
+    of every token after the first (prompt logprobs, then the sampled tokens')."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = llm.generate(["hello world", NEEDLE, "a b c d e f g"], params, use_tqdm=False)
+    seqs, logprobs = [], []
+    for o in outs:
+        c = o.outputs[0]
+        seqs.append(list(o.prompt_token_ids) + list(c.token_ids))
+        values = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)]
+        values += [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+        logprobs.append(torch.tensor(values, dtype=torch.float32))
+    return seqs, logprobs
+
+
+def padded(seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs)) + 2
+    ids = torch.full((len(seqs), width), 7, dtype=torch.long)  # padding holds a real token id: it must not count
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        start = width - len(s) if left else 0
+        ids[i, start : start + len(s)] = torch.tensor(s)
+        mask[i, start : start + len(s)] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_token_logprobs_equals_the_engine_bit_for_bit_and_back_propagates(models, kind):
+    seqs, want = rollouts(base(models, kind))
+    trainer = hf(model_of(models, kind))
+    for left in (True, False):
+        ids, mask = padded(seqs, left)
+        got = token_logprobs(trainer, ids, mask)
+        assert got.shape == (len(seqs), ids.shape[1] - 1)
+        for i, s in enumerate(seqs):
+            first = int(mask[i].nonzero()[0])
+            assert torch.equal(got[i, first : first + len(s) - 1], want[i]), f"row {i}, left padding {left}"
+            assert not got[i, : max(first - 1, 0)].any() and not got[i, first + len(s) :].any()
+    alone_row = token_logprobs(trainer, torch.tensor([seqs[1]]))
+    assert torch.equal(alone_row[0], want[1])
+    # differentiable: the gradient of the summed logprobs is transformers' own, up to float rounding
+    ids, mask = padded(seqs, True)
+    trainer.zero_grad()
+    (token_logprobs(trainer, ids, mask) * mask[:, 1:]).sum().backward()
+    ours = {n: p.grad.clone() for n, p in trainer.named_parameters()}
+    trainer.zero_grad()
+    logits = trainer(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    ref = logits[:, :-1].float().log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
+    (ref * mask[:, :-1] * mask[:, 1:]).sum().backward()
+    for name, p in trainer.named_parameters():
+        assert torch.isfinite(ours[name]).all(), name
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_token_logprobs_for_qwen3_and_tied_heads(tmp_path):
+    for arch, kw in (("qwen3", {}), ("llama", {"tie_word_embeddings": True})):
+        path = make_tiny_model(tmp_path / arch, arch=arch, **kw)
+        llm = LLM(str(path), deterministic=True, kv_cache_memory_bytes=KV)
+        try:
+            seqs, want = rollouts(llm)
+        finally:
+            llm.shutdown()
+        ids, mask = padded(seqs, True)
+        got = token_logprobs(hf(path), ids, mask)
+        for i, s in enumerate(seqs):
+            first = int(mask[i].nonzero()[0])
+            assert torch.equal(got[i, first : first + len(s) - 1], want[i]), f"{arch} row {i}"
+
+
+def test_bad_settings_are_refused_with_the_reason(models):
+    path = str(models["dense"])
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig.from_kwargs(path, deterministic=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 or 2"):
+        EngineConfig.from_kwargs(path, deterministic=True, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        EngineConfig.from_kwargs(str(models["moe"]), deterministic=True, tensor_parallel_size=2,
+                                 enable_expert_parallel=True)
+    trainer = hf(models["dense"])
+    with pytest.raises(ValueError, match="contiguous"):
+        token_logprobs(trainer, torch.tensor([[5, 6, 7]]), torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="batch, seq"):
+        token_logprobs(trainer, torch.tensor([5, 6, 7]))
