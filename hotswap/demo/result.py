@@ -30,6 +30,7 @@ class DemoResult:
     random_init_reward: float = math.nan  # before any push
     greedy_exact_match: float = math.nan  # fraction of fresh prompts copied exactly, greedy, at the end
     max_logprob_gap: float = 0.0  # largest |trainer logprob - engine logprob| of a sampled token
+    deterministic: bool = True  # engine in deterministic mode, trainer scoring through hotswap.train
     num_params: int = 0
     total_s: float = 0.0
     plot_path: str | None = None

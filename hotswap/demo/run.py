@@ -139,6 +139,7 @@ def run_demo(
     entropy_coef: float = 0.02,
     log_every: int = 25,
     quiet: bool = False,
+    deterministic: bool = True,
 ) -> DemoResult:
     """Runs the live-training demo and returns what it measured; writes the checkpoint (`out_dir/model`), the
     reward plot (`out_dir/reward.png`) and the metrics (`out_dir/metrics.json`).
@@ -164,14 +165,15 @@ def run_demo(
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = DemoResult()
+    result = DemoResult(deterministic=deterministic)
     say("hotswap demo: live RL training; a trainer process pushes new weights into the running engine every step")
     model_dir, result.num_params = _build_checkpoint(out / "model", seed)
     say(f"model: random-weight llama ('tiny' preset), {result.num_params / 1e3:.0f}k parameters, fp32, at {model_dir}")
 
-    llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=seed)
+    llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=seed, deterministic=deterministic)
     task = CopyTask.from_tokenizer(llm.get_tokenizer(), num_digits)
-    settings = TrainerSettings(str(model_dir), task, seed, lr, warmup_steps, warmup_lr, entropy_coef=entropy_coef)
+    settings = TrainerSettings(str(model_dir), task, seed, lr, warmup_steps, warmup_lr, entropy_coef=entropy_coef,
+                               deterministic=deterministic)
     trainer = _TrainerHandle(settings)  # its start-up (imports, model load) overlaps the engine's work below
     rng = random.Random(seed)
     bar = None
@@ -301,7 +303,7 @@ def _report(result: DemoResult, out: Path, steps: int, say: Callable[[str], None
     if result.checksums_ok:
         say(
             f"  {pushes} weight pushes over shm (v1 -> v{result.weight_versions[-1]}), each verified: engine SHA-256 "
-            f"== trainer SHA-256 for every tensor; trainer/engine logprob gap <= {result.max_logprob_gap:.1e}"
+            f"== trainer SHA-256 for every tensor; {_gap_line(result.max_logprob_gap, result.deterministic)}"
         )
         say(
             f"  update (engine start -> finish) median {statistics.median(result.update_ms):.1f} ms; rollouts median "
@@ -337,6 +339,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entropy-coef", type=float, default=0.02, help="entropy bonus in the RL loss (default 0.02)")
     parser.add_argument("--log-every", type=int, default=25, help="print a line every N steps (default 25)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                        help="engine in deterministic mode, trainer scoring through hotswap.train (default: on)")
+
+
+def _gap_line(gap: float, deterministic: bool) -> str:
+    """The trainer/engine logprob gap as the summary states it."""
+    if deterministic and gap == 0.0:
+        return "trainer/engine logprob gap = 0 (bitwise: deterministic mode and hotswap.train.token_logprobs)"
+    return f"trainer/engine logprob gap <= {gap:.1e}"
 
 
 def run_demo_from_args(args: argparse.Namespace) -> int:
@@ -355,5 +366,6 @@ def run_demo_from_args(args: argparse.Namespace) -> int:
         entropy_coef=args.entropy_coef,
         log_every=args.log_every,
         quiet=args.quiet,
+        deterministic=args.deterministic,
     )
     return 0 if result.ok else 1

@@ -34,6 +34,8 @@ class TrainerSettings:
     clip: float = 0.2  # PPO/GRPO ratio clip
     entropy_coef: float = 0.02  # entropy bonus: keeps a digit's output from collapsing onto a wrong token early
     num_threads: int = 2  # the model is tiny: more threads do not help
+    # the engine runs deterministic=True and the RL steps score with hotswap.train's forward: the same bits
+    deterministic: bool = True
 
 
 @dataclass
@@ -75,6 +77,16 @@ class _Trainer:
         log_probs = torch.log_softmax(self.model(sequences).logits[:, p - 1 : -1].float(), dim=-1)
         return log_probs, log_probs.gather(-1, sequences[:, p:, None]).squeeze(-1)
 
+    def _completion_log_softmax_exact(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_completion_log_softmax` through `hotswap.train`'s forward: the deterministic engine's bits, so the
+        importance ratio of a rollout from the weights the trainer holds is exactly 1."""
+        from hotswap.train.logprobs import sequence_logprobs
+
+        p = self.task.prompt_len
+        rows = sequence_logprobs(self.model, list(sequences))  # each [len - 1, V]: after tokens 0 .. len - 2
+        log_probs = torch.stack([r[p - 1 :] for r in rows])
+        return log_probs, log_probs.gather(-1, sequences[:, p:, None]).squeeze(-1)
+
     def warmup(self) -> dict[str, float]:
         """Supervised steps on `prompt -> K random digits`: teaches the output alphabet, not the task (the targets
         do not depend on the prompt, so the expected reward stays at chance)."""
@@ -112,7 +124,10 @@ class _Trainer:
         sequences = torch.tensor(rows)
         old = torch.tensor(behaviour, dtype=torch.float32)
         adv = torch.tensor(advantages)[:, None]
-        log_probs, logp = self._completion_log_softmax(sequences)
+        if self.settings.deterministic:
+            log_probs, logp = self._completion_log_softmax_exact(sequences)
+        else:
+            log_probs, logp = self._completion_log_softmax(sequences)
         ratio = torch.exp(logp - old)
         clip = self.settings.clip
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
