@@ -282,3 +282,22 @@ def test_bad_settings_are_refused_with_the_reason(models):
         token_logprobs(trainer, torch.tensor([[5, 6, 7]]), torch.tensor([[1, 0, 1]]))
     with pytest.raises(ValueError, match="batch, seq"):
         token_logprobs(trainer, torch.tensor([5, 6, 7]))
+
+
+def test_parity_reports_zero_in_deterministic_mode_and_the_gap_by_default(models, capsys):
+    from hotswap.entrypoints.cli import main
+    from hotswap.train.parity import parity
+
+    sequences = [[5, 17, 33, 2, 90, 41, 7], [300, 12, 9]]
+    default, det = parity(models["dense"], sequences)
+    assert det.mode == "deterministic" and det.bitwise_equal and det.positions == 8
+    assert det.max_abs_logprob_diff == det.max_kl == det.max_tv == 0.0
+    assert default.mode == "default" and 0.0 <= default.max_abs_logprob_diff < 1e-3 and default.max_tv < 1e-3
+    trainer = hf(models["dense"])  # a trainer's model: the engine serves its weights
+    (again,) = parity(trainer, sequences, tokenizer=str(models["dense"]), modes=("deterministic",))
+    assert again.bitwise_equal
+    assert main(["parity", "--model", str(models["dense"]), "--num-sequences", "2", "--length", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "deterministic: 22 positions, max |d logprob| 0, KL mean 0 max 0, TV mean 0 max 0, bitwise equal" in out
+    with pytest.raises(ValueError, match="unknown parity mode"):
+        parity(models["dense"], sequences, modes=("fast",))

@@ -68,6 +68,7 @@ def fleet(ckpts):
         health_check_timeout_s=10,
         ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
         weight_transfer_config={"timeout_s": 20},
+        deterministic=True,  # every replica the same bits as one engine (test_deterministic.py has the rest)
     )
     assert isinstance(f, Fleet) and f.num_replicas == 2
     yield f
@@ -137,14 +138,24 @@ def same_weights(fleet: Fleet) -> dict[str, str]:
 
 def test_fleet_outputs_equal_one_llm_and_requests_spread_over_both_replicas(fleet, ckpts):
     before = dict(fleet.router.routed)
-    outs = fleet.generate(PROMPTS, GREEDY)
-    single = LLM(str(ckpts["A"]))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    params = [greedy, seeded] * (len(PROMPTS) // 2)
+    outs = fleet.generate(PROMPTS, params)
+    single = LLM(str(ckpts["A"]), deterministic=True)
     try:
-        expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
+        expected = single.generate(PROMPTS, params, use_tqdm=False)
     finally:
         single.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].weight_versions for o in outs] == [o.outputs[0].weight_versions for o in expected]
+
+    def exact(out):  # every logprob the request returned, as float64 (exact for the float32 values)
+        rows = [*(out.prompt_logprobs or [])[1:], *(out.outputs[0].logprobs or [])]
+        return torch.tensor([(t, row[t].logprob) for row in rows for t in sorted(row)], dtype=torch.float64)
+
+    for got, want in zip(outs, expected, strict=True):  # deterministic mode: equal bit for bit
+        assert torch.equal(exact(got), exact(want))
     spread = {r: fleet.router.routed.get(r, 0) - before.get(r, 0) for r in (0, 1)}
     assert spread[0] > 0 and spread[1] > 0 and sum(spread.values()) == len(PROMPTS)
     # one cache_salt: every request of it on one replica (its prefix cache), with the same outputs

@@ -46,7 +46,7 @@ def _engine_rows(model_dir: str, tokenizer: str | None, sequences: list[list[int
 
     llm = LLM(model_dir, tokenizer=tokenizer, dtype="float32", deterministic=deterministic, max_logprobs=-1)
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=-1, temperature=0.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=vocab, temperature=0.0)
         outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     finally:
         llm.shutdown()
