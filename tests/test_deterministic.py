@@ -301,3 +301,31 @@ def test_parity_reports_zero_in_deterministic_mode_and_the_gap_by_default(models
     assert "deterministic: 22 positions, max |d logprob| 0, KL mean 0 max 0, TV mean 0 max 0, bitwise equal" in out
     with pytest.raises(ValueError, match="unknown parity mode"):
         parity(models["dense"], sequences, modes=("fast",))
+
+
+def test_serve_deterministic_returns_the_same_logprobs_alone_and_in_a_crowd(models):
+    import asyncio
+
+    import httpx
+
+    from server_helpers import running_server
+
+    model = models["dense"].name  # the served name: the folder's
+    needle = {"model": model, "prompt": NEEDLE, "max_tokens": 10, "temperature": 0.8, "seed": 3, "logprobs": 3,
+              "ignore_eos": True}
+
+    async def crowd(base: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            others = [client.post("/v1/completions", json={"model": model, "prompt": [5 + i] * (3 + i),
+                                                            "max_tokens": 3 + i % 7,
+                                                            "temperature": 1.0}) for i in range(16)]
+            replies = await asyncio.gather(*others[:8], client.post("/v1/completions", json=needle), *others[8:])
+            return dict(replies[8].json()["choices"][0]["logprobs"])
+
+    # the SGLang spelling of the flag
+    with running_server(str(models["dense"]), "--enable-deterministic-inference", "--admin-auth", "none") as base:
+        alone = httpx.post(f"{base}/v1/completions", json=needle, timeout=120).json()["choices"][0]["logprobs"]
+        among = asyncio.run(crowd(base))
+    assert alone["tokens"] == among["tokens"]
+    assert alone["token_logprobs"] == among["token_logprobs"]  # JSON floats round-trip exactly
+    assert alone["top_logprobs"] == among["top_logprobs"]

@@ -66,6 +66,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   // products over inputs [0, split) and [split, K), added, then the bias; split 0: one product.
   auto row_linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t split) -> at::Tensor {
     if (split <= 0 || split >= a.size(1)) return linear(a, w, b);
+    if (native_linear) return hotswap_ops::small_batch_linear(a, w, b, split);
     const int64_t rest = a.size(1) - split;
     at::Tensor y = linear(a.narrow(1, 0, split), w.narrow(1, 0, split), c10::nullopt);
     y.add_(linear(a.narrow(1, split, rest), w.narrow(1, split, rest), c10::nullopt));

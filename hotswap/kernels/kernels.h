@@ -22,7 +22,8 @@ void rotate_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& posit
                const at::Tensor& sin, at::Tensor& q_out, void* k_out, const int64_t* k_rows);
 
 // linear.cpp: y = x · wᵀ (+ bias) for a small float32 batch x [M, K], w [N, K].
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                              int64_t split = 0);
 // linear.cpp: silu(gate) * up of x · wᵀ (+ bias) for w = [gate; up] [2I, K]: [M, I].
 at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 

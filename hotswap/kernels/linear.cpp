@@ -98,22 +98,16 @@ void transpose_block(const float* x, int64_t ldx, int64_t rows, int64_t K, int M
   }
 }
 
-// Rows [0, R) of w (row stride ldw) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
-// `next_rows` rows at `next` (the following tile) along the way, in the order that tile will read them.
+// acc[r][v] += w row r · xt over k in [from, to), in order: the tile's inner loop (see `tile`).
 template <int R, int MV>
-inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, int64_t ldw, const float* bias,
-                 float* __restrict y, int64_t ldy, int64_t rows, const float* next, int64_t next_rows) {
-  static_assert(R * MV + MV + 1 <= kVectorRegisters, "the tile's accumulators and operands must fit the registers");
-  fvec acc[R][MV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < MV; ++v) acc[r][v] = fvec{};
-  const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
-  for (int r = 0; r < R; ++r) rows_of[r] = w + r * ldw;
+__attribute__((always_inline)) inline void accumulate(fvec (&acc)[R][MV], const float* const (&rows_of)[R],
+                                                      const float* __restrict xt, int64_t from, int64_t to,
+                                                      int64_t ldw, const float* next, int64_t next_rows) {
   constexpr int64_t kLine = 16;  // floats per cache line
-  for (int64_t k0 = 0; k0 < K; k0 += kLine) {
+  for (int64_t k0 = from; k0 < to; k0 += kLine) {
     // The lines the next tile reads at this k: each arrives about one tile ahead of its use.
     for (int64_t r = 0; r < next_rows; ++r) __builtin_prefetch(next + r * ldw + k0, 0, 2);
-    const int64_t k1 = std::min<int64_t>(k0 + kLine, K);
+    const int64_t k1 = std::min<int64_t>(k0 + kLine, to);
     for (int64_t k = k0; k < k1; ++k) {
       fvec xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = load_vec(xt + k * kLanes * MV + kLanes * v);
@@ -128,6 +122,33 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
       }
     }
   }
+}
+
+// Rows [0, R) of w (row stride ldw) against one block's xt; writes y[m][0, R) for m < rows. Prefetches the
+// `next_rows` rows at `next` (the following tile) along the way, in the order that tile will read them. With
+// 0 < split < K, each element is the sum over k < split plus the sum over k >= split, each a chain from zero
+// (deterministic mode's row-parallel product on one rank: the two ranks' partial products, added).
+template <int R, int MV, bool kSplit>
+inline void tile(const float* __restrict w, const float* __restrict xt, int64_t K, int64_t ldw, int64_t split,
+                 const float* bias, float* __restrict y, int64_t ldy, int64_t rows, const float* next,
+                 int64_t next_rows) {
+  static_assert(R * MV + MV + 1 <= kVectorRegisters, "the tile's accumulators and operands must fit the registers");
+  fvec acc[R][MV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = fvec{};
+  const float* rows_of[R];  // one pointer per weight row: R <= 8 keeps them, and the accumulators, in registers
+  for (int r = 0; r < R; ++r) rows_of[r] = w + r * ldw;
+  if constexpr (kSplit) {
+    accumulate<R, MV>(acc, rows_of, xt, 0, split, ldw, next, next_rows);
+    fvec first[R][MV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < MV; ++v) first[r][v] = acc[r][v], acc[r][v] = fvec{};
+    accumulate<R, MV>(acc, rows_of, xt, split, K, ldw, next, next_rows);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < MV; ++v) acc[r][v] = first[r][v] + acc[r][v];
+  } else {
+    accumulate<R, MV>(acc, rows_of, xt, 0, K, ldw, next, next_rows);
+  }
   // acc[r][v] holds y[kLanes v .. kLanes v + kLanes - 1][r]: transpose kLanes x kLanes blocks so each output row
   // is one short copy.
   for (int v = 0; v < MV; ++v) {
@@ -139,23 +160,35 @@ inline void tile(const float* __restrict w, const float* __restrict xt, int64_t 
   }
 }
 
+// `tile` with the split (0 < split < K) or without: two instantiations, so the common one keeps its registers.
+template <int R, int MV>
+inline void tile_any(const float* w, const float* xt, int64_t K, int64_t ldw, int64_t split, const float* bias,
+                     float* y, int64_t ldy, int64_t rows, const float* next, int64_t next_rows) {
+  if (split > 0 && split < K) {
+    tile<R, MV, true>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
+  } else {
+    tile<R, MV, false>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
+  }
+}
+
 template <int R>
-inline void tile(int MV, const float* w, const float* xt, int64_t K, int64_t ldw, const float* bias, float* y, int64_t ldy,
+inline void tile(int MV, const float* w, const float* xt, int64_t K, int64_t ldw, int64_t split, const float* bias,
+                 float* y, int64_t ldy,
                  int64_t rows, const float* next, int64_t next_rows) {
   // MV is at most the first block's, for which R was chosen: the cases past it do not occur.
   static_assert(kMaxMV <= 4, "one case per block height");
   switch (MV) {
     case 4:
-      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile<R, 4>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 4 && R <= linear_tile_rows(4)) tile_any<R, 4>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
       break;
     case 3:
-      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile<R, 3>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 3 && R <= linear_tile_rows(3)) tile_any<R, 3>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
       break;
     case 2:
-      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile<R, 2>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
+      if constexpr (kMaxMV >= 2 && R <= linear_tile_rows(2)) tile_any<R, 2>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
       break;
     default:
-      tile<R, 1>(w, xt, K, ldw, bias, y, ldy, rows, next, next_rows);
+      tile_any<R, 1>(w, xt, K, ldw, split, bias, y, ldy, rows, next, next_rows);
       break;
   }
 }
@@ -174,6 +207,7 @@ __attribute__((noinline)) void write_gated(const float* gate, const float* up, f
 struct Blocks {
   const float* xt;
   int64_t stride, count, M;
+  int64_t split;  // see `tile` (0: none)
   int64_t rows(int64_t b) const { return std::min(kBlockRows, M - b * kBlockRows); }
   int mv(int64_t b) const { return static_cast<int>((rows(b) + kLanes - 1) / kLanes); }
 };
@@ -191,12 +225,12 @@ inline void columns(const float* w, const Blocks& xb, int64_t K, int64_t ldw, co
     float* yb = y + b * kBlockRows * ldy;
     const bool first = b == 0;  // later blocks find the tile in cache: nothing to prefetch
     if constexpr (!kGated) {
-      tile<T>(mv, w + n * ldw, xt, K, ldw, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows, first ? next : nullptr,
+      tile<T>(mv, w + n * ldw, xt, K, ldw, xb.split, bias != nullptr ? bias + n : nullptr, yb + n, ldy, rows, first ? next : nullptr,
               first ? next_rows : 0);
     } else {
-      tile<T>(mv, w + n * ldw, xt, K, ldw, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
+      tile<T>(mv, w + n * ldw, xt, K, ldw, xb.split, bias != nullptr ? bias + n : nullptr, gate, 16, rows,
               first ? w + (I + n) * ldw : nullptr, first ? T : 0);
-      tile<T>(mv, w + (I + n) * ldw, xt, K, ldw, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
+      tile<T>(mv, w + (I + n) * ldw, xt, K, ldw, xb.split, bias != nullptr ? bias + I + n : nullptr, up, 16, rows,
               first ? next : nullptr, first ? next_rows : 0);
       write_gated(gate, up, yb + n, ldy, rows, T);
     }
@@ -240,7 +274,8 @@ void column_range(int MV, const float* w, const Blocks& xb, int64_t K, int64_t l
 }
 
 // y = x · wᵀ (+ bias), or with `gated` the SwiGLU gate over w's two halves (see the top of the file).
-at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool gated) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool gated,
+               int64_t split) {
   const char* name = gated ? "small_batch_gated_linear" : "small_batch_linear";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
               ": x must be a float32 [M, K] tensor with contiguous rows");
@@ -278,7 +313,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     const int64_t n0 = u0 * unit, n1 = std::min(N, u1 * unit);
     thread_local std::vector<float> xt;
     xt.resize(std::max<size_t>(xt.size(), static_cast<size_t>(count * stride)));
-    const Blocks xb{xt.data(), stride, count, M};
+    const Blocks xb{xt.data(), stride, count, M, split};
     for (int64_t b = 0; b < count; ++b)
       transpose_block(xp + b * kBlockRows * ldx, ldx, xb.rows(b), K, xb.mv(b), xt.data() + b * stride);
     // Blocks go by groups whose xt stays in L2 (kGroupBytes) while every weight tile of the thread meets them: a
@@ -286,7 +321,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     // is one group. The tile height is set by the group's tallest block (its first).
     const int64_t group = std::max<int64_t>(1, kGroupBytes / (stride * static_cast<int64_t>(sizeof(float))));
     for (int64_t g0 = 0; g0 < count; g0 += group) {
-      const Blocks gb{xt.data() + g0 * stride, stride, std::min(group, count - g0), M - g0 * kBlockRows};
+      const Blocks gb{xt.data() + g0 * stride, stride, std::min(group, count - g0), M - g0 * kBlockRows, split};
       float* yg = yp + g0 * kBlockRows * N;
       if (gated) {
         column_range<true>(gb.mv(0), wp, gb, K, ldw, bp, yg, N, n0, n1, N);
@@ -302,18 +337,19 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
 
 namespace hotswap_ops {
 
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return run(x, w, bias, false);
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                              int64_t split) {
+  return run(x, w, bias, false, split);
 }
 
 at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return run(x, w, bias, true);
+  return run(x, w, bias, true, 0);
 }
 
 }  // namespace hotswap_ops
 
 TORCH_LIBRARY_FRAGMENT(hotswap, m) {
-  m.def("small_batch_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_batch_linear(Tensor x, Tensor w, Tensor? bias, int split=0) -> Tensor");
   m.def("small_batch_gated_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 

@@ -60,9 +60,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="dtype K and V are stored and attended in: auto (float32), bfloat16 or float16")
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
-    parser.add_argument("--deterministic", action="store_true",
+    parser.add_argument("--deterministic", "--enable-deterministic-inference", action="store_true",
                         help="batch-invariant forward pass: every request's tokens and logprobs are the same bits "
-                             "whatever else runs, and equal to hotswap.train.token_logprobs (docs/determinism.md)")
+                             "whatever else runs, and equal to hotswap.train.token_logprobs (docs/determinism.md); "
+                             "--enable-deterministic-inference is SGLang's spelling")
     parser.add_argument("--prefix-cache-policy", default="reset", choices=["reset", "salt"])
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
     parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
