@@ -294,10 +294,33 @@ def test_small_batch_linear_edges_and_bad_input(ops):
         ops.small_batch_linear(torch.randn(2, 8).double(), w, None)
     with pytest.raises(RuntimeError, match="matching x's K"):
         ops.small_batch_linear(torch.randn(2, 9), w, None)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous rows"):
         ops.small_batch_linear(torch.randn(2, 8), torch.randn(8, 5).T, None)
     with pytest.raises(RuntimeError, match="bias"):
         ops.small_batch_linear(torch.randn(2, 8), w, torch.randn(4))
+
+
+@pytest.mark.parametrize(("n", "k"), [(50, 33), (97, 576), (300, 1536)])
+def test_a_row_of_the_small_batch_kernels_is_the_same_bits_at_any_row_count(ops, n, k):
+    """Deterministic mode's foundation: a row's product depends on that row alone, whether it runs with 0-3 others
+    (the few-rows path), in one register block or many, in one L2 group or several; with the split at any point
+    (also a column slice of a wider weight), and gated."""
+    torch.manual_seed(n)
+    w, b = torch.randn(2 * n, k + 5)[:, 2 : k + 2], torch.randn(2 * n)  # rows of stride k + 5
+    x = torch.randn(700, k)
+    split = k // 3
+    for rows in (1, 2, 3, 4, 5, 17, 64, 65, 700):
+        part = x[-rows:]
+        for kwargs in ({}, {"split": split}):
+            got = ops.small_batch_linear(part, w, b, **kwargs)[-1]
+            assert torch.equal(got, ops.small_batch_linear(x[-1:], w, b, **kwargs)[0]), (rows, kwargs)
+        assert torch.equal(ops.small_batch_gated_linear(part, w.contiguous(), b)[-1],
+                           ops.small_batch_gated_linear(x[-1:], w.contiguous(), b)[0]), rows
+    # the split sums two chains: the bits of two products over the halves, added
+    halves = ops.small_batch_linear(x[:5, :split], w[:, :split], None) + ops.small_batch_linear(
+        x[:5, split:], w[:, split:], None)
+    assert torch.equal(ops.small_batch_linear(x[:5], w, None, split), halves)
+    torch.testing.assert_close(ops.small_batch_linear(x[:5], w, b, split), x[:5] @ w.T + b, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("m", [4, 17, 40, 64])  # one to four vectors of rows

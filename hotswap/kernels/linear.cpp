@@ -273,6 +273,84 @@ void column_range(int MV, const float* w, const Blocks& xb, int64_t K, int64_t l
   }
 }
 
+// ---- a few rows (a decode step of 1-4 sequences) ---------------------------------------------------------------
+// With lanes over rows, a block of kLanes rows holding 1-4 of them spends most of its multiply-adds on zeros. Here
+// the lanes go over output columns instead: kLanes weight rows are loaded kLanes k at a time and transposed in
+// registers, and each k is one fused multiply-add per row of x. An output element is still one chain over k in
+// order from zero (then the split's second chain, then the bias), so every row count gives the same bits.
+constexpr int64_t kFewRows = 4;
+static_assert(kLanes <= 16, "few_rows keeps a row of output in 16 floats");
+
+// acc[m] lane i += sum over k in [from, to) of x[m][k] w[i][k], in order, for i < cols.
+template <int M>
+inline void few_accumulate(const float* w, int64_t ldw, int64_t cols, const float* x, int64_t ldx, int64_t from,
+                           int64_t to, fvec* acc) {
+  int64_t k0 = from;
+  if (cols == kLanes) {  // whole blocks: fixed trip counts, the compiler unrolls and keeps all in registers
+    for (; k0 + kLanes <= to; k0 += kLanes) {
+      fvec r[kLanes];
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) r[i] = load_vec(w + i * ldw + k0);
+      transpose(r);  // r[j] lane i = w[i][k0 + j]
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j)
+        for (int m = 0; m < M; ++m) acc[m] += x[m * ldx + k0 + j] * r[j];
+    }
+  }
+  for (; k0 < to; k0 += kLanes) {  // the last columns or the last k: zero-padded, only k < to counted
+    const int64_t kn = std::min<int64_t>(kLanes, to - k0);
+    fvec r[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      r[i] = fvec{};
+      if (i < cols) std::memcpy(&r[i], w + i * ldw + k0, kn * sizeof(float));
+    }
+    transpose(r);
+    for (int64_t j = 0; j < kn; ++j)
+      for (int m = 0; m < M; ++m) acc[m] += x[m * ldx + k0 + j] * r[j];
+  }
+}
+
+// acc[m] = the rows' products with weight rows [0, cols) (two chains summed with 0 < split < K), without bias.
+template <int M>
+inline void few_products(const float* w, int64_t ldw, int64_t cols, const float* x, int64_t ldx, int64_t K,
+                         int64_t split, fvec* acc) {
+  for (int m = 0; m < M; ++m) acc[m] = fvec{};
+  if (split > 0 && split < K) {
+    fvec second[M];
+    for (int m = 0; m < M; ++m) second[m] = fvec{};
+    few_accumulate<M>(w, ldw, cols, x, ldx, 0, split, acc);
+    few_accumulate<M>(w, ldw, cols, x, ldx, split, K, second);
+    for (int m = 0; m < M; ++m) acc[m] = acc[m] + second[m];
+  } else {
+    few_accumulate<M>(w, ldw, cols, x, ldx, 0, K, acc);
+  }
+}
+
+template <int M>
+void few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y, int64_t N,
+              int64_t K, int64_t split, bool gated) {
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kLanes, cols = std::min<int64_t>(kLanes, N - n);
+      fvec acc[M];
+      few_products<M>(w + n * ldw, ldw, cols, x, ldx, K, split, acc);
+      alignas(64) float out[M][16] = {};
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < cols; ++i) out[m][i] = acc[m][i] + (bias != nullptr ? bias[n + i] : 0.0f);
+      if (gated) {  // acc was the gate: the up rows are N further on; the gate is applied as write_gated does
+        few_products<M>(w + (N + n) * ldw, ldw, cols, x, ldx, K, split, acc);
+        for (int m = 0; m < M; ++m) {
+          alignas(64) float up[16] = {};
+          for (int i = 0; i < cols; ++i) up[i] = acc[m][i] + (bias != nullptr ? bias[N + n + i] : 0.0f);
+          const f16x gate_up = silu_mul(load(out[m]), load(up));
+          std::memcpy(out[m], &gate_up, sizeof(gate_up));
+        }
+      }
+      for (int m = 0; m < M; ++m) std::memcpy(y + m * N + n, out[m], cols * sizeof(float));
+    }
+  });
+}
+
 // y = x · wᵀ (+ bias), or with `gated` the SwiGLU gate over w's two halves (see the top of the file).
 at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool gated,
                int64_t split) {
@@ -303,6 +381,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.size(0) <= 1 ? K : w.stride(0);
+  if (M <= kFewRows) {
+    switch (M) {
+      case 1: few_rows<1>(xp, ldx, wp, ldw, bp, yp, N, K, split, gated); break;
+      case 2: few_rows<2>(xp, ldx, wp, ldw, bp, yp, N, K, split, gated); break;
+      case 3: few_rows<3>(xp, ldx, wp, ldw, bp, yp, N, K, split, gated); break;
+      default: few_rows<4>(xp, ldx, wp, ldw, bp, yp, N, K, split, gated); break;
+    }
+    return y;
+  }
   const int64_t count = (M + kBlockRows - 1) / kBlockRows;
   const int64_t stride = (K + kXtAhead) * kBlockRows;  // one block's xt, with the prefetches' slack
   // Threads take whole tiles of output columns (the tile height is set by the first block's), so only the end has
