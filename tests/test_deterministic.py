@@ -262,10 +262,13 @@ def test_token_logprobs_for_qwen3_and_tied_heads(tmp_path):
         finally:
             llm.shutdown()
         ids, mask = padded(seqs, True)
-        got = token_logprobs(hf(path), ids, mask)
-        for i, s in enumerate(seqs):
-            first = int(mask[i].nonzero()[0])
-            assert torch.equal(got[i, first : first + len(s) - 1], want[i]), f"{arch} row {i}"
+        wrapped = torch.nn.Module()  # a DDP-style wrapper: parameters named `module.*`, no `config` of its own
+        wrapped.module = hf(path)
+        for trainer in (hf(path), wrapped):
+            got = token_logprobs(trainer, ids, mask)
+            for i, s in enumerate(seqs):
+                first = int(mask[i].nonzero()[0])
+                assert torch.equal(got[i, first : first + len(s) - 1], want[i]), f"{arch} row {i}"
 
 
 def test_bad_settings_are_refused_with_the_reason(models):

@@ -58,7 +58,12 @@ def _build_mirror(model: nn.Module) -> _Mirror:
     """The hotswap model of `model.config` (uninitialised parameters, never written) and where each of its
     parameters' elements come from among the trainer's. Raises ValueError for an architecture hotswap does not
     serve, or a trainer parameter it cannot place."""
-    hf_config = model.config.to_dict()
+    inner: Any = model
+    while not hasattr(inner, "config") and isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module  # DDP and similar wrappers
+    if not hasattr(inner, "config"):
+        raise ValueError(f"token_logprobs takes a transformers model (with a `config`), got {type(model).__name__}")
+    hf_config: dict[str, Any] = inner.config.to_dict()
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(hf_config))
         config = EngineConfig(model_config=ModelConfig(model=folder, dtype="float32", deterministic=True))
@@ -71,7 +76,8 @@ def _build_mirror(model: nn.Module) -> _Mirror:
     index = WeightIndex.of(mirror)
     params = dict(mirror.named_parameters())
     sources: dict[str, list[tuple[int, tuple[int, ...], str]]] = {name: [] for name in params}
-    for name, tensor in model.named_parameters():
+    for raw, tensor in model.named_parameters():
+        name = _plain_name(raw)
         target = index.targets.get(name)
         if target is None:
             if index.ignored(name):
@@ -82,8 +88,8 @@ def _build_mirror(model: nn.Module) -> _Mirror:
         if tuple(view.shape) != tuple(tensor.shape) or not view.is_contiguous():
             raise ValueError(f"token_logprobs: {name!r} has shape {list(tensor.shape)}; hotswap expects "
                              f"{list(view.shape)}")
-        offset = view.storage_offset() - target.param.data.storage_offset()
-        sources[target.param_name].append((offset, tuple(view.shape), name))
+        offset = int(view.storage_offset() - target.param.data.storage_offset())
+        sources[target.param_name].append((offset, tuple(view.shape), raw))
     for name, parts in sources.items():
         parts.sort()
         covered = 0
@@ -94,6 +100,15 @@ def _build_mirror(model: nn.Module) -> _Mirror:
         if covered != params[name].numel():
             raise ValueError(f"token_logprobs: the trainer's parameters do not cover hotswap's {name!r}")
     return _Mirror(mirror, config, sources)
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's checkpoint name, without the prefixes wrappers add (DDP's `module.`, torch.compile's
+    `_orig_mod.`)."""
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
 
 
 def mirror_of(model: nn.Module) -> _Mirror:

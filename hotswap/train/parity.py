@@ -52,8 +52,10 @@ def _engine_rows(model_dir: str, tokenizer: str | None, sequences: list[list[int
         llm.shutdown()
     rows = []
     for out in outs:
-        table = torch.full((len(out.prompt_logprobs) - 1, vocab), float("-inf"), dtype=torch.float32)
-        for i, entry in enumerate(out.prompt_logprobs[1:]):
+        entries = out.prompt_logprobs or []  # asked for: one entry per prompt token, None for the first
+        table = torch.full((max(len(entries) - 1, 0), vocab), float("-inf"), dtype=torch.float32)
+        for i, entry in enumerate(entries[1:]):
+            assert entry is not None  # only the first prompt token has no logprobs
             ids = torch.tensor(list(entry))
             table[i, ids] = torch.tensor([entry[t].logprob for t in entry], dtype=torch.float32)
         rows.append(table)
@@ -101,6 +103,7 @@ def parity(
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("parity needs at least one sequence, each of at least 2 token ids")
     with tempfile.TemporaryDirectory() as tmp:
+        trainer: Any
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
@@ -109,7 +112,7 @@ def parity(
             if tokenizer is None:
                 raise ValueError("parity of a trainer model needs `tokenizer`: a folder with its tokenizer files")
             folder, trainer = tmp, model
-            model.save_pretrained(tmp)
+            trainer.save_pretrained(tmp)
         trainer.eval()
         vocab = int(trainer.config.vocab_size)
         reports = []
