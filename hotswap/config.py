@@ -35,6 +35,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
 @dataclass
 class ModelConfig:
     """Which checkpoint to serve and how.
@@ -44,6 +47,10 @@ class ModelConfig:
     context length; it may not exceed it. `max_logprobs` bounds the log probabilities a request may ask for per
     token (-1: up to the whole vocabulary). `enable_return_routed_experts` (vLLM's flag): every completion of a
     mixture-of-experts model carries its routed experts, as if each request set `return_routed_experts`.
+    `logprobs_mode` (vLLM's): what a sampled token's logprobs report: "raw_logprobs" (default: the model's
+    distribution), "processed_logprobs" (the distribution sampled from: after logit bias, penalties, banned tokens,
+    temperature and top-k/top-p/min-p), or "raw_logits" / "processed_logits" (the logits themselves). Prompt
+    logprobs are always the raw distribution's.
     `deterministic`: the batch-invariant forward pass (docs/determinism.md): every request's tokens and logprobs
     are the same bits whatever else is batched with it, however its prompt is chunked or cached, on one rank or
     two, and equal to `hotswap.train.token_logprobs` on the trainer's model. Float32 weights, native kernels.
@@ -55,6 +62,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     enable_return_routed_experts: bool = False
     deterministic: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -79,6 +87,8 @@ class ModelConfig:
         context = self.max_context_len
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None:
             if self.max_model_len <= 0:
                 raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

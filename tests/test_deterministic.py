@@ -5,6 +5,7 @@ and `hotswap.train.token_logprobs` on the trainer's transformers model equals th
 from __future__ import annotations
 
 import copy
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,29 @@ def test_serve_deterministic_returns_the_same_logprobs_alone_and_in_a_crowd(mode
     assert alone["tokens"] == among["tokens"]
     assert alone["token_logprobs"] == among["token_logprobs"]  # JSON floats round-trip exactly
     assert alone["top_logprobs"] == among["top_logprobs"]
+
+
+def test_processed_logprobs_equal_token_logprobs_at_the_sampling_temperature(models):
+    """vLLM's logprobs_mode: "processed_logprobs" reports the distribution sampled from (after temperature and
+    filters); at temperature t without filters it is `token_logprobs(temperature=t)`, bit for bit."""
+    llm = det_llm(models, "dense", logprobs_mode="processed_logprobs")
+    try:
+        params = SamplingParams(temperature=0.7, seed=11, max_tokens=8, ignore_eos=True, logprobs=2)
+        out = llm.generate([NEEDLE], params, use_tqdm=False)[0]
+        filtered = llm.generate([NEEDLE], SamplingParams(temperature=0.7, top_k=3, seed=11, max_tokens=8,
+                                                         ignore_eos=True, logprobs=5), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    c = out.outputs[0]
+    seq = list(out.prompt_token_ids) + list(c.token_ids)
+    got = token_logprobs(hf(models["dense"]), torch.tensor([seq]), temperature=0.7)[0, -len(c.token_ids):]
+    want = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)], dtype=torch.float32)
+    assert torch.equal(got, want)
+    raw = alone(base(models, "dense"), "greedy")  # raw logprobs differ from processed ones at t = 0.7
+    assert not torch.equal(want.double(), raw["logprobs"][: len(want)])
+    for step in filtered.outputs[0].logprobs:  # top-3 kept: three finite logprobs summing to one, the rest -inf
+        values = sorted((lp.logprob for lp in step.values()), reverse=True)
+        assert all(v == float("-inf") for v in values[3:])
+        assert abs(sum(math.exp(v) for v in values[:3]) - 1.0) < 1e-5
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        EngineConfig.from_kwargs(str(models["dense"]), logprobs_mode="sampled")

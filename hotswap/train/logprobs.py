@@ -141,9 +141,10 @@ def token_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """log p(input_ids[b, i + 1] | input_ids[b, : i + 1]) as [batch, seq - 1] float32, equal bit for bit to the
-    logprobs a `deterministic=True` engine on the same weights returns for those tokens (prompt logprobs and
-    sampled-token logprobs, which are the raw distribution's: `temperature` 1; another temperature divides the
-    logits first). Differentiable with respect to `model`'s parameters.
+    logprobs a `deterministic=True` engine on the same weights returns for those tokens: its prompt logprobs and
+    sampled-token logprobs (the raw distribution's) at `temperature` 1; at another temperature, the logits are
+    divided first, and the sampled tokens' logprobs of an engine with `logprobs_mode="processed_logprobs"` (and
+    no penalties or top-k/top-p/min-p filters) are equal. Differentiable with respect to `model`'s parameters.
 
     `attention_mask` [batch, seq] (1: a token, 0: padding, on either side; each row's tokens contiguous) marks
     each row's tokens; a row's result depends on its own tokens only (padding and the other rows change none of
@@ -208,8 +209,8 @@ def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperatu
         finally:
             for attn in attention:
                 attn.k_cache = attn.v_cache = None
-    if temperature != 1.0:
-        logits = logits / temperature
+    if temperature != 1.0:  # as the sampler divides (an engine with logprobs_mode="processed_logprobs")
+        logits = logits / torch.tensor([temperature], dtype=logits.dtype)[:, None]
     logprobs = logits.log_softmax(dim=-1)
     out, start = [], 0
     for n in lens:

@@ -71,6 +71,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="samples one request may ask for")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="tokens one request may generate (default: up to the context length)")
+    parser.add_argument("--logprobs-mode", default="raw_logprobs",
+                        choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+                        help="what sampled tokens' logprobs report (vLLM's): the raw or the sampled-from "
+                             "distribution, or the logits")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="log probabilities one token may return (-1: the whole vocabulary)")
     parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,
@@ -132,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
         session_cache_fraction=args.session_cache_fraction,
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config,
     )
     engine: AsyncLLMEngine | AsyncFleet

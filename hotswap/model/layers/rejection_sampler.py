@@ -24,6 +24,8 @@ from hotswap.model.layers.sampler import (
     distribution,
     draw,
     kept_sets,
+    logprobs_mode,
+    reported,
     results_for,
     uniform_for,
     uniforms_for,
@@ -63,7 +65,7 @@ def verify(
     logits = logits.float()
     plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts
                 for s in flat)
-    if plain and ops.greedy_native(logits):
+    if plain and logprobs_mode() == "raw_logprobs" and ops.greedy_native(logits):
         tokens, chosen = ops.greedy_sample(logits)
         argmax, chosen_list = tokens.tolist(), chosen.tolist()
         out: list[list[SampleResult]] = []
@@ -119,7 +121,8 @@ def verify(
         offset += len(props) + 1
     index = torch.tensor(rows, dtype=torch.long)
     emitted_specs = [flat[r] for r in rows]
-    results = results_for(logits[index].log_softmax(dim=-1), torch.tensor(tokens_out), emitted_specs)
+    values = reported(logits[index], emitted_specs, logprobs_mode())
+    results = results_for(values, torch.tensor(tokens_out), emitted_specs)
     masked = [j for j, spec in enumerate(emitted_specs) if spec.return_mask and spec.temperature > 0]
     if masked:  # an emitted token's support is the target's at its position (p_j's), filtered as `distribution`
         sub = [emitted_specs[j] for j in masked]

@@ -6,13 +6,14 @@ sum of probabilities (in float64) passes it, which draws exactly from p at the c
 rows of a 39k vocabulary against 1 ms here). A row with a seed draws its uniform from a generator keyed by (seed,
 sample index, output position), so its tokens do not depend on what else is in the batch, on batch order, or on
 preemption. Logprobs are those of the model's raw
-distribution (before temperature and filters), as in vLLM.
+distribution (before temperature and filters), as in vLLM, or what `logprobs_mode` names (`reported`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hotswap.config import current_config_or_none
 from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
 
@@ -74,6 +75,30 @@ def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return logits
 
 
+def logprobs_mode() -> str:
+    """The live config's `logprobs_mode` ("raw_logprobs" outside any config scope)."""
+    config = current_config_or_none()
+    return config.model_config.logprobs_mode if config is not None else "raw_logprobs"
+
+
+def reported(logits: torch.Tensor, specs: list[SampleSpec], mode: str) -> torch.Tensor:
+    """The [R, V] values a sampled token's logprobs report under `mode` (see `ModelConfig.logprobs_mode`): the raw
+    log-softmax or logits, or those of what each row samples from (logit bias, penalties and banned tokens; then,
+    for rows with a temperature, the temperature and the filters: exactly the tensor the draw reads)."""
+    if mode.startswith("raw"):
+        return logits.log_softmax(dim=-1) if mode == "raw_logprobs" else logits
+    processed = banned(adjusted(logits, specs), specs)
+    rows = [r for r, s in enumerate(specs) if s.temperature > 0]
+    if rows:
+        index = torch.tensor(rows, dtype=torch.long)
+        sub = [specs[r] for r in rows]
+        scaled = processed[index]
+        if any(s.temperature != 1.0 for s in sub):
+            scaled = scaled / torch.tensor([s.temperature for s in sub], dtype=logits.dtype)[:, None]
+        processed = processed.index_copy(0, index, apply_filters(scaled, sub))
+    return processed.log_softmax(dim=-1) if mode == "processed_logprobs" else processed
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
     if not specs:  # a step that only prefills
@@ -83,11 +108,12 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
         and not s.adjusts
         for s in specs
     )
-    if plain_greedy and ops.greedy_native(logits):
+    mode = logprobs_mode()
+    if plain_greedy and mode == "raw_logprobs" and ops.greedy_native(logits):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
         greedy, chosen = ops.greedy_sample(logits)
         return [SampleResult(t, lp) for t, lp in zip(greedy.tolist(), chosen.tolist(), strict=True)]
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.log_softmax(dim=-1) if mode == "raw_logprobs" else reported(logits, specs, mode)
     logits = banned(adjusted(logits, specs), specs)
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     # rows drawn from, as an index (None: every row, taken whole: no gather, and no argmax pass for greedy rows)
