@@ -468,9 +468,18 @@ def check_deterministic(config: EngineConfig) -> None:
             f"deterministic=True runs float32 weights (the batch-invariant products are float32 kernels); got "
             f"dtype {str(dtype).removeprefix('torch.')}: pass dtype='float32' (fp8 quantization is allowed)"
         )
+    if config.cache_config.kv_torch_dtype != torch.float32:
+        raise ValueError("deterministic=True keeps the KV cache in float32 (the trainer's forward, "
+                         "hotswap.train.token_logprobs, attends in float32); leave kv_cache_dtype at auto or float32")
     tp = config.parallel_config.tensor_parallel_size
     if tp > 2:
         raise ValueError(f"deterministic=True supports tensor_parallel_size 1 or 2, got {tp}")
+    quant, hf = config.quant_config, config.model_config.hf_config
+    if quant.quantization == "fp8" and quant.weight_block_size is None and (
+            hf.get("num_experts") or hf.get("num_local_experts")):
+        raise ValueError("deterministic=True with fp8 experts needs weight_block_size: an expert's per-row scale "
+                         "spans the whole intermediate size on one rank and half of it on each of two, so one rank "
+                         "would not equal two")
     if config.parallel_config.enable_expert_parallel:
         raise ValueError("deterministic=True does not support enable_expert_parallel (experts placed whole sum in "
                          "another order on each rank count); leave it off to split the experts along their width")

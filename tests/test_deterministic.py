@@ -25,7 +25,7 @@ PARAMS = {
     "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=5,
                              prompt_logprobs=5),
 }
-KINDS = ["dense", "moe", "fp8"]
+KINDS = ["dense", "moe", "fp8", "moe_fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def engine_kwargs(kind: str) -> dict[str, Any]:
+    if kind == "moe_fp8":  # block scales: per-row scales of experts would differ between one rank and two
+        return {"quantization": "fp8", "weight_block_size": (8, 8)}
     return {"quantization": "fp8"} if kind == "fp8" else {}
 
 
 def model_of(models: dict[str, Path], kind: str, which: str = "") -> Path:
-    return models[("moe" if kind == "moe" else "dense") + which]
+    return models[("moe" if kind.startswith("moe") else "dense") + which]
 
 
 def det_llm(models: dict[str, Path], kind: str, which: str = "", **kwargs: Any) -> LLM:
@@ -278,6 +280,10 @@ def test_bad_settings_are_refused_with_the_reason(models):
         EngineConfig.from_kwargs(path, deterministic=True, dtype="bfloat16")
     with pytest.raises(ValueError, match="tensor_parallel_size 1 or 2"):
         EngineConfig.from_kwargs(path, deterministic=True, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="KV cache in float32"):
+        EngineConfig.from_kwargs(path, deterministic=True, kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="fp8 experts needs weight_block_size"):
+        EngineConfig.from_kwargs(str(models["moe"]), deterministic=True, quantization="fp8")
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         EngineConfig.from_kwargs(str(models["moe"]), deterministic=True, tensor_parallel_size=2,
                                  enable_expert_parallel=True)
@@ -359,3 +365,23 @@ def test_processed_logprobs_equal_token_logprobs_at_the_sampling_temperature(mod
         assert abs(sum(math.exp(v) for v in values[:3]) - 1.0) < 1e-5
     with pytest.raises(ValueError, match="logprobs_mode"):
         EngineConfig.from_kwargs(str(models["dense"]), logprobs_mode="sampled")
+
+
+def test_exact_gives_the_reference_gradient_to_the_inputs_that_need_one():
+    """`ops.exact`: the kernel's bits forward; backward, the torch formula's gradient, for the inputs that require
+    one only (here rotary with q trainable and k not: k's rotated output has no gradient path)."""
+    from hotswap.kernels import ops
+    from hotswap.kernels.policy import _torch_rotary
+
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 2, 16, requires_grad=True), torch.randn(5, 1, 16)
+    positions, cos, sin = torch.arange(5), torch.randn(8, 16), torch.randn(8, 16)
+    with ops.deterministic_scope():
+        rq, rk = ops.rotary(q, k, positions, cos, sin)
+    with torch.no_grad():
+        kernel_q, _ = ops.rotary(q, k, positions, cos, sin)
+    assert torch.equal(rq, kernel_q)
+    ((rq * torch.arange(16.0)).sum() + rk.sum()).backward()  # rk's reference has no gradient path
+    q2 = q.detach().requires_grad_(True)
+    (_torch_rotary(q2, k, positions, cos, sin)[0] * torch.arange(16.0)).sum().backward()
+    assert q.grad is not None and torch.allclose(q.grad, q2.grad)

@@ -20,7 +20,7 @@ def _make_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, deterministic=args.deterministic)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -48,7 +48,9 @@ def _parity(args: argparse.Namespace) -> int:
         if not isinstance(sequences, list) or not all(isinstance(s, list) for s in sequences):
             raise ValueError(f"{args.sequences}: expected a JSON list of token id lists")
     else:
-        vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+        from hotswap.config import ModelConfig
+
+        vocab = int(ModelConfig(model=args.model).hf_config["vocab_size"])
         rng = random.Random(args.seed)
         sequences = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.num_sequences)]
     reports = parity(args.model, sequences, modes=tuple(args.modes.split(",")))
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--deterministic", action="store_true", help="the batch-invariant mode (docs/determinism.md)")
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the RL admin API")

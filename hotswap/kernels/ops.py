@@ -90,8 +90,9 @@ class _Exact(torch.autograd.Function):
                 leaves.append(args[i])
             out = ctx.reference(*args)
             outs = out if isinstance(out, tuple) else (out,)
+            live = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]  # others: no gradient
             wanted = [t for t in leaves if t.requires_grad]
-            found = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+            found = iter(torch.autograd.grad([o for o, _ in live], wanted, [g for _, g in live], allow_unused=True))
         result: list[torch.Tensor | None] = [None] * len(args)
         for i, leaf in zip(ctx.tensor_at, leaves, strict=True):
             if leaf.requires_grad:
@@ -115,6 +116,25 @@ def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
         and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous())
     )
+
+
+def _det_product(kernel: Callable[..., Any], reference: Callable[..., Any], x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """A product on deterministic mode's one path: x as rows ([..., K] flattened, made contiguous where needed),
+    the weight with contiguous rows. Raises RuntimeError for inputs that path cannot take (another dtype or
+    device) rather than computing them another way."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1 or (weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]):
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if not _canonical(rows, weight, bias) or (bias is not None and bias.dtype != torch.float32):
+        raise RuntimeError(f"deterministic mode multiplies float32 CPU tensors; got x {x.dtype} on {x.device.type}, "
+                           f"weight {weight.dtype} on {weight.device.type}")
+    out = cast(torch.Tensor, exact(kernel, reference, rows, weight, bias))
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _torch_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -144,10 +164,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x). The sum may be written into `residual` in place: the caller owns
     it and must not need its old value."""
-    if deterministic() and _rows_fit(x) and residual.is_contiguous():
-        if not _needs_grad(x, residual, weight):
+    if deterministic():
+        if _rows_fit(x) and residual.is_contiguous() and not _needs_grad(x, residual, weight):
             return _ops().add_rms_norm(x, residual, weight, eps), residual
-        residual = residual + x  # one float32 addition per element, as the kernel's
+        residual = residual + x  # one addition per element in float32, as the kernel's
         return rms_norm(residual, weight, eps), residual
     if _rows_fit(x) and residual.is_contiguous() and policy().uses("add_rms_norm", x.shape[0]):
         return _ops().add_rms_norm(x, residual, weight, eps), residual
@@ -177,8 +197,8 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
     oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
-    if deterministic() and _canonical(x, weight, bias):
-        return cast(torch.Tensor, exact(_ops().small_batch_linear, F.linear, x, weight, bias))
+    if deterministic():
+        return _det_product(_ops().small_batch_linear, F.linear, x, weight, bias)
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
         return packing.linear(x, packed, bias)
     if small_batch_applies(x, weight, bias):
@@ -206,8 +226,8 @@ def gated_linear(
 ) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
-    if deterministic() and _canonical(x, weight, bias) and weight.shape[0] % 2 == 0:
-        return cast(torch.Tensor, exact(_ops().small_batch_gated_linear, _torch_gated, x, weight, bias))
+    if deterministic():
+        return _det_product(_ops().small_batch_gated_linear, _torch_gated, x, weight, bias)
     if small_batch_applies(x, weight, bias, "gated_linear"):
         return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
     return silu_and_mul(linear(x, weight, bias, packed))
@@ -215,8 +235,10 @@ def gated_linear(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]`."""
-    if deterministic() and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1:
-        return cast(torch.Tensor, exact(_ops().silu_and_mul, _torch_silu_and_mul, x))
+    if deterministic() and x.device.type == "cpu":
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = cast(torch.Tensor, exact(_ops().silu_and_mul, _torch_silu_and_mul, rows))
+        return out.view(*x.shape[:-1], out.shape[-1])
     if (
         x.device.type == "cpu"
         and x.dim() == 2

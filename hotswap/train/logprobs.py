@@ -94,11 +94,12 @@ def _build_mirror(model: nn.Module) -> _Mirror:
         parts.sort()
         covered = 0
         for offset, shape, _ in parts:
-            if offset != covered:
+            if offset != covered:  # a gap, or two trainer tensors for one place
+                covered = -1
                 break
             covered += int(torch.Size(shape).numel())
         if covered != params[name].numel():
-            raise ValueError(f"token_logprobs: the trainer's parameters do not cover hotswap's {name!r}")
+            raise ValueError(f"token_logprobs: the trainer's parameters do not cover hotswap's {name!r} exactly once")
     return _Mirror(mirror, config, sources)
 
 
@@ -123,6 +124,10 @@ def mirror_of(model: nn.Module) -> _Mirror:
 def _parameters(mirror: _Mirror, model: nn.Module) -> dict[str, torch.Tensor]:
     """The mirror's parameters as functions of the trainer's current tensors (float32, differentiable)."""
     trainer = dict(model.named_parameters())
+    away = sorted({str(t.device) for t in trainer.values() if t.device.type != "cpu"})
+    if away:
+        raise ValueError(f"token_logprobs runs on the CPU (the engine's kernels); the model's parameters are on "
+                         f"{away}: move it with model.cpu()")
     params = dict(mirror.model.named_parameters())
     out: dict[str, torch.Tensor] = {}
     for name, parts in mirror.sources.items():
