@@ -220,21 +220,30 @@ class Attention(nn.Module):
             )
 
         def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # causal attention within each sequence, on a padded [B, L] layout (not the packed T x T)
             q, k = rotary(positions, q, k)
             lens = meta.context_lens.tolist()
-            seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-            if len(seq) != q.shape[0]:
+            if sum(lens) != q.shape[0]:
                 raise ValueError("the trainer's attention takes whole sequences (no cached prefix)")
-            mask = (seq[:, None] == seq[None, :]) & (positions[None, :] <= positions[:, None])
+            width = max(lens)
+            rows = torch.tensor([b * width + j for b, n in enumerate(lens) for j in range(n)])
             index = self.expand_index
             if index is None:
                 index = torch.arange(self.num_heads) // (self.num_heads // self.num_kv_heads)
-            keys, values = k.index_select(1, index), v.index_select(1, index)
+
+            def padded(x: torch.Tensor) -> torch.Tensor:  # [T, heads, D] -> [B, heads, L, D]
+                out = x.new_zeros(len(lens) * width, *x.shape[1:]).index_copy(0, rows, x)
+                return out.view(len(lens), width, *x.shape[1:]).transpose(1, 2)
+
+            pos = torch.arange(width)
+            mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < torch.tensor(lens)[:, None, None])
+            mask[:, :, 0] = True  # padding rows attend somewhere; their outputs are dropped
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=mask[None, None], scale=self.scale,
+                padded(q), padded(k.index_select(1, index)), padded(v.index_select(1, index)),
+                attn_mask=mask[:, None], scale=self.scale,
             )
-            return out[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+            flat = out.transpose(1, 2).reshape(len(lens) * width, self.num_heads * self.head_dim)
+            return flat.index_select(0, rows)
 
         return cast(torch.Tensor, ops.exact(kernel, reference, q, k, v))
 
