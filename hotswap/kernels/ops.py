@@ -109,6 +109,34 @@ def exact(kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: An
     return _Exact.apply(kernel, reference, *inputs)  # type: ignore[no-untyped-call]
 
 
+class _Product(torch.autograd.Function):
+    """A product's kernel forward (`x · weightᵀ + bias` in the kernel's bits), F.linear's gradient backward, computed
+    from the saved inputs without running the product again."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return kernel(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[1] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[2] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_x, grad_w, grad_b
+
+
+def _product(kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+             ) -> torch.Tensor:
+    """`kernel(x, weight, bias)`, a product equal to F.linear up to rounding; differentiable where autograd records."""
+    if not _needs_grad(x, weight, bias):
+        return kernel(x, weight, bias)
+    return cast(torch.Tensor, _Product.apply(kernel, x, weight, bias))  # type: ignore[no-untyped-call]
+
+
 def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the batch-invariant product (the native small-batch kernel at any row count) takes these
     inputs: float32 CPU tensors, x 2-D, rows of x and of the weight contiguous."""
@@ -133,7 +161,10 @@ def _det_product(kernel: Callable[..., Any], reference: Callable[..., Any], x: t
     if not _canonical(rows, weight, bias) or (bias is not None and bias.dtype != torch.float32):
         raise RuntimeError(f"deterministic mode multiplies float32 CPU tensors; got x {x.dtype} on {x.device.type}, "
                            f"weight {weight.dtype} on {weight.device.type}")
-    out = cast(torch.Tensor, exact(kernel, reference, rows, weight, bias))
+    if reference is F.linear:  # its gradient needs no second product
+        out = _product(kernel, rows, weight, bias)
+    else:
+        out = cast(torch.Tensor, exact(kernel, reference, rows, weight, bias))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -218,7 +249,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias, split))
 
-    return cast(torch.Tensor, exact(kernel, F.linear, x, weight, bias))
+    return _product(kernel, x, weight, bias)
 
 
 def gated_linear(
