@@ -367,6 +367,7 @@ def test_processed_logprobs_equal_token_logprobs_at_the_sampling_temperature(mod
         EngineConfig.from_kwargs(str(models["dense"]), logprobs_mode="sampled")
 
 
+@pytest.mark.unit
 def test_exact_gives_the_reference_gradient_to_the_inputs_that_need_one():
     """`ops.exact`: the kernel's bits forward; backward, the torch formula's gradient, for the inputs that require
     one only (here rotary with q trainable and k not: k's rotated output has no gradient path)."""
