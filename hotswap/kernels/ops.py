@@ -242,14 +242,12 @@ def linear(
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split: int) -> torch.Tensor:
     """Deterministic mode's row-parallel product on one rank: `x[:, :split] · weight[:, :split]ᵀ` plus
     `x[:, split:] · weight[:, split:]ᵀ`, each summed from zero, then the bias (the bits two ranks produce), in one
-    native call. Only where the batch-invariant product applies (float32 CPU rows)."""
-    if not _canonical(x, weight, bias):
-        raise ValueError("split_linear takes float32 CPU tensors with contiguous rows")
+    native call."""
 
     def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias, split))
 
-    return _product(kernel, x, weight, bias)
+    return _det_product(kernel, F.linear, x, weight, bias)
 
 
 def gated_linear(

@@ -33,8 +33,7 @@ class ModelRunner:
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
         if config.model_config.deterministic:
             ops.require_native()  # its one path for every batch
-        deterministic = config.model_config.deterministic
-        self.attention_kernel = ops.paged_attention if deterministic or ops.paged_attention_available() else None
+        self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None  # runs in scope
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
 

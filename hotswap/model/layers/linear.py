@@ -192,9 +192,9 @@ class Linear(nn.Module):
         if self.parallel == "row":
             partial = ops.linear(x, weight, None, self.packed())
             out = self.tp.sum_in_rank_order(partial) if ops.deterministic() else self.tp.all_reduce(partial)
-        elif 0 < self.det_split < self.in_features and ops.deterministic() and x.dim() == 2:
+        elif 0 < self.det_split < self.in_features and ops.deterministic():
             # the two ranks' partial products, added, then the bias (see the class)
-            return ops.split_linear(x.contiguous(), weight, self.bias, self.det_split)
+            return ops.split_linear(x, weight, self.bias, self.det_split)
         else:
             return ops.linear(x, weight, self.bias, self.packed())
         return out if self.bias is None else out + self.bias

@@ -81,22 +81,28 @@ def logprobs_mode() -> str:
     return config.model_config.logprobs_mode if config is not None else "raw_logprobs"
 
 
-def reported(logits: torch.Tensor, specs: list[SampleSpec], mode: str) -> torch.Tensor:
-    """The [R, V] values a sampled token's logprobs report under `mode` (see `ModelConfig.logprobs_mode`): the raw
-    log-softmax or logits, or those of what each row samples from (logit bias, penalties and banned tokens; then,
-    for rows with a temperature, the temperature and the filters: exactly the tensor the draw reads)."""
-    if mode.startswith("raw"):
-        return logits.log_softmax(dim=-1) if mode == "raw_logprobs" else logits
+def processed_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """The logits each row samples from: logit bias, penalties and banned tokens; then, for rows with a
+    temperature, the temperature and min-p/top-k/top-p (filtered entries -inf). Greedy rows keep their adjusted
+    logits (their argmax is the token)."""
     processed = banned(adjusted(logits, specs), specs)
     rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if rows:
         index = torch.tensor(rows, dtype=torch.long)
         sub = [specs[r] for r in rows]
         scaled = processed[index]
-        if any(s.temperature != 1.0 for s in sub):
+        if any(s.temperature != 1.0 for s in sub):  # x / 1 is x
             scaled = scaled / torch.tensor([s.temperature for s in sub], dtype=logits.dtype)[:, None]
         processed = processed.index_copy(0, index, apply_filters(scaled, sub))
-    return processed.log_softmax(dim=-1) if mode == "processed_logprobs" else processed
+    return processed
+
+
+def reported(logits: torch.Tensor, specs: list[SampleSpec], mode: str) -> torch.Tensor:
+    """The [R, V] values a sampled token's logprobs report under `mode` (see `ModelConfig.logprobs_mode`): the raw
+    log-softmax or logits, or those of what each row samples from (`processed_logits`: the tensor the draw
+    reads)."""
+    values = logits if mode.startswith("raw") else processed_logits(logits, specs)
+    return values.log_softmax(dim=-1) if mode.endswith("logprobs") else values
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
@@ -200,18 +206,16 @@ def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
 def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """The distribution each row samples from (after banned tokens, temperature, min-p, top-k, top-p): a point
     mass on the argmax for greedy rows. `logits` [R, V] float32."""
-    logits = banned(adjusted(logits, specs), specs)
-    probs = torch.zeros_like(logits)
+    processed = processed_logits(logits, specs)
+    probs = torch.zeros_like(processed)
     greedy = [r for r, s in enumerate(specs) if s.temperature == 0]
     if greedy:
         rows = torch.tensor(greedy)
-        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+        probs[rows, processed[rows].argmax(dim=-1)] = 1.0
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if random_rows:
         rows = torch.tensor(random_rows)
-        sub = [specs[r] for r in random_rows]
-        temps = torch.tensor([s.temperature for s in sub], dtype=logits.dtype)
-        probs[rows] = apply_filters(logits[rows] / temps[:, None], sub).softmax(dim=-1)
+        probs[rows] = processed[rows].softmax(dim=-1)
     return probs
 
 
