@@ -2,6 +2,7 @@
 
 from hotswap.config import EngineConfig, current_config, use_config
 from hotswap.entrypoints.llm import LLM
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -9,6 +10,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

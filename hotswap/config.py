@@ -289,6 +289,37 @@ class WeightTransferConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (hotswap/lora). `max_loras`: adapter versions one step may use together; `max_cpu_loras`:
+    adapter versions held at once (default `max_loras`), registered ones and those in use included;
+    `max_lora_rank`: the largest rank accepted. `lora_version_policy`: what a request running on an adapter does
+    when the adapter is updated: "finish_on_old" (it finishes on the version it started on, which is held until
+    then) or "switch" (it goes on with the new version from its next step)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_version_policy: str = "finish_on_old"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras!r}")
+        if self.lora_version_policy not in ("finish_on_old", "switch"):
+            raise ValueError(f"lora_version_policy must be 'finish_on_old' or 'switch', got "
+                             f"{self.lora_version_policy!r}")
+
+
+@dataclass
 class SpeculativeConfig:
     """Speculative decoding, with vLLM's names. `method` None: off. "draft_model": a smaller model (`model`, a
     checkpoint folder with the target's vocabulary) proposes `num_speculative_tokens` tokens per step, the target
@@ -351,6 +382,7 @@ class EngineConfig:
     quant_config: QuantConfig = field(default_factory=QuantConfig)
     weight_transfer_config: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     # derived: the draft model's own config (method "draft_model"), checked against the target here
     draft_model_config: ModelConfig | None = field(default=None, init=False, repr=False)
 
@@ -366,6 +398,8 @@ class EngineConfig:
         check_expert_placement(self.parallel_config, mc.hf_config)
         if mc.deterministic:
             check_deterministic(self)
+        if self.lora_config.enable_lora:
+            check_lora(self)
         self.draft_model_config = draft_model_config(self) if self.speculative_config.uses_draft else None
 
     @classmethod
@@ -402,6 +436,7 @@ class EngineConfig:
             quant_config=QuantConfig(**parts["quant_config"]),
             weight_transfer_config=WeightTransferConfig(**parts["weight_transfer_config"]),
             speculative_config=SpeculativeConfig(**speculative),
+            lora_config=LoRAConfig(**parts["lora_config"]),
         )
 
     def with_overrides(self, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -437,6 +472,7 @@ SECTIONS: dict[str, type] = {
     "quant_config": QuantConfig,
     "weight_transfer_config": WeightTransferConfig,
     "speculative_config": SpeculativeConfig,
+    "lora_config": LoRAConfig,
 }
 
 # Config fields that may change on a live engine; everything else needs a new engine.
@@ -483,6 +519,15 @@ def check_deterministic(config: EngineConfig) -> None:
     if config.parallel_config.enable_expert_parallel:
         raise ValueError("deterministic=True does not support enable_expert_parallel (experts placed whole sum in "
                          "another order on each rank count); leave it off to split the experts along their width")
+
+
+def check_lora(config: EngineConfig) -> None:
+    """Raises ValueError for what LoRA adapters cannot be combined with (yet), naming it."""
+    if config.model_config.deterministic:
+        raise ValueError("enable_lora cannot be combined with deterministic=True: the adapters' products are not "
+                         "batch-invariant")
+    if config.speculative_config.enabled:
+        raise ValueError("enable_lora cannot be combined with speculative decoding (the draft has no adapter)")
 
 
 def current_config_or_none() -> EngineConfig | None:

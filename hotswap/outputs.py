@@ -87,7 +87,9 @@ class CompletionOutput:
     `spec_stats`: with speculative decoding on, the proposals and acceptances behind it. `routed_experts`
     (return_routed_experts, once finished): [prompt + output tokens - 1, sparse layers, top_k] global expert ids
     (numpy, uint8 up to 256 experts, else int16), row p for the pass over token p. `sampling_mask`
-    (return_sampling_mask): per output token (of this delta, when streaming deltas), what sampling could pick."""
+    (return_sampling_mask): per output token (of this delta, when streaming deltas), what sampling could pick.
+    `lora_versions`: with a LoRA adapter, [version, start, end) spans over `token_ids` naming the adapter version
+    of each token."""
 
     index: int
     text: str
@@ -100,6 +102,7 @@ class CompletionOutput:
     spec_stats: SpecStats | None = None  # with speculative decoding on
     routed_experts: Any = None
     sampling_mask: SamplingMask | None = None
+    lora_versions: list[tuple[int, int, int]] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -119,3 +122,4 @@ class RequestOutput:
     admission_weight_version_label: str = ""  # the label of admission_weight_version ("" before it is known)
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran with

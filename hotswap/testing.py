@@ -373,3 +373,36 @@ def running_server(
                 proc.kill()
                 proc.wait()
 
+
+
+def make_tiny_lora(
+    base: str | pathlib.Path,
+    path: str | pathlib.Path,
+    *,
+    rank: int = 8,
+    alpha: int = 16,
+    target_modules: list[str] | str | None = None,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.05,
+) -> pathlib.Path:
+    """Write a random LoRA adapter for the checkpoint at ``base`` into folder ``path`` with PEFT's own
+    ``save_pretrained`` (``adapter_config.json`` and ``adapter_model.safetensors``) and return it. Both factors are
+    drawn from N(0, std) (PEFT's default init leaves lora_B zero, an adapter that changes nothing). Default
+    targets: every attention and MLP projection. Needs the ``peft`` package (a test dependency)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0,
+                        task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    path = pathlib.Path(path)
+    peft_model.save_pretrained(str(path))
+    return path

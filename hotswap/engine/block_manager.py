@@ -89,8 +89,9 @@ class BlockManager:
 
     def _root(self, seq: Sequence) -> int | None:
         """Where `seq`'s hash chain starts: the weight salt, and the request's own cache salt when it has one."""
-        salt = seq.request.cache_salt
-        return self.salt if salt is None else hash((self.salt, "cache_salt", salt))
+        salt, lora = seq.request.cache_salt, seq.request.lora
+        root = self.salt if salt is None else hash((self.salt, "cache_salt", salt))
+        return root if lora is None else hash((root, "lora", lora.uid))  # an adapter version's uid is never reused
 
     def _take_free(self) -> Block:
         if self.empty:

@@ -27,6 +27,9 @@ from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnresponsive
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
+from hotswap.lora.registry import Adapter, AdapterVersion, LoRARegistry
+from hotswap.lora.request import LoRARequest
+from hotswap.lora.updates import LoRAUpdates
 from hotswap.model.registry import model_class
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
@@ -74,6 +77,11 @@ class LLMEngine:
         self.released: set[str] = set()  # while ASLEEP: what sleep() released, "kv_cache" and/or "weights"
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
         self.weights = WeightsController(self)  # everything that changes the weights, and their versions
+        self.loras = LoRARegistry(config.lora_config, self.executor) if config.lora_config.enable_lora else None
+        self.lora_updates = None if self.loras is None else LoRAUpdates(
+            self.loras, self.executor, config.parallel_config.tensor_parallel_size, self._lora_committed)
+        if self.loras is not None:
+            self.scheduler.max_loras = config.lora_config.max_loras
         self.outputs.labels = self.weights.labels
         self.pause_mode = "keep"  # of the latest pause (the server refuses new requests during abort / wait ones)
         spec = config.speculative_config
@@ -202,19 +210,22 @@ class LLMEngine:
         cache_salt: str | None = None,
         validated: bool = False,
         session_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request (it starts when the engine is running and capacity allows). With `stream`, `step`
         returns its output after every step that advanced it; otherwise only when it finishes. Requests with
         different `cache_salt`s never share prefix-cache blocks (vLLM's per-user isolation). `validated`: the
         caller already ran `validate_prompt` on this prompt and params (and checked the salt's type), as
         `LLM.generate` does for every prompt before it queues any. `session_id` makes it a turn of that session
-        (opened if it is not; see hotswap/engine/sessions.py)."""
+        (opened if it is not; see hotswap/engine/sessions.py). `lora_request`: the LoRA adapter it runs with (loaded
+        from its path on first use; see `resolve_lora`)."""
         if not validated:
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
             self.validate_prompt(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self.resolve_lora(lora_request) if lora_request is not None else None
         if session_id is not None:
             self.sessions.open(session_id)
         request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt,
@@ -222,12 +233,39 @@ class LLMEngine:
         request.record_routes = self.routing_shape is not None and (
             params.return_routed_experts or self.config.model_config.enable_return_routed_experts)
         request.admission_weight_version = self.weights.version
+        if adapter is not None:
+            assert self.loras is not None  # resolve_lora needs them
+            request.lora, request.lora_name = self.loras.acquire(adapter), adapter.name
         seq = Sequence(request, 0, prompt_token_ids)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def resolve_lora(self, lora_request: LoRARequest) -> Adapter:
+        """The adapter a request names (loaded from its path on first use). Raises ValueError when LoRA is not
+        enabled or the adapter cannot be had."""
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+        return self.loras.resolve(lora_request)
+
+    def _lora_committed(self, adapter: Adapter, superseded: list[AdapterVersion]) -> None:
+        """A new version of `adapter` is current while requests run on `superseded` ones: under the "switch"
+        policy they go on with the new one (their KV so far stays), else they finish on theirs."""
+        if self.config.lora_config.lora_version_policy != "switch":
+            return
+        assert self.loras is not None  # an adapter was committed
+        for request in self.requests.values():
+            if request.lora is not None and any(request.lora is v for v in superseded):
+                self.loras.release(request.lora)
+                request.lora = self.loras.acquire(adapter)
+
+    def _release(self, request: Request) -> None:
+        """A request left the engine: its adapter version is no longer held for it."""
+        if request.lora is not None and self.loras is not None:
+            self.loras.release(request.lora)
+            request.lora = None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request with finish_reason 'abort', keeping its partial output, and frees its KV blocks.
@@ -241,6 +279,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
             self.scheduler.remove(seq)
         request.fill_unforked("abort")
+        self._release(request)
         self._settle_drain()
         return self.outputs.output(request)
 
@@ -330,8 +369,11 @@ class LLMEngine:
         prompt_logprobs: list[PromptLogprobsAsk] = []
         route_seqs: list[int] = []
         forced: list[tuple[int, np.ndarray, int, int]] = []  # (flat offset, forced rows, first, last position)
+        lora_rows: list[tuple[int, int, int]] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.request.lora is not None:
+                lora_rows.append((seq.request.lora.uid, len(input_ids), len(input_ids) + n))
             if seq.routes is not None:
                 route_seqs.append(i)
             rows = seq.request.params.forced_routed_experts
@@ -366,6 +408,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             route_seqs=route_seqs,
             forced_routes=self._forced_tensor(forced, len(input_ids)) if forced else None,
+            lora_rows=lora_rows,
         )
 
     def _forced_tensor(self, forced: list[tuple[int, np.ndarray, int, int]], num_tokens: int) -> torch.Tensor:
@@ -446,6 +489,8 @@ class LLMEngine:
             targets += children
             for target in targets:
                 self.outputs.append(target, next(rows), self.weights.version)
+                if request.lora is not None:
+                    target.record_lora_version(request.lora.version)
             for target in targets:
                 if target.finish_reason is not None:
                     self.scheduler.finish(target)
@@ -485,6 +530,7 @@ class LLMEngine:
             if request.finished:
                 outputs.append(self.outputs.output(request))
                 del self.requests[request.request_id]
+                self._release(request)
                 if request.session_id is not None:
                     self.sessions.finished(request.session_id, len(request.prompt_token_ids),
                                            request.seqs[0].num_cached_tokens)

@@ -126,7 +126,8 @@ class ModelInput:
     same tokens (a prefill with a draft model). `prompt_logprobs`: the prompt logprobs asked for (see
     PromptLogprobsAsk). `route_seqs`: the sequences whose routed experts come back (Samples.routes).
     `forced_routes`: [len(input_ids), sparse layers, top_k] int64 global expert ids (torch), -1 in a row's first
-    column where the router chooses (see hotswap/model/routing.py); None when no token is forced."""
+    column where the router chooses (see hotswap/model/routing.py); None when no token is forced. `lora_rows`:
+    (adapter uid, first, end) flat token rows that run with that LoRA adapter version (hotswap/lora)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -141,6 +142,7 @@ class ModelInput:
     prompt_logprobs: list[PromptLogprobsAsk] = field(default_factory=list)
     route_seqs: list[int] = field(default_factory=list)
     forced_routes: Any = None
+    lora_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 ModelOutput = Samples | SpecOutput

@@ -121,6 +121,7 @@ class OutputProcessor:
                     if seq.routes is not None and seq.finish_reason is not None
                     else None,
                     sampling_mask=SamplingMask.of(masks) if masks is not None else None,
+                    lora_versions=[(v, start, end) for v, start, end in seq.lora_versions],
                 )
             )
         return RequestOutput(
@@ -133,4 +134,5 @@ class OutputProcessor:
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             admission_weight_version=request.admission_weight_version,
             admission_weight_version_label=self.labels.label(request.admission_weight_version),
+            lora_name=request.lora_name,
         )

@@ -57,6 +57,7 @@ class Scheduler:
         # positions beyond its last token a decoding sequence needs slots for (speculative tokens to verify)
         self.lookahead: Callable[[Sequence], int] = lambda seq: 0
         self._last_was_prefill = False  # alternation of prefill and decode steps while they cannot mix
+        self.max_loras: int | None = None  # LoRA adapter versions the running sequences may use together
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -187,6 +188,11 @@ class Scheduler:
             return False
         if self.running and sum(s.request.width for s in self.running) + seq.request.width > self.config.max_num_seqs:
             return False  # a request still in its prompt counts the n sequences it forks into
+        lora = seq.request.lora
+        if self.max_loras is not None and lora is not None:
+            using = {s.request.lora.uid for s in self.running if s.request.lora is not None}
+            if lora.uid not in using and len(using) >= self.max_loras:
+                return False  # it waits for a running adapter version to finish
         return self.block_manager.can_allocate(seq)
 
     def _admit(self, seq: Sequence) -> None:

@@ -46,6 +46,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.text = ""  # detokenized output, kept current only where stop strings need it
         self.weight_versions: list[list[int]] = []  # [version, start, end) spans over the output tokens
+        self.lora_versions: list[list[int]] = []  # the same for its LoRA adapter's versions
         self.cache_salt: int | None = None  # prefix-cache salt of its block hash chain (salt policy)
         self.streamed_tokens = 0  # output tokens already delivered as deltas
         self.streamed_text = 0  # characters of text already delivered as deltas
@@ -69,11 +70,11 @@ class Sequence:
 
     def record_version(self, version: int) -> None:
         """Attributes the newest output token to weight `version`."""
-        end = self.num_output_tokens
-        if self.weight_versions and self.weight_versions[-1][0] == version and self.weight_versions[-1][2] == end - 1:
-            self.weight_versions[-1][2] = end
-        else:
-            self.weight_versions.append([version, end - 1, end])
+        _extend(self.weight_versions, version, self.num_output_tokens)
+
+    def record_lora_version(self, version: int) -> None:
+        """Attributes the newest output token to version `version` of its LoRA adapter."""
+        _extend(self.lora_versions, version, self.num_output_tokens)
 
     def drop_routes_before_output(self) -> None:
         """On preemption: routes recorded by passes that sampled nothing yet (a prompt part-way through, or whole
@@ -97,6 +98,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.weight_versions = [list(span) for span in self.weight_versions]
+        child.lora_versions = [list(span) for span in self.lora_versions]
         child.cache_salt = self.cache_salt
         child.routes = self.routes.copy() if self.routes is not None else None
         child.route_stale = self.route_stale
@@ -123,6 +125,8 @@ class Request:
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
     record_routes: bool = False  # its sequences keep their routed experts (a mixture-of-experts model)
     session_id: str | None = None  # the conversation it is a turn of (hotswap/engine/sessions.py)
+    lora: Any = None  # the LoRA adapter version it runs on (hotswap/lora/registry.py AdapterVersion), held for it
+    lora_name: str | None = None
 
     @property
     def forced_routes(self) -> bool:
@@ -184,3 +188,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+
+def _extend(spans: list[list[int]], version: int, end: int) -> None:
+    """Attributes output token end - 1 to `version` in [version, start, end) `spans`."""
+    if spans and spans[-1][0] == version and spans[-1][2] == end - 1:
+        spans[-1][2] = end
+    else:
+        spans.append([version, end - 1, end])

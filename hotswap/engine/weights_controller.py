@@ -27,6 +27,7 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
+from hotswap.lora.updates import LoRAUpdates, lora_target
 from hotswap.weights.delta import is_delta
 from hotswap.weights.target import WeightTarget, check_target
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
@@ -96,6 +97,17 @@ class WeightsController:
         self.prepared = None
         self.engine.leave_state(EngineState.UPDATING)
 
+    def _lora(self) -> LoRAUpdates:
+        updates = getattr(self.engine, "lora_updates", None)
+        if updates is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+        return cast(LoRAUpdates, updates)
+
+    def _lora_open(self) -> bool:
+        """Whether the open session updates a LoRA adapter."""
+        updates = getattr(self.engine, "lora_updates", None)
+        return updates is not None and updates.open is not None
+
     def check_can_change(self, method: str) -> None:
         """Raises RuntimeError unless a weight change may start now: nothing prepared awaits its commit, and no
         request is being generated (pause first)."""
@@ -163,6 +175,13 @@ class WeightsController:
         refused (a second trainer cannot feed, finish or abort this one's session); calls without a token are
         accepted, as clients of the vLLM API send none. `target`: "model", "draft" (the speculative draft alone)
         or "all" (both, committed or rolled back together)."""
+        name = lora_target(target)
+        if name is not None:  # an adapter's next version, loaded beside the served one: nothing pauses
+            if self.token is not None:
+                raise RuntimeError("a weight-update session is open; finish or abort it first")
+            self._lora().start(name)
+            self.token = secrets.token_hex(16)
+            return self.token
         checked = check_target(target)  # before any worker is asked
         self._session_rpc("start_weight_update", checked)
         self.target = checked
@@ -186,6 +205,14 @@ class WeightsController:
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
         meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
         self.check_session(session_token)
+        if self._lora_open():
+            try:
+                self._lora().update(update_info[0] if isinstance(update_info, list) and update_info
+                                    else update_info)  # type: ignore[arg-type]
+            except BaseException:
+                self.token = None
+                raise
+            return
         if self.prepared is not None:
             raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
                                "abort_weight_update()")
@@ -210,6 +237,10 @@ class WeightsController:
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
         self.check_session(session_token, ending=True)
+        if self._lora_open():
+            self.token = None
+            self._lora().abort()
+            return
         self._session_rpc("abort_weight_update")
 
     def shutdown_weight_transfer_engine(self) -> None:
@@ -274,6 +305,12 @@ class WeightsController:
         (xor, sparse, overwrite: hotswap/weights/delta.py) reads the tensors as a delta, refused unless
         `base_version` (when given) is the served version; `checksums` are the trainer's SHA-256 of each result,
         verified before the commit."""
+        name = lora_target(target)
+        if name is not None:  # an adapter's next version (see hotswap/lora/updates.py): nothing pauses
+            if weight_version is not None:
+                raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
+            self._lora().reload(name, weights_path, weights_iterator, encoding, base_version, checksums)
+            return
         self.check_can_change("reload_weights")
         check_target(target, ("model", "draft"), "reload_weights target")
         parse_version(weight_version)
@@ -311,6 +348,12 @@ class WeightsController:
         fails rolls every rank back and raises ValueError naming it."""
         self.check_session(session_token)
         parse_version(weight_version)
+        if self._lora_open():
+            if weight_version is not None or canary is not None:
+                raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
+            self.token = None
+            self._lora().finish()
+            return
         if self.prepared is not None:
             raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
         probes = self._canary(canary)

@@ -19,6 +19,8 @@ from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
+from hotswap.lora.registry import LoRARegistry
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.target import check_target
@@ -135,11 +137,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a string or {"prompt_token_ids": [...]}, optionally with a "cache_salt" and a
         "session_id": see hotswap/engine/sessions.py) and
         returns outputs in prompt order. `sampling_params` is one for all prompts or one per prompt. Every prompt
         is validated before any is queued, so a bad one raises ValueError and leaves the engine as it was.
+        `lora_request`: the LoRA adapter for all prompts, or one (or None) per prompt; an adapter named for the
+        first time is loaded from its `lora_path`.
 
         Never blocks for ever: on a paused engine a new call raises `EngineUnavailable` at once (resume first);
         a call whose requests a pause (from another thread) freezes waits for the resume at most `rpc_timeout_s`,
@@ -152,12 +157,15 @@ class LLM:
         staged = [stage(prompt, self.get_tokenizer()) for prompt in prompts]
         for prompt, params in zip(staged, params_list, strict=True):
             engine.validate_prompt(prompt.token_ids, params)
+        loras = _per_prompt_lora(lora_request, len(staged))
         ids = []
         with self._lock:
-            for prompt, params in zip(staged, params_list, strict=True):
+            for wanted in {r for r in loras if r is not None}:
+                engine.resolve_lora(wanted)  # every adapter is had before any request is queued
+            for prompt, params, lora in zip(staged, params_list, loras, strict=True):
                 request_id = engine.next_request_id()
                 engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
-                                   validated=True, session_id=prompt.session_id)
+                                   validated=True, session_id=prompt.session_id, lora_request=lora)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 
@@ -289,6 +297,51 @@ class LLM:
                 weight_version=weight_version, encoding=encoding, base_version=base_version, checksums=checksums,
             )
 
+    # ---- LoRA adapters (hotswap/lora; enable_lora=True) ----------------------------------------------------------
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
+                          tensors: dict[str, torch.Tensor] | None = None, peft_config: dict[str, Any] | None = None,
+                          lora_int_id: int | None = None, pinned: bool = False) -> dict[str, Any]:
+        """Loads adapter `lora_name` from a PEFT folder, or from `tensors` (PEFT names) and `peft_config`
+        (adapter_config.json's fields). A loaded name is refused unless `load_inplace`: then the new weights become
+        its next version (requests running on the old one finish on it, or switch, per lora_version_policy).
+        Returns the adapter's description. Raises ValueError naming the problem; nothing changes then."""
+        with self._lock:
+            registry = self._registry()
+            adapter = registry.load(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
+            return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Forgets adapter `lora_name`; requests running on it finish on their version."""
+        with self._lock:
+            self._registry().unload(lora_name)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's `add_lora`: loads the adapter a LoRARequest names (from its path) unless it is loaded."""
+        with self._lock:
+            self.llm_engine.resolve_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's `remove_lora`: unloads the adapter with integer id `lora_id`; False if none has it."""
+        with self._lock:
+            registry = self._registry()
+            for adapter in list(registry.adapters.values()):
+                if adapter.int_id == lora_id:
+                    registry.unload(adapter.name)
+                    return True
+        return False
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Per loaded adapter: lora_name, lora_int_id, version, rank, lora_path, pinned."""
+        with self._lock:
+            return self._registry().describe()
+
+    def _registry(self) -> LoRARegistry:
+        if self.llm_engine.loras is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+        return self.llm_engine.loras
+
     def check_liveness(self, timeout_s: float = 5.0) -> float:
         """A no-op round trip through every worker, once the engine is between steps; returns its seconds.
         Raises EngineUnresponsive when that takes longer than `timeout_s` (a worker that misses the deadline is
@@ -353,6 +406,17 @@ class LLM:
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
         return cast("dict[str, str]", self.collective_rpc("weight_checksums", (target,))[0])
+
+
+def _per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+                     ) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one or one per prompt")
+    return loras
 
 
 class _ApplyModel:

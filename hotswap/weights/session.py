@@ -24,6 +24,7 @@ have rewritten every weight (one full update, or several partial ones: bucketed 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -32,7 +33,9 @@ from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, clear_interrupt, create_engine
 from hotswap.weights.delta import check_encoding, checked, decoded
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, prefixed_source
+from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, renamed_source
+
+Rename = Callable[[str], str] | None  # how a source's names map to the index's (None: as they are)
 
 
 class SessionState(enum.Enum):
@@ -76,17 +79,18 @@ class WeightSession:
 
     def load(
         self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True,
-        encoding: dict[str, Any] | None = None,
+        encoding: dict[str, Any] | None = None, rename: Rename = None,
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
         the update stays open with its rollback copies (see the two-phase commit above). `encoding`: the
         source's delta encoding and checksums ({"encoding", "checksums"}, see hotswap/weights/delta.py). Returns
-        the update (its `loaded_names`)."""
+        the update (its `loaded_names`). `rename`: applied to the source's names (and to the checksums' names)."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
         try:
             info = encoding or {}
-            update.apply(encoded(source, info, update, info.get("prefix", "")), final=commit)
+            source = renamed_source(source, rename) if rename is not None else source
+            update.apply(encoded(source, info, update, rename), final=commit)
             update.finish(keep_copies=not commit)
         except BaseException as err:
             self._fail(update, err)
@@ -121,9 +125,9 @@ class WeightSession:
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
         self._open(WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups))
 
-    def receive(self, update_info: dict[str, Any], selection: RankSelection, prefix: str = "") -> int:
-        """One update of the session: its source built by the transport, this rank's entries selected, `prefix`
-        put before names that lack it (a draft model's tensors), then applied. Any failure ends the session
+    def receive(self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None) -> int:
+        """One update of the session: its source built by the transport, this rank's entries selected, renamed
+        by `rename` (e.g. a prefix put before a draft model's names), then applied. Any failure ends the session
         (rolled back in atomic mode; a transport that cannot survive it is closed) and re-raises. Returns the
         number of tensors loaded."""
         self.expect(SessionState.ACTIVE, call="update_weights")
@@ -131,8 +135,8 @@ class WeightSession:
         assert engine is not None and update is not None
         try:
             source = selection.apply(engine.source(update_info))
-            source = prefixed_source(source, prefix) if prefix else source
-            return update.apply(encoded(source, update_info, update, prefix))
+            source = renamed_source(source, rename) if rename is not None else source
+            return update.apply(encoded(source, update_info, update, rename))
         except BaseException as err:
             self._end()
             if not engine.survives_failure:
@@ -240,12 +244,12 @@ class WeightSession:
         raise err
 
 
-def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate, prefix: str = "") -> WeightSource:
+def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate, rename: Rename = None) -> WeightSource:
     """`source` decoded from `info["encoding"]` and verified against `info["checksums"]` (both optional; an
-    update_info carries them, as `reload_weights` passes them). `prefix`: put before checksum names that lack it,
-    as before the source's own names (a draft model's tensors)."""
+    update_info carries them, as `reload_weights` passes them). `rename`: applied to the checksums' names, as to
+    the source's own."""
     encoding = check_encoding(info.get("encoding") if isinstance(info, dict) else None)
     checksums = info.get("checksums") if isinstance(info, dict) else None
-    if prefix and isinstance(checksums, dict):
-        checksums = {k if k.startswith(prefix) else prefix + k: v for k, v in checksums.items()}
+    if rename is not None and isinstance(checksums, dict):
+        checksums = {rename(k): v for k, v in checksums.items()}
     return checked(decoded(source, encoding, update), update.index, checksums)

@@ -107,10 +107,16 @@ def folder_source(folder: str, complete: bool = True) -> WeightSource:
 
 def prefixed_source(source: WeightSource, prefix: str) -> WeightSource:
     """`source` with `prefix` put before every name that lacks it (draft tensors sent under their own names)."""
+    return renamed_source(source, prefixer(prefix))
 
-    def name(n: str) -> str:
-        return n if n.startswith(prefix) else prefix + n
 
+def prefixer(prefix: str) -> Callable[[str], str]:
+    """The renaming that puts `prefix` before a name that lacks it."""
+    return lambda n: n if n.startswith(prefix) else prefix + n
+
+
+def renamed_source(source: WeightSource, name: Callable[[str], str]) -> WeightSource:
+    """`source` with every name `n` called `name(n)`."""
     inner = source.tensors
     return WeightSource(
         declared=[(name(n), d, s) for n, d, s in source.declared],

@@ -18,6 +18,8 @@ from hotswap.distributed import current_parallel
 from hotswap.engine.model_input import ModelInput, PromptLogprobs, Samples
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
+from hotswap.lora.batch import active_lora, lora_batch
+from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
 from hotswap.model.routing import bind_routing, routes_dtype
@@ -36,6 +38,7 @@ class ModelRunner:
         self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None  # runs in scope
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
+        self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -98,7 +101,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        if self.stack.applies(len(input_ids), pos, meta):
+        if active_lora() is None and self.stack.applies(len(input_ids), pos, meta):
             return self.stack.run(self.stack.embed(ids), pos, meta)
         return cast(torch.Tensor, self.model(ids, pos, meta))
 
@@ -147,7 +150,8 @@ class ModelRunner:
         self.copy_blocks(model_input.block_copies)
         mi = model_input
         ends = list(itertools.accumulate(mi.query_lens))
-        with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes:
+        adapters = self.loras.batch(mi.lora_rows, len(mi.input_ids)) if self.loras is not None else None
+        with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes, lora_batch(adapters):
             hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
         prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask.targets, ask.top_k)

@@ -37,6 +37,8 @@ from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
+from hotswap.lora.manager import LoRAManager
+from hotswap.lora.peft_format import canonical_name
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
 from hotswap.transfer.checksum import tensor_sha256
@@ -49,6 +51,7 @@ from hotswap.weights.update import (
     folder_source,
     pairs_source,
     prefixed_source,
+    prefixer,
     random_source,
 )
 from hotswap.worker.memory import discard_pages, place_in_huge_pages
@@ -95,7 +98,8 @@ class Worker:
         self.draft_config: EngineConfig | None = None
         self.draft_parallel = SINGLE
         self.speculative: SpeculativeStep | None = None
-        self._session_target = "model"
+        self._session_target = "model"  # or "lora": the session loads the pending adapter version
+        self.loras: LoRAManager | None = None  # with enable_lora
         self.last_update_parts: list[str] = []  # "model" / "draft": what the last finished update wrote
 
     # ---- model and cache ------------------------------------------------------------------------------------
@@ -119,6 +123,8 @@ class Worker:
             self.session.load(index, source, atomic=False, check_finite=check)
         self.model = model
         self.runner = ModelRunner(self.config, model)
+        if self.config.lora_config.enable_lora:
+            self.loras = self.runner.loras = LoRAManager(model, mc.torch_dtype)
         if self.config.draft_model_config is not None:
             self._load_draft()
         self.session.weights_valid = True
@@ -261,12 +267,10 @@ class Worker:
             if weights_path is not None:
                 live_overrides(config, {"model_config": {"model": str(weights_path)}})  # same model shape
             source = folder_source(str(weights_path or config.model_config.model))
-        if target == "draft":
-            source = prefixed_source(source, DRAFT_PREFIX)
         wt = self.config.weight_transfer_config
         update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
-                                   encoding={"encoding": encoding, "checksums": checksums,
-                                             "prefix": DRAFT_PREFIX if target == "draft" else ""})
+                                   encoding={"encoding": encoding, "checksums": checksums},
+                                   rename=prefixer(DRAFT_PREFIX) if target == "draft" else None)
         if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
@@ -349,6 +353,10 @@ class Worker:
         selection = RankSelection.from_update_info(update_info, self.parallel.rank, self.parallel.size)
         part = update_info.get("target") if isinstance(update_info, dict) else None
         problem = None
+        if self._session_target == "lora":
+            part = None if part in (None, "lora") else part
+            if part is not None:
+                problem = f"update_info target {part!r} in a session started for a LoRA adapter"
         if part not in (None, "model", "draft"):
             problem = f"update_info target must be 'model' or 'draft', got {part!r}"
         elif part is not None and self._session_target not in (part, "all"):
@@ -359,15 +367,28 @@ class Worker:
             self.session.abort()  # like any failed update, it ends the session (rolled back)
             raise ValueError(f"{problem} (the session was rolled back)")
         draft = part == "draft" or self._session_target == "draft"
-        with torch.no_grad():
-            return self.session.receive(update_info, selection, DRAFT_PREFIX if draft else "")
+        rename = canonical_name if self._session_target == "lora" else prefixer(DRAFT_PREFIX) if draft else None
+        try:
+            with torch.no_grad():
+                return self.session.receive(update_info, selection, rename)
+        finally:
+            self._drop_lora_unless_open()
 
     @in_config_scope
     def finish_weight_update(self, commit: bool = True) -> int:
         """Completes post-processing of partially updated layers and closes the session; returns the number of
         tensor names updated in it. `commit` False post-processes but keeps the update open with its rollback
         copies, for a second call (commit) or `abort_weight_update()`."""
-        update = self.session.finish(commit)
+        lora = self._session_target == "lora"
+        try:
+            update = self.session.finish(commit)
+            if lora and commit:
+                self._loras().commit_pending()
+        finally:
+            self._drop_lora_unless_open()
+        if lora:
+            self.last_update_parts = ["lora"]
+            return len(update.loaded_names)
         self.last_update_parts = sorted(
             {"draft" if n.startswith(DRAFT_PREFIX) else "model" for n in update.loaded_names}
         )
@@ -377,7 +398,10 @@ class Worker:
     def abort_weight_update(self) -> bool:
         """Ends the open update, restoring the weights it changed (atomic mode; otherwise they become invalid).
         Returns False when no update was open (nothing to do)."""
-        return self.session.abort()
+        try:
+            return self.session.abort()
+        finally:
+            self._drop_lora_unless_open()
 
     @in_config_scope
     def shutdown_weight_transfer_engine(self) -> None:
@@ -385,6 +409,65 @@ class Worker:
         rollback buffers."""
         self.session.shutdown_engine()
         self.session.release_backups()
+
+    # ---- LoRA adapters (hotswap/lora) --------------------------------------------------------------------------
+
+    @in_config_scope
+    def add_lora(self, uid: int, spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Loads adapter version `uid` of `spec` (LoRASpec.as_dict) from its full tensors by PEFT name. Raises
+        ValueError naming a missing, unknown, mis-shaped or non-finite tensor (nothing is loaded then)."""
+        source = pairs_source(((canonical_name(n), t) for n, t in tensors.items()), "LoRA adapter")
+        self._loras().add(uid, spec, source, self.config.weight_transfer_config.check_finite)
+
+    @in_config_scope
+    def remove_lora(self, uid: int) -> bool:
+        """Forgets adapter version `uid`; False if it was not loaded."""
+        return self._loras().remove(uid)
+
+    @in_config_scope
+    def start_lora_update(self, old: int, new: int) -> None:
+        """Opens an update session whose tensors (PEFT names) go into version `new` of an adapter, a copy of
+        version `old`; `finish_weight_update()` makes it loadable, a failure or abort discards it."""
+        adapter = self._loras().begin(old, new)
+        try:
+            self.session.start(adapter.weight_index(), self.config.weight_transfer_config)
+        except BaseException:
+            self._drop_lora_unless_open()
+            raise
+        self._session_target = "lora"
+
+    @in_config_scope
+    def reload_lora(self, old: int, new: int, weights_iterator: Iterable[tuple[str, torch.Tensor]],
+                    commit: bool = True, encoding: str | None = None,
+                    checksums: dict[str, str] | None = None) -> int:
+        """Version `new` of an adapter := version `old` updated by (name, tensor) pairs (PEFT names, possibly a
+        subset, possibly a delta `encoding` with the trainer's `checksums` of the results). `commit` False keeps
+        it pending for `finish_weight_update()` / `abort_weight_update()`. Returns the tensors loaded."""
+        adapter = self._loras().begin(old, new)
+        wt = self.config.weight_transfer_config
+        self._session_target = "lora"
+        try:
+            update = self.session.load(adapter.weight_index(), pairs_source(weights_iterator), True, wt.check_finite,
+                                       commit=commit, encoding={"encoding": encoding, "checksums": checksums},
+                                       rename=canonical_name)
+            if commit:
+                self._loras().commit_pending()
+        finally:
+            self._drop_lora_unless_open()
+        return len(update.loaded_names)
+
+    def _drop_lora_unless_open(self) -> None:
+        """After a LoRA session call: a pending adapter version whose update is no longer open is discarded (a
+        failure, an abort); after a commit it was registered first."""
+        if self._session_target == "lora" and self.session.state is not SessionState.ACTIVE:
+            if self.loras is not None:
+                self.loras.drop_pending()
+            self._session_target = "model"
+
+    def _loras(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True")
+        return self.loras
 
     # ---- sleep and wake ---------------------------------------------------------------------------------------
 

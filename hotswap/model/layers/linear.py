@@ -22,6 +22,7 @@ from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
+from hotswap.lora.batch import active_lora
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
@@ -187,17 +188,25 @@ class Linear(nn.Module):
         """The weight's oneDNN-packed bf16 copy where that path applies (`kernels/packed.py`), else None."""
         return None if self.fp8 else packing.weight_for(self, self.weight)
 
+    # this layer's module name in the model, set where LoRA adapters are enabled (hotswap/lora/manager.py)
+    lora_key: str | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.effective_weight(x.dtype)
         if self.parallel == "row":
             partial = ops.linear(x, weight, None, self.packed())
             out = self.tp.sum_in_rank_order(partial) if ops.deterministic() else self.tp.all_reduce(partial)
+            out = out if self.bias is None else out + self.bias
         elif 0 < self.det_split < self.in_features and ops.deterministic():
             # the two ranks' partial products, added, then the bias (see the class)
             return ops.split_linear(x, weight, self.bias, self.det_split)
         else:
-            return ops.linear(x, weight, self.bias, self.packed())
-        return out if self.bias is None else out + self.bias
+            out = ops.linear(x, weight, self.bias, self.packed())
+        lora = active_lora() if self.lora_key is not None else None
+        if lora is not None:
+            assert self.lora_key is not None  # checked above
+            out = lora.apply(self.lora_key, x, out, self.tp.all_reduce if self.parallel == "row" else None)
+        return out
 
 
 class QKVLinear(Linear):
@@ -243,6 +252,9 @@ class MergedLinear(Linear):
     def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul), as one
         `ops.gated_linear` (the gate applied as the product is written, where the native kernel takes it)."""
+        lora = active_lora()
+        if lora is not None and lora.touches(self.lora_key):
+            return cast(torch.Tensor, act(self(x)))  # the adapter's share joins before the activation
         weight = self.effective_weight(x.dtype)  # dequantized once either way
         if self.gate_and_up:
             return ops.gated_linear(x, weight, self.bias, self.packed())

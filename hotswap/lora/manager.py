@@ -1,0 +1,95 @@
+"""The worker's adapters: every adapter version the engine holds, by its uid (never reused), built on this rank's
+model. A version is immutable once committed: an update builds the next version as a copy of the current one,
+loads the update into the copy through the worker's weight session (validated, decoded, checksummed), and the
+engine switches to it only once every rank committed; a failure discards the copy, so the version in use never
+changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hotswap.lora.adapter import LoRAAdapter
+from hotswap.lora.batch import LoRABatch, LoRAGroup
+from hotswap.lora.peft_format import LoRASpec
+from hotswap.model.layers.linear import Linear
+from hotswap.weights.update import WeightSource, WeightUpdate
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self.pending: tuple[int, LoRAAdapter] | None = None  # a version being loaded by an open update
+        for name, module in model.named_modules():
+            if isinstance(module, Linear):
+                module.lora_key = name
+
+    def build(self, spec: dict[str, Any]) -> LoRAAdapter:
+        """An all-zero adapter of `spec` (LoRASpec.as_dict) on this model. Raises ValueError for a module the model
+        cannot adapt."""
+        return LoRAAdapter(LoRASpec.from_dict(spec), self.model, self.dtype)
+
+    def add(self, uid: int, spec: dict[str, Any], source: WeightSource, check_finite: bool) -> None:
+        """Builds adapter `uid` and loads every one of its tensors from `source` (PEFT names). Raises ValueError
+        for a missing, unknown, mis-shaped or non-finite tensor; nothing is registered then."""
+        if uid in self.adapters:
+            raise ValueError(f"adapter uid {uid} is already loaded")
+        adapter = self.build(spec)
+        update = WeightUpdate(adapter.weight_index(), atomic=False, check_finite=check_finite)
+        source.complete = True
+        with torch.no_grad():
+            update.apply(source, final=True)
+            update.finish()
+        self.adapters[uid] = adapter
+
+    def begin(self, old: int, new: int) -> LoRAAdapter:
+        """Starts version `new` as a copy of `old`, pending until `commit_pending` (or `drop_pending`)."""
+        current = self.get(old)
+        if new in self.adapters:
+            raise ValueError(f"adapter uid {new} is already loaded")
+        self.drop_pending()
+        copy = LoRAAdapter(current.spec, self.model, self.dtype)
+        copy.copy_from(current)
+        self.pending = (new, copy)
+        return copy
+
+    def commit_pending(self) -> int | None:
+        """Registers the pending version (its packs rebuilt on first use); returns its uid (None: none pending)."""
+        if self.pending is None:
+            return None
+        uid, adapter = self.pending
+        adapter.invalidate_packs()
+        self.adapters[uid] = adapter
+        self.pending = None
+        return uid
+
+    def drop_pending(self) -> None:
+        self.pending = None
+
+    def remove(self, uid: int) -> bool:
+        return self.adapters.pop(uid, None) is not None
+
+    def get(self, uid: int) -> LoRAAdapter:
+        adapter = self.adapters.get(uid)
+        if adapter is None:
+            raise ValueError(f"no adapter with uid {uid} is loaded on this worker")
+        return adapter
+
+    def batch(self, token_uids: list[tuple[int, int, int]], num_tokens: int) -> LoRABatch | None:
+        """The adapters of a pass over `num_tokens` flat rows, where each (uid, start, end) gives rows [start, end)
+        to adapter `uid`; None when no row uses an adapter."""
+        if not token_uids:
+            return None
+        rows: dict[int, list[int]] = {}
+        for uid, start, end in token_uids:
+            rows.setdefault(uid, []).extend(range(start, end))
+        groups = []
+        for uid, members in rows.items():
+            whole = len(rows) == 1 and len(members) == num_tokens
+            index = None if whole else torch.tensor(members, dtype=torch.long)
+            groups.append(LoRAGroup(self.get(uid).packs(), index))
+        return LoRABatch(groups)

@@ -1,0 +1,232 @@
+"""The engine's adapters: names, integer ids, versions, and the requests using each version.
+
+Every committed change of an adapter makes a new version with a fresh uid (never reused, so it also keys the
+prefix cache: KV computed under one adapter version is never served to another). A version stays on the workers
+while it is current or while a request uses it (policy "finish_on_old"); with "switch", requests move to the new
+version at the commit. `max_cpu_loras` bounds the versions held at once, `max_loras` (the scheduler's) the
+versions one step may use.
+
+    load (folder, tensors) ----------------> version 1 (current)
+    update (reload, session, load_inplace) -> version v+1 (current); v held until its last request ends
+    unload -------------------------------> the name is gone; its versions go once no request uses them
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hotswap.config import LoRAConfig
+from hotswap.executor.base import Executor
+from hotswap.lora.peft_format import LoRASpec, canonical_name, read_folder, spec_of
+from hotswap.lora.request import LoRARequest
+
+
+@dataclass
+class AdapterVersion:
+    uid: int  # unique over the engine's life
+    version: int  # 1, 2, ... per adapter name
+    users: int = 0  # requests running on it
+
+
+@dataclass
+class Adapter:
+    name: str
+    int_id: int
+    spec: LoRASpec
+    current: AdapterVersion
+    path: str | None = None
+    pinned: bool = False
+    old: dict[int, AdapterVersion] = field(default_factory=dict)  # superseded versions still in use
+
+
+class LoRARegistry:
+    def __init__(self, config: LoRAConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.adapters: dict[str, Adapter] = {}
+        self.retired: dict[int, AdapterVersion] = {}  # versions of unloaded adapters still in use
+        self._uids = itertools.count(1)
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+
+    def held(self) -> int:
+        """Adapter versions on the workers."""
+        return sum(1 + len(a.old) for a in self.adapters.values()) + len(self.retired)
+
+    def get(self, name: str) -> Adapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.adapters)}")
+        return adapter
+
+    def resolve(self, request: LoRARequest) -> Adapter:
+        """The adapter `request` names, loaded from its `lora_path` on first use (never read again; with
+        `load_inplace` the folder is read again as a new version). Raises ValueError for an id that another name
+        holds, or for a load that fails."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        adapter = self.adapters.get(request.lora_name)
+        if adapter is not None and adapter.int_id != request.lora_int_id:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} has lora_int_id {adapter.int_id}, not "
+                             f"{request.lora_int_id}")
+        for other in self.adapters.values():
+            if other.int_id == request.lora_int_id and other.name != request.lora_name:
+                raise ValueError(f"lora_int_id {request.lora_int_id} belongs to adapter {other.name!r}")
+        if adapter is None:
+            if not request.lora_path:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and the request gives no "
+                                 "lora_path")
+            return self.load(request.lora_name, request.lora_path, int_id=request.lora_int_id)
+        if request.load_inplace and request.lora_path:
+            return self.load(request.lora_name, request.lora_path, load_inplace=True)
+        return adapter
+
+    # ---- loading and unloading --------------------------------------------------------------------------------
+
+    def load(self, name: str, path: str | None = None, tensors: dict[str, torch.Tensor] | None = None,
+             peft_config: dict[str, Any] | None = None, int_id: int | None = None, load_inplace: bool = False,
+             pinned: bool = False) -> Adapter:
+        """Loads adapter `name` from a PEFT folder `path`, or from `tensors` (PEFT names) with `peft_config`
+        (adapter_config.json's fields). A name already loaded is refused unless `load_inplace`, which makes the
+        new weights its next version (the same shapes: validated and atomic; another rank or target modules: a
+        new adapter under the same name). Raises ValueError naming the problem; nothing changes then."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        if (path is None) == (tensors is None):
+            raise ValueError("give a LoRA adapter's lora_path or its tensors (with its config)")
+        if path is not None:
+            peft_config, tensors = read_folder(str(path))
+        assert tensors is not None
+        tensors = {canonical_name(n): t for n, t in tensors.items()}
+        spec = spec_of(peft_config or {}, tensors, self.config.max_lora_rank)
+        existing = self.adapters.get(name)
+        if existing is not None and not load_inplace:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first, or load it with "
+                             "load_inplace=true to replace its weights")
+        if existing is not None:
+            if spec == existing.spec:
+                self._update(existing, "reload_lora", {"weights_iterator": list(tensors.items())})
+            else:
+                self._replace(existing, spec, tensors)
+            existing.path = None if path is None else str(path)
+            return existing
+        if int_id is None:
+            int_id = max((a.int_id for a in self.adapters.values()), default=0) + 1
+        elif any(a.int_id == int_id for a in self.adapters.values()):
+            raise ValueError(f"lora_int_id {int_id} is already used by another adapter")
+        self._check_room()
+        uid = next(self._uids)
+        self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
+        adapter = Adapter(name, int_id, spec, AdapterVersion(uid, 1), None if path is None else str(path), pinned)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """Forgets adapter `name`: new requests cannot use it; requests running on it finish on their version."""
+        adapter = self.get(name)
+        del self.adapters[name]
+        for version in [adapter.current, *adapter.old.values()]:
+            if version.users:
+                self.retired[version.uid] = version
+            else:
+                self._remove(version.uid)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def acquire(self, adapter: Adapter) -> AdapterVersion:
+        adapter.current.users += 1
+        return adapter.current
+
+    def release(self, version: AdapterVersion) -> None:
+        """A request that ran on `version` ended; a superseded version no request uses is dropped."""
+        version.users -= 1
+        if version.users > 0:
+            return
+        if self.retired.pop(version.uid, None) is not None:
+            self._remove(version.uid)
+            return
+        for adapter in self.adapters.values():
+            if adapter.old.pop(version.uid, None) is not None:
+                self._remove(version.uid)
+                return
+
+    # ---- updates (a new version) ------------------------------------------------------------------------------
+
+    def begin_update(self, name: str) -> tuple[Adapter, int]:
+        """Room and a uid for the next version of `name` (the caller loads it on the workers, then `commit`s)."""
+        adapter = self.get(name)
+        if adapter.current.users:  # the current version stays while its requests run
+            self._check_room(f"requests still run on version {adapter.current.version} of {name!r}, so it is held "
+                             "beside the new one")
+        return adapter, next(self._uids)
+
+    def commit(self, adapter: Adapter, uid: int, spec: LoRASpec | None = None) -> list[AdapterVersion]:
+        """Makes version `uid` (loaded on every worker) the adapter's current one. Returns the superseded version
+        when requests still use it (the caller moves them under the "switch" policy), else []."""
+        previous = adapter.current
+        adapter.current = AdapterVersion(uid, previous.version + 1)
+        if spec is not None:
+            adapter.spec = spec
+        if previous.users:
+            adapter.old[previous.uid] = previous
+            return [previous]
+        self._remove(previous.uid)
+        return []
+
+    def discard(self, uid: int) -> None:
+        """Drops a version that was being loaded (a failed or aborted update) from every worker."""
+        self._remove(uid)
+
+    def check_base(self, adapter: Adapter, base_version: Any) -> None:
+        """Raises ValueError unless a delta's `base_version` (None: no check) is the adapter's current version."""
+        if base_version is None:
+            return
+        if str(base_version) != str(adapter.current.version):
+            raise ValueError(f"this delta applies on top of version {base_version!r} of LoRA adapter "
+                             f"{adapter.name!r}, which is at version {adapter.current.version}; send its full "
+                             f"tensors, or a delta against version {adapter.current.version}")
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def _update(self, adapter: Adapter, method: str, kwargs: dict[str, Any]) -> None:
+        """Loads the next version of `adapter` on every worker with `method` (reload_lora), then commits it."""
+        _, uid = self.begin_update(adapter.name)
+        self._rpc_all_or_none(method, (adapter.current.uid, uid), uid, kwargs)
+        self.commit(adapter, uid)
+
+    def _replace(self, adapter: Adapter, spec: LoRASpec, tensors: dict[str, torch.Tensor]) -> None:
+        """The next version of `adapter` has another shape (rank, modules): loaded whole as a new adapter."""
+        _, uid = self.begin_update(adapter.name)
+        self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
+        self.commit(adapter, uid, spec)
+
+    def _rpc_all_or_none(self, method: str, args: tuple[Any, ...], uid: int,
+                         kwargs: dict[str, Any] | None = None) -> None:
+        """Runs `method` on every worker; if any fails, version `uid` is dropped wherever it was loaded."""
+        try:
+            self.executor.collective_rpc(method, args, kwargs or {})
+        except BaseException:
+            self._remove(uid)
+            raise
+
+    def _remove(self, uid: int) -> None:
+        try:
+            self.executor.collective_rpc("remove_lora", (uid,))
+        except Exception:  # a dead worker: health_problem reports it; nothing is left to free
+            pass
+
+    def _check_room(self, why: str = "") -> None:
+        limit = self.config.max_cpu_loras
+        if self.held() >= (limit or 0):
+            raise ValueError(f"too many LoRA adapter versions held ({self.held()}, max_cpu_loras={limit})"
+                             f"{': ' + why if why else ''}; unload an adapter, or start the engine with a larger "
+                             "max_cpu_loras")
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What `/v1/models` and `list_loras()` report: per adapter, its name, id, version, rank and path."""
+        return [{"lora_name": a.name, "lora_int_id": a.int_id, "version": a.current.version, "rank": a.spec.rank,
+                 "lora_path": a.path, "pinned": a.pinned} for a in self.adapters.values()]

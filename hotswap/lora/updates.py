@@ -1,0 +1,129 @@
+"""Adapter updates, engine side: a LoRA target ("lora:<name>") of `reload_weights` and of the transfer session.
+
+The new version is loaded into a copy on every worker while requests go on (the adapter's current version, the
+base model and other adapters are untouched, so nothing pauses); it becomes current only once every worker
+holds it. Any failure, or an abort, drops the copy everywhere: the served adapter never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hotswap.executor.base import Executor
+from hotswap.lora.registry import Adapter, AdapterVersion, LoRARegistry
+from hotswap.weights.delta import check_encoding
+
+PREFIX = "lora:"
+
+
+def lora_target(target: object) -> str | None:
+    """The adapter name of a "lora:<name>" target; None for any other target."""
+    if isinstance(target, str) and target.startswith(PREFIX):
+        name = target[len(PREFIX):]
+        if not name:
+            raise ValueError("a LoRA target names its adapter: 'lora:<lora_name>'")
+        return name
+    return None
+
+
+class LoRAUpdates:
+    def __init__(self, registry: LoRARegistry, executor: Executor, tp_size: int,
+                 on_commit: Callable[[Adapter, list[AdapterVersion]], None]) -> None:
+        self.registry = registry
+        self.executor = executor
+        self.tp_size = tp_size
+        self.on_commit = on_commit  # moves requests off superseded versions (policy "switch")
+        self.open: tuple[Adapter, int] | None = None  # the open session's adapter and its new version's uid
+
+    def reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
+               base_version: Any, checksums: dict[str, str] | None) -> None:
+        """The next version of adapter `name`: a PEFT folder's (read once, here), or the current one updated by
+        (name, tensor) pairs (PEFT names; a delta with `encoding`, refused unless `base_version` is the
+        adapter's current version; `checksums` verified before the commit)."""
+        adapter = self.registry.get(name)
+        if weights_path is not None and weights_iterator is not None:
+            raise ValueError("give weights_path or weights_iterator, not both")
+        self.registry.check_base(adapter, base_version)
+        if weights_path is not None:
+            if encoding is not None:
+                raise ValueError("a LoRA folder holds the adapter whole; send a delta as tensors")
+            before = adapter.current
+            self.registry.load(name, str(weights_path), load_inplace=True)
+            self._committed(adapter, before)
+            return
+        if weights_iterator is None:
+            raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
+        check_encoding(encoding)
+        _, uid = self.registry.begin_update(name)
+        kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums}
+        try:
+            self.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
+        except BaseException:
+            self.registry.discard(uid)
+            raise
+        before = adapter.current
+        self.registry.commit(adapter, uid)
+        self._committed(adapter, before)
+
+    def start(self, name: str) -> None:
+        """Opens a session whose updates load the next version of adapter `name`."""
+        if self.open is not None:
+            raise RuntimeError(f"a LoRA update of {self.open[0].name!r} is open; finish or abort it first")
+        adapter, uid = self.registry.begin_update(name)
+        try:
+            self.executor.collective_rpc("start_lora_update", (adapter.current.uid, uid))
+        except BaseException:
+            self._abort_everywhere(uid)
+            raise
+        self.open = (adapter, uid)
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        adapter, uid = self._session()
+        try:
+            if isinstance(update_info, dict):
+                self.registry.check_base(adapter, update_info.get("base_version"))
+            self.executor.collective_rpc("update_weights", (update_info,))
+        except BaseException as err:
+            self.open = None
+            self._abort_everywhere(uid)
+            if isinstance(err, ValueError) and "rolled back" not in str(err):
+                raise ValueError(f"{err} (the LoRA update was dropped; {adapter.name!r} is unchanged)") from None
+            raise
+
+    def finish(self) -> None:
+        """Commits the session's version on every worker (two phases with several), then makes it current."""
+        adapter, uid = self._session()
+        self.open = None
+        try:
+            if self.tp_size > 1:
+                self.executor.collective_rpc("finish_weight_update", (), {"commit": False})
+            self.executor.collective_rpc("finish_weight_update")
+        except BaseException:
+            self._abort_everywhere(uid)
+            raise
+        before = adapter.current
+        self.registry.commit(adapter, uid)
+        self._committed(adapter, before)
+
+    def abort(self) -> None:
+        if self.open is None:
+            return
+        _, uid = self.open
+        self.open = None
+        self._abort_everywhere(uid)
+
+    def _session(self) -> tuple[Adapter, int]:
+        if self.open is None:
+            raise RuntimeError("no LoRA update session is open; call start_weight_update(target='lora:<name>')")
+        return self.open
+
+    def _abort_everywhere(self, uid: int) -> None:
+        try:
+            self.executor.collective_rpc("abort_weight_update")
+        finally:
+            self.registry.discard(uid)
+
+    def _committed(self, adapter: Adapter, before: AdapterVersion) -> None:
+        if adapter.current is not before and before.users:
+            self.on_commit(adapter, [before])
