@@ -14,11 +14,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
+import torch
+
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
+from hotswap.lora.registry import LoRARegistry
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
@@ -145,11 +149,13 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes (the last has `finished` True). A request that
         arrives while the engine is paused waits for resume; one while it is asleep raises EngineUnavailable.
         Cancelling the iteration aborts the request. `routing_key` (a fleet routes by it) names the request's
-        session here, as a prompt dict's "session_id" does (hotswap/engine/sessions.py)."""
+        session here, as a prompt dict's "session_id" does (hotswap/engine/sessions.py). `lora_request`: the LoRA
+        adapter it runs with (loaded from its path on first use)."""
         params = sampling_params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
         if self.engine.is_asleep():  # would wait for a wake_up that may never come
@@ -165,8 +171,12 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             session = routing_key or (prompt.get("session_id") if isinstance(prompt, dict) else None)
+            if lora_request is not None and self.engine.loras is not None and \
+                    lora_request.lora_name not in self.engine.loras.adapters:
+                # a first use reads the adapter's folder: off the event loop
+                await asyncio.to_thread(self.engine.resolve_lora, lora_request)
             self.engine.add_request(request_id, text, token_ids, params, stream=True, cache_salt=salt,
-                                    session_id=session)
+                                    session_id=session, lora_request=lora_request)
             self._queues[request_id] = queue
         self._wake.set()
         finished = False
@@ -332,6 +342,28 @@ class AsyncLLMEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self._locked(self.engine.reset_prefix_cache, True)
+
+    # ---- LoRA adapters (see LLM's methods of the same names) -------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
+                                tensors: dict[str, torch.Tensor] | None = None,
+                                peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
+                                pinned: bool = False) -> dict[str, Any]:
+        registry = self._registry()
+        adapter = await self._locked(registry.load, lora_name, lora_path, tensors, peft_config, lora_int_id,
+                                     load_inplace, pinned)
+        return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._locked(self._registry().unload, lora_name)
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        return [] if self.engine.loras is None else self.engine.loras.describe()
+
+    def _registry(self) -> LoRARegistry:
+        if self.engine.loras is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+        return self.engine.loras
 
     async def sleep(self, level: int = 1) -> None:
         await self._locked(self.engine.sleep, level)

@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any, Protocol
 
+import torch
+
 from hotswap.config import EngineConfig
 from hotswap.engine.detokenizer import Detokenizer
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionArg, VersionLabels
@@ -83,6 +86,7 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -136,6 +140,16 @@ class EngineClient(Protocol):
     async def abort_weight_update(self, session_token: str | None = None) -> None: ...
 
     async def shutdown_weight_transfer_engine(self) -> None: ...
+
+    # LoRA adapters
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
+                                tensors: dict[str, torch.Tensor] | None = None,
+                                peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
+                                pinned: bool = False) -> dict[str, Any]: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None: ...
+
+    async def list_loras(self) -> list[dict[str, Any]]: ...
 
     # versions
     async def get_weight_version(self, target: str = "model") -> int: ...

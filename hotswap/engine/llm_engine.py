@@ -79,8 +79,9 @@ class LLMEngine:
         self.weights = WeightsController(self)  # everything that changes the weights, and their versions
         self.loras = LoRARegistry(config.lora_config, self.executor) if config.lora_config.enable_lora else None
         self.lora_updates = None if self.loras is None else LoRAUpdates(
-            self.loras, self.executor, config.parallel_config.tensor_parallel_size, self._lora_committed)
+            self.loras, self.executor, config.parallel_config.tensor_parallel_size)
         if self.loras is not None:
+            self.loras.on_superseded = self._lora_committed
             self.scheduler.max_loras = config.lora_config.max_loras
         self.outputs.labels = self.weights.labels
         self.pause_mode = "keep"  # of the latest pause (the server refuses new requests during abort / wait ones)

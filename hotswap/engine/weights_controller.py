@@ -394,6 +394,15 @@ class WeightsController:
         nothing new, until `commit_weight_update()` or `abort_weight_update()`. A failure rolls every rank back
         and ends the session."""
         self.check_session(session_token)
+        if self._lora_open():  # an adapter's next version: held on every worker, served at the commit
+            if canary is not None:
+                raise ValueError("a canary scores the model; a LoRA update takes none")
+            try:
+                self._lora().prepare()
+            except BaseException:
+                self.token = None
+                raise
+            return
         if self.engine.state is not EngineState.UPDATING:
             raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
         if self.prepared is not None:
@@ -440,6 +449,11 @@ class WeightsController:
         `label` if given)."""
         parse_version(weight_version)
         parse_version(label, "label")
+        updates = getattr(self.engine, "lora_updates", None)
+        if updates is not None and updates.prepared:
+            self.token = None
+            updates.commit()
+            return
         if self.prepared is None:
             raise RuntimeError("nothing is prepared; call prepare_weight_update() or prepare_reload() first")
         kind, folder = self.prepared

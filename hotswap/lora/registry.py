@@ -14,6 +14,7 @@ versions one step may use.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,18 @@ class AdapterVersion:
     uid: int  # unique over the engine's life
     version: int  # 1, 2, ... per adapter name
     users: int = 0  # requests running on it
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A version loaded on every worker but not yet served (see `LoRARegistry.prepare`)."""
+
+    name: str
+    uid: int
+    spec: LoRASpec
+    int_id: int
+    path: str | None
+    pinned: bool
 
 
 @dataclass
@@ -50,6 +63,8 @@ class LoRARegistry:
         self.adapters: dict[str, Adapter] = {}
         self.retired: dict[int, AdapterVersion] = {}  # versions of unloaded adapters still in use
         self._uids = itertools.count(1)
+        # called when a commit supersedes a version that requests still use (the engine's "switch" policy)
+        self.on_superseded: Callable[[Adapter, list[AdapterVersion]], None] | None = None
 
     # ---- queries ----------------------------------------------------------------------------------------------
 
@@ -94,6 +109,14 @@ class LoRARegistry:
         (adapter_config.json's fields). A name already loaded is refused unless `load_inplace`, which makes the
         new weights its next version (the same shapes: validated and atomic; another rank or target modules: a
         new adapter under the same name). Raises ValueError naming the problem; nothing changes then."""
+        return self.commit_prepared(self.prepare(name, path, tensors, peft_config, int_id, load_inplace, pinned))
+
+    def prepare(self, name: str, path: str | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                peft_config: dict[str, Any] | None = None, int_id: int | None = None, load_inplace: bool = False,
+                pinned: bool = False) -> Prepared:
+        """Phase one of `load`: the new version is loaded on every worker under a fresh uid, but nothing served
+        changes until `commit_prepared` (or `abort_prepared` drops it): how a fleet loads an adapter on every
+        replica or on none."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         if (path is None) == (tensors is None):
@@ -107,13 +130,15 @@ class LoRARegistry:
         if existing is not None and not load_inplace:
             raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first, or load it with "
                              "load_inplace=true to replace its weights")
+        folder = None if path is None else str(path)
         if existing is not None:
-            if spec == existing.spec:
-                self._update(existing, "reload_lora", {"weights_iterator": list(tensors.items())})
-            else:
-                self._replace(existing, spec, tensors)
-            existing.path = None if path is None else str(path)
-            return existing
+            _, uid = self.begin_update(name)
+            if spec == existing.spec:  # the same shapes: the current version updated, validated like any update
+                self._rpc_all_or_none("reload_lora", (existing.current.uid, uid), uid,
+                                      {"weights_iterator": list(tensors.items())})
+            else:  # another rank or other modules: loaded whole
+                self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
+            return Prepared(name, uid, spec, existing.int_id, folder, pinned)
         if int_id is None:
             int_id = max((a.int_id for a in self.adapters.values()), default=0) + 1
         elif any(a.int_id == int_id for a in self.adapters.values()):
@@ -121,9 +146,25 @@ class LoRARegistry:
         self._check_room()
         uid = next(self._uids)
         self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
-        adapter = Adapter(name, int_id, spec, AdapterVersion(uid, 1), None if path is None else str(path), pinned)
-        self.adapters[name] = adapter
-        return adapter
+        return Prepared(name, uid, spec, int_id, folder, pinned)
+
+    def commit_prepared(self, prepared: Prepared) -> Adapter:
+        """Phase two: the prepared version is what `prepared.name` serves from now on."""
+        existing = self.adapters.get(prepared.name)
+        if existing is None:
+            adapter = Adapter(prepared.name, prepared.int_id, prepared.spec, AdapterVersion(prepared.uid, 1),
+                              prepared.path, prepared.pinned)
+            self.adapters[prepared.name] = adapter
+            return adapter
+        before = existing.current
+        self.commit(existing, prepared.uid, prepared.spec)
+        existing.path = prepared.path
+        if before.users and self.on_superseded is not None:
+            self.on_superseded(existing, [before])
+        return existing
+
+    def abort_prepared(self, prepared: Prepared) -> None:
+        self._remove(prepared.uid)
 
     def unload(self, name: str) -> None:
         """Forgets adapter `name`: new requests cannot use it; requests running on it finish on their version."""
@@ -191,18 +232,6 @@ class LoRARegistry:
                              f"tensors, or a delta against version {adapter.current.version}")
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-
-    def _update(self, adapter: Adapter, method: str, kwargs: dict[str, Any]) -> None:
-        """Loads the next version of `adapter` on every worker with `method` (reload_lora), then commits it."""
-        _, uid = self.begin_update(adapter.name)
-        self._rpc_all_or_none(method, (adapter.current.uid, uid), uid, kwargs)
-        self.commit(adapter, uid)
-
-    def _replace(self, adapter: Adapter, spec: LoRASpec, tensors: dict[str, torch.Tensor]) -> None:
-        """The next version of `adapter` has another shape (rank, modules): loaded whole as a new adapter."""
-        _, uid = self.begin_update(adapter.name)
-        self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
-        self.commit(adapter, uid, spec)
 
     def _rpc_all_or_none(self, method: str, args: tuple[Any, ...], uid: int,
                          kwargs: dict[str, Any] | None = None) -> None:

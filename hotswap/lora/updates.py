@@ -7,11 +7,10 @@ holds it. Any failure, or an abort, drops the copy everywhere: the served adapte
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from hotswap.executor.base import Executor
-from hotswap.lora.registry import Adapter, AdapterVersion, LoRARegistry
+from hotswap.lora.registry import Adapter, LoRARegistry
 from hotswap.weights.delta import check_encoding
 
 PREFIX = "lora:"
@@ -28,13 +27,12 @@ def lora_target(target: object) -> str | None:
 
 
 class LoRAUpdates:
-    def __init__(self, registry: LoRARegistry, executor: Executor, tp_size: int,
-                 on_commit: Callable[[Adapter, list[AdapterVersion]], None]) -> None:
+    def __init__(self, registry: LoRARegistry, executor: Executor, tp_size: int) -> None:
         self.registry = registry
         self.executor = executor
         self.tp_size = tp_size
-        self.on_commit = on_commit  # moves requests off superseded versions (policy "switch")
         self.open: tuple[Adapter, int] | None = None  # the open session's adapter and its new version's uid
+        self.prepared = False  # the open session's workers hold the new version, awaiting commit()
 
     def reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
                base_version: Any, checksums: dict[str, str] | None) -> None:
@@ -48,9 +46,7 @@ class LoRAUpdates:
         if weights_path is not None:
             if encoding is not None:
                 raise ValueError("a LoRA folder holds the adapter whole; send a delta as tensors")
-            before = adapter.current
             self.registry.load(name, str(weights_path), load_inplace=True)
-            self._committed(adapter, before)
             return
         if weights_iterator is None:
             raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
@@ -62,9 +58,7 @@ class LoRAUpdates:
         except BaseException:
             self.registry.discard(uid)
             raise
-        before = adapter.current
-        self.registry.commit(adapter, uid)
-        self._committed(adapter, before)
+        self._commit(adapter, uid)
 
     def start(self, name: str) -> None:
         """Opens a session whose updates load the next version of adapter `name`."""
@@ -93,24 +87,40 @@ class LoRAUpdates:
 
     def finish(self) -> None:
         """Commits the session's version on every worker (two phases with several), then makes it current."""
-        adapter, uid = self._session()
-        self.open = None
+        if self.tp_size > 1 or self.prepared:
+            self.prepare()
+        self.commit()
+
+    def prepare(self) -> None:
+        """Phase one of finishing: every worker holds the new version, nothing served changed; a failure drops
+        it everywhere and ends the session."""
+        _, uid = self._session()
+        if self.prepared:
+            return
         try:
-            if self.tp_size > 1:
-                self.executor.collective_rpc("finish_weight_update", (), {"commit": False})
+            self.executor.collective_rpc("finish_weight_update", (), {"commit": False})
+        except BaseException:
+            self.open = None
+            self._abort_everywhere(uid)
+            raise
+        self.prepared = True
+
+    def commit(self) -> None:
+        """Phase two (or the one call on one worker): the new version is current."""
+        adapter, uid = self._session()
+        self.open, self.prepared = None, False
+        try:
             self.executor.collective_rpc("finish_weight_update")
         except BaseException:
             self._abort_everywhere(uid)
             raise
-        before = adapter.current
-        self.registry.commit(adapter, uid)
-        self._committed(adapter, before)
+        self._commit(adapter, uid)
 
     def abort(self) -> None:
         if self.open is None:
             return
         _, uid = self.open
-        self.open = None
+        self.open, self.prepared = None, False
         self._abort_everywhere(uid)
 
     def _session(self) -> tuple[Adapter, int]:
@@ -124,6 +134,7 @@ class LoRAUpdates:
         finally:
             self.registry.discard(uid)
 
-    def _committed(self, adapter: Adapter, before: AdapterVersion) -> None:
-        if adapter.current is not before and before.users:
-            self.on_commit(adapter, [before])
+    def _commit(self, adapter: Adapter, uid: int) -> None:
+        superseded = self.registry.commit(adapter, uid)
+        if superseded and self.registry.on_superseded is not None:
+            self.registry.on_superseded(adapter, superseded)
