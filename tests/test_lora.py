@@ -118,8 +118,9 @@ def test_inplace_update_is_served_on_the_next_request(llm, bases, adapters):
     base, ids = bases["llama"], ids_of(llm, PROMPTS[3:4])
     request = LoRARequest("inplace", 11, str(adapters["llama/a"]))
     check_matches(base, adapters["llama/a"], ids[0], run(llm, ids, request)[0])
-    again = run(llm, ids, request)[0]
+    again = run(llm, ids, LoRARequest("inplace", 11, str(adapters["llama/c"]), load_inplace=True))[0]
     assert again.num_cached_tokens > 0  # the old version's KV is cached ...
+    check_matches(base, adapters["llama/a"], ids[0], again)  # a request never makes the engine re-read a folder
     llm.load_lora_adapter("inplace", str(adapters["llama/c"]), load_inplace=True)
     after = run(llm, ids, request)[0]
     assert after.num_cached_tokens == 0  # ... and never served to the new one
@@ -159,6 +160,10 @@ def test_session_update_over_a_transport_then_a_bad_tensor_rolls_back(llm, bases
     try:
         llm.start_weight_update(target=f"lora:{name}")
         pusher.update(live_peft_tensors(adapters["llama/c"]))
+        # nothing pauses while an adapter's next version loads: the base model and the adapter's current
+        # version go on serving
+        check_matches(base, None, ids[0], run(llm, ids, None)[0])
+        check_matches(base, adapters["llama/a"], ids[0], run(llm, ids, request)[0])
         llm.finish_weight_update()
         check_matches(base, adapters["llama/c"], ids[0], run(llm, ids, request)[0])
         bad = live_peft_tensors(adapters["llama/a"])

@@ -79,9 +79,11 @@ class LoRARegistry:
         return adapter
 
     def resolve(self, request: LoRARequest) -> Adapter:
-        """The adapter `request` names, loaded from its `lora_path` on first use (never read again; with
-        `load_inplace` the folder is read again as a new version). Raises ValueError for an id that another name
-        holds, or for a load that fails."""
+        """The adapter `request` names, loaded from its `lora_path` on first use. A loaded adapter is never read
+        from disk again, whatever the request says (its `load_inplace` included: vLLM's re-read of the folder on
+        every generation, vllm PR 41482); new weights arrive through `load(..., load_inplace=True)` or a weight
+        update with target "lora:<name>". Raises ValueError for an id that another name holds, or for a load that
+        fails."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         adapter = self.adapters.get(request.lora_name)
@@ -91,14 +93,11 @@ class LoRARegistry:
         for other in self.adapters.values():
             if other.int_id == request.lora_int_id and other.name != request.lora_name:
                 raise ValueError(f"lora_int_id {request.lora_int_id} belongs to adapter {other.name!r}")
-        if adapter is None:
-            if not request.lora_path:
-                raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and the request gives no "
-                                 "lora_path")
-            return self.load(request.lora_name, request.lora_path, int_id=request.lora_int_id)
-        if request.load_inplace and request.lora_path:
-            return self.load(request.lora_name, request.lora_path, load_inplace=True)
-        return adapter
+        if adapter is not None:
+            return adapter
+        if not request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is not loaded and the request gives no lora_path")
+        return self.load(request.lora_name, request.lora_path, int_id=request.lora_int_id)
 
     # ---- loading and unloading --------------------------------------------------------------------------------
 

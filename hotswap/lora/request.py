@@ -8,9 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LoRARequest:
     """An adapter by name, with a positive integer id unique per name (as vLLM requires) and, optionally, the PEFT
-    folder to load it from the first time it is used. An adapter loaded once is never read from disk again: later
-    changes arrive through `LLM.load_lora_adapter(..., load_inplace=True)` or a weight update with target
-    "lora:<name>"."""
+    folder to load it from the first time it is used. An adapter loaded once is never read from disk again (a
+    request's `load_inplace` does not re-read it): later changes arrive through
+    `LLM.load_lora_adapter(..., load_inplace=True)` or a weight update with target "lora:<name>"."""
 
     lora_name: str
     lora_int_id: int
