@@ -312,3 +312,23 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, bases, adapters, tmp_p
             plain.generate("hi", GREEDY, lora_request=LoRARequest("a", 1, str(adapters["llama/a"])), use_tqdm=False)
     finally:
         plain.shutdown()
+
+
+def test_two_ranks_equal_one(bases, adapters):
+    """Tensor parallelism: lora_B of column-parallel layers and lora_A of row-parallel ones are split like their
+    base layers (the rank-sized partial products summed across ranks): two ranks give PEFT's tokens too, and a
+    session update reaches both ranks."""
+    base = bases["llama"]
+    engine = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2)
+    try:
+        ids = ids_of(engine, PROMPTS[:3])
+        a = LoRARequest("a", 1, str(adapters["llama/a"]))
+        b = LoRARequest("b", 2, str(adapters["llama/b"]))
+        loras = [a, b, None]
+        for prompt_ids, out, lora in zip(ids, run(engine, ids, loras), loras, strict=True):
+            check_matches(base, None if lora is None else Path(lora.lora_path), prompt_ids, out)
+        _, new = read_folder(str(adapters["llama/c"]))
+        engine.reload_weights(weights_iterator=list(new.items()), target="lora:a")
+        check_matches(base, adapters["llama/c"], ids[0], run(engine, ids[:1], a)[0])
+    finally:
+        engine.shutdown()
