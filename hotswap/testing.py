@@ -382,6 +382,7 @@ def make_tiny_lora(
     rank: int = 8,
     alpha: int = 16,
     target_modules: list[str] | str | None = None,
+    target_parameters: list[str] | None = None,
     use_rslora: bool = False,
     seed: int = 0,
     std: float = 0.05,
@@ -389,14 +390,16 @@ def make_tiny_lora(
     """Write a random LoRA adapter for the checkpoint at ``base`` into folder ``path`` with PEFT's own
     ``save_pretrained`` (``adapter_config.json`` and ``adapter_model.safetensors``) and return it. Both factors are
     drawn from N(0, std) (PEFT's default init leaves lora_B zero, an adapter that changes nothing). Default
-    targets: every attention and MLP projection. Needs the ``peft`` package (a test dependency)."""
+    targets: every attention and MLP projection (PEFT adds a transformers 5 Qwen3-MoE's fused experts itself);
+    ``target_parameters`` names expert parameters to adapt too (e.g. "mlp.experts.gate_up_proj"). Needs the
+    ``peft`` package (a test dependency)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     targets = target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=target_parameters,
+                        use_rslora=use_rslora, lora_dropout=0.0, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

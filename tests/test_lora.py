@@ -332,3 +332,38 @@ def test_two_ranks_equal_one(bases, adapters):
         check_matches(base, adapters["llama/c"], ids[0], run(engine, ids[:1], a)[0])
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_mixture_of_experts_adapters_match_peft(arch, tmp_path):
+    """A PEFT adapter of a mixture-of-experts model adapts its experts too (PEFT's `target_parameters` on the
+    fused expert weights, with the doubled rank and alpha of gate_up in `rank_pattern` / `alpha_pattern`), beside
+    attention and, for Qwen2-MoE, the shared expert's projections: base and adapter rows in one batch equal
+    transformers + PEFT; an update from tensors reaches the experts (Qwen2-MoE's experts are named as PEFT
+    parameters explicitly: PEFT's defaults adapt only its shared expert there)."""
+    base = make_tiny_model(tmp_path / "base", arch)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if arch == "qwen2_moe" else None
+    first = make_tiny_lora(base, tmp_path / "a", rank=4, seed=1, target_parameters=experts)
+    second = make_tiny_lora(base, tmp_path / "b", rank=4, seed=2, target_parameters=experts)
+    config, tensors = read_folder(str(first))
+    assert config["target_parameters"] and any(".experts." in n for n in tensors)  # the experts are adapted
+    engine = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        ids = ids_of(engine, PROMPTS[:3])
+        request = LoRARequest("moe", 1, str(first))
+        loras = [request, None, request]
+        for prompt_ids, out, lora in zip(ids, run(engine, ids, loras), loras, strict=True):
+            check_matches(base, None if lora is None else first, prompt_ids, out)
+        _, new = read_folder(str(second))
+        engine.reload_weights(weights_iterator=[(n, t) for n, t in new.items() if ".experts." in n],
+                              target="lora:moe")  # the experts' factors only
+        mixed = tmp_path / "mixed"
+        mixed.mkdir()
+        (mixed / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
+        from safetensors.torch import save_file
+
+        save_file({n: (new[n] if ".experts." in n else t).contiguous() for n, t in tensors.items()},
+                  str(mixed / "adapter_model.safetensors"))
+        check_matches(base, mixed, ids[0], run(engine, ids[:1], request)[0])
+    finally:
+        engine.shutdown()

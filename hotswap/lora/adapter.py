@@ -13,11 +13,14 @@ projection's rows): two products per layer and adapter in the forward pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from hotswap.lora.batch import Pack
 from hotswap.lora.peft_format import PREFIX, LoRASpec
+from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.layers.linear import Linear
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.sharded import Narrowing
@@ -55,11 +58,11 @@ class LoRAFactor(nn.Module):
 
 
 class LoRAAdapter(nn.Module):
-    """The factors of one adapter version for `base` (a model whose linear layers it adapts), all zero until
-    loaded. Raises ValueError for a module of `spec` that the model lacks or that is not a linear layer this
-    engine adapts (embeddings, the LM head, mixture-of-experts experts)."""
+    """The factors of one adapter version for `base` (a model whose linear layers and experts it adapts), all
+    zero until loaded. Raises ValueError for a module of `spec` that the model lacks or that this engine cannot
+    adapt (embeddings, the LM head), or a rank over `max_rank`."""
 
-    def __init__(self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype, max_rank: int) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
@@ -67,12 +70,18 @@ class LoRAAdapter(nn.Module):
         # base linear module name -> [(shard id, lora_A factor, lora_B factor)]
         self.targets: dict[str, list[tuple[object, LoRAFactor, LoRAFactor]]] = {}
         self.layers: dict[str, Linear] = {}
-        for module in spec.modules:
+        # fused experts module name -> {"w13" | "w2": (lora_A, lora_B, per-expert rank, PEFT's parameter key)}
+        self.expert_targets: dict[str, dict[str, tuple[LoRAFactor, LoRAFactor, int, str]]] = {}
+        self.expert_layers: dict[str, FusedMoE] = {}
+        for module, rows, in_features, out_features in spec.ranks:
+            if module.endswith(".experts") or ".experts.base_layer" in module:
+                self._add_experts(base, module, rows, (in_features, out_features), max_rank)
+                continue
             target = index.targets.get(f"{module}.weight")
             layer = target.layout if target is not None else None
             if target is None or not isinstance(layer, Linear) or target.param is not layer.weight:
                 raise ValueError(f"LoRA target module {module!r} is not a linear layer of this model that adapters "
-                                 "can change (attention and MLP projections)")
+                                 "can change (attention and MLP projections, experts)")
             out_full, in_full = target.full_shape
             a_plan: Narrowing = []
             b_plan: Narrowing = []
@@ -81,13 +90,47 @@ class LoRAAdapter(nn.Module):
             elif layer.parallel == "column":
                 spec_rows = layer.shard_specs[target.shard_id]
                 b_plan = [(0, spec_rows.ckpt_start, spec_rows.size)]
-            lora_a = LoRAFactor((spec.rank, in_full), a_plan, dtype)
-            lora_b = LoRAFactor((out_full, spec.rank), b_plan, dtype)
+            lora_a = LoRAFactor((rows, in_full), a_plan, dtype)
+            lora_b = LoRAFactor((out_full, rows), b_plan, dtype)
             _place(self, f"{PREFIX}{module}.lora_A", lora_a)
             _place(self, f"{PREFIX}{module}.lora_B", lora_b)
             self.targets.setdefault(target.module_name, []).append((target.shard_id, lora_a, lora_b))
             self.layers[target.module_name] = layer
-        self._packs: dict[str, Pack] | None = None
+        self._packs: dict[str, Any] | None = None
+
+    def _add_experts(self, base: nn.Module, wrapper: str, rows: int, features: tuple[int, int], max_rank: int
+                     ) -> None:
+        """A targeted expert parameter (PEFT's `target_parameters`): which one follows from its factors' (in, out)
+        features: (hidden, 2 x intermediate) for gate_up, (intermediate, hidden) for down."""
+        path = wrapper.replace(".base_layer", "")
+        try:
+            layer = base.get_submodule(path)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, FusedMoE):
+            raise ValueError(f"LoRA target {wrapper!r} names no mixture-of-experts block of this model")
+        experts, hidden, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        if rows % experts:
+            raise ValueError(f"{wrapper}: lora_A has {rows} rows, not a multiple of the {experts} experts")
+        rank = rows // experts
+        if rank > max_rank:
+            raise ValueError(f"the adapter's rank {rank} per expert ({wrapper}) exceeds max_lora_rank={max_rank}; "
+                             "start the engine with a larger max_lora_rank")
+        if features == (hidden, 2 * inter):
+            which, param = "w13", "gate_up_proj"
+        elif features == (inter, hidden):
+            which, param = "w2", "down_proj"
+        else:
+            raise ValueError(f"LoRA target {wrapper!r}: factors of {features[0]} inputs and {features[1]} outputs fit "
+                             f"neither gate_up_proj ({hidden} -> {2 * inter}) nor down_proj ({inter} -> {hidden})")
+        if which in self.expert_targets.get(path, {}):
+            raise ValueError(f"LoRA target {wrapper!r}: {path}.{param} is adapted twice")
+        lora_a = LoRAFactor((rows, features[0]), [], self.dtype)  # [experts x rank, in]
+        lora_b = LoRAFactor((features[1], rows), [], self.dtype)
+        _place(self, f"{PREFIX}{wrapper}.lora_A", lora_a)
+        _place(self, f"{PREFIX}{wrapper}.lora_B", lora_b)
+        self.expert_targets.setdefault(path, {})[which] = (lora_a, lora_b, rank, f"{path}.{param}")
+        self.expert_layers[path] = layer
 
     def weight_index(self) -> WeightIndex:
         """The adapter's weight index: its PEFT names; loading it never makes the served model valid or
@@ -103,12 +146,12 @@ class LoRAAdapter(nn.Module):
                 mine.copy_(theirs)
         self._packs = None
 
-    def packs(self) -> dict[str, Pack]:
-        """Per base linear module name, its fused (shrink, expand) pair (see the module doc); built on first use
-        after a load, then kept."""
+    def packs(self) -> dict[str, Any]:
+        """Per base module name, what its forward adds: a linear layer's fused (shrink, expand) pair (see the
+        module doc); a fused experts module's {"w13" | "w2": (shrink [experts, rank, in], expand [experts, out,
+        rank])} over this rank's experts and intermediate rows. Built on first use after a load, then kept."""
         if self._packs is None:
-            scale = self.spec.scaling
-            packs: dict[str, Pack] = {}
+            packs: dict[str, Any] = {}
             for name, parts in self.targets.items():
                 layer = self.layers[name]
                 shrink = torch.cat([a.weight for _, a, _ in parts]).t().contiguous()
@@ -116,14 +159,43 @@ class LoRAAdapter(nn.Module):
                 col = 0
                 for shard, _, b in parts:
                     rank, start = b.weight.shape[1], layer.shard_specs[shard].local_offset
-                    expand[col : col + rank, start : start + b.weight.shape[0]] = b.weight.t() * scale
+                    key = name if shard is None else _checkpoint_module(name, shard)
+                    expand[col : col + rank, start : start + b.weight.shape[0]] = (
+                        b.weight.t() * self.spec.scaling(key, rank))
                     col += rank
                 packs[name] = (shrink, expand)
+            for name, factors in self.expert_targets.items():
+                packs[name] = {which: self._expert_pack(self.expert_layers[name], which, *part)
+                               for which, part in factors.items()}
             self._packs = packs
         return self._packs
 
+    def _expert_pack(self, layer: FusedMoE, which: str, lora_a: LoRAFactor, lora_b: LoRAFactor, rank: int,
+                     key: str) -> Pack:
+        """PEFT's layout for a [experts, out, in] parameter: lora_A rows are expert-major ([experts, rank, in]),
+        lora_B columns rank-major ([out, rank, experts]); expert e adds scale * B_e @ A_e."""
+        experts, local = layer.num_experts, torch.tensor(layer.local_experts, dtype=torch.long)
+        a = lora_a.weight.reshape(experts, rank, -1)[local]
+        b = lora_b.weight.reshape(lora_b.weight.shape[0], rank, experts).permute(2, 0, 1)[local]
+        start, width, inter = layer.i_start, layer.i_local, layer.intermediate_size
+        if which == "w13":  # this rank's gate rows and up rows
+            b = torch.cat([b[:, start : start + width], b[:, inter + start : inter + start + width]], dim=1)
+        else:  # this rank's intermediate columns (the partial products are summed with the experts' outputs)
+            a = a[:, :, start : start + width]
+        return a.contiguous(), (b * self.spec.scaling(key, rank)).contiguous()
+
     def invalidate_packs(self) -> None:
         self._packs = None
+
+
+_SHARD_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+
+
+def _checkpoint_module(fused: str, shard: object) -> str:
+    """The checkpoint module path of shard `shard` of fused module `fused` (e.g. q of ...qkv_proj: ...q_proj),
+    the key PEFT's alpha_pattern matches."""
+    parent = fused.rsplit(".", 1)[0]
+    return f"{parent}.{_SHARD_MODULES.get(shard, str(shard))}"
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -14,24 +14,26 @@ from torch import nn
 from hotswap.lora.adapter import LoRAAdapter
 from hotswap.lora.batch import LoRABatch, LoRAGroup
 from hotswap.lora.peft_format import LoRASpec
+from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.layers.linear import Linear
 from hotswap.weights.update import WeightSource, WeightUpdate
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, max_rank: int) -> None:
         self.model = model
         self.dtype = dtype
+        self.max_rank = max_rank
         self.adapters: dict[int, LoRAAdapter] = {}
         self.pending: tuple[int, LoRAAdapter] | None = None  # a version being loaded by an open update
         for name, module in model.named_modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.lora_key = name
 
     def build(self, spec: dict[str, Any]) -> LoRAAdapter:
         """An all-zero adapter of `spec` (LoRASpec.as_dict) on this model. Raises ValueError for a module the model
         cannot adapt."""
-        return LoRAAdapter(LoRASpec.from_dict(spec), self.model, self.dtype)
+        return LoRAAdapter(LoRASpec.from_dict(spec), self.model, self.dtype, self.max_rank)
 
     def add(self, uid: int, spec: dict[str, Any], source: WeightSource, check_finite: bool) -> None:
         """Builds adapter `uid` and loads every one of its tensors from `source` (PEFT names). Raises ValueError
@@ -52,7 +54,7 @@ class LoRAManager:
         if new in self.adapters:
             raise ValueError(f"adapter uid {new} is already loaded")
         self.drop_pending()
-        copy = LoRAAdapter(current.spec, self.model, self.dtype)
+        copy = LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank)
         copy.copy_from(current)
         self.pending = (new, copy)
         return copy

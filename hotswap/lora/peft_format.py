@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,32 +20,49 @@ import torch
 PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 # adapter_config.json keys whose non-default values change the forward pass in ways not implemented here
-_UNSUPPORTED: dict[str, Any] = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "modules_to_save": None,
-                "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None, "layer_replication": None}
+_UNSUPPORTED: dict[str, Any] = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False,
+                                "modules_to_save": None, "layer_replication": None}
 
 
 @dataclass(frozen=True)
 class LoRASpec:
-    """One adapter's shape: its rank, alpha, whether the scale is rank-stabilized, and the base modules it adapts
-    (checkpoint module paths, e.g. "model.layers.0.self_attn.q_proj")."""
+    """One adapter's shape: PEFT's default rank `rank` and `alpha`, whether scales are rank-stabilized, each adapted
+    module with the rows of its lora_A (its rank; for mixture-of-experts parameters, rank x experts), lora_A's
+    columns and lora_B's rows (the target's in and out features), and PEFT's
+    `alpha_pattern` (regex -> alpha). A module is a checkpoint module path ("model.layers.0.self_attn.q_proj"), or
+    for a targeted expert parameter PEFT's wrapper path ("model.layers.0.mlp.experts", with ".base_layer" once
+    per further parameter of the same module)."""
 
     rank: int
     alpha: float
     use_rslora: bool
-    modules: tuple[str, ...]
+    ranks: tuple[tuple[str, int, int, int], ...]
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     @property
-    def scaling(self) -> float:
-        """What the product of the factors is multiplied by: alpha / rank (rsLoRA: alpha / sqrt(rank))."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+    def modules(self) -> tuple[str, ...]:
+        return tuple(m for m, *_ in self.ranks)
+
+    def scaling(self, key: str, rank: int) -> float:
+        """What the product of a target's factors is multiplied by: alpha / rank (rsLoRA: alpha / sqrt(rank)), its
+        alpha from `alpha_pattern` where a pattern matches `key` (a module path, or "<module>.<parameter>") as PEFT
+        matches it."""
+        alpha = self.alpha
+        for pattern, value in self.alpha_pattern:
+            if re.match(rf"(.*\.)?({pattern})$", key):
+                alpha = value
+                break
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
     def as_dict(self) -> dict[str, Any]:
         return {"r": self.rank, "lora_alpha": self.alpha, "use_rslora": self.use_rslora,
-                "modules": list(self.modules)}
+                "ranks": [list(item) for item in self.ranks], "alpha_pattern": [list(i) for i in self.alpha_pattern]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoRASpec:
-        return cls(int(d["r"]), float(d["lora_alpha"]), bool(d["use_rslora"]), tuple(d["modules"]))
+        return cls(int(d["r"]), float(d["lora_alpha"]), bool(d["use_rslora"]),
+                   tuple((str(m), int(r), int(i), int(o)) for m, r, i, o in d["ranks"]),
+                   tuple((str(p), float(a)) for p, a in d.get("alpha_pattern", [])))
 
 
 def canonical_name(name: str) -> str:
@@ -60,9 +76,10 @@ def canonical_name(name: str) -> str:
     return f"{match['module']}.{match['factor']}.weight"
 
 
-def spec_of(config: dict[str, Any], names: Iterable[str], max_rank: int) -> LoRASpec:
-    """The spec of an adapter with PEFT `config` (adapter_config.json's fields) and tensors `names`. Raises
-    ValueError naming what is missing, unsupported or over `max_rank`."""
+def spec_of(config: dict[str, Any], tensors: dict[str, torch.Tensor], max_rank: int) -> LoRASpec:
+    """The spec of an adapter with PEFT `config` (adapter_config.json's fields) and `tensors` (by name). Raises
+    ValueError naming what is missing, unsupported or over `max_rank` (a module's rank; an expert parameter's rank
+    per expert is checked where the experts are known)."""
     if not isinstance(config, dict):
         raise ValueError(f"the adapter's config must be a dict of adapter_config.json fields, got "
                          f"{type(config).__name__}")
@@ -78,25 +95,37 @@ def spec_of(config: dict[str, Any], names: Iterable[str], max_rank: int) -> LoRA
     rank = config.get("r", 8)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"adapter_config r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise ValueError(f"the adapter's rank {rank} exceeds max_lora_rank={max_rank}; start the engine with a "
-                         "larger max_lora_rank")
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"adapter_config lora_alpha must be a number, got {alpha!r}")
-    factors: dict[str, set[str]] = {}
-    for name in names:
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict) or not all(isinstance(v, (int, float)) for v in patterns.values()):
+        raise ValueError(f"adapter_config alpha_pattern must map patterns to numbers, got {patterns!r}")
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
         match = _FACTOR.match(canonical_name(name))
         if match is None:
             raise ValueError(f"unexpected tensor {name!r} in a LoRA adapter (expected <module>.lora_A.weight and "
                              "<module>.lora_B.weight)")
-        factors.setdefault(match["module"][len(PREFIX):], set()).add(match["factor"])
+        factors.setdefault(match["module"][len(PREFIX):], {})[match["factor"]] = tensor
     if not factors:
         raise ValueError("the adapter has no lora_A / lora_B tensors")
-    lonely = sorted(m for m, f in factors.items() if f != {"lora_A", "lora_B"})
+    lonely = sorted(m for m, f in factors.items() if set(f) != {"lora_A", "lora_B"})
     if lonely:
         raise ValueError(f"modules {lonely[:3]} have lora_A or lora_B but not both")
-    return LoRASpec(rank, float(alpha), bool(config.get("use_rslora", False)), tuple(sorted(factors)))
+    ranks = []
+    for module, pair in sorted(factors.items()):
+        rows = pair["lora_A"].shape[0] if pair["lora_A"].dim() == 2 else -1
+        if pair["lora_A"].dim() != 2 or pair["lora_B"].dim() != 2 or pair["lora_B"].shape[1] != rows:
+            raise ValueError(f"{module}: lora_A {tuple(pair['lora_A'].shape)} and lora_B "
+                             f"{tuple(pair['lora_B'].shape)} are not [rank, in] and [out, rank]")
+        expert = module.endswith(".experts") or ".experts.base_layer" in module
+        if not expert and rows > max_rank:
+            raise ValueError(f"the adapter's rank {rows} ({module}) exceeds max_lora_rank={max_rank}; start the "
+                             "engine with a larger max_lora_rank")
+        ranks.append((module, rows, pair["lora_A"].shape[1], pair["lora_B"].shape[0]))
+    return LoRASpec(rank, float(alpha), bool(config.get("use_rslora", False)), tuple(ranks),
+                    tuple((str(p), float(v)) for p, v in patterns.items()))
 
 
 def read_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -40,6 +40,7 @@ from torch import nn
 from hotswap.config import EngineConfig, current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import ops
+from hotswap.lora.batch import LoRABatch, active_lora
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
 from hotswap.weights.sharded import Narrowing
 
@@ -439,14 +440,43 @@ class FusedMoE(nn.Module):
         picked = order[: int(counts.sum())]
         rows = picked // k
         w13, w2 = self._weights(x.dtype, counts)
+        lora = active_lora() if self.lora_key is not None else None
+        if lora is not None and not lora.touches(self.lora_key):
+            lora = None
+        expert_counts = counts  # every local expert's rows (fp8 keeps only the experts with rows, below)
         if self.fp8:
             counts = counts[counts > 0]
-        h = grouped_mm(x[rows], w13, counts)
+        xs = x[rows]
+        h = grouped_mm(xs, w13, counts)
+        if lora is not None:
+            h = self._add_lora(lora, "w13", xs, h, rows, expert_counts)
         gate, up = h.split(self.i_local, dim=-1)
-        out = grouped_mm(F.silu(gate) * up, w2, counts)
+        act = F.silu(gate) * up
+        out = grouped_mm(act, w2, counts)
+        if lora is not None:
+            out = self._add_lora(lora, "w2", act, out, rows, expert_counts)
         combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
         combined.index_add_(0, rows, out.float() * weights.flatten()[picked, None])
         return self.tp.all_reduce(combined).to(x.dtype)
+
+    # this module's name in the model, set where LoRA adapters are enabled (hotswap/lora/manager.py)
+    lora_key: str | None = None
+
+    def _add_lora(self, lora: LoRABatch, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                  counts: torch.Tensor) -> torch.Tensor:
+        """`out` (the experts' product `which` for rows `x`, grouped by expert as `counts` says; `rows`: each
+        one's token) plus every adapter's expert factors for the tokens it serves."""
+        assert self.lora_key is not None  # set with the adapters
+        for group in lora.groups:
+            pack = group.packs.get(self.lora_key)
+            if not isinstance(pack, dict) or which not in pack:
+                continue
+            shrink, expand = pack[which]
+            h = grouped_mm(x, shrink.to(x.dtype), counts)
+            if group.rows is not None:  # the adapter's tokens only
+                h = h * torch.isin(rows, group.rows).to(h.dtype)[:, None]
+            out = out + grouped_mm(h, expand.to(out.dtype), counts)
+        return out
 
     def _forward_deterministic(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`forward` with batch-invariant products (`ops`, one expert at a time) and a fixed order of sums: each
