@@ -104,10 +104,10 @@ def test_mixed_batch_matches_peft(bases, adapters, arch):
             check_matches(base, None if lora is None else Path(lora.lora_path), prompt_ids, out)
             assert out.lora_name == (None if lora is None else lora.lora_name)
             assert out.outputs[0].lora_versions == ([] if lora is None else [(1, 0, TOKENS)])
-        # the adapters change what the model says (else the comparison above would prove little)
+        # the adapters change the model's distribution (else the comparison above would prove little)
         plain = run(engine, ids, None)
-        assert plain[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
-        assert plain[2].outputs[0].token_ids != outs[2].outputs[0].token_ids
+        for i in (0, 2):
+            assert abs(plain[i].outputs[0].cumulative_logprob - outs[i].outputs[0].cumulative_logprob) > 1e-2
     finally:
         engine.shutdown()
 

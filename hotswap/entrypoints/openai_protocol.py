@@ -227,6 +227,17 @@ def replay_fields(c: CompletionOutput) -> dict[str, Any]:
     return fields
 
 
+def lora_fields(out: RequestOutput, c: CompletionOutput, shape: Shape | None = None) -> dict[str, Any]:
+    """A choice's `lora_versions` when its request ran with a LoRA adapter (none otherwise): the adapter version
+    of each output token as spans [[version, start, end]] over the choice's tokens (the `weight_versions` shape),
+    or objects {"version", "start", "end"} with return_weight_versions."""
+    if out.lora_name is None:
+        return {}
+    if shape is not None and shape.vllm_versions:
+        return {"lora_versions": [{"version": v, "start": start, "end": end} for v, start, end in c.lora_versions]}
+    return {"lora_versions": [[v, start, end] for v, start, end in c.lora_versions]}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -361,6 +372,7 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         "weight_versions": spans(c, shape),
+        **lora_fields(out, c, shape),
         **replay_fields(c),
     }
     if shape.token_ids:
@@ -403,6 +415,7 @@ def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, s
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "weight_versions": spans(c, shape),
+                **lora_fields(out, c, shape),
                 **({"token_ids": list(c.token_ids)} if shape.token_ids else {}),
                 **replay_fields(c),
             }

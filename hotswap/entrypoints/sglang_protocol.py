@@ -6,9 +6,13 @@ Shapes follow SGLang 0.5.2x (`sglang/srt/entrypoints/http_server.py`, `io_struct
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from hotswap.entrypoints.openai_protocol import span_object
@@ -37,6 +41,9 @@ class GenerateBody(_Lenient):
     return_sampling_mask: bool = False
     forced_routed_experts: Any = None
     session_params: dict[str, Any] | None = None  # {"id": <an open session's id>, ...}: a turn of that session
+    # a LoRA adapter for every input, or one (or None: the base model) per input: a loaded adapter's name, or a
+    # folder, loaded under its path as its name on first use
+    lora_path: str | list[str | None] | None = None
 
 
 class OpenSessionBody(_Lenient):
@@ -100,6 +107,76 @@ class AbortBody(_Lenient):
 
 class TagsBody(_Lenient):
     tags: list[str] | None = None
+
+
+class LoRAPathBody(_Lenient):
+    """SGLang's /load_lora_adapter. `upsert` (SGLang PR #32238): replace a loaded adapter's weights in place."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    pinned: bool = False
+    upsert: bool = False
+
+
+class LoRATensorsBody(_Lenient):
+    """SGLang's /load_lora_adapter_from_tensors: the adapter's PEFT config (adapter_config.json's fields) and its
+    tensors, `serialized_named_tensors` (one entry per TP rank, 0.5.18 on) or `serialized_tensors` (one, earlier);
+    each entry is decoded by `decode_tensors`."""
+
+    lora_name: str = ""
+    config_dict: dict[str, Any] = Field(default_factory=dict)
+    serialized_named_tensors: list[str] | None = None
+    serialized_tensors: str | None = None
+    load_format: str | None = None
+    pinned: bool = False
+    upsert: bool = False
+
+
+class LoRANameBody(_Lenient):
+    lora_name: str = ""
+
+
+TENSOR_LOAD_FORMATS = (None, "direct", "auto", "safetensors", "torch")
+
+
+def decode_tensors(payload: str) -> dict[str, torch.Tensor]:
+    """A base64 string of serialized named tensors, as SGLang's tensor routes carry them, as {name: CPU tensor}:
+    the bytes of `safetensors.torch.save(tensors)`, or of `torch.save` of a dict (or of (name, tensor) pairs),
+    read with `weights_only=True`. SGLang's own `MultiprocessingSerializer` bytes (a pickle of CUDA-IPC or
+    shared-memory handles) are refused: unpickling a request body would run whatever it names. Raises ValueError
+    naming the problem."""
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"serialized tensors are not valid base64 ({err})") from None
+    if raw[:2] == b"PK":  # torch.save's zip
+        try:
+            loaded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"serialized tensors: cannot read torch.save bytes with weights_only=True ({err})"
+                             ) from None
+        pairs = list(loaded.items()) if isinstance(loaded, dict) else loaded
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in pairs
+        ):
+            raise ValueError("serialized tensors: torch.save bytes must hold a dict of name -> tensor (or a list of "
+                             "(name, tensor) pairs)")
+        return dict(pairs)
+    header = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else 0
+    if 0 < header <= len(raw) - 8 and raw[8:9] == b"{":  # safetensors: a u64 header length, then its JSON
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors
+
+        try:
+            return load_safetensors(raw)
+        except (SafetensorError, ValueError, RuntimeError) as err:
+            raise ValueError(f"serialized tensors: unreadable safetensors bytes ({err})") from None
+    if raw[:1] == b"\x80":
+        raise ValueError("serialized tensors are a pickle (SGLang's MultiprocessingSerializer): refused, since "
+                         "unpickling a request body runs arbitrary code; send base64 of "
+                         "safetensors.torch.save(tensors) (or of torch.save(state_dict)) instead")
+    raise ValueError("serialized tensors are neither safetensors nor torch.save bytes")
 
 
 # SGLang sampling keys -> SamplingParams fields (others that change results are refused)
@@ -166,6 +243,9 @@ def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_o
         "weight_version": spans[-1]["version"] if spans else version,
         "weight_versions": spans,
     }
+    if out.lora_name is not None:  # the adapter and its version per output token, spans as weight_versions
+        meta["lora_name"] = out.lora_name
+        meta["lora_versions"] = [{"version": v, "start": start, "end": end} for v, start, end in c.lora_versions]
     if c.spec_stats is not None:
         meta["spec_accept_rate"] = c.spec_stats.acceptance_rate
         meta["spec_accept_length"] = c.spec_stats.mean_accepted_length

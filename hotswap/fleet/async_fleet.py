@@ -22,6 +22,7 @@ from hotswap.engine.detokenizer import Detokenizer
 from hotswap.errors import EngineUnavailable
 from hotswap.fleet.fleet import Fleet
 from hotswap.fleet.replicas import _cause, _first_line, _ray
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionLabels
@@ -129,13 +130,18 @@ class AsyncFleet:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams one request's outputs from the replica the router chose (see the module docstring)."""
+        """Streams one request's outputs from the replica the router chose (see the module docstring).
+        `lora_request`: the adapter it runs with; one the fleet has not loaded is loaded on every replica first
+        (`Fleet.resolve_loras`)."""
         ray = _ray()
         fleet = self.fleet
         params = sampling_params or SamplingParams()
         request_id = request_id or fleet.next_request_id()
         staged = await asyncio.to_thread(fleet.prepare_prompt, prompt)
+        if lora_request is not None:
+            lora_request = (await asyncio.to_thread(fleet.resolve_loras, [lora_request]))[0]
         if routing_key is not None:  # the session the replica keeps its KV for
             staged["session_id"] = routing_key
         routing_key = routing_key or staged.get("session_id")
@@ -146,7 +152,8 @@ class AsyncFleet:
             actor, stream = member.actor, None
             finished, produced = False, 0
             try:
-                stream = actor.stream.options(num_returns="streaming").remote(staged, params, request_id)
+                stream = actor.stream.options(num_returns="streaming").remote(staged, params, request_id,
+                                                                              lora_request)
                 async for ref in stream:
                     out: RequestOutput = await ref
                     total = sum(len(c.token_ids) for c in out.outputs)
@@ -235,6 +242,9 @@ class AsyncFleet:
     abort_weight_update = _in_thread(Fleet.abort_weight_update)
     shutdown_weight_transfer_engine = _in_thread(Fleet.shutdown_weight_transfer_engine)
     update_weight_version = _in_thread(Fleet.update_weight_version)
+    load_lora_adapter = _in_thread(Fleet.load_lora_adapter)
+    unload_lora_adapter = _in_thread(Fleet.unload_lora_adapter)
+    list_loras = _in_thread(Fleet.list_loras)
     collective_rpc = _in_thread(Fleet.collective_rpc)
     shutdown = _in_thread(Fleet.shutdown)
 

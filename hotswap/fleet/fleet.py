@@ -16,21 +16,31 @@ every replica rolls back and the fleet goes on serving the previous version.
          any failure before COMMIT --> every replica aborts (rolled back) --> IDLE
     IDLE --reload_weights()--> PREPARE --> COMMIT | roll back everywhere --> IDLE
 
+LoRA adapters change the same way, on every replica that holds the fleet's version or on none, without pausing
+(see `load_lora_adapter`): a load (`prepare_lora_adapter` on each replica, then `commit_lora_adapter` on all, else
+`abort_lora_adapter` where it was prepared), `reload_weights(target="lora:<name>")`, and a transfer session with
+target "lora:<name>" (two-phase through prepare_weight_update / commit, as the model's). An adapter a request names
+for the first time is loaded on every replica before the request is routed.
+
 A replica is routable only while it is up and holds the fleet's version. A replica that dies (its actor dies,
 or it does not answer a health check within `health_check_timeout_s`) leaves routing at once, is restarted by
 the fleet in its placement group, brought to the fleet's version (from the checkpoint folder when the version
-came from one, else copied from a live replica and checked against its checksums) outside any weight change,
-paused if the fleet is, and only then routed to again.
+came from one, else copied from a live replica and checked against its checksums) and given the fleet's LoRA
+adapters (copied from a live replica) outside any weight change, paused if the fleet is, and only then routed to
+again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
+
+import torch
 
 from hotswap.config import apply_overrides, live_overrides
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
@@ -48,6 +58,8 @@ from hotswap.fleet.replicas import (
 )
 from hotswap.fleet.router import request_cost
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
+from hotswap.lora.request import LoRARequest
+from hotswap.lora.updates import lora_target
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.delta import is_delta
@@ -96,9 +108,11 @@ class Fleet(FleetReplicas):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """As `LLM.generate`: outputs in prompt order, spread over the replicas (a replica that dies meanwhile
-        has its prompts generated again by the others).
+        has its prompts generated again by the others). `lora_request`: the adapter for all prompts, or one (or
+        None) per prompt; one the fleet has not loaded is loaded on every replica first (`resolve_loras`).
 
         Never blocks for ever: a paused fleet refuses a new call at once (`EngineUnavailable`: resume first), and a
         replica that has not returned its outputs within `request_timeout_s` (one paused meanwhile in 'keep' mode,
@@ -107,7 +121,9 @@ class Fleet(FleetReplicas):
         if self.paused or self.pausing:
             raise EngineUnavailable(f"the fleet is paused ({self.pause_mode!r}); call resume_generation() first")
         prompts, params_list = per_prompt(prompts, sampling_params)
+        loras = _per_prompt_lora(lora_request, len(prompts))
         staged = [self.prepare_prompt(p) for p in prompts]
+        loras = self.resolve_loras(loras)
         results: dict[int, RequestOutput] = {}
         pending = list(range(len(prompts)))
         avoid: set[int] = set()
@@ -124,7 +140,8 @@ class Fleet(FleetReplicas):
                 actors = {index: self.members[index].actor for index in groups}
                 calls = {
                     index: actors[index].generate_batch.remote(
-                        [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group])
+                        [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group],
+                        [loras[i] for i, _ in group])
                     for index, group in groups.items()
                 }
                 pending = []
@@ -156,9 +173,163 @@ class Fleet(FleetReplicas):
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         prompts = chat_prompts(self.tokenizer, messages, add_generation_prompt, chat_template)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------------
+
+    def resolve_loras(self, loras: Sequence[LoRARequest | None]) -> list[LoRARequest | None]:
+        """The adapters requests name, had on every replica before any of them is routed: one the fleet has not
+        loaded is loaded (from its lora_path) on every replica, two-phase, once; a request with load_inplace
+        reloads its folder on every replica, as one engine does. Returns the requests as the replicas take them
+        (load_inplace cleared: it was done here). Raises ValueError for a request another adapter's id or name
+        contradicts, or for a load that fails (nothing is loaded then); a request naming an adapter that is not
+        loaded and gives no lora_path is left to the replica, which refuses it."""
+        for request in loras:
+            if request is not None and not isinstance(request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        wanted = {r for r in loras if r is not None}
+        for request in wanted:
+            self._check_lora()
+            self._check_lora_id(request)
+            with self._lock:
+                known = request.lora_name in self._loras
+            if request.lora_path and (request.load_inplace or not known):
+                with self._change:
+                    self._check_lora_id(request)  # as it is now that no change runs
+                    if request.load_inplace or request.lora_name not in self._loras:
+                        self._load_lora(request.lora_name, request.lora_path, request.load_inplace, None, None,
+                                        request.lora_int_id, False)
+        return [r if r is None or not r.load_inplace else dataclasses.replace(r, load_inplace=False) for r in loras]
+
+    def _check_lora_id(self, request: LoRARequest) -> None:
+        with self._lock:
+            known = self._loras.get(request.lora_name)
+            other = next((n for n, r in self._loras.items()
+                          if r["lora_int_id"] == request.lora_int_id and n != request.lora_name), None)
+        if known is not None and known["lora_int_id"] != request.lora_int_id:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} has lora_int_id {known['lora_int_id']}, not "
+                             f"{request.lora_int_id}")
+        if other is not None:
+            raise ValueError(f"lora_int_id {request.lora_int_id} belongs to adapter {other!r}")
+
+    def _check_lora(self) -> None:
+        if not self.config.lora_config.enable_lora:
+            raise ValueError("this fleet serves no LoRA adapters; start it with enable_lora=True")
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
+                          tensors: dict[str, torch.Tensor] | None = None, peft_config: dict[str, Any] | None = None,
+                          lora_int_id: int | None = None, pinned: bool = False) -> dict[str, Any]:
+        """As `LLM.load_lora_adapter`, on every replica that holds the fleet's version or on none: each prepares
+        the new version (loaded on its workers, nothing served changes), then, only if every one did, all commit
+        it; if any fails or dies first, those that prepared drop it and the first failure is raised (ValueError
+        as the replica raised it: a bad folder, rank or name; else FleetUpdateFailed). Nothing pauses. Returns
+        the adapter's description (a replica's). Restarted replicas get the fleet's adapters back."""
+        self._check_lora()
+        with self._change:
+            return self._load_lora(lora_name, lora_path, load_inplace, tensors, peft_config, lora_int_id, pinned)
+
+    def _load_lora(self, lora_name: str, lora_path: str | None, load_inplace: bool,
+                   tensors: dict[str, torch.Tensor] | None, peft_config: dict[str, Any] | None,
+                   lora_int_id: int | None, pinned: bool) -> dict[str, Any]:
+        """`load_lora_adapter` under the change lock."""
+        ray = _ray()
+        members = self._current()
+        ref = None if tensors is None else ray.put(tensors)  # sent once, kept for restarts
+        description = self._lora_two_phase(members, "prepare_lora_adapter", lora_name, lora_path, load_inplace,
+                                           ref, peft_config, lora_int_id, pinned)
+        self._record_lora(description, {"tensors": ref, "peft_config": peft_config, "current": True})
+        return description
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Forgets adapter `lora_name` on every replica (requests running on it finish on their version). Raises
+        ValueError when no replica has it. A replica that fails otherwise is replaced (a restart copies the
+        adapters of a live replica)."""
+        self._check_lora()
+        with self._change:
+            members = self._up()
+            results, errors = self._call(members, "unload_lora_adapter", lora_name, timeout=self._rpc_timeout)
+            unloaded = bool(results)
+            with self._lock:
+                unloaded = self._loras.pop(lora_name, None) is not None or unloaded
+            for index, err in errors.items():
+                if not isinstance(err, (ValueError, ReplicaDown)):  # its adapters are unknown now
+                    self._failed(self.members[index], f"it failed to unload LoRA adapter {lora_name!r} "
+                                                      f"({type(err).__name__}: {_first_line(err)})")
+            if not unloaded and errors:
+                index, err = next(iter(errors.items()))
+                raise _with_replica(err, index, "unload_lora_adapter")
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Per loaded adapter: lora_name, lora_int_id, version, rank, lora_path, pinned (every routable replica
+        holds the same adapters; the first answers)."""
+        self._check_lora()
+        members = self._current(required=False)
+        if not members:
+            raise EngineUnavailable(self.health_problem() or "no replica is routable")
+        return cast("list[dict[str, Any]]", self._all(members[:1], "list_loras", timeout=self._rpc_timeout)[
+            members[0].index])
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's `add_lora`: loads the adapter a LoRARequest names (from its path) on every replica unless the
+        fleet has it."""
+        self._check_lora()
+        self.resolve_loras([lora_request])
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's `remove_lora`: unloads the adapter with integer id `lora_id`; False if none has it."""
+        with self._lock:
+            name = next((n for n, r in self._loras.items() if r["lora_int_id"] == lora_id), None)
+        if name is None:
+            return False
+        self.unload_lora_adapter(name)
+        return True
+
+    def _record_lora(self, description: dict[str, Any], source: dict[str, Any]) -> None:
+        """Records a committed adapter version: its description, and `source` (tensors, peft_config, current)."""
+        with self._lock:
+            self._loras[description["lora_name"]] = {
+                "lora_int_id": description["lora_int_id"], "version": description["version"],
+                "lora_path": description["lora_path"], "pinned": description["pinned"], **source}
+
+    def _lora_two_phase(self, members: list[_Member], prepare: str, lora_name: str, *args: Any) -> dict[str, Any]:
+        """`prepare` (prepare_lora_adapter, prepare_lora_reload) of adapter `lora_name` on every member, then
+        commit_lora_adapter on all; if any member fails (or the members disagree on its integer id), those that
+        prepared abort and the failure is raised. Returns the committed description (the lowest replica's)."""
+        try:
+            prepared, errors = self._call(members, prepare, lora_name, *args, timeout=self._rpc_timeout)
+        except BaseException:
+            self._lora_abort(members, lora_name)
+            raise
+        if not errors and len(set(prepared.values())) > 1:  # their adapters differ: never commit that
+            errors = {min(prepared): RuntimeError(f"the replicas gave LoRA adapter {lora_name!r} different "
+                                                  f"integer ids {prepared}")}
+        if errors:
+            self._lora_abort([m for m in members if m.index in prepared], lora_name)
+            index, err = min(errors.items(), key=lambda e: (isinstance(e[1], ReplicaDown), e[0]))  # a user error
+            if isinstance(err, (ValueError, TypeError)):
+                raise _with_replica(err, index, prepare)
+            raise FleetUpdateFailed(
+                f"replica {index} failed in {prepare}() ({type(err).__name__}: {_first_line(err)}); every replica "
+                f"dropped the new version: LoRA adapter {lora_name!r} is unchanged") from err
+        results, errors = self._call(members, "commit_lora_adapter", lora_name, timeout=self._rpc_timeout)
+        for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
+            self._failed(self.members[index], f"its LoRA commit failed ({type(err).__name__}: {_first_line(err)})")
+        if not results:
+            raise ReplicaDown(f"every replica failed while committing LoRA adapter {lora_name!r}; restarted "
+                              "replicas come back with the adapters the fleet had before")
+        return cast("dict[str, Any]", results[min(results)])
+
+    def _lora_abort(self, members: Sequence[_Member], lora_name: str) -> None:
+        """Drops a prepared load of `lora_name` on `members`; one that cannot is replaced."""
+        live = [m for m in members if m.state == "up"]
+        _, errors = self._call(live, "abort_lora_adapter", lora_name, timeout=self._rpc_timeout)
+        for index, err in errors.items():
+            self._failed(self.members[index], f"its LoRA rollback failed ({type(err).__name__}: "
+                                              f"{_first_line(err)})")
 
     # ---- pause, resume, sleep, config ------------------------------------------------------------------------
 
@@ -289,8 +460,13 @@ class Fleet(FleetReplicas):
         `weight_version`: an integer or a label), or none changes. As for one engine, requests in flight refuse
         it: pause first. With a folder, this also brings the fleet back when no replica holds its version any
         more: the replicas restart from the folder. `encoding` / `base_version` / `checksums`: a delta, as for
-        one engine (every replica holds the same weights, so one delta fits them all)."""
+        one engine (every replica holds the same weights, so one delta fits them all). `target` "lora:<name>":
+        the adapter's next version on every replica or on none (a PEFT folder, or pairs; nothing pauses)."""
         parse_version(weight_version)
+        lora = lora_target(target)
+        if lora is not None:
+            self._reload_lora(lora, weights_path, weights_iterator, weight_version, encoding, base_version, checksums)
+            return
         if target != "model":
             raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
                              "updated through a session with target 'all'")
@@ -328,6 +504,33 @@ class Fleet(FleetReplicas):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no replica came back from {weights_path} within {self._start_timeout:g} s")
                 time.sleep(0.1)
+
+    def _reload_lora(self, lora_name: str, weights_path: str | None, weights_iterator: Iterable[tuple[str, Any]] | None,
+                     weight_version: VersionArg, encoding: str | None, base_version: VersionArg,
+                     checksums: dict[str, str] | None) -> None:
+        """`reload_weights(target="lora:<name>")`: prepare_lora_reload on every replica, then commit (or abort)."""
+        self._check_lora()
+        if weight_version is not None:
+            raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
+        if weights_path is not None and weights_iterator is not None:
+            raise ValueError("give weights_path or weights_iterator, not both")
+        if weights_path is None and weights_iterator is None:
+            raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
+        ray = _ray()
+        with self._change:
+            self._check_no_session("reload_weights")
+            members = self._current()
+            weights = None if weights_iterator is None else ray.put(list(weights_iterator))
+            description = self._lora_two_phase(members, "prepare_lora_reload", lora_name, weights_path, weights,
+                                               encoding, base_version, checksums)
+            if weights_path is not None:  # the folder holds this version whole
+                self._record_lora(description, {"tensors": None, "peft_config": None, "current": True})
+            else:
+                with self._lock:
+                    record = self._loras.get(lora_name)
+                if record is not None:
+                    self._record_lora(description, {**{k: record[k] for k in ("tensors", "peft_config")},
+                                                    "current": False})
 
     def _reseed(self, weight_version: VersionArg = None) -> None:
         """No replica holds the fleet's version: at a new version (the next, or `weight_version`), every replica
@@ -406,7 +609,7 @@ class Fleet(FleetReplicas):
                 index, err = next(iter(errors.items()))
                 raise _with_replica(err, index, "start_weight_update")
             token = secrets.token_hex(16)
-            self._session = {"members": members, "token": token}
+            self._session = {"members": members, "token": token, "target": target}
             return token
 
     def update_weights(self, update_info: Any, session_token: str | None = None) -> None:
@@ -427,9 +630,18 @@ class Fleet(FleetReplicas):
         parse_version(weight_version)
         with self._change:
             members = self._session_members(session_token, "finish_weight_update")
+            assert self._session is not None
+            lora = lora_target(self._session["target"])
+            if lora is not None and (weight_version is not None or canary is not None):
+                raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
             self._session = None
             confirmed = self._two_phase(members, "prepare_weight_update", None, canary, version=weight_version)
-            self._folder_current = False
+            if lora is None:
+                self._folder_current = False
+            else:  # the adapter's committed version is no longer what the fleet loaded it from
+                with self._lock:
+                    if lora in self._loras:
+                        self._loras[lora]["current"] = False
             if not confirmed:
                 raise _no_commit(self.version)
 
@@ -548,3 +760,13 @@ class Fleet(FleetReplicas):
             self._failed(m, f"it committed versions {results[m.index]}, the others {agreed}")
         return bool(results)
 
+
+def _per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+                     ) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one or one per prompt")
+    return loras

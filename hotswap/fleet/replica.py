@@ -4,7 +4,8 @@ The actor is an `AsyncLLMEngine` (its event loop steps the engine and runs weigh
 `status()` answers while a step or an update is under way): the fleet calls the engine's own verbs on it
 (pause/resume, sleep/wake, config, the transfer session, prepare/abort of a two-phase change, collective_rpc) and
 the few methods below, which only a replica has. Each weight method is one phase of a fleet-wide change (see
-`hotswap.fleet.fleet`).
+`hotswap.fleet.fleet`); a LoRA adapter is loaded the same way (prepare on every replica, then commit or abort),
+and a restarted replica copies a live one's adapters (`export_loras` / `adopt_loras`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
+
+import torch
 
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.lora.adapter import LoRAFactor
+from hotswap.lora.peft_format import LoRASpec
+from hotswap.lora.registry import Prepared
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.delta import check_encoding
 
 
 class ReplicaServer(AsyncLLMEngine):
@@ -30,6 +38,7 @@ class ReplicaServer(AsyncLLMEngine):
         super().__init__(EngineConfig.from_kwargs(model, **engine_kwargs))
         self.index = index
         self.served = 0
+        self._prepared_loras: dict[str, Prepared] = {}  # adapter loads awaiting commit_lora_adapter()
 
     async def status(self) -> dict[str, Any]:
         """What the fleet routes and reports by; answers at once (no engine lock)."""
@@ -55,25 +64,30 @@ class ReplicaServer(AsyncLLMEngine):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    async def stream(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Any, params: SamplingParams, request_id: str,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs (called with num_returns="streaming"; cancelling the call aborts it)."""
         self.served += 1
-        async for out in self.generate(prompt, params, request_id):
+        async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
             yield out
 
-    async def generate_batch(self, prompts: list[Any], params: list[SamplingParams], request_ids: list[str]
-                             ) -> list[RequestOutput]:
-        """Generates every prompt concurrently and returns their final outputs, in order."""
+    async def generate_batch(self, prompts: list[Any], params: list[SamplingParams], request_ids: list[str],
+                             lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generates every prompt concurrently (prompt k with adapter `lora_requests[k]`, if given) and returns
+        their final outputs, in order."""
 
-        async def one(prompt: Any, sp: SamplingParams, request_id: str) -> RequestOutput:
+        async def one(prompt: Any, sp: SamplingParams, request_id: str, lora: LoRARequest | None) -> RequestOutput:
             last = None
-            async for out in self.generate(prompt, dataclasses.replace(sp, output_kind="final_only"), request_id):
+            async for out in self.generate(prompt, dataclasses.replace(sp, output_kind="final_only"), request_id,
+                                           lora_request=lora):
                 last = out
             assert last is not None and last.finished
             return last
 
+        loras = lora_requests if lora_requests is not None else [None] * len(prompts)
         self.served += len(prompts)
-        return list(await asyncio.gather(*(one(*args) for args in zip(prompts, params, request_ids, strict=True))))
+        return list(await asyncio.gather(*(one(*args) for args in zip(prompts, params, request_ids, loras,
+                                                                        strict=True))))
 
     # ---- what only a replica of a fleet does ----------------------------------------------------------------
 
@@ -99,6 +113,120 @@ class ReplicaServer(AsyncLLMEngine):
         await super().adopt_weights(states, weight_version, draft_weight_version)
         self.engine.weights.labels.update(labels or {})
 
+    # ---- LoRA adapters: two-phase loads, copies for a restarted replica ----------------------------------------
+
+    async def prepare_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
+                                   tensors: dict[str, torch.Tensor] | None = None,
+                                   peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
+                                   pinned: bool = False) -> int:
+        """Phase one of a fleet-wide `load_lora_adapter` (as `LLM.prepare_lora_adapter`): the new version is on
+        every worker, nothing served changes until `commit_lora_adapter` (or `abort_lora_adapter`). Returns the
+        adapter's integer id. Raises ValueError as a load does; nothing is held then."""
+        registry = self._registry()
+        return cast(int, await self._locked(self._hold_prepared, lora_name, lambda: registry.prepare(
+            lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)))
+
+    async def prepare_lora_reload(self, lora_name: str, weights_path: str | None = None, weights_iterator: Any = None,
+                                  encoding: str | None = None, base_version: Any = None,
+                                  checksums: dict[str, str] | None = None) -> int:
+        """Phase one of a fleet-wide `reload_weights(target="lora:<name>")`: the adapter's next version (a PEFT
+        folder's, or the current one updated by (name, tensor) pairs, a delta with `encoding` refused unless
+        `base_version` is the adapter's version) is on every worker, not served until `commit_lora_adapter`.
+        Returns the adapter's integer id."""
+        registry = self._registry()
+
+        def prepare() -> Prepared:
+            adapter = registry.get(lora_name)
+            if weights_path is not None and weights_iterator is not None:
+                raise ValueError("give weights_path or weights_iterator, not both")
+            registry.check_base(adapter, base_version)
+            if weights_path is not None:
+                if encoding is not None:
+                    raise ValueError("a LoRA folder holds the adapter whole; send a delta as tensors")
+                return registry.prepare(lora_name, str(weights_path), load_inplace=True)
+            if weights_iterator is None:
+                raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
+            check_encoding(encoding)
+            _, uid = registry.begin_update(lora_name)
+            kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums}
+            try:
+                self.engine.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
+            except BaseException:
+                registry.discard(uid)
+                raise
+            return Prepared(lora_name, uid, adapter.spec, adapter.int_id, adapter.path, adapter.pinned)
+
+        return cast(int, await self._locked(self._hold_prepared, lora_name, prepare))
+
+    def _hold_prepared(self, lora_name: str, prepare: Callable[[], Prepared]) -> int:
+        if lora_name in self._prepared_loras:
+            raise RuntimeError(f"a load of LoRA adapter {lora_name!r} is already prepared; commit or abort it")
+        prepared = prepare()
+        self._prepared_loras[lora_name] = prepared
+        return prepared.int_id
+
+    async def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""
+        registry = self._registry()
+
+        def commit() -> dict[str, Any]:
+            prepared = self._prepared_loras.pop(lora_name, None)
+            if prepared is None:
+                raise RuntimeError(f"no load of LoRA adapter {lora_name!r} is prepared")
+            adapter = registry.commit_prepared(prepared)
+            return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
+
+        return cast("dict[str, Any]", await self._locked(commit))
+
+    async def abort_lora_adapter(self, lora_name: str) -> bool:
+        """Drops a prepared load of `lora_name` from every worker; False if none was prepared."""
+        registry = self._registry()
+
+        def abort() -> bool:
+            prepared = self._prepared_loras.pop(lora_name, None)
+            if prepared is not None:
+                registry.abort_prepared(prepared)
+            return prepared is not None
+
+        return cast(bool, await self._locked(abort))
+
+    async def export_loras(self) -> list[dict[str, Any]]:
+        """Every adapter this replica serves (its current version), whole: name, int id, version, path, pinned,
+        its config and its full tensors by PEFT name (each rank's part put back in place): what `adopt_loras` of a
+        replica with the same config takes."""
+        registry = self.engine.loras
+        if registry is None:
+            return []
+
+        def export() -> list[dict[str, Any]]:
+            out = []
+            for adapter in registry.adapters.values():
+                ranks = self.engine.executor.collective_rpc(_lora_state, (adapter.current.uid,))
+                out.append({"lora_name": adapter.name, "lora_int_id": adapter.int_id,
+                            "version": adapter.current.version, "lora_path": adapter.path, "pinned": adapter.pinned,
+                            "peft_config": _peft_config(adapter.spec), "tensors": _whole(ranks)})
+            return out
+
+        return cast("list[dict[str, Any]]", await self._locked(export))
+
+    async def adopt_loras(self, adapters: list[dict[str, Any]]) -> None:
+        """Loads adapters as `export_loras` describes them (an entry without "tensors" is read from its
+        "lora_path"), each at its "version": a restarted replica takes the fleet's adapters before it is routed
+        to. Raises ValueError for one it cannot load."""
+        registry = self._registry()
+
+        def adopt() -> None:
+            for entry in adapters:
+                tensors = entry.get("tensors")
+                path = entry.get("lora_path")
+                prepared = registry.prepare(entry["lora_name"], None if tensors is not None else path, tensors,
+                                            entry.get("peft_config"), entry["lora_int_id"], False,
+                                            bool(entry.get("pinned", False)))
+                adapter = registry.commit_prepared(dataclasses.replace(prepared, path=path))
+                adapter.current.version = int(entry.get("version", 1))  # its version numbers are the fleet's
+
+        await self._locked(adopt)
+
     async def weight_checksums(self, target: str) -> dict[str, str]:
         return cast("dict[str, str]", (await self.collective_rpc("weight_checksums", (target,)))[0])
 
@@ -106,3 +234,36 @@ class ReplicaServer(AsyncLLMEngine):
         """Ends the requests in flight, then stops the workers."""
         await super().shutdown()
         self.engine.shutdown()
+
+
+def _lora_state(worker: Any, uid: int) -> dict[str, tuple[torch.Tensor, list[tuple[int, int, int]], tuple[int, ...]]]:
+    """Runs on a worker: adapter version `uid`'s factors on this rank, by PEFT name, each with the narrowings that
+    cut it out of the full tensor and the full shape (host copies)."""
+    adapter = worker.loras.get(uid)
+    return {f"{name}.weight": (module.weight.detach().to("cpu", copy=True), list(module.plan),
+                               tuple(module.full_shape))
+            for name, module in adapter.named_modules() if isinstance(module, LoRAFactor)}
+
+
+def _whole(ranks: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int]], tuple[int, ...]]]]
+           ) -> dict[str, torch.Tensor]:
+    """The full tensors of an adapter from every rank's parts (`_lora_state`, rank order)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (part, plan, shape) in ranks[0].items():
+        if not plan:  # every rank holds it whole
+            tensors[name] = part
+            continue
+        full = torch.zeros(shape, dtype=part.dtype)
+        for state in ranks:
+            piece, cuts, _ = state[name]
+            view = full
+            for dim, start, length in cuts:
+                view = view.narrow(dim, start, length)
+            view.copy_(piece)
+        tensors[name] = full
+    return tensors
+
+
+def _peft_config(spec: LoRASpec) -> dict[str, Any]:
+    """adapter_config.json's fields for `spec` (its modules follow from the tensors' names)."""
+    return {"peft_type": "LORA", "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora}

@@ -1,6 +1,7 @@
 """The fleet's replicas: starting them in their placement groups, calling them with bounded waits, watching their
 health and restarting the dead ones at the fleet's version (from the checkpoint folder that holds it, else copied
-from a live replica and checked against its checksums). `Fleet` (fleet.py) builds its verbs on this."""
+from a live replica and checked against its checksums) and with the fleet's LoRA adapters (copied from a live
+replica, else loaded from where the fleet loaded them). `Fleet` (fleet.py) builds its verbs on this."""
 
 from __future__ import annotations
 
@@ -149,6 +150,11 @@ class FleetReplicas:
         self._folder_current = True
         self._folder_generation = 0  # advances whenever the replicas load a folder (its path may be reused)
         self._overrides: dict[str, dict[str, Any]] = {}  # the live config changes, merged; replayed on a restart
+        # the fleet's LoRA adapters by name: lora_int_id, version, lora_path, pinned, and where the committed version
+        # came from ("tensors": an object ref, "peft_config"), "current" while that source still holds it (a
+        # session or a reload from pairs changed it since); what a restarted replica loads when no live one holds
+        # them to copy
+        self._loras: dict[str, dict[str, Any]] = {}
         # Lock order: _change, then _lock. _change: one weight change, pause / resume / sleep, or a replica's
         # catch-up at a time; _lock: the members and the fleet's state, held briefly.
         self._lock = threading.RLock()
@@ -369,6 +375,7 @@ class FleetReplicas:
                 else:
                     self._copy_weights(actor)
                     restored = "copy"
+                self._restore_loras(actor)
                 if self._transport is not None:
                     ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
                 if self.paused:
@@ -409,6 +416,40 @@ class FleetReplicas:
                                timeout=self._start_timeout)
         if theirs != mine:
             raise RuntimeError("the copied weights' checksums differ from the source replica's")
+
+    def _restore_loras(self, actor: Any) -> None:
+        """Gives a restarted replica the fleet's LoRA adapters, each at its version: copied whole from a live
+        replica (what it serves, however it got there: a load, a reload, a session), checked by their
+        descriptions; with no live replica, loaded from where the fleet loaded each (its folder, or its tensors);
+        an adapter that a session or a reload from pairs changed since cannot be had then and is dropped (logged)."""
+        if not self.config.lora_config.enable_lora:
+            return
+        ray = _ray()
+        source = None if self.asleep else next(
+            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+        if source is not None:
+            exports = source.actor.export_loras.remote()
+            ray.get(actor.adopt_loras.remote(exports), timeout=self._start_timeout)
+            theirs, mine = ray.get([source.actor.list_loras.remote(), actor.list_loras.remote()],
+                                   timeout=self._start_timeout)
+            if theirs != mine:
+                raise RuntimeError(f"the copied LoRA adapters {mine} differ from the source replica's {theirs}")
+            return
+        entries = []
+        with self._lock:
+            for name, record in list(self._loras.items()):
+                if not record["current"]:
+                    del self._loras[name]
+                    logger.warning("LoRA adapter %r is dropped: no live replica holds it and a weight update "
+                                   "changed it since it was loaded; load it again", name)
+                    continue
+                entries.append({k: record[k] for k in ("lora_int_id", "version", "lora_path", "pinned",
+                                                        "tensors", "peft_config")} | {"lora_name": name})
+        for entry in entries:
+            if entry["tensors"] is not None:
+                entry["tensors"] = ray.get(entry["tensors"], timeout=self._start_timeout)
+        if entries:
+            ray.get(actor.adopt_loras.remote(entries), timeout=self._start_timeout)
 
     def health_problem(self) -> str | None:
         """Why the fleet cannot serve (no routable replica), or None; answers at once."""

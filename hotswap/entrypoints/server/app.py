@@ -12,7 +12,10 @@ Client mistakes get 4xx in OpenAI's error shape. `/health` answers 503 with the 
 serve (a dead worker, invalid weights).
 
 The routes are routers by surface (`health`, `openai`, `sglang`, `fleet`, `vllm_rl`); this module adds the
-authentication, the error handlers, the request-size guard and the lifespan around them.
+authentication, the error handlers, the request-size guard and the lifespan around them (which loads the
+`--lora-modules` adapters before the first request). LoRA adapters are loaded and unloaded through admin routes
+(vLLM's `/v1/load_lora_adapter`, SGLang's `/load_lora_adapter`, ...); a request runs with one by naming it as its
+`model` (OpenAI routes) or `lora_path` (`/generate`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import ipaddress
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -193,8 +196,15 @@ async def _too_large(send: Send, limit: int) -> None:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    yield
     state: ServerState = app.state.server
+    for name, path in app.state.lora_modules:  # --lora-modules: loaded before the server answers
+        try:
+            await state.engine.load_lora_adapter(name, path)
+        except Exception as err:
+            logger.error("cannot load LoRA adapter %r from %r (--lora-modules): %s", name, path, err)
+            await state.engine.shutdown()  # the start fails: its workers go too
+            raise
+    yield
     await state.engine.shutdown()  # on server shutdown (SIGTERM): requests still in flight end
 
 
@@ -211,11 +221,13 @@ def create_app(
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES,
     limits: RequestLimits = DEFAULT_LIMITS,
     chat: ChatSettings | None = None,
+    lora_modules: Sequence[tuple[str, str]] = (),
 ) -> FastAPI:
     """The FastAPI app serving `engine`. `admin_auth` "key" (admin routes need `admin_key`; without one they are
     off) or "none" (no key asked: a trusted network). Admin requests must name one of `allowed_hosts` in their
     Host header (None: any, for a server bound to a public address, where the key is what protects them).
-    Raises ValueError for empty keys or an unknown `admin_auth`."""
+    `lora_modules`: (name, PEFT folder) adapters loaded at start-up (a failure stops the start). Raises ValueError
+    for empty keys or an unknown `admin_auth`."""
     check_keys(api_key, admin_key)
     if admin_auth not in ("key", "none"):
         raise ValueError(f"admin_auth must be 'key' or 'none', got {admin_auth!r}")
@@ -231,6 +243,7 @@ def create_app(
         vocab_size=int(engine.engine.config.model_config.hf_config.get("vocab_size", 0)),
         chat=chat or ChatSettings(),
     )
+    app.state.lora_modules = list(lora_modules)
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(RequestValidationError)(_validation)
     app.exception_handler(StarletteHTTPException)(_http)
@@ -250,6 +263,7 @@ def create_app(
         app.include_router(sglang.admin_router, dependencies=admin)
     else:
         app.include_router(fleet.router, dependencies=admin)
+    app.include_router(sglang.lora_router, dependencies=admin)
     app.include_router(vllm_rl.router, dependencies=admin)
     app.include_router(openai.tokenizer_router, dependencies=user)  # served only with the admin routes on
     return app

@@ -109,3 +109,18 @@ class RpcBody(_Body):
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout: float | None = None
+
+
+class LoadLoRABody(_Body):
+    """vLLM's /v1/load_lora_adapter. The name and path default to "" so that a missing one gets vLLM's message."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoRABody(_Body):
+    """vLLM's /v1/unload_lora_adapter (its `lora_int_id` is accepted and ignored: the name says which)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None

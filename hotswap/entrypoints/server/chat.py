@@ -124,15 +124,15 @@ async def plan_of(body: oai.ChatCompletionRequest, state: ServerState) -> tuple[
 @router.post("/v1/chat/completions/render")
 async def render(body: oai.ChatCompletionRequest, state: StateDep) -> dict[str, Any]:
     """The prompt token ids (and text) `/v1/chat/completions` would run for this body; nothing is generated."""
-    state.check_model(body.model)
+    await state.model_lora(body.model)  # the served model or a loaded adapter (the rendering is the same)
     _, ids = await plan_of(body, state)
     return {"prompt_token_ids": ids, "prompt": state.engine.tokenizer.decode(ids), "count": len(ids)}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state: StateDep) -> Any:
-    state.check_model(body.model)
-    name, vocab = state.served_model_name, state.vocab_size
+    lora = await state.model_lora(body.model)
+    name, vocab = body.model, state.vocab_size
     top_n = body.top_logprobs or 0
     top_n = vocab if top_n == -1 else top_n
     plan, ids = await plan_of(body, state)
@@ -176,6 +176,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
                 "logprobs": oai.chat_logprobs(c, top_n, shape),
                 "finish_reason": finish,
                 "weight_versions": oai.spans(c, shape),
+                **oai.lora_fields(out, c, shape),
                 **oai.replay_fields(c),
             }
             if shape.token_ids:
@@ -203,7 +204,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
         return response
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    running = await generation.start(state, engine_prompt(ids, body.cache_salt), params, request_id, http)
+    running = await generation.start(state, engine_prompt(ids, body.cache_salt), params, request_id, http, lora)
     if not body.stream:
         return full(await running.collect())
     return running.stream(

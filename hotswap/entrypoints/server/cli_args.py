@@ -7,6 +7,7 @@ import argparse
 import json
 import socket
 
+from hotswap.config import LoRAConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.chat_output import REASONING_PARSERS
 from hotswap.entrypoints.server.app import LOOPBACK_NAMES, check_keys, create_app, is_loopback
@@ -92,7 +93,63 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split <think> reasoning into reasoning_content")
     parser.add_argument("--session-cache-fraction", type=float, default=0.5,
                         help="share of the KV blocks that open sessions' cached prefixes may hold with priority")
+    lora = parser.add_argument_group("LoRA adapters", "requests name an adapter as their OpenAI `model` (vLLM) or "
+                                     "`lora_path` (SGLang's /generate); admin routes load and unload them")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    lora.add_argument("--max-loras", "--max-loras-per-batch", type=int, default=LoRAConfig.max_loras,
+                      help="adapter versions one engine step may use together (SGLang: --max-loras-per-batch)")
+    lora.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
+                      help="the largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", "--max-loaded-loras", type=int, default=None,
+                      help="adapter versions held at once, those still in use by requests included (default "
+                      "--max-loras; SGLang: --max-loaded-loras); a load past it is refused, never evicts")
+    lora.add_argument("--lora-version-policy", default=LoRAConfig.lora_version_policy,
+                      choices=["finish_on_old", "switch"],
+                      help="when an adapter is reloaded in place, requests running on it finish on the version they "
+                      "started with, or switch to the new one")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", type=vllm_lora_module, default=[],
+                      metavar="NAME=PATH",
+                      help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ...} (vLLM\'s forms)')
+    lora.add_argument("--lora-paths", nargs="+", action="extend", type=sglang_lora_path, dest="lora_modules",
+                      metavar="[NAME=]PATH",
+                      help='SGLang\'s spelling of --lora-modules: PATH, NAME=PATH, or JSON {"lora_name": ..., '
+                      '"lora_path": ...}')
     parser.add_argument("--log-level", default="warning")
+
+
+def vllm_lora_module(item: str) -> tuple[str, str]:
+    """A `--lora-modules` entry as (name, path): `name=path`, or JSON `{"name": ..., "path": ...}` (vLLM's
+    LoRAModulePath; its `base_model_name` is accepted). Raises argparse.ArgumentTypeError."""
+    if "=" in item and not item.lstrip().startswith("{"):
+        name, path = item.split("=", 1)
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {item!r}")
+        return name, path
+    return _lora_json(item)
+
+
+def sglang_lora_path(item: str) -> tuple[str, str]:
+    """A `--lora-paths` entry as (name, path): PATH (named by itself), NAME=PATH, or JSON `{"lora_name": ...,
+    "lora_path": ..., "pinned": ...}` (SGLang's forms)."""
+    if item.lstrip().startswith("{"):
+        return _lora_json(item)
+    if "=" in item:
+        return vllm_lora_module(item)
+    return item, item
+
+
+def _lora_json(item: str) -> tuple[str, str]:
+    try:
+        entry = json.loads(item)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not name=path nor JSON: {item!r} ({err})") from None
+    if not isinstance(entry, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {item!r}")
+    unknown = sorted(set(entry) - {"name", "path", "lora_name", "lora_path", "base_model_name", "pinned"})
+    name, path = entry.get("name", entry.get("lora_name")), entry.get("path", entry.get("lora_path"))
+    if unknown or not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f'expected {{"name": str, "path": str}}, got {item!r}')
+    return name, path
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -138,6 +195,11 @@ def serve(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_version_policy=args.lora_version_policy,
     )
     engine: AsyncLLMEngine | AsyncFleet
     if args.data_parallel_size < 1:
@@ -160,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     chat = ChatSettings(args.tool_call_parser, args.reasoning_parser)
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits,
-                     chat)
+                     chat, args.lora_modules)
     port = sock.getsockname()[1]
     print(f"serving {name!r} on http://{args.host}:{port} (admin routes {'on' if enable_admin else 'off'})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,

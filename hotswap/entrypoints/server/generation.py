@@ -19,15 +19,18 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from hotswap.entrypoints.server.state import ApiError, ServerState
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 
 
 async def start(
-    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request
+    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request,
+    lora: LoRARequest | None = None,
 ) -> Generation:
-    """Submits `prompt` and waits for its first output. Raises ApiError 503 while generation is paused for new
-    requests, and the errors of `ServerState.guarded` (and 499/503 as above) while waiting."""
+    """Submits `prompt` (run with LoRA adapter `lora` if given) and waits for its first output. Raises ApiError 503
+    while generation is paused for new requests, and the errors of `ServerState.guarded` (and 499/503 as above)
+    while waiting."""
     started = time.perf_counter()
     engine = state.engine
     if engine.engine.refusing_new_requests():
@@ -35,7 +38,8 @@ async def start(
                        "service_unavailable", {"Retry-After": "1"})
     # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
     key = http.headers.get("x-session-id")
-    generator = cast("AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key))
+    generator = cast("AsyncGenerator[RequestOutput, None]",
+                     engine.generate(prompt, params, request_id, key, lora_request=lora))
     watch = ClientWatch(http)
     try:
         first = await next_output(state, generator, watch)
@@ -48,10 +52,11 @@ async def start(
 
 
 async def generate_full(
-    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request
+    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request,
+    lora: LoRARequest | None = None,
 ) -> RequestOutput:
     """The request's final output (`start`, then `Generation.collect`)."""
-    return await (await start(state, prompt, params, request_id, http)).collect()
+    return await (await start(state, prompt, params, request_id, http, lora)).collect()
 
 
 @dataclass

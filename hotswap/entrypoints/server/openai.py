@@ -2,7 +2,8 @@
 and `/tokenize` and `/detokenize` (`tokenizer_router`, served only with the admin routes on).
 
 `create_app` includes both behind the user's API key. Client mistakes (a bad value, a limit exceeded, a template
-that cannot render) are 400s in OpenAI's error shape; another model's name is a 404. The request and response
+that cannot render) are 400s in OpenAI's error shape. A request's `model` is the served model's name, or a loaded
+LoRA adapter's (the request runs with that adapter, as in vLLM); another name is a 404. The request and response
 shapes are `openai_protocol`'s."""
 
 from __future__ import annotations
@@ -49,15 +50,26 @@ def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: di
 
 @router.get("/v1/models")
 async def models(state: StateDep) -> dict[str, Any]:
+    """The served model and, as vLLM lists them, each loaded LoRA adapter: `id` its name (what a request's `model`
+    names to run with it), `root` its folder (None for one loaded from tensors), `parent` the served model; with
+    hotswap's `lora_int_id` and adapter `version`."""
     max_len = state.engine.engine.config.model_config.max_model_len
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "owned_by": "hotswap",
-                                        "max_model_len": max_len}]}
+    created = int(time.time())
+    base = state.served_model_name
+    cards: list[dict[str, Any]] = [{"id": base, "object": "model", "created": created, "owned_by": "hotswap",
+                                    "root": state.engine.engine.config.model_config.model, "parent": None,
+                                    "max_model_len": max_len}]
+    for name, adapter in (await state.loras()).items():
+        cards.append({"id": name, "object": "model", "created": created, "owned_by": "hotswap",
+                      "root": adapter["lora_path"], "parent": base, "max_model_len": max_len,
+                      "lora_int_id": adapter["lora_int_id"], "version": adapter["version"]})
+    return {"object": "list", "data": cards}
 
 
 @router.post("/v1/completions")
 async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> Any:
-    state.check_model(body.model)
-    engine, name = state.engine, state.served_model_name
+    lora = await state.model_lora(body.model)
+    engine, name = state.engine, body.model
     prompts = body.prompts()
     echo_only = body.echo and body.max_tokens == 0
     try:
@@ -88,7 +100,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
         try:
             async with asyncio.TaskGroup() as group:  # one failing prompt cancels the others
                 tasks = [group.create_task(generation.generate_full(state, engine_prompt(p, body.cache_salt), params,
-                                                                    f"{request_id}-{i}", http))
+                                                                    f"{request_id}-{i}", http, lora))
                          for i, p in enumerate(prompts)]
         except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
             raise group_error.exceptions[0] from None
@@ -109,7 +121,8 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
                 "choices": choices}
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    running = await generation.start(state, engine_prompt(prompts[0], body.cache_salt), params, request_id, http)
+    running = await generation.start(state, engine_prompt(prompts[0], body.cache_salt), params, request_id, http,
+                                     lora)
     return running.stream(
         chunk, (lambda: usage_chunk(name, request_id, created, "text_completion", counts)) if include_usage else None
     )

@@ -5,7 +5,9 @@ hotswap's own routes (they run through the same engine calls). `/generate` and `
 
 `create_app` includes `generate_router` (`/generate`) behind the user's API key, `public_router`
 (`/health_generate`) without one, and `admin_router` (generation control, the weight routes, `/model_info`,
-memory release) behind the admin key, when the admin routes are on.
+memory release) and `lora_router` (`/load_lora_adapter`, `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`,
+for one engine or a fleet) behind the admin key, when the admin routes are on. `/generate` takes SGLang's
+per-request `lora_path`.
 
 Shapes follow SGLang 0.5.2x (`sglang/srt/entrypoints/http_server.py`, `io_struct.py`; the models and result
 shaping are in `sglang_protocol`): responses carry `success` / `message`, weight versions are strings, and a
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar, cast
 
 from fastapi import APIRouter, Depends, Request
@@ -31,19 +34,25 @@ from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.replay_wire import forced_routes
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.sglang_protocol import (
+    TENSOR_LOAD_FORMATS,
     AbortBody,
     CloseSessionBody,
     DiskBody,
     DistributedBody,
     GenerateBody,
     GroupBody,
+    LoRANameBody,
+    LoRAPathBody,
+    LoRATensorsBody,
     OpenSessionBody,
     PauseGenerationBody,
     SelectorBody,
     TagsBody,
+    decode_tensors,
     response,
     sampling_params,
 )
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import parse_version
@@ -53,6 +62,7 @@ T = TypeVar("T")
 generate_router = APIRouter()
 public_router = APIRouter()
 admin_router = APIRouter()
+lora_router = APIRouter()
 
 
 def local_engine(state: StateDep) -> AsyncLLMEngine:
@@ -140,6 +150,10 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
     raw = body.text if body.text is not None else ids
     prompts: list[Any] = list(raw or []) if batch else [raw]
     entries = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    try:
+        loras = await request_loras(state, body.lora_path, len(entries), batch)
+    except Exception as err:  # an unknown adapter, LoRA off (400), or a failed first load (as `guarded` maps it)
+        return error_response(err)
     rid = body.rid or f"sgl-{time.monotonic_ns()}"
     text_of = inner.detokenizer.token_text
     if body.stream:
@@ -147,7 +161,8 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
             return JSONResponse({"error": {"message": "stream takes one prompt per request"}}, 400)
         params.output_kind = "cumulative"
         # an async generator function: its iterator has aclose()
-        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entries[0], params, rid, key))
+        stream = cast("AsyncGenerator[RequestOutput, None]",
+                      engine.generate(entries[0], params, rid, key, lora_request=loras[0]))
         try:
             first = await state.guarded(anext(stream))  # a refused prompt is a 400 before any byte is streamed
         except Exception as err:
@@ -171,9 +186,10 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
 
     watch = generation.ClientWatch(http)
 
-    async def one(entry: Any, request_id: str) -> RequestOutput:
+    async def one(entry: Any, request_id: str, lora: LoRARequest | None) -> RequestOutput:
         """The request's final output; its client leaving meanwhile ends it (499, every prompt of a batch)."""
-        stream = cast("AsyncGenerator[RequestOutput, None]", engine.generate(entry, params, request_id, key))
+        stream = cast("AsyncGenerator[RequestOutput, None]",
+                      engine.generate(entry, params, request_id, key, lora_request=lora))
         try:
             out = await generation.next_output(state, stream, watch)
             while not out.finished:
@@ -184,13 +200,50 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
 
     try:
         async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
-            tasks = [group.create_task(state.guarded(one(e, f"{rid}-{i}" if batch else rid)))
-                     for i, e in enumerate(entries)]
+            tasks = [group.create_task(state.guarded(one(e, f"{rid}-{i}" if batch else rid, lora)))
+                     for i, (e, lora) in enumerate(zip(entries, loras, strict=True))]
         outs = [task.result() for task in tasks]
     except BaseExceptionGroup as errors:
         return error_response(errors.exceptions[0])
     results = [response(o, c, body, text_of, inner.weight_version_label) for o in outs for c in o.outputs]
     return results if batch or params.n > 1 else results[0]
+
+
+async def request_loras(state: ServerState, lora_path: str | list[str | None] | None, count: int, batch: bool
+                        ) -> list[LoRARequest | None]:
+    """The adapter of each of a /generate request's `count` inputs from its `lora_path` (one for all, or a list with
+    one entry per input; None: the base model). Each names a loaded adapter, or a folder, loaded once under its
+    path as its name. Raises ValueError (LoRA off, a wrong count, no such adapter or folder) or the ApiError of a
+    failed load."""
+    if lora_path is None:
+        return [None] * count
+    if isinstance(lora_path, list) and len(lora_path) != count:
+        raise ValueError(f"lora_path has {len(lora_path)} entries for {count} input{'s' if batch else ''}; give one "
+                         "per input (or one string for all)")
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * count
+    found: dict[str, LoRARequest] = {}
+    for name in names:
+        if name and name not in found:
+            found[name] = await request_lora(state, name)
+    return [found[name] if name else None for name in names]
+
+
+async def request_lora(state: ServerState, name: str) -> LoRARequest:
+    """The LoRARequest of adapter `name`, loading the folder `name` under that name if no adapter has it."""
+    state.check_lora_enabled()
+    loaded = await state.loras()
+    if name not in loaded:
+        if not os.path.isdir(name):
+            raise ValueError(f"lora_path {name!r} names no loaded LoRA adapter (loaded: {sorted(loaded)}) and is not "
+                             "a folder; load it with /load_lora_adapter first")
+        async with state.lora_lock:  # two requests naming a new folder load it once
+            loaded = await state.loras()
+            if name not in loaded:
+                await state.guarded(state.engine.load_lora_adapter(name, name))
+                loaded = await state.loras()
+    if name not in loaded:  # unloaded in between
+        raise ValueError(f"LoRA adapter {name!r} was unloaded while this request started")
+    return LoRARequest(name, int(loaded[name]["lora_int_id"]))
 
 
 @generate_router.post("/open_session")
@@ -408,3 +461,91 @@ async def release_memory_occupation(engine: EngineDep, body: TagsBody | None = N
 async def resume_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> Any:
     await ServerState.guarded(engine.wake_up((body or TagsBody()).tags))
     return {"success": True}
+
+
+# ---- LoRA adapters (admin; one engine or a fleet) ----------------------------------------------------------
+
+
+async def lora_update(state: ServerState, call: Callable[[], Awaitable[Any]], message: str) -> JSONResponse:
+    """Runs a LoRA load or unload and answers SGLang's LoRAUpdateOutput: 200 `{"success": true, "error_message":
+    "", "loaded_adapters": {name: path}}` (a tensor-loaded adapter's path "__tensor__", as SGLang names it), or 400
+    with `success: false` and the reason (nothing loaded changes); `message` repeats it, as SGLang's other routes
+    answer."""
+    try:
+        state.check_lora_enabled()
+        await state.guarded(call())
+    except Exception as err:  # a ValueError above, or an ApiError from `guarded`
+        reason = getattr(err, "message", str(err))
+        return JSONResponse({"success": False, "error_message": reason, "message": reason,
+                             "loaded_adapters": await loaded_adapters(state)}, status_code=400)
+    return JSONResponse({"success": True, "error_message": "", "message": message,
+                         "loaded_adapters": await loaded_adapters(state)})
+
+
+async def loaded_adapters(state: ServerState) -> dict[str, str]:
+    return {name: d["lora_path"] or "__tensor__" for name, d in (await state.loras()).items()}
+
+
+async def _check_new_name(state: ServerState, name: str, upsert: bool) -> None:
+    """Raises ValueError for a missing name, the served model's name, or a loaded one (unless `upsert`)."""
+    if not name:
+        raise ValueError("lora_name must be given")
+    if name == state.served_model_name:
+        raise ValueError(f"{name!r} is the served model's name; give the adapter another name")
+    if not upsert and name in await state.loras():
+        raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first, or send upsert=true to replace "
+                         "its weights")
+
+
+@lora_router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoRAPathBody, state: StateDep) -> JSONResponse:
+    """SGLang's: loads the PEFT folder `lora_path` as adapter `lora_name` (requests name it in `lora_path`, or as
+    an OpenAI `model`). `pinned` is recorded (adapters are never evicted here); `upsert` replaces a loaded
+    adapter's weights as a new version."""
+
+    async def load() -> Any:
+        await _check_new_name(state, body.lora_name, body.upsert)
+        if not body.lora_path:
+            raise ValueError("lora_path must be given")
+        return await state.engine.load_lora_adapter(body.lora_name, body.lora_path, load_inplace=body.upsert,
+                                                    pinned=body.pinned)
+
+    return await lora_update(state, load, f"LoRA adapter {body.lora_name!r} loaded.")
+
+
+@lora_router.post("/load_lora_adapter_from_tensors")
+async def load_lora_adapter_from_tensors(body: LoRATensorsBody, state: StateDep) -> JSONResponse:
+    """SGLang's: loads adapter `lora_name` from its PEFT config (`config_dict`) and tensors, the first entry of
+    `serialized_named_tensors` (every TP rank's entry holds the whole adapter here: the engine shards it itself)
+    or `serialized_tensors`, each as `sglang_protocol.decode_tensors` reads it."""
+
+    async def load() -> Any:
+        await _check_new_name(state, body.lora_name, body.upsert)
+        if body.load_format not in TENSOR_LOAD_FORMATS:
+            raise ValueError(f"load_format {body.load_format!r} is not supported; the tensors are one dict of "
+                             "name -> tensor (load_format null or 'direct')")
+        given = [x for x in (body.serialized_named_tensors, body.serialized_tensors) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give one of serialized_named_tensors (a list, one entry per TP rank) and "
+                             "serialized_tensors")
+        entry = given[0][0] if isinstance(given[0], list) and given[0] else given[0]
+        if not isinstance(entry, str) or not entry:
+            raise ValueError("serialized_named_tensors must hold at least one entry")
+        tensors = await asyncio.to_thread(decode_tensors, entry)  # CPU work off the event loop
+        return await state.engine.load_lora_adapter(body.lora_name, tensors=tensors, peft_config=body.config_dict,
+                                                    load_inplace=body.upsert, pinned=body.pinned)
+
+    return await lora_update(state, load, f"LoRA adapter {body.lora_name!r} loaded from tensors.")
+
+
+@lora_router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: LoRANameBody, state: StateDep) -> JSONResponse:
+    """SGLang's: forgets adapter `lora_name` (requests running on it finish on it); 400 for an unknown name."""
+
+    async def unload() -> Any:
+        if body.lora_name not in await state.loras():
+            raise ValueError(f"LoRA adapter {body.lora_name!r} is not loaded; loaded: "
+                             f"{sorted(await state.loras())}")
+        return await state.engine.unload_lora_adapter(body.lora_name)
+
+    return await lora_update(state, unload, f"LoRA adapter {body.lora_name!r} unloaded.")

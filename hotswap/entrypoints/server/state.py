@@ -6,6 +6,7 @@ Also here: `ApiError` (an error a route answers in OpenAI's error shape) and `Re
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -15,6 +16,7 @@ from fastapi import Depends, Request
 from hotswap.engine.client import EngineClient
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.errors import EngineUnavailable
+from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.session import WeightUpdateFailed
 from hotswap.weights.version import VersionArg
@@ -93,6 +95,8 @@ class ServerState:
     update_started: float | None = None
     sglang_session: SGLangSession = field(default_factory=SGLangSession)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    # held while /generate loads an adapter named by a folder path (two requests naming it load it once)
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @staticmethod
     async def guarded(awaitable: Awaitable[T]) -> T:
@@ -142,12 +146,28 @@ class ServerState:
         if longest > limits.max_stop_string_chars:
             raise ValueError(f"a stop string of {longest} characters; the limit is {limits.max_stop_string_chars}")
 
-    def check_model(self, name: str) -> None:
-        """Raises a 404 ApiError unless `name` is the served model's name."""
-        if name != self.served_model_name:
-            raise ApiError(
-                404, f"model {name!r} does not exist; this server serves {self.served_model_name!r}", "not_found"
-            )
+    def check_lora_enabled(self) -> None:
+        """Raises ValueError unless the engine serves LoRA adapters (the server was started with --enable-lora)."""
+        if not self.engine.engine.config.lora_config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora (and --max-lora-rank, "
+                             "--max-loras as the adapters need)")
+
+    async def loras(self) -> dict[str, dict[str, Any]]:
+        """The loaded adapters by name (`EngineClient.list_loras`' entries); {} without LoRA."""
+        if not self.engine.engine.config.lora_config.enable_lora:
+            return {}
+        return {d["lora_name"]: d for d in await self.engine.list_loras()}
+
+    async def model_lora(self, name: str) -> LoRARequest | None:
+        """What an OpenAI request's `model` names: None for the served model, the adapter's LoRARequest for a
+        loaded LoRA adapter (vLLM's convention: an adapter is a model). Raises a 404 ApiError (vLLM's message)
+        for any other name."""
+        if name == self.served_model_name:
+            return None
+        adapter = (await self.loras()).get(name)
+        if adapter is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError")
+        return LoRARequest(name, int(adapter["lora_int_id"]))
 
 
 def get_state(request: Request) -> ServerState:

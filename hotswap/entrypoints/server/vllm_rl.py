@@ -1,7 +1,7 @@
 """vLLM's RL and admin API: weight reloads and transfers (init / start / update / finish / abort / shutdown of a
-transfer session), generation control (pause / resume, sleep / wake_up, the prefix cache, aborting requests),
-the served weight version (read, rename), and inspection (`/server_info` in vLLM's `vllm_config` shape, world
-size, checksums, the allow-listed `/collective_rpc`).
+transfer session), LoRA adapters (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), generation control (pause /
+resume, sleep / wake_up, the prefix cache, aborting requests), the served weight version (read, rename), and
+inspection (`/server_info` in vLLM's `vllm_config` shape, world size, checksums, the allow-listed `/collective_rpc`).
 
 `create_app` includes `router` behind the admin key. Engine errors map to client errors as in
 `ServerState.guarded` (bad values 400, wrong state 409, timeouts 504); a committed weight change updates the
@@ -10,27 +10,34 @@ weight-version metrics and answers the served version(s)."""
 from __future__ import annotations
 
 import json
+import os
 import time
-from typing import Annotated, Any
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse
 
 from hotswap.entrypoints.server.bodies import (
     AbortBody,
     AbortRequestsBody,
     FinishBody,
     InitBody,
+    LoadLoRABody,
     PauseBody,
     ReloadBody,
     RenameBody,
     RpcBody,
     SleepBody,
     StartBody,
+    UnloadLoRABody,
     UpdateBody,
     WakeBody,
 )
-from hotswap.entrypoints.server.state import ApiError, StateDep
+from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.weights.version import parse_version
+
+T = TypeVar("T")
 
 # Worker methods `/collective_rpc` may call: read-only inspection.
 RPC_ALLOWLIST = frozenset({"weight_checksums", "determine_num_kv_blocks", "shard_plan"})
@@ -40,7 +47,7 @@ router = APIRouter()
 
 def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> dict[str, Any]:
     """The fields of vLLM's `vllm_config` that RL clients read, from hotswap's config."""
-    mc, pc, cc = config.model_config, config.parallel_config, config.cache_config
+    mc, pc, cc, lc = config.model_config, config.parallel_config, config.cache_config, config.lora_config
     spec = config.speculative_config
     return {
         "model_config": {
@@ -59,6 +66,11 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
         "speculative_config": None if not spec.enabled else {
             "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},
         "quant_config": {"quantization": config.quant_config.quantization},
+        # None unless started with --enable-lora: TRL's AsyncGRPO reads it to choose adapter-only syncs (and checks
+        # max_lora_rank and max_loras against its adapter and max_staleness)
+        "lora_config": None if not lc.enable_lora else {
+            "max_lora_rank": lc.max_lora_rank, "max_loras": lc.max_loras, "max_cpu_loras": lc.max_cpu_loras,
+            "fully_sharded_loras": False, "lora_dtype": "auto", "lora_version_policy": lc.lora_version_policy},
     }
 
 
@@ -123,6 +135,65 @@ async def shutdown_weight_transfer_engine(state: StateDep) -> dict[str, str]:
     await state.guarded(state.engine.shutdown_weight_transfer_engine())
     state.update_started = None
     return {"status": "ok"}
+
+
+# ---- LoRA adapters ----------------------------------------------------------------------------------------
+
+
+async def _lora_call(state: ServerState, awaitable: Awaitable[T]) -> T:
+    """An engine LoRA call: its refusals as vLLM's 400 BadRequestError, as is any other error of reading the
+    adapter (a corrupt safetensors file); the engine's state errors as `guarded` maps them (409, 503, 504)."""
+    try:
+        return await state.guarded(awaitable)
+    except ApiError as err:
+        if err.status == 400:
+            raise ApiError(400, err.message, "BadRequestError") from err
+        raise
+    except Exception as err:  # nothing was loaded: the adapter could not be read
+        raise ApiError(400, f"cannot load the LoRA adapter: {type(err).__name__}: {err}", "BadRequestError") from err
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRABody, state: StateDep) -> PlainTextResponse:
+    """vLLM's: loads the PEFT folder `lora_path` as adapter `lora_name`, which requests then name as their `model`.
+    With `load_inplace` a loaded adapter's weights are replaced: a new adapter version, validated and atomic,
+    read once (never again per request, unlike vllm#41482); requests already running finish on the version they
+    started with (--lora-version-policy finish_on_old) or switch to the new one (switch); KV computed under the
+    old version is never reused (vllm#42125). Answers vLLM's plain-text success line; 400 in vLLM's error shape for
+    a refusal (nothing loaded changes), 404 for a path that does not exist."""
+    name, path = body.lora_name, body.lora_path
+    if not name or not path:
+        raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+    try:
+        state.check_lora_enabled()
+    except ValueError as err:
+        raise ApiError(400, str(err), "BadRequestError") from None
+    if name == state.served_model_name:
+        raise ApiError(400, f"'{name}' is the served model's name; give the adapter another name",
+                       "InvalidUserInput")
+    if not body.load_inplace and name in await state.loras():
+        raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                       "place, set 'load_inplace' to True.", "InvalidUserInput")
+    if not os.path.exists(path):
+        raise ApiError(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+    await _lora_call(state, state.engine.load_lora_adapter(name, path, load_inplace=body.load_inplace))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRABody, state: StateDep) -> PlainTextResponse:
+    """vLLM's: forgets adapter `lora_name` (requests running on it finish on it); 404 for an unknown name."""
+    name = body.lora_name
+    if not name:
+        raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+    try:
+        state.check_lora_enabled()
+    except ValueError as err:
+        raise ApiError(400, str(err), "BadRequestError") from None
+    if name not in await state.loras():
+        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    await _lora_call(state, state.engine.unload_lora_adapter(name))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 # ---- generation control -----------------------------------------------------------------------------------
