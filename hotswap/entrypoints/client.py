@@ -7,11 +7,16 @@
 
 `push_weights` runs a whole update session: it pauses generation (mode 'keep' by default, so requests in flight
 continue on the new weights), sends the tensors over shared memory or torch.distributed, finishes (the server
-advances the weight version) and resumes. On failure it aborts the session and resumes before re-raising.
+advances the weight version) and resumes. On failure it aborts the session and resumes before re-raising. With
+`target="lora:<name>"` the same session updates a loaded LoRA adapter (its next version; PEFT tensor names).
+
+LoRA adapters: `load_lora_adapter` (a PEFT folder the server can read), `push_lora_adapter` (tensors from this
+process, as base64 safetensors through SGLang's `/load_lora_adapter_from_tensors`), `unload_lora_adapter`.
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterable
 from typing import Any, cast
@@ -43,14 +48,19 @@ class AdminClient:
     # ---- plain calls ----------------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return cast("dict[str, Any]", self._request(method, path, body).json())
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """The server's answer; AdminError (with the server's message) for a 4xx or 5xx."""
         response = self.http.request(method, path, json=body)
         if response.status_code >= 400:
             try:
-                message = response.json()["error"]["message"]
+                answer = response.json()
+                message = answer["error"]["message"] if "error" in answer else answer["error_message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text
             raise AdminError(response.status_code, message)
-        return cast("dict[str, Any]", response.json())
+        return response
 
     def reload_weights(self, weights_path: str | None = None, weight_version: int | str | None = None) -> str:
         """Reloads from a folder (None: the current one); returns the new version's label."""
@@ -83,6 +93,30 @@ class AdminClient:
     def reset_prefix_cache(self) -> None:
         self._call("POST", "/reset_prefix_cache")
 
+    # ---- LoRA adapters -----------------------------------------------------------------------------------------
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        """Loads the PEFT folder `lora_path` (read by the server) as adapter `lora_name`; with `load_inplace`, as
+        the next version of a loaded one. Requests then name it as their `model`."""
+        self._request("POST", "/v1/load_lora_adapter",
+                      {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace})
+
+    def push_lora_adapter(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                          peft_config: dict[str, Any], upsert: bool = False, pinned: bool = False) -> dict[str, str]:
+        """Loads adapter `lora_name` from this process's tensors (PEFT names, e.g. a PeftModel's lora_A / lora_B
+        state) and `peft_config` (adapter_config.json's fields), sent in the request body as safetensors bytes (so
+        the server's --max-request-bytes bounds the adapter's size); `upsert` replaces a loaded adapter's weights.
+        Returns the loaded adapters, name -> path ("__tensor__" for those loaded from tensors)."""
+        from safetensors.torch import save
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
+        body = {"lora_name": lora_name, "config_dict": peft_config, "upsert": upsert, "pinned": pinned,
+                "serialized_named_tensors": [base64.b64encode(save(tensors)).decode("ascii")]}
+        return cast("dict[str, str]", self._call("POST", "/load_lora_adapter_from_tensors", body)["loaded_adapters"])
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._request("POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
+
     # ---- a whole update session ------------------------------------------------------------------------------
 
     def push_weights(
@@ -96,19 +130,21 @@ class AdminClient:
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         delta: dict[str, Any] | None = None,
         canary: dict[str, Any] | None = None,
+        target: str = "model",
     ) -> str:
         """Sends the tensors to the engine in one session and returns the new version's label (`weight_version`
         if given: an integer or a label; else the next integer, as a string). `backend` is
         "shm" (same host) or "torch_dist" (give `master_port` on first use; this process hosts the rendezvous).
         `pause_mode` None skips pausing (the server refuses if requests are in flight). `delta`: the update_info
         fields of a delta (`DeltaEncoder.encode`'s second result: encoding, base_version, checksums); `canary`:
-        probes the engine scores before it commits (hotswap/engine/canary.py)."""
+        probes the engine scores before it commits (hotswap/engine/canary.py). `target` "lora:<name>" updates a
+        loaded LoRA adapter instead (PEFT tensor names; the model's version, returned, stays)."""
         named = [(name, t.detach().cpu()) for name, t in named_tensors]
         self._connect(backend, master_address, master_port, bucket_size_bytes)
         if pause_mode is not None:
             self.pause(pause_mode)
         try:
-            token = self._call("POST", "/start_weight_update", {"target": "model"})["session_token"]
+            token = self._call("POST", "/start_weight_update", {"target": target})["session_token"]
             try:
                 self._send(backend, named, token, delta or {})
                 body = {"weight_version": weight_version, "session_token": token,

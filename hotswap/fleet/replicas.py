@@ -420,8 +420,9 @@ class FleetReplicas:
     def _restore_loras(self, actor: Any) -> None:
         """Gives a restarted replica the fleet's LoRA adapters, each at its version: copied whole from a live
         replica (what it serves, however it got there: a load, a reload, a session), checked by their
-        descriptions; with no live replica, loaded from where the fleet loaded each (its folder, or its tensors);
-        an adapter that a session or a reload from pairs changed since cannot be had then and is dropped (logged)."""
+        descriptions; with no live replica, loaded from where the fleet loaded each (its folder, or its tensors).
+        An adapter that cannot be had then (a session or a reload from pairs changed it since, or its folder is
+        no longer readable) is dropped from the fleet, logged."""
         if not self.config.lora_config.enable_lora:
             return
         ray = _ray()
@@ -448,8 +449,16 @@ class FleetReplicas:
         for entry in entries:
             if entry["tensors"] is not None:
                 entry["tensors"] = ray.get(entry["tensors"], timeout=self._start_timeout)
-        if entries:
-            ray.get(actor.adopt_loras.remote(entries), timeout=self._start_timeout)
+            try:
+                ray.get(actor.adopt_loras.remote([entry]), timeout=self._start_timeout)
+            except ray.exceptions.RayTaskError as err:
+                if not isinstance(_cause(err), ValueError):
+                    raise
+                with self._lock:  # e.g. its folder is gone: the replica comes back without it
+                    self._loras.pop(entry["lora_name"], None)
+                logger.warning("LoRA adapter %r is dropped: no live replica holds it and it cannot be loaded "
+                               "again from where the fleet loaded it (%s)", entry["lora_name"],
+                               _first_line(_cause(err)))
 
     def health_problem(self) -> str | None:
         """Why the fleet cannot serve (no routable replica), or None; answers at once."""

@@ -38,7 +38,7 @@ class _Body(BaseModel):
 
 class ReloadBody(_Body):
     weights_path: str | None = None
-    target: str = Field(default="model", pattern="^(model|draft)$")
+    target: str = Field(default="model", pattern="^(model|draft|lora:.+)$")  # "lora:<name>": a loaded adapter
     weight_version: VersionField = None
     encoding: str | None = Field(default=None, pattern="^(full|overwrite|xor|sparse)$")  # a folder of deltas
     base_version: VersionField = None
@@ -50,7 +50,7 @@ class InitBody(_Body):
 
 
 class StartBody(_Body):
-    target: str = Field(default="model", pattern="^(model|draft|all)$")
+    target: str = Field(default="model", pattern="^(model|draft|all|lora:.+)$")  # "lora:<name>": a loaded adapter
 
 
 class UpdateBody(_Body):
