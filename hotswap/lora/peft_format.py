@@ -145,7 +145,10 @@ def read_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if weights.is_file():
         from safetensors.torch import load_file
 
-        tensors = load_file(str(weights))
+        try:
+            tensors = load_file(str(weights))
+        except Exception as err:  # safetensors' own error type for a corrupt or truncated file
+            raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
     elif (folder / "adapter_model.bin").is_file():
         tensors = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:

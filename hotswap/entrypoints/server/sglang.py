@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -212,9 +211,8 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
 async def request_loras(state: ServerState, lora_path: str | list[str | None] | None, count: int, batch: bool
                         ) -> list[LoRARequest | None]:
     """The adapter of each of a /generate request's `count` inputs from its `lora_path` (one for all, or a list with
-    one entry per input; None: the base model). Each names a loaded adapter, or a folder, loaded once under its
-    path as its name. Raises ValueError (LoRA off, a wrong count, no such adapter or folder) or the ApiError of a
-    failed load."""
+    one entry per input; None: the base model). Each names a loaded adapter. Raises ValueError (LoRA off, a wrong
+    count, no such adapter)."""
     if lora_path is None:
         return [None] * count
     if isinstance(lora_path, list) and len(lora_path) != count:
@@ -229,20 +227,13 @@ async def request_loras(state: ServerState, lora_path: str | list[str | None] | 
 
 
 async def request_lora(state: ServerState, name: str) -> LoRARequest:
-    """The LoRARequest of adapter `name`, loading the folder `name` under that name if no adapter has it."""
+    """The LoRARequest of loaded adapter `name`. A request never loads a folder itself: that reads the server's
+    disk and takes adapter room, which only the admin routes may do (/load_lora_adapter)."""
     state.check_lora_enabled()
     loaded = await state.loras()
     if name not in loaded:
-        if not os.path.isdir(name):
-            raise ValueError(f"lora_path {name!r} names no loaded LoRA adapter (loaded: {sorted(loaded)}) and is not "
-                             "a folder; load it with /load_lora_adapter first")
-        async with state.lora_lock:  # two requests naming a new folder load it once
-            loaded = await state.loras()
-            if name not in loaded:
-                await state.guarded(state.engine.load_lora_adapter(name, name))
-                loaded = await state.loras()
-    if name not in loaded:  # unloaded in between
-        raise ValueError(f"LoRA adapter {name!r} was unloaded while this request started")
+        raise ValueError(f"lora_path {name!r} names no loaded LoRA adapter (loaded: {sorted(loaded)}); load it "
+                         "with /load_lora_adapter first")
     return LoRARequest(name, int(loaded[name]["lora_int_id"]))
 
 

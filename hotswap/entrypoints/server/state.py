@@ -6,7 +6,6 @@ Also here: `ApiError` (an error a route answers in OpenAI's error shape) and `Re
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -96,7 +95,6 @@ class ServerState:
     sglang_session: SGLangSession = field(default_factory=SGLangSession)
     chat: ChatSettings = field(default_factory=ChatSettings)
     # held while /generate loads an adapter named by a folder path (two requests naming it load it once)
-    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @staticmethod
     async def guarded(awaitable: Awaitable[T]) -> T:
