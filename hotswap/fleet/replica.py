@@ -26,7 +26,6 @@ from hotswap.lora.registry import Prepared
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.delta import check_encoding
 
 
 class ReplicaServer(AsyncLLMEngine):
@@ -133,28 +132,13 @@ class ReplicaServer(AsyncLLMEngine):
         folder's, or the current one updated by (name, tensor) pairs, a delta with `encoding` refused unless
         `base_version` is the adapter's version) is on every worker, not served until `commit_lora_adapter`.
         Returns the adapter's integer id."""
-        registry = self._registry()
+        self._registry()  # raises without LoRA
 
         def prepare() -> Prepared:
-            adapter = registry.get(lora_name)
-            if weights_path is not None and weights_iterator is not None:
-                raise ValueError("give weights_path or weights_iterator, not both")
-            registry.check_base(adapter, base_version)
-            if weights_path is not None:
-                if encoding is not None:
-                    raise ValueError("a LoRA folder holds the adapter whole; send a delta as tensors")
-                return registry.prepare(lora_name, str(weights_path), load_inplace=True)
-            if weights_iterator is None:
-                raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
-            check_encoding(encoding)
-            _, uid = registry.begin_update(lora_name)
-            kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums}
-            try:
-                self.engine.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
-            except BaseException:
-                registry.discard(uid)
-                raise
-            return Prepared(lora_name, uid, adapter.spec, adapter.int_id, adapter.path, adapter.pinned)
+            updates = self.engine.lora_updates
+            assert updates is not None  # a registry comes with them
+            return updates.prepare_reload(lora_name, weights_path, weights_iterator, encoding, base_version,
+                                          checksums)
 
         return cast(int, await self._locked(self._hold_prepared, lora_name, prepare))
 

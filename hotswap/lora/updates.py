@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.executor.base import Executor
-from hotswap.lora.registry import Adapter, LoRARegistry
+from hotswap.lora.registry import Adapter, LoRARegistry, Prepared
 from hotswap.weights.delta import check_encoding
 
 PREFIX = "lora:"
@@ -39,6 +39,13 @@ class LoRAUpdates:
         """The next version of adapter `name`: a PEFT folder's (read once, here), or the current one updated by
         (name, tensor) pairs (PEFT names; a delta with `encoding`, refused unless `base_version` is the
         adapter's current version; `checksums` verified before the commit)."""
+        self.registry.commit_prepared(
+            self.prepare_reload(name, weights_path, weights_iterator, encoding, base_version, checksums))
+
+    def prepare_reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
+                       base_version: Any, checksums: dict[str, str] | None) -> Prepared:
+        """Phase one of `reload` (a fleet's): the next version is on every worker, served once the registry
+        commits it (`commit_prepared`), or dropped (`abort_prepared`)."""
         adapter = self.registry.get(name)
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
@@ -46,8 +53,7 @@ class LoRAUpdates:
         if weights_path is not None:
             if encoding is not None:
                 raise ValueError("a LoRA folder holds the adapter whole; send a delta as tensors")
-            self.registry.load(name, str(weights_path), load_inplace=True)
-            return
+            return self.registry.prepare(name, str(weights_path), load_inplace=True)
         if weights_iterator is None:
             raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
         check_encoding(encoding)
@@ -58,7 +64,8 @@ class LoRAUpdates:
         except BaseException:
             self.registry.discard(uid)
             raise
-        self._commit(adapter, uid)
+        # its weights are no longer the folder's
+        return Prepared(name, uid, adapter.spec, adapter.int_id, None, adapter.pinned)
 
     def start(self, name: str) -> None:
         """Opens a session whose updates load the next version of adapter `name`."""
