@@ -7,6 +7,8 @@ bit."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -14,8 +16,9 @@ from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
 from hotswap.kernels.policy import use_mode
+from hotswap.lora.batch import lora_batch
 from hotswap.model.layers.attention import AttentionMetadata
-from hotswap.testing import make_tiny_model
+from hotswap.testing import make_tiny_lora, make_tiny_model
 from hotswap.worker.decoder_stack import NativeDecoderStack
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -87,11 +90,18 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "biased"])
-def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name):
+@pytest.mark.parametrize(("name", "lora"), [("qwen2", False), ("biased", False), ("qwen2", True), ("biased", True)])
+def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, tmp_path):
     """One decode step of 8 sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs and
-    caches, through the native stack and through the modules: the same hidden states and caches, bit for bit."""
+    caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
+    `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only)."""
     path = str(biased_llama if name == "biased" else model_dirs[name])
+
+    def adapters(worker):
+        if not lora:
+            return contextlib.nullcontext()
+        first, second = sorted(worker.loras.adapters)
+        return lora_batch(worker.loras.batch([(first, 0, 4), (second, 4, 8)], 8))
 
     def compare(worker):
         model, kernel, stack = worker.model.model, worker.runner.attention_kernel, worker.runner.stack
@@ -118,7 +128,7 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
             for cache, (k, v) in zip(caches, before, strict=True):
                 cache.k_cache.copy_(k)
                 cache.v_cache.copy_(v)
-            with torch.inference_mode():
+            with torch.inference_mode(), adapters(worker):
                 assert stack.applies(len(ids), positions, meta)
                 hidden = stack.run(stack.embed(ids), positions, meta) if native_stack else model(ids, positions, meta)
             results.append((hidden, [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]))
@@ -126,8 +136,12 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
         flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]
         return torch.equal(native_hidden, module_hidden) and all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
 
-    llm = LLM(path, kv_cache_memory_bytes=1 << 22)
+    llm = LLM(path, kv_cache_memory_bytes=1 << 22, enable_lora=lora, max_loras=2, max_lora_rank=8)
     try:
+        if lora:
+            llm.load_lora_adapter("a", str(make_tiny_lora(path, tmp_path / "a", rank=8, seed=1)))
+            llm.load_lora_adapter("b", str(make_tiny_lora(path, tmp_path / "b", rank=4, seed=2,
+                                                          target_modules=["q_proj", "v_proj", "down_proj"])))
         assert llm.collective_rpc(compare) == [True]
     finally:
         llm.shutdown()
@@ -185,12 +199,16 @@ def test_decoder_layers_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="entries per layer"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0)
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [])
+    with pytest.raises(RuntimeError, match="segment of lora_rows"):
+        ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
+                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [None] * 3, [0, 4])
 
 
-def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch):
+def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch, tmp_path):
     """With the linear products on torch's BLAS (as on AVX2 builds) and the rest native, the stack still runs the
-    step, with the modules' bits."""
+    step, with the modules' bits (with LoRA adapters too: their gate/up product then takes the unfused path)."""
     from hotswap.kernels import ops as facade
     from hotswap.kernels import policy
     from hotswap.kernels.policy import OPS, Decision, KernelPolicy
@@ -200,7 +218,7 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     monkeypatch.setattr(facade, "policy", lambda: mixed)
     monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
     monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
-    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2")
+    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, tmp_path)
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)
     slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
     assert native_steps > 0

@@ -316,6 +316,9 @@ class LLMEngine:
                 raise RuntimeError("no sequence can be scheduled although requests are waiting")
             self._settle_drain()
             return []
+        if self.loras is not None and any(s.request.lora is not None for s in batch.seqs):
+            # each adapter's rows consecutive: its products run on a slice of the batch, not gathered rows
+            batch = batch.ordered(lambda s: 0 if s.request.lora is None else s.request.lora.uid)
         outputs = self._run_batch(batch)
         self._settle_drain()
         return outputs

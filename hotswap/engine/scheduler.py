@@ -34,6 +34,12 @@ class SchedulerOutput:
     is_prefill: bool
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
+    def ordered(self, key: Callable[[Sequence], int]) -> SchedulerOutput:
+        """This step with its sequences in ascending `key` (stable): the same work, in another order."""
+        order = sorted(range(len(self.seqs)), key=lambda i: key(self.seqs[i]))
+        return SchedulerOutput([self.seqs[i] for i in order], [self.num_tokens[i] for i in order], self.is_prefill,
+                               self.block_copies)
+
     def only(self, keep: list[Sequence]) -> SchedulerOutput:
         """The part of this step that runs `keep` (a subset of `seqs`), without the block copies."""
         pairs = [(s, n) for s, n in zip(self.seqs, self.num_tokens, strict=True) if s in keep]

@@ -6,7 +6,8 @@
 //
 // decoder_layers(x [T, H], positions [T] int64, layers, k_caches, v_caches, slot_mapping, block_tables,
 //                context_lens, query_lens?, kv_of_q?, num_heads, num_kv_heads, head_dim, scale, eps,
-//                final_norm [H], native_linear, native_gated, native_silu, o_split, down_split) -> [T, H]
+//                final_norm [H], native_linear, native_gated, native_silu, o_split, down_split, lora, lora_rows)
+//                -> [T, H]
 // runs every layer on the embedded tokens x and returns the final RMSNorm of the last hidden state. `layers`
 // holds kLayerTensors entries per layer, in the order of LayerTensor (biases may be None); k/v_caches hold each
 // layer's cache; the other attention arguments are those of rope_paged_attention (paged_attention.cpp), shared by
@@ -14,7 +15,13 @@
 // take the native small-batch kernels and which torch's (at::linear, the BLAS; the SwiGLU gate native or as
 // silu(gate) * up), as the kernel policy chose for this batch: the modules' choice, so the same bits, without
 // the Python between the ops. o_split / down_split (deterministic mode; 0: none) compute o and down as two partial
-// products over their inputs split there, added, then the bias (as the modules do). Each layer is:
+// products over their inputs split there, added, then the bias (as the modules do). LoRA adapters (hotswap/lora):
+// `lora_rows` holds (start, length) per row segment, each served by one adapter, and `lora` holds, per layer and
+// segment, kLoraTensors (shrink [in, R], expand [R, out]) pairs, one per product (None: that product is not
+// adapted); each adapted product then adds shrink and expand to its segment's rows, as LoRABatch.apply does:
+//   y[s : s + n] += (a[s : s + n] · shrink) · expand
+// (the gate/up product through the unfused path, its adapter's share joining before the activation).
+// Each layer is:
 //   h = rms_norm(residual += x)              (the first layer: residual = x, h = rms_norm(x))
 //   q, k, v = split(h · qkvᵀ + qkv_bias)
 //   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
@@ -36,13 +43,18 @@ enum LayerTensor : int64_t {
 
 using OptTensor = std::optional<at::Tensor>;
 
+enum LoraTensor : int64_t {
+  kQkvShrink, kQkvExpand, kOShrink, kOExpand, kGateUpShrink, kGateUpExpand, kDownShrink, kDownExpand, kLoraTensors
+};
+
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, const c10::List<OptTensor>& layers,
                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& context_lens,
                           const OptTensor& query_lens, const OptTensor& kv_of_q,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                           const at::Tensor& final_norm, bool native_linear, bool native_gated, bool native_silu,
-                          int64_t o_split, int64_t down_split) {
+                          int64_t o_split, int64_t down_split, const c10::List<OptTensor>& lora,
+                          at::IntArrayRef lora_rows) {
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
               " entries per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
@@ -51,6 +63,28 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
                   static_cast<int64_t>(v_caches.size()) == num_layers,
               "decoder_layers: one k and one v cache per layer");
+  const int64_t segments = static_cast<int64_t>(lora_rows.size()) / 2;
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && static_cast<int64_t>(lora.size()) == num_layers * segments * kLoraTensors,
+              "decoder_layers: lora must hold ", static_cast<int>(kLoraTensors),
+              " entries per layer and (start, length) segment of lora_rows");
+  // y += the adapters' products of input a, each on its segment's rows (see the header)
+  auto adapt = [&](at::Tensor y, const at::Tensor& a, int64_t layer, LoraTensor shrink) -> at::Tensor {
+    for (int64_t s = 0; s < segments; ++s) {
+      const size_t at = static_cast<size_t>((layer * segments + s) * kLoraTensors + shrink);
+      const OptTensor down = lora.get(at), up = lora.get(at + 1);
+      if (!down.has_value()) continue;
+      TORCH_CHECK(up.has_value(), "decoder_layers: a LoRA shrink without its expand");
+      const int64_t start = lora_rows[2 * s], length = lora_rows[2 * s + 1];
+      y.narrow(0, start, length).addmm_(at::mm(a.narrow(0, start, length), *down), *up);
+    }
+    return y;
+  };
+  auto adapted = [&](int64_t layer, LoraTensor shrink) -> bool {
+    for (int64_t s = 0; s < segments; ++s) {
+      if (lora.get(static_cast<size_t>((layer * segments + s) * kLoraTensors + shrink)).has_value()) return true;
+    }
+    return false;
+  };
   auto get = [&](int64_t layer, LayerTensor which) -> OptTensor {
     return layers.get(static_cast<size_t>(layer * kLayerTensors + which));
   };
@@ -73,9 +107,10 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     if (b.has_value()) y.add_(*b);
     return y;
   };
-  auto gated = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
-    if (native_gated) return hotswap_ops::small_batch_gated_linear(a, w, b);
-    const at::Tensor h = linear(a, w, b);
+  auto gated = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t layer) -> at::Tensor {
+    const bool lora_here = adapted(layer, kGateUpShrink);
+    if (native_gated && !lora_here) return hotswap_ops::small_batch_gated_linear(a, w, b);
+    const at::Tensor h = lora_here ? adapt(linear(a, w, b), a, layer, kGateUpShrink) : linear(a, w, b);
     if (native_silu) return hotswap_ops::silu_and_mul(h);
     const int64_t half = h.size(1) / 2;
     return at::silu(h.narrow(1, 0, half)) * h.narrow(1, half, half);
@@ -89,7 +124,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     } else {
       h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kInputNorm), eps);
     }
-    const at::Tensor qkv = linear(h, need(l, kQkv), get(l, kQkvBias));
+    const at::Tensor qkv = adapt(linear(h, need(l, kQkv), get(l, kQkvBias)), h, l, kQkvShrink);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layers: qkv width does not match the head counts");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -97,9 +132,10 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     const at::Tensor attn =
         hotswap_ops::rope_paged_attention(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
                            slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
-    hidden = row_linear(attn, need(l, kO), get(l, kOBias), o_split);
+    hidden = adapt(row_linear(attn, need(l, kO), get(l, kOBias), o_split), attn, l, kOShrink);
     h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
-    hidden = row_linear(gated(h, need(l, kGateUp), get(l, kGateUpBias)), need(l, kDown), get(l, kDownBias), down_split);
+    const at::Tensor act = gated(h, need(l, kGateUp), get(l, kGateUpBias), l);
+    hidden = adapt(row_linear(act, need(l, kDown), get(l, kDownBias), down_split), act, l, kDownShrink);
   }
   if (num_layers == 0) return hotswap_ops::rms_norm(hidden, final_norm, eps);
   return hotswap_ops::add_rms_norm(hidden, residual, final_norm, eps);
@@ -112,7 +148,8 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
       "decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] layers, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? query_lens, "
       "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm, "
-      "bool native_linear, bool native_gated, bool native_silu, int o_split, int down_split) -> Tensor");
+      "bool native_linear, bool native_gated, bool native_silu, int o_split, int down_split, Tensor?[] lora, "
+      "int[] lora_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

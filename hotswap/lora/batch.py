@@ -8,19 +8,31 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 Pack = tuple[torch.Tensor, torch.Tensor]  # (shrink [in, R], expand [R, out]): out += (x @ shrink) @ expand
+# a group's packs: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack} (FusedMoE._add_lora)
 
 
 
 @dataclass
 class LoRAGroup:
-    """The rows of a pass that one adapter version serves (None: every row), and its packs by layer name."""
+    """The rows of a pass that one adapter version serves, and its packs by layer name: `span` (start, length)
+    where they are consecutive (the engine orders a step's sequences by adapter), else `rows`, their indices."""
 
-    packs: dict[str, Pack]
-    rows: torch.Tensor | None
+    packs: dict[str, Any]
+    span: tuple[int, int] | None
+    rows: torch.Tensor | None = None
+
+    def token_mask(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Whether each of `tokens` (flat row indices) is one of this group's rows."""
+        if self.span is not None:
+            start, length = self.span
+            return (tokens >= start) & (tokens < start + length)
+        assert self.rows is not None  # a group has a span or its rows
+        return torch.isin(tokens, self.rows)
 
 
 class LoRABatch:
@@ -41,14 +53,18 @@ class LoRABatch:
             if pack is None:
                 continue
             shrink, expand = pack
-            rows = group.rows
-            h = (x if rows is None else x.index_select(0, rows)) @ shrink.to(x.dtype)
+            if group.span is not None:  # the decoder stack's own ops on its rows (decoder.cpp), the same bits
+                start, length = group.span
+                h = x.narrow(0, start, length) @ shrink.to(x.dtype)
+                if reduce is not None:
+                    h = reduce(h)
+                out.narrow(0, start, length).addmm_(h, expand.to(out.dtype))
+                continue
+            assert group.rows is not None  # a group has a span or its rows
+            h = x.index_select(0, group.rows) @ shrink.to(x.dtype)
             if reduce is not None:
                 h = reduce(h)
-            if rows is None:
-                out.addmm_(h, expand.to(out.dtype))
-            else:
-                out.index_add_(0, rows, h @ expand.to(out.dtype))
+            out.index_add_(0, group.rows, h @ expand.to(out.dtype))
         return out
 
 

@@ -26,6 +26,9 @@ class LoRAManager:
         self.max_rank = max_rank
         self.adapters: dict[int, LoRAAdapter] = {}
         self.pending: tuple[int, LoRAAdapter] | None = None  # a version being loaded by an open update
+        # a dropped version's module per spec, reused by the next update of that shape: building one (a module
+        # and an index entry per factor) costs more than copying its values
+        self.spare: dict[LoRASpec, LoRAAdapter] = {}
         for name, module in model.named_modules():
             if isinstance(module, (Linear, FusedMoE)):
                 module.lora_key = name
@@ -54,7 +57,7 @@ class LoRAManager:
         if new in self.adapters:
             raise ValueError(f"adapter uid {new} is already loaded")
         self.drop_pending()
-        copy = LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank)
+        copy = self.spare.pop(current.spec, None) or LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank)
         copy.copy_from(current)
         self.pending = (new, copy)
         return copy
@@ -70,10 +73,19 @@ class LoRAManager:
         return uid
 
     def drop_pending(self) -> None:
+        if self.pending is not None:
+            self._keep_spare(self.pending[1])
         self.pending = None
 
     def remove(self, uid: int) -> bool:
-        return self.adapters.pop(uid, None) is not None
+        adapter = self.adapters.pop(uid, None)
+        if adapter is not None:
+            self._keep_spare(adapter)
+        return adapter is not None
+
+    def _keep_spare(self, adapter: LoRAAdapter) -> None:
+        adapter.invalidate_packs()  # its packs' memory goes; its factors are overwritten before any use
+        self.spare[adapter.spec] = adapter
 
     def get(self, uid: int) -> LoRAAdapter:
         adapter = self.adapters.get(uid)
@@ -83,15 +95,19 @@ class LoRAManager:
 
     def batch(self, token_uids: list[tuple[int, int, int]], num_tokens: int) -> LoRABatch | None:
         """The adapters of a pass over `num_tokens` flat rows, where each (uid, start, end) gives rows [start, end)
-        to adapter `uid`; None when no row uses an adapter."""
+        to adapter `uid`; None when no row uses an adapter. An adapter whose rows are consecutive gets a span."""
         if not token_uids:
             return None
-        rows: dict[int, list[int]] = {}
+        ranges: dict[int, list[tuple[int, int]]] = {}
         for uid, start, end in token_uids:
-            rows.setdefault(uid, []).extend(range(start, end))
+            ranges.setdefault(uid, []).append((start, end))
         groups = []
-        for uid, members in rows.items():
-            whole = len(rows) == 1 and len(members) == num_tokens
-            index = None if whole else torch.tensor(members, dtype=torch.long)
-            groups.append(LoRAGroup(self.get(uid).packs(), index))
+        for uid, parts in ranges.items():
+            parts.sort()
+            packs = self.get(uid).packs()
+            if all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1)):
+                groups.append(LoRAGroup(packs, (parts[0][0], parts[-1][1] - parts[0][0])))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in parts])
+                groups.append(LoRAGroup(packs, None, rows))
         return LoRABatch(groups)

@@ -21,6 +21,7 @@ from torch import nn
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.kernels.policy import Products, fastest_in_turn
+from hotswap.lora.batch import active_lora
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
@@ -58,6 +59,9 @@ class NativeDecoderStack:
         model or its layers run."""
         if meta.kernel is None or not ops.decoder_stack_available(num_tokens) or self.model is None:
             return False
+        lora = active_lora()
+        if lora is not None and not all(g.span is not None and not self._experts(g.packs) for g in lora.groups):
+            return False  # adapters on gathered rows, or on experts: the modules' path
         if not self.modules_fit:
             return False
         attention = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
@@ -170,8 +174,29 @@ class NativeDecoderStack:
             products = (True, True, True)
             splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
+        adapters, segments = self._lora_tensors()
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
             first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu, *splits,
+            adapters, segments,
         )
+
+    def _lora_tensors(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """The pass's LoRA adapters as `decoder_layers` takes them: per layer and row segment, (shrink, expand)
+        of qkv, o, gate_up and down (None where not adapted), and each segment's (start, length)."""
+        lora = active_lora()
+        if lora is None:
+            return [], []
+        tensors: list[torch.Tensor | None] = []
+        for _, qkv, o, _, gate_up, down, _, _ in self.layers:
+            for group in lora.groups:
+                for linear in cast(tuple[Linear, ...], (qkv, o, gate_up, down)):
+                    pack = group.packs.get(linear.lora_key) if linear.lora_key is not None else None
+                    tensors += [None, None] if pack is None else list(pack)
+        segments = [n for g in lora.groups for n in cast(tuple[int, int], g.span)]
+        return tensors, segments
+
+    @staticmethod
+    def _experts(packs: dict[str, Any]) -> bool:
+        return any(isinstance(p, dict) for p in packs.values())

@@ -18,7 +18,7 @@ from hotswap.distributed import current_parallel
 from hotswap.engine.model_input import ModelInput, PromptLogprobs, Samples
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
-from hotswap.lora.batch import active_lora, lora_batch
+from hotswap.lora.batch import lora_batch
 from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
@@ -101,7 +101,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        if active_lora() is None and self.stack.applies(len(input_ids), pos, meta):
+        if self.stack.applies(len(input_ids), pos, meta):
             return self.stack.run(self.stack.embed(ids), pos, meta)
         return cast(torch.Tensor, self.model(ids, pos, meta))
 

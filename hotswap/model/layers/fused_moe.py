@@ -449,12 +449,12 @@ class FusedMoE(nn.Module):
         xs = x[rows]
         h = grouped_mm(xs, w13, counts)
         if lora is not None:
-            h = self._add_lora(lora, "w13", xs, h, rows, expert_counts)
+            h = self._add_lora(lora, "w13", xs, h, rows, expert_counts, tokens)
         gate, up = h.split(self.i_local, dim=-1)
         act = F.silu(gate) * up
         out = grouped_mm(act, w2, counts)
         if lora is not None:
-            out = self._add_lora(lora, "w2", act, out, rows, expert_counts)
+            out = self._add_lora(lora, "w2", act, out, rows, expert_counts, tokens)
         combined = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
         combined.index_add_(0, rows, out.float() * weights.flatten()[picked, None])
         return self.tp.all_reduce(combined).to(x.dtype)
@@ -463,9 +463,9 @@ class FusedMoE(nn.Module):
     lora_key: str | None = None
 
     def _add_lora(self, lora: LoRABatch, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-                  counts: torch.Tensor) -> torch.Tensor:
+                  counts: torch.Tensor, lora_rows: int) -> torch.Tensor:
         """`out` (the experts' product `which` for rows `x`, grouped by expert as `counts` says; `rows`: each
-        one's token) plus every adapter's expert factors for the tokens it serves."""
+        one's token, of `lora_rows` in the pass) plus every adapter's expert factors for the tokens it serves."""
         assert self.lora_key is not None  # set with the adapters
         for group in lora.groups:
             pack = group.packs.get(self.lora_key)
@@ -473,8 +473,8 @@ class FusedMoE(nn.Module):
                 continue
             shrink, expand = pack[which]
             h = grouped_mm(x, shrink.to(x.dtype), counts)
-            if group.rows is not None:  # the adapter's tokens only
-                h = h * torch.isin(rows, group.rows).to(h.dtype)[:, None]
+            if group.span != (0, int(lora_rows)):  # the adapter's tokens only
+                h = h * group.token_mask(rows).to(h.dtype)[:, None]
             out = out + grouped_mm(h, expand.to(out.dtype), counts)
         return out
 
