@@ -8,7 +8,8 @@ products are summed across ranks before lora_B).
 
 `packs()` fuses, per base linear layer, the factors of every projection it holds (q/k/v, gate/up) into one
 shrink [in, sum of ranks] and one expand [sum of ranks, out] with the scale folded in (zeros outside each
-projection's rows): two products per layer and adapter in the forward pass.
+projection's rows), both transposed views of row-major copies: two products per layer and adapter in the forward
+pass.
 """
 
 from __future__ import annotations
@@ -154,16 +155,18 @@ class LoRAAdapter(nn.Module):
             packs: dict[str, Any] = {}
             for name, parts in self.targets.items():
                 layer = self.layers[name]
-                shrink = torch.cat([a.weight for _, a, _ in parts]).t().contiguous()
-                expand = torch.zeros(shrink.shape[1], layer.out_local, dtype=self.dtype)
+                # [R, in] and [out, R], used transposed (views): the products read them in place
+                shrink = torch.cat([a.weight for _, a, _ in parts]) if len(parts) > 1 else parts[0][1].weight
+                expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype)
                 col = 0
                 for shard, _, b in parts:
-                    rank, start = b.weight.shape[1], layer.shard_specs[shard].local_offset
+                    rows, rank = b.weight.shape
+                    start = layer.shard_specs[shard].local_offset
                     key = name if shard is None else _checkpoint_module(name, shard)
-                    expand[col : col + rank, start : start + b.weight.shape[0]] = (
-                        b.weight.t() * self.spec.scaling(key, rank))
+                    block = expand[start : start + rows, col : col + rank]
+                    torch.mul(b.weight, self.spec.scaling(key, rank), out=block)
                     col += rank
-                packs[name] = (shrink, expand)
+                packs[name] = (shrink.t(), expand.t())
             for name, factors in self.expert_targets.items():
                 packs[name] = {which: self._expert_pack(self.expert_layers[name], which, *part)
                                for which, part in factors.items()}

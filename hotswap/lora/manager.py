@@ -49,6 +49,7 @@ class LoRAManager:
         with torch.no_grad():
             update.apply(source, final=True)
             update.finish()
+        adapter.packs()  # built now, not by the first request that uses it
         self.adapters[uid] = adapter
 
     def begin(self, old: int, new: int) -> LoRAAdapter:
@@ -68,6 +69,7 @@ class LoRAManager:
             return None
         uid, adapter = self.pending
         adapter.invalidate_packs()
+        adapter.packs()  # built now, not by the first request that uses it
         self.adapters[uid] = adapter
         self.pending = None
         return uid
