@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -70,6 +71,17 @@ def per_prompt(
         raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
                          "prompt")
     return prompts, params_list
+
+
+def per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+                    ) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one or one per prompt")
+    return loras
 
 
 def chat_prompts(

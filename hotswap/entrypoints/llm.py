@@ -18,7 +18,7 @@ from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
-from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
+from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.registry import LoRARegistry, Prepared
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
@@ -158,7 +158,7 @@ class LLM:
         staged = [stage(prompt, self.get_tokenizer()) for prompt in prompts]
         for prompt, params in zip(staged, params_list, strict=True):
             engine.validate_prompt(prompt.token_ids, params)
-        loras = _per_prompt_lora(lora_request, len(staged))
+        loras = per_prompt_lora(lora_request, len(staged))
         ids = []
         with self._lock:
             for wanted in {r for r in loras if r is not None}:
@@ -438,17 +438,6 @@ class LLM:
     def weight_checksums(self, target: str = "model") -> dict[str, str]:
         """SHA-256 of each parameter's bytes (rank 0); `target` "draft" / "all": the draft's too ("draft.<name>")."""
         return cast("dict[str, str]", self.collective_rpc("weight_checksums", (target,))[0])
-
-
-def _per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
-                     ) -> list[LoRARequest | None]:
-    """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
-    loras = list(lora_request)
-    if len(loras) != count:
-        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one or one per prompt")
-    return loras
 
 
 class _ApplyModel:

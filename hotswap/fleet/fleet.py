@@ -57,7 +57,7 @@ from hotswap.fleet.replicas import (
     _with_replica,
 )
 from hotswap.fleet.router import request_cost
-from hotswap.inputs import PromptType, chat_prompts, per_prompt, stage
+from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
 from hotswap.lora.updates import lora_target
 from hotswap.outputs import RequestOutput
@@ -121,7 +121,7 @@ class Fleet(FleetReplicas):
         if self.paused or self.pausing:
             raise EngineUnavailable(f"the fleet is paused ({self.pause_mode!r}); call resume_generation() first")
         prompts, params_list = per_prompt(prompts, sampling_params)
-        loras = _per_prompt_lora(lora_request, len(prompts))
+        loras = per_prompt_lora(lora_request, len(prompts))
         staged = [self.prepare_prompt(p) for p in prompts]
         loras = self.resolve_loras(loras)
         results: dict[int, RequestOutput] = {}
@@ -761,12 +761,3 @@ class Fleet(FleetReplicas):
         return bool(results)
 
 
-def _per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
-                     ) -> list[LoRARequest | None]:
-    """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
-    loras = list(lora_request)
-    if len(loras) != count:
-        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one or one per prompt")
-    return loras
