@@ -46,12 +46,13 @@ def adapters(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 @functools.cache
-def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers (+ PEFT's PeftModel for `adapter`) greedy tokens and per-step log-softmax rows."""
+def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], dtype: torch.dtype = torch.float32
+                ) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers (+ PEFT's PeftModel for `adapter`) greedy tokens and per-step log-softmax rows, in `dtype`."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
@@ -365,5 +366,36 @@ def test_mixture_of_experts_adapters_match_peft(arch, tmp_path):
         save_file({n: (new[n] if ".experts." in n else t).contiguous() for n, t in tensors.items()},
                   str(mixed / "adapter_model.safetensors"))
         check_matches(base, mixed, ids[0], run(engine, ids[:1], request)[0])
+    finally:
+        engine.shutdown()
+
+
+def test_bfloat16_adapters_match_peft_in_bfloat16(bases, adapters):
+    """In bfloat16 (the adapters' factors in float32, as PEFT keeps them), for adapter rows beside base rows: the
+    engine's prompt logprobs of transformers + PEFT's bfloat16 greedy continuation are within 0.2 of PEFT's own at
+    every step (teacher-forced: a tiny random model's near-ties, which bf16 rounding may flip either way, do not
+    end the comparison), and the adapter moves them (the base model's differ by more)."""
+    base = bases["llama"]
+    engine = LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        ids = ids_of(engine, PROMPTS[:4])
+        request = LoRARequest("a", 1, str(adapters["llama/a"]))
+        loras = [request, None, request, request]
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        worst, moved = 0.0, 0.0
+        for prompt_ids, lora in zip(ids, loras, strict=True):
+            adapter = None if lora is None else lora.lora_path
+            tokens, rows = peft_greedy(str(base), adapter, tuple(prompt_ids), torch.bfloat16)
+            out = engine.generate([{"prompt_token_ids": prompt_ids + tokens}], scoring, lora_request=lora,
+                                  use_tqdm=False)[0]
+            scored = out.prompt_logprobs[len(prompt_ids):]
+            for step, token in enumerate(tokens):
+                worst = max(worst, abs(scored[step][token].logprob - rows[step][token].item()))
+            if lora is not None:  # the same continuation scored by the base model
+                plain = engine.generate([{"prompt_token_ids": prompt_ids + tokens}], scoring, use_tqdm=False)[0]
+                moved = max(moved, *(abs(plain.prompt_logprobs[len(prompt_ids) + j][t].logprob
+                                         - scored[j][t].logprob) for j, t in enumerate(tokens)))
+        assert worst < 0.2
+        assert moved > 0.5
     finally:
         engine.shutdown()

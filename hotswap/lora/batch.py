@@ -53,19 +53,43 @@ class LoRABatch:
             if pack is None:
                 continue
             shrink, expand = pack
-            if group.span is not None:  # the decoder stack's own ops on its rows (decoder.cpp), the same bits
+            if shrink.dtype != x.dtype:  # factors in float32 beside a half-precision model, as PEFT keeps them
+                self._apply_upcast(group, shrink, expand, x, out, reduce)
+            elif group.span is not None:  # the decoder stack's own ops on its rows (decoder.cpp), the same bits
                 start, length = group.span
-                h = x.narrow(0, start, length) @ shrink.to(x.dtype)
+                h = x.narrow(0, start, length) @ shrink
                 if reduce is not None:
                     h = reduce(h)
-                out.narrow(0, start, length).addmm_(h, expand.to(out.dtype))
-                continue
-            assert group.rows is not None  # a group has a span or its rows
-            h = x.index_select(0, group.rows) @ shrink.to(x.dtype)
-            if reduce is not None:
-                h = reduce(h)
-            out.index_add_(0, group.rows, h @ expand.to(out.dtype))
+                out.narrow(0, start, length).addmm_(h, expand)
+            else:
+                assert group.rows is not None  # a group has a span or its rows
+                h = x.index_select(0, group.rows) @ shrink
+                if reduce is not None:
+                    h = reduce(h)
+                out.index_add_(0, group.rows, h @ expand)
         return out
+
+    @staticmethod
+    def _apply_upcast(group: LoRAGroup, shrink: torch.Tensor, expand: torch.Tensor, x: torch.Tensor,
+                      out: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """PEFT's order for a half-precision model: the input cast to the factors' dtype, the adapter's product
+        added to the base output in that dtype, the sum rounded once to the model's."""
+        if group.span is not None:
+            start, length = group.span
+            rows = x.narrow(0, start, length)
+        else:
+            assert group.rows is not None  # a group has a span or its rows
+            rows = x.index_select(0, group.rows)
+        h = rows.to(shrink.dtype) @ shrink
+        if reduce is not None:
+            h = reduce(h)
+        delta = h @ expand
+        if group.span is not None:
+            target = out.narrow(0, start, length)
+            target.copy_(target.to(delta.dtype) + delta)
+        else:
+            assert group.rows is not None  # as above
+            out.index_copy_(0, group.rows, out.index_select(0, group.rows).to(delta.dtype) + delta)
 
 
 _ACTIVE: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("hotswap_lora_batch", default=None)

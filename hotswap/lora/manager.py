@@ -22,7 +22,8 @@ from hotswap.weights.update import WeightSource, WeightUpdate
 class LoRAManager:
     def __init__(self, model: nn.Module, dtype: torch.dtype, max_rank: int) -> None:
         self.model = model
-        self.dtype = dtype
+        # the factors' dtype: float32 beside a half-precision model (PEFT's default, autocast_adapter_dtype)
+        self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         self.max_rank = max_rank
         self.adapters: dict[int, LoRAAdapter] = {}
         self.pending: tuple[int, LoRAAdapter] | None = None  # a version being loaded by an open update

@@ -471,11 +471,11 @@ class FusedMoE(nn.Module):
             pack = group.packs.get(self.lora_key)
             if not isinstance(pack, dict) or which not in pack:
                 continue
-            shrink, expand = pack[which]
-            h = grouped_mm(x, shrink.to(x.dtype), counts)
+            shrink, expand = pack[which]  # float32 beside a half-precision model (see LoRABatch._apply_upcast)
+            h = grouped_mm(x.to(shrink.dtype), shrink, counts)
             if group.span != (0, int(lora_rows)):  # the adapter's tokens only
                 h = h * group.token_mask(rows).to(h.dtype)[:, None]
-            out = out + grouped_mm(h, expand.to(out.dtype), counts)
+            out = (out.to(h.dtype) + grouped_mm(h, expand, counts)).to(out.dtype)
         return out
 
     def _forward_deterministic(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
