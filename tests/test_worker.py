@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,7 +166,30 @@ def scope_cases(worker: Worker, probe):
             lambda m, p: m.setattr(runner, "allocate_kv_cache", p()),
             lambda: worker.wake_up(["kv_cache"]),
         ),
+        # LoRA adapters: the manager's first call in each body is the probe (the engine here has none enabled)
+        "add_lora": (None, lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(add=p())),
+                     lambda: worker.add_lora(1, {}, {})),
+        "remove_lora": (None, lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(remove=p(True))),
+                        lambda: worker.remove_lora(1)),
+        "start_lora_update": (
+            None,
+            lambda m, p: (m.setattr(worker, "_loras", lambda: lora_stub(p)),
+                          m.setattr(worker.session, "start", lambda *args: None)),
+            lambda: (worker.start_lora_update(1, 2), setattr(worker, "_session_target", "model")),
+        ),
+        "reload_lora": (
+            None,
+            lambda m, p: (m.setattr(worker, "_loras", lambda: lora_stub(p)),
+                          m.setattr(worker.session, "load", lambda *a, **k: SimpleNamespace(loaded_names=set()))),
+            lambda: worker.reload_lora(1, 2, []),
+        ),
     }
+
+
+def lora_stub(probe):
+    """A LoRA manager whose `begin` is the probe and returns an adapter stand-in."""
+    return SimpleNamespace(begin=probe(SimpleNamespace(weight_index=lambda: None)), commit_pending=lambda: 2,
+                           drop_pending=lambda: None)
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["success", "error"])
