@@ -399,3 +399,41 @@ def test_bfloat16_adapters_match_peft_in_bfloat16(bases, adapters):
         assert moved > 0.5
     finally:
         engine.shutdown()
+
+
+def test_an_open_lora_session_is_not_disturbed(llm, bases, adapters):
+    """While an adapter's session is open: reloading an adapter is refused and unloading this one too, each
+    changing nothing (the session still commits its update); a transport shut down mid-session drops the
+    adapter's next version, and a model session afterwards runs as one (its version advances)."""
+    base, ids = bases["llama"], ids_of(llm, PROMPTS[6:7])
+    llm.load_lora_adapter("open", str(adapters["llama/a"]))
+    request = LoRARequest("open", llm.list_loras()[-1]["lora_int_id"])
+    held = llm.llm_engine.loras.held()
+    pusher = Pusher(llm, "tensors")
+    try:
+        llm.start_weight_update(target="lora:open")
+        _, new = read_folder(str(adapters["llama/b"]))
+        with pytest.raises(RuntimeError, match="session is open"):
+            llm.reload_weights(weights_iterator=list(new.items()), target="lora:open")
+        with pytest.raises(ValueError, match="open update session"):
+            llm.unload_lora_adapter("open")
+        pusher.update(live_peft_tensors(adapters["llama/c"]))
+        llm.finish_weight_update()
+        check_matches(base, adapters["llama/c"], ids[0], run(llm, ids, request)[0])
+        assert llm.llm_engine.loras.held() == held
+        llm.start_weight_update(target="lora:open")
+        llm.shutdown_weight_transfer_engine()  # the trainer went away mid-session
+        assert llm.llm_engine.loras.held() == held
+        check_matches(base, adapters["llama/c"], ids[0], run(llm, ids, request)[0])
+        from safetensors.torch import load_file
+
+        pusher.connect()
+        version = llm.get_weight_version()
+        llm.start_weight_update()
+        pusher.update(list(load_file(str(base / "model.safetensors")).items()))  # the same weights, a new version
+        llm.finish_weight_update()
+        assert llm.get_weight_version() == version + 1
+        check_matches(base, adapters["llama/c"], ids[0], run(llm, ids, request)[0])
+    finally:
+        pusher.close()
+        llm.unload_lora_adapter("open")

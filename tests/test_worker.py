@@ -172,7 +172,7 @@ def scope_cases(worker: Worker, probe):
         "remove_lora": (None, lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(remove=p(True))),
                         lambda: worker.remove_lora(1)),
         "start_lora_update": (
-            None,
+            session(),
             lambda m, p: (m.setattr(worker, "_loras", lambda: lora_stub(p)),
                           m.setattr(worker.session, "start", lambda *args: None)),
             lambda: (worker.start_lora_update(1, 2), setattr(worker, "_session_target", "model")),

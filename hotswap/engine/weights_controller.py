@@ -205,24 +205,17 @@ class WeightsController:
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
         meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
         self.check_session(session_token)
-        if self._lora_open():
-            try:
-                self._lora().update(update_info[0] if isinstance(update_info, list) and update_info
-                                    else update_info)  # type: ignore[arg-type]
-            except BaseException:
-                self.token = None
-                raise
-            return
-        if self.prepared is not None:
+        lora = self._lora_open()
+        if self.prepared is not None or (lora and self._lora().prepared):
             raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
                                "abort_weight_update()")
         if isinstance(update_info, list):
             if not update_info or any(entry != update_info[0] for entry in update_info):
-                self._session_rpc("abort_weight_update")  # like any failed update, it ends the session
+                self._abort_open_session()  # like any failed update, it ends the session
                 raise ValueError("update_info given per worker must hold one identical declaration per worker "
                                  "(the session was rolled back)")
             update_info = update_info[0]
-        if isinstance(update_info, dict) and update_info.get("base_version") is not None:
+        if not lora and isinstance(update_info, dict) and update_info.get("base_version") is not None:
             try:
                 self.check_base(update_info["base_version"])
             except ValueError as err:
@@ -230,9 +223,24 @@ class WeightsController:
                 raise ValueError(f"{err} (the session was rolled back)") from None
         if isinstance(update_info, dict) and self.last_update_info is not None and _empty_declaration(update_info):
             update_info = {**self.last_update_info, **{k: v for k, v in update_info.items() if v}}
-        self._session_rpc("update_weights", update_info)
+        if lora:  # an adapter's next version (the adapter's own base version is checked there)
+            try:
+                self._lora().update(update_info)
+            except BaseException:
+                self.token = None
+                raise
+        else:
+            self._session_rpc("update_weights", update_info)
         if isinstance(update_info, dict) and "names" in update_info:
             self.last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
+
+    def _abort_open_session(self) -> None:
+        """Ends the open session, a model's or an adapter's (rolled back / dropped)."""
+        if self._lora_open():
+            self.token = None
+            self._lora().abort()
+        else:
+            self._session_rpc("abort_weight_update")
 
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
@@ -245,6 +253,9 @@ class WeightsController:
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Drops every worker's transport (ending an open session, rolled back)."""
+        if self._lora_open():
+            self.token = None
+            self._lora().abort()
         self._session_rpc("shutdown_weight_transfer_engine")
 
     def _abort_on_every_rank(self) -> None:
@@ -307,6 +318,9 @@ class WeightsController:
         verified before the commit."""
         name = lora_target(target)
         if name is not None:  # an adapter's next version (see hotswap/lora/updates.py): nothing pauses
+            if self.token is not None or self.prepared is not None:
+                raise RuntimeError("a weight-update session is open; finish or abort it before reloading a LoRA "
+                                   "adapter")
             if weight_version is not None:
                 raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
             self._lora().reload(name, weights_path, weights_iterator, encoding, base_version, checksums)

@@ -63,6 +63,8 @@ class LoRARegistry:
         self.adapters: dict[str, Adapter] = {}
         self.retired: dict[int, AdapterVersion] = {}  # versions of unloaded adapters still in use
         self._uids = itertools.count(1)
+        self.pending: set[int] = set()  # versions on the workers that no adapter serves yet (loads, updates)
+        self.updating: set[str] = set()  # adapters with an open update session (they cannot be unloaded)
         # called when a commit supersedes a version that requests still use (the engine's "switch" policy)
         self.on_superseded: Callable[[Adapter, list[AdapterVersion]], None] | None = None
 
@@ -70,7 +72,7 @@ class LoRARegistry:
 
     def held(self) -> int:
         """Adapter versions on the workers."""
-        return sum(1 + len(a.old) for a in self.adapters.values()) + len(self.retired)
+        return sum(1 + len(a.old) for a in self.adapters.values()) + len(self.retired) + len(self.pending)
 
     def get(self, name: str) -> Adapter:
         adapter = self.adapters.get(name)
@@ -144,12 +146,14 @@ class LoRARegistry:
             raise ValueError(f"lora_int_id {int_id} is already used by another adapter")
         self._check_room()
         uid = next(self._uids)
+        self.pending.add(uid)
         self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
         return Prepared(name, uid, spec, int_id, folder, pinned)
 
     def commit_prepared(self, prepared: Prepared) -> Adapter:
         """Phase two: the prepared version is what `prepared.name` serves from now on."""
         existing = self.adapters.get(prepared.name)
+        self.pending.discard(prepared.uid)
         if existing is None:
             adapter = Adapter(prepared.name, prepared.int_id, prepared.spec, AdapterVersion(prepared.uid, 1),
                               prepared.path, prepared.pinned)
@@ -163,11 +167,13 @@ class LoRARegistry:
         return existing
 
     def abort_prepared(self, prepared: Prepared) -> None:
-        self._remove(prepared.uid)
+        self.discard(prepared.uid)
 
     def unload(self, name: str) -> None:
         """Forgets adapter `name`: new requests cannot use it; requests running on it finish on their version."""
         adapter = self.get(name)
+        if name in self.updating:
+            raise ValueError(f"LoRA adapter {name!r} has an open update session; finish or abort it first")
         del self.adapters[name]
         for version in [adapter.current, *adapter.old.values()]:
             if version.users:
@@ -199,14 +205,18 @@ class LoRARegistry:
     def begin_update(self, name: str) -> tuple[Adapter, int]:
         """Room and a uid for the next version of `name` (the caller loads it on the workers, then `commit`s)."""
         adapter = self.get(name)
-        if adapter.current.users:  # the current version stays while its requests run
-            self._check_room(f"requests still run on version {adapter.current.version} of {name!r}, so it is held "
-                             "beside the new one")
-        return adapter, next(self._uids)
+        # the current version goes at the commit unless requests still run on it
+        kept = 1 if adapter.current.users else 0
+        self._check_room(f"requests still run on version {adapter.current.version} of {name!r}, so it is held "
+                         "beside the new one" if kept else "", free=1 - kept)
+        uid = next(self._uids)
+        self.pending.add(uid)
+        return adapter, uid
 
     def commit(self, adapter: Adapter, uid: int, spec: LoRASpec | None = None) -> list[AdapterVersion]:
         """Makes version `uid` (loaded on every worker) the adapter's current one. Returns the superseded version
         when requests still use it (the caller moves them under the "switch" policy), else []."""
+        self.pending.discard(uid)
         previous = adapter.current
         adapter.current = AdapterVersion(uid, previous.version + 1)
         if spec is not None:
@@ -219,6 +229,7 @@ class LoRARegistry:
 
     def discard(self, uid: int) -> None:
         """Drops a version that was being loaded (a failed or aborted update) from every worker."""
+        self.pending.discard(uid)
         self._remove(uid)
 
     def check_base(self, adapter: Adapter, base_version: Any) -> None:
@@ -238,7 +249,7 @@ class LoRARegistry:
         try:
             self.executor.collective_rpc(method, args, kwargs or {})
         except BaseException:
-            self._remove(uid)
+            self.discard(uid)
             raise
 
     def _remove(self, uid: int) -> None:
@@ -247,9 +258,11 @@ class LoRARegistry:
         except Exception:  # a dead worker: health_problem reports it; nothing is left to free
             pass
 
-    def _check_room(self, why: str = "") -> None:
+    def _check_room(self, why: str = "", free: int = 0) -> None:
+        """Raises ValueError unless one more version fits in `max_cpu_loras` (`free`: versions that go once it
+        is committed)."""
         limit = self.config.max_cpu_loras
-        if self.held() >= (limit or 0):
+        if self.held() - free >= (limit or 0):
             raise ValueError(f"too many LoRA adapter versions held ({self.held()}, max_cpu_loras={limit})"
                              f"{': ' + why if why else ''}; unload an adapter, or start the engine with a larger "
                              "max_cpu_loras")

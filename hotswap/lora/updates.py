@@ -78,6 +78,7 @@ class LoRAUpdates:
             self._abort_everywhere(uid)
             raise
         self.open = (adapter, uid)
+        self.registry.updating.add(name)
 
     def update(self, update_info: dict[str, Any]) -> None:
         adapter, uid = self._session()
@@ -136,12 +137,14 @@ class LoRAUpdates:
         return self.open
 
     def _abort_everywhere(self, uid: int) -> None:
+        self.registry.updating.clear()  # one session at a time
         try:
             self.executor.collective_rpc("abort_weight_update")
         finally:
             self.registry.discard(uid)
 
     def _commit(self, adapter: Adapter, uid: int) -> None:
+        self.registry.updating.clear()
         superseded = self.registry.commit(adapter, uid)
         if superseded and self.registry.on_superseded is not None:
             self.registry.on_superseded(adapter, superseded)

@@ -322,6 +322,10 @@ class Worker:
                 layer.take_placement(moved)
         if self.model is not None:
             self.model.__dict__.pop("_hotswap_weight_index", None)  # the local views changed
+        if self.loras is not None:  # adapters' expert factors follow the experts this rank now holds
+            for adapter in self.loras.adapters.values():
+                adapter.invalidate_packs()
+                adapter.packs()
         self.session.release_backups()
 
     # ---- the weight-transfer session --------------------------------------------------------------------------
@@ -407,7 +411,10 @@ class Worker:
     def shutdown_weight_transfer_engine(self) -> None:
         """Aborts an active session, then releases the transfer engine (connections, shared buffers) and the
         rollback buffers."""
-        self.session.shutdown_engine()
+        try:
+            self.session.shutdown_engine()
+        finally:
+            self._drop_lora_unless_open()
         self.session.release_backups()
 
     # ---- LoRA adapters (hotswap/lora) --------------------------------------------------------------------------
@@ -427,10 +434,13 @@ class Worker:
     @in_config_scope
     def start_lora_update(self, old: int, new: int) -> None:
         """Opens an update session whose tensors (PEFT names) go into version `new` of an adapter, a copy of
-        version `old`; `finish_weight_update()` makes it loadable, a failure or abort discards it."""
+        version `old`; `finish_weight_update()` makes it loadable, a failure or abort discards it. The update is
+        atomic whatever the config says (a failure drops the new version; the served one never changes)."""
+        self.session.expect(SessionState.READY, call="start_weight_update")  # before anything changes here
         adapter = self._loras().begin(old, new)
         try:
-            self.session.start(adapter.weight_index(), self.config.weight_transfer_config)
+            config = dataclasses.replace(self.config.weight_transfer_config, atomic=True)
+            self.session.start(adapter.weight_index(), config)
         except BaseException:
             self._drop_lora_unless_open()
             raise
@@ -442,7 +452,9 @@ class Worker:
                     checksums: dict[str, str] | None = None) -> int:
         """Version `new` of an adapter := version `old` updated by (name, tensor) pairs (PEFT names, possibly a
         subset, possibly a delta `encoding` with the trainer's `checksums` of the results). `commit` False keeps
-        it pending for `finish_weight_update()` / `abort_weight_update()`. Returns the tensors loaded."""
+        it pending for `finish_weight_update()` / `abort_weight_update()`. Returns the tensors loaded. Refused
+        (RuntimeError, nothing changed) while a weight-update session is open."""
+        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         adapter = self._loras().begin(old, new)
         wt = self.config.weight_transfer_config
         self._session_target = "lora"
