@@ -95,15 +95,6 @@ def kv_bytes(model: Path, seqs: int, tokens: int) -> int:
     return max(1 << 28, 2 * seqs * tokens * per_token)
 
 
-def median_seconds(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="125m")
@@ -125,9 +116,9 @@ def main() -> None:
         parser.error("--adapters must be at least --active and at least 2")
 
     emulation.reexec_under(args.isa)
-
     import torch
     from throughput import kernel_build, make_prompts
+    from weight_update import median_seconds  # a sibling script; imported after the re-exec (it imports torch)
 
     from hotswap import LLM, LoRARequest, SamplingParams
     from hotswap.lora.peft_format import read_folder

@@ -68,8 +68,8 @@ class LoRAAdapter(nn.Module):
         self.spec = spec
         self.dtype = dtype
         index = WeightIndex.of(base)
-        # base linear module name -> [(shard id, lora_A factor, lora_B factor)]
-        self.targets: dict[str, list[tuple[object, LoRAFactor, LoRAFactor]]] = {}
+        # base linear module name -> [(shard id, checkpoint module path, lora_A factor, lora_B factor)]
+        self.targets: dict[str, list[tuple[object, str, LoRAFactor, LoRAFactor]]] = {}
         self.layers: dict[str, Linear] = {}
         # fused experts module name -> {"w13" | "w2": (lora_A, lora_B, per-expert rank, PEFT's parameter key)}
         self.expert_targets: dict[str, dict[str, tuple[LoRAFactor, LoRAFactor, int, str]]] = {}
@@ -95,7 +95,7 @@ class LoRAAdapter(nn.Module):
             lora_b = LoRAFactor((out_full, rows), b_plan, dtype)
             _place(self, f"{PREFIX}{module}.lora_A", lora_a)
             _place(self, f"{PREFIX}{module}.lora_B", lora_b)
-            self.targets.setdefault(target.module_name, []).append((target.shard_id, lora_a, lora_b))
+            self.targets.setdefault(target.module_name, []).append((target.shard_id, module, lora_a, lora_b))
             self.layers[target.module_name] = layer
         self._packs: dict[str, Any] | None = None
 
@@ -156,15 +156,14 @@ class LoRAAdapter(nn.Module):
             for name, parts in self.targets.items():
                 layer = self.layers[name]
                 # [R, in] and [out, R], used transposed (views): the products read them in place
-                shrink = torch.cat([a.weight for _, a, _ in parts]) if len(parts) > 1 else parts[0][1].weight
+                shrink = torch.cat([a.weight for _, _, a, _ in parts]) if len(parts) > 1 else parts[0][2].weight
                 expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype)
                 col = 0
-                for shard, _, b in parts:
+                for shard, module, _, b in parts:
                     rows, rank = b.weight.shape
                     start = layer.shard_specs[shard].local_offset
-                    key = name if shard is None else _checkpoint_module(name, shard)
                     block = expand[start : start + rows, col : col + rank]
-                    torch.mul(b.weight, self.spec.scaling(key, rank), out=block)
+                    torch.mul(b.weight, self.spec.scaling(module, rank), out=block)
                     col += rank
                 packs[name] = (shrink.t(), expand.t())
             for name, factors in self.expert_targets.items():
@@ -189,16 +188,6 @@ class LoRAAdapter(nn.Module):
 
     def invalidate_packs(self) -> None:
         self._packs = None
-
-
-_SHARD_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
-
-
-def _checkpoint_module(fused: str, shard: object) -> str:
-    """The checkpoint module path of shard `shard` of fused module `fused` (e.g. q of ...qkv_proj: ...q_proj),
-    the key PEFT's alpha_pattern matches."""
-    parent = fused.rsplit(".", 1)[0]
-    return f"{parent}.{_SHARD_MODULES.get(shard, str(shard))}"
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:

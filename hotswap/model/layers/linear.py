@@ -252,7 +252,7 @@ class MergedLinear(Linear):
     def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul), as one
         `ops.gated_linear` (the gate applied as the product is written, where the native kernel takes it)."""
-        lora = active_lora()
+        lora = active_lora() if self.lora_key is not None else None
         if lora is not None and lora.touches(self.lora_key):
             return cast(torch.Tensor, act(self(x)))  # the adapter's share joins before the activation
         weight = self.effective_weight(x.dtype)  # dequantized once either way
