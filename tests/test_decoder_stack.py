@@ -15,6 +15,7 @@ import torch
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
+from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import use_mode
 from hotswap.lora.batch import lora_batch
 from hotswap.model.layers.attention import AttentionMetadata
@@ -90,12 +91,20 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("name", "lora"), [("qwen2", False), ("biased", False), ("qwen2", True), ("biased", True)])
-def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, tmp_path):
+@pytest.mark.parametrize(("name", "lora", "dtype", "kv"), [
+    ("qwen2", False, "float32", "auto"), ("biased", False, "float32", "auto"), ("qwen2", True, "float32", "auto"),
+    ("biased", True, "float32", "auto"), ("qwen2", False, "bfloat16", "auto"), ("biased", False, "bfloat16", "auto"),
+    ("llama", False, "bfloat16", "bfloat16"),
+])
+def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, dtype, kv,
+                                                                tmp_path, monkeypatch):
     """One decode step of 8 sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs and
     caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
-    `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only)."""
+    `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only).
+    bfloat16: torch's products, every weight oneDNN-packed where oneDNN can (a float32 or a bf16 cache)."""
     path = str(biased_llama if name == "biased" else model_dirs[name])
+    if dtype == "bfloat16" and packing.supported():
+        monkeypatch.setattr(packing, "faster", lambda *shape: True)
 
     def adapters(worker):
         if not lora:
@@ -130,13 +139,15 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
                 cache.v_cache.copy_(v)
             with torch.inference_mode(), adapters(worker):
                 assert stack.applies(len(ids), positions, meta)
+                assert next(model.parameters()).dtype == getattr(torch, dtype)
                 hidden = stack.run(stack.embed(ids), positions, meta) if native_stack else model(ids, positions, meta)
             results.append((hidden, [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]))
         (native_hidden, native_caches), (module_hidden, module_caches) = results
         flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]
         return torch.equal(native_hidden, module_hidden) and all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
 
-    llm = LLM(path, kv_cache_memory_bytes=1 << 22, enable_lora=lora, max_loras=2, max_lora_rank=8)
+    llm = LLM(path, kv_cache_memory_bytes=1 << 22, enable_lora=lora, max_loras=2, max_lora_rank=8, dtype=dtype,
+              kv_cache_dtype=kv)
     try:
         if lora:
             llm.load_lora_adapter("a", str(make_tiny_lora(path, tmp_path / "a", rank=8, seed=1)))
@@ -217,8 +228,9 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     mixed = KernelPolicy("native", decisions, None)
     monkeypatch.setattr(facade, "policy", lambda: mixed)
     monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
-    monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
-    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, tmp_path)
+    monkeypatch.setattr(policy, "calibrate_stack", lambda measure, native_products=True: mixed)
+    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, "float32", "auto",
+                                                               tmp_path, monkeypatch)
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)
     slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
     assert native_steps > 0

@@ -66,3 +66,32 @@ def test_packed_copies_follow_every_change_of_the_weights(ckpts, b_tensors, alwa
     llm.reload_weights(weights_path=str(ckpts["A"]))
     assert outputs(llm) == expected_a
     assert torch.bfloat16 == llm.apply_model(lambda m: m.model.embed_tokens.weight.dtype)[0]
+
+
+def test_the_bf16_gate_is_measured_on_streamed_weights_and_cached(monkeypatch, tmp_path):
+    """`faster` times the packed product against `F.linear` over more weight than a cache holds, once per machine:
+    the ratios land beside the build, and cached ratios decide (a CPU where the plain product wins keeps it)."""
+    import json
+
+    from hotswap.kernels import policy
+
+    monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(packed, "STREAM_BYTES", 1 << 20)  # the rule, not the size, under test: keep it quick
+    calls = []
+    real = packed.linear
+    monkeypatch.setattr(packed, "linear", lambda *a: calls.append(1) or real(*a))
+    packed.faster.cache_clear()
+    try:
+        first = packed.faster(48, 64)
+        assert len(calls) >= 2 * 6 * (1 << 20) // (48 * 64 * 2)  # every pass went over all the copies
+        key = f"48x64{policy.threads_and_isa()}"
+        stored = json.loads((tmp_path / "calibration.json").read_text())[key]["packed_bf16_linear"]
+        assert set(stored) == {"1", str(packed.PACK_ROWS)}
+        assert first == all(r < packed.WIN_RATIO for r in stored.values())
+        losing = {"1": 0.5, str(packed.PACK_ROWS): 1.2}  # must win at both batch sizes
+        (tmp_path / "calibration.json").write_text(json.dumps({key: {"packed_bf16_linear": losing}}))
+        packed.faster.cache_clear()
+        calls.clear()
+        assert packed.faster(48, 64) is False and calls == []
+    finally:
+        packed.faster.cache_clear()

@@ -1,4 +1,4 @@
-// A Llama-family decoder stack's forward pass for a small float32 batch, in one call: the same kernels, in the
+// A Llama-family decoder stack's forward pass for a small float32 or bfloat16 batch, in one call: the same kernels, in the
 // same order and with the same arguments, as the Python modules' native path (hotswap/model/llama.py), without a
 // trip through Python and the dispatcher's Python binding between them. At decode batch sizes those trips (module
 // calls, argument checks, op bindings) cost a few milliseconds per step on top of the layers' own work, while the
@@ -27,7 +27,13 @@
 //   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
 //   h = rms_norm(residual += x)
 //   x = silu_mul(h · gate_upᵀ + gate_up_bias) · downᵀ + down_bias
+// bfloat16 (or float16) weights: the products are torch's, as the modules run them: a product whose weight comes
+// as a oneDNN-packed tensor (hotswap/kernels/packed.py) through oneDNN's `_linear_pointwise`, a plain weight through
+// at::linear (the native flags must then be off: the small-batch kernels are float32). Attention runs in the
+// caches' dtype, q, k and v cast to it and the output cast back, as the modules' Attention does.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -42,6 +48,16 @@ enum LayerTensor : int64_t {
 };
 
 using OptTensor = std::optional<at::Tensor>;
+
+// oneDNN's product with a packed weight, the call kernels/packed.py makes (`_onednn_linear`).
+at::Tensor onednn_linear(const at::Tensor& a, const at::Tensor& packed, const OptTensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{a.contiguous(), packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::optional<std::string>(std::string(""))};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
 
 enum LoraTensor : int64_t {
   kQkvShrink, kQkvExpand, kOShrink, kOExpand, kGateUpShrink, kGateUpExpand, kDownShrink, kDownExpand, kLoraTensors
@@ -93,7 +109,10 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     TORCH_CHECK(t.has_value(), "decoder_layers: layer ", layer, " lacks tensor ", static_cast<int>(which));
     return *t;
   };
+  TORCH_CHECK(x.scalar_type() == at::kFloat || !(native_linear || native_gated),
+              "decoder_layers: the native products are float32; a ", x.scalar_type(), " stack takes torch's");
   auto linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
+    if (w.is_mkldnn()) return onednn_linear(a, w, b);
     return native_linear ? hotswap_ops::small_batch_linear(a, w, b) : at::linear(a, w, b);
   };
   // Deterministic mode's row-parallel product on one rank (hotswap/model/layers/linear.py): the two partial
@@ -129,9 +148,13 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    const at::Tensor attn =
-        hotswap_ops::rope_paged_attention(q, k, v, positions, need(l, kCos), need(l, kSin), k_caches[l], v_caches[l],
-                           slot_mapping, block_tables, context_lens, query_lens, kv_of_q, scale);
+    const at::ScalarType cache_type = k_caches[l].scalar_type();
+    const bool cast = q.scalar_type() != cache_type;  // attention runs in the cache's dtype
+    const at::Tensor attn_c = hotswap_ops::rope_paged_attention(
+        cast ? q.to(cache_type) : q, cast ? k.to(cache_type) : k, cast ? v.to(cache_type) : v, positions,
+        need(l, kCos), need(l, kSin), k_caches[l], v_caches[l], slot_mapping, block_tables, context_lens, query_lens,
+        kv_of_q, scale);
+    const at::Tensor attn = cast ? attn_c.to(q.scalar_type()) : attn_c;
     hidden = adapt(row_linear(attn, need(l, kO), get(l, kOBias), o_split), attn, l, kOShrink);
     h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
     const at::Tensor act = gated(h, need(l, kGateUp), get(l, kGateUpBias), l);
@@ -153,3 +176,5 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+// A layer list holding oneDNN-packed weights dispatches on their backend.
+TORCH_LIBRARY_IMPL(hotswap, MkldnnCPU, m) { m.impl("decoder_layers", &decoder_layers); }

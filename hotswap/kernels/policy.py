@@ -243,6 +243,7 @@ def products(current: KernelPolicy, rows: int) -> Products:
 
 def calibrate_stack(
     measure: Callable[[int, Sequence[Products]], tuple[list[float], float] | None],
+    native_products: bool = True,
 ) -> KernelPolicy:
     """Decides the decoder stack, and where the products of a decode step run, from `measure(rows, variants)` ->
     (seconds of one step of `rows` tokens through the stack with each variant's products, seconds of the same
@@ -256,7 +257,8 @@ def calibrate_stack(
     large model's decode step streams its weights from memory, which the native kernels overlap with their
     arithmetic (they prefetch each weight in the order they read it) and a BLAS does not: the step, on the
     model's own weights, is the better judge. A product moves to its native kernel at a batch class where the
-    step measured at least 5 % faster with it (for the modules too: one policy)."""
+    step measured at least 5 % faster with it (for the modules too: one policy). `native_products` False (a
+    half-precision model, whose products are torch's): only the stack is judged."""
     current = policy()
     if current.mode != "auto" or current.shapes is None or not any(current.decisions["rms_norm"].native.values()):
         return current
@@ -266,7 +268,8 @@ def calibrate_stack(
         stack, moved = {}, {}
         for b in BATCHES:
             table = products(current, b)
-            variants = [table] + ([(True, True, table[2])] if not all(table[:2]) else [])
+            native = native_products and not all(table[:2])
+            variants = [table] + ([(True, True, table[2])] if native else [])
             timed = measure(b, variants)
             if timed is None:  # the cache cannot hold the step: decided by rule, nothing cached
                 return current

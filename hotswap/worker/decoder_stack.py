@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hotswap.kernels import ops
+from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
 from hotswap.kernels.policy import Products, fastest_in_turn
 from hotswap.lora.batch import active_lora
@@ -54,9 +55,9 @@ class NativeDecoderStack:
         return cast(torch.Tensor, self.model.embed_tokens(input_ids))
 
     def applies(self, num_tokens: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32, a small
-        batch, one rank, unquantized, the native attention, no q/k norm) and no forward hook would see the
-        model or its layers run."""
+        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32, or bfloat16
+        with torch's products; a small batch, one rank, unquantized, the native attention, no q/k norm) and no
+        forward hook would see the model or its layers run."""
         if meta.kernel is None or not ops.decoder_stack_available(num_tokens) or self.model is None:
             return False
         lora = active_lora()
@@ -72,14 +73,21 @@ class NativeDecoderStack:
                 ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
                 and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
             ))
-            and qkv.weight.dtype == torch.float32
             and cache is not None
-            and cache.dtype == torch.float32
+            and self._dtypes_fit(qkv.weight.dtype, cache.dtype, lora is not None)
             and not (torch.is_grad_enabled() and self.needs_grad)
             and positions.dtype == torch.long
             and positions.device.type == "cpu"
             and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
         )
+
+    @staticmethod
+    def _dtypes_fit(weights: torch.dtype, cache: torch.dtype, lora: bool) -> bool:
+        """float32 weights and cache; or bfloat16 weights (their products torch's, as the modules run them) with a
+        float32 or bfloat16 cache, without adapters (their float32 factors meet bf16 rows in the modules' order)."""
+        if weights == torch.float32:
+            return cache == torch.float32
+        return weights == torch.bfloat16 and cache in (torch.float32, torch.bfloat16) and not lora
 
     @cached_property
     def modules_fit(self) -> bool:
@@ -159,11 +167,14 @@ class NativeDecoderStack:
         assert self.model is not None  # checked by `applies`
         tensors: list[torch.Tensor | None] = []
         k_caches, v_caches = [], []
+        wide = x.dtype == torch.float32
+        # A half-precision product takes the module's oneDNN-packed weight where the module would (packed.py)
+        weight = _weight if wide else _packed_or_weight
         for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
             tensors += [
-                norm1._parameters["weight"], qkv._parameters["weight"], qkv._parameters.get("bias"),
-                o._parameters["weight"], o._parameters.get("bias"), norm2._parameters["weight"],
-                gate_up._parameters["weight"], gate_up._parameters.get("bias"), down._parameters["weight"],
+                norm1._parameters["weight"], weight(qkv), qkv._parameters.get("bias"),
+                weight(o), o._parameters.get("bias"), norm2._parameters["weight"],
+                weight(gate_up), gate_up._parameters.get("bias"), weight(down),
                 down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
             ]
             k_caches.append(attn.k_cache)
@@ -174,6 +185,8 @@ class NativeDecoderStack:
             products = (True, True, True)
             splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
+        if not wide:  # the native products are float32 (the modules' half-precision products are torch's)
+            linear = gated = False
         adapters, segments = self._lora_tensors()
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
@@ -200,3 +213,14 @@ class NativeDecoderStack:
     @staticmethod
     def _experts(packs: dict[str, Any]) -> bool:
         return any(isinstance(p, dict) for p in packs.values())
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    return module._parameters["weight"]  # type: ignore[return-value]  # every Linear has one
+
+
+def _packed_or_weight(module: nn.Module) -> torch.Tensor:
+    """The weight a half-precision product multiplies by: its oneDNN-packed copy where the module takes one."""
+    weight = _weight(module)
+    packed = packing.weight_for(module, weight)
+    return weight if packed is None else packed

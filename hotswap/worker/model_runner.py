@@ -64,14 +64,15 @@ class ModelRunner:
         build: the result is cached), where the stack could run at all."""
         if self.attention_kernel is None or self.stack.model is None or not self.stack.modules_fit:
             return
-        if next(self.model.parameters()).dtype != torch.float32 or current_parallel().size > 1 or (
-            self.config.cache_config.kv_torch_dtype != torch.float32
-        ):
+        dtype = next(self.model.parameters()).dtype
+        if current_parallel().size > 1 or not self.stack._dtypes_fit(
+                dtype, self.config.cache_config.kv_torch_dtype, lora=False):
             return
         kernel_policy.calibrate_stack(
             lambda rows, variants: self.stack.time_step(
                 rows, self.block_size, self.attention_kernel, self.num_blocks, variants
-            )
+            ),
+            native_products=dtype == torch.float32,
         )
 
     def free_kv_cache(self) -> None:
