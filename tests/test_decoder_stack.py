@@ -91,41 +91,50 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("name", "lora", "dtype", "kv"), [
-    ("qwen2", False, "float32", "auto"), ("biased", False, "float32", "auto"), ("qwen2", True, "float32", "auto"),
-    ("biased", True, "float32", "auto"), ("qwen2", False, "bfloat16", "auto"), ("biased", False, "bfloat16", "auto"),
-    ("llama", False, "bfloat16", "bfloat16"),
+@pytest.mark.parametrize(("name", "lora", "dtype", "kv", "rows"), [
+    ("qwen2", False, "float32", "auto", 8), ("biased", False, "float32", "auto", 8),
+    ("qwen2", True, "float32", "auto", 8), ("biased", True, "float32", "auto", 8),
+    ("qwen2", False, "bfloat16", "auto", 8), ("biased", False, "bfloat16", "auto", 8), ("llama", False, "bfloat16", "bfloat16", 8),
+    ("biased", False, "float32", "auto", 2), ("biased", False, "float32", "onednn", 1),
+    ("biased", False, "bfloat16", "auto", 3),
 ])
 def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, dtype, kv,
-                                                                tmp_path, monkeypatch):
-    """One decode step of 8 sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs and
-    caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
+                                                                rows, tmp_path, monkeypatch):
+    """One decode step of `rows` sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs
+    and caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
     `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only).
-    bfloat16: torch's products, every weight oneDNN-packed where oneDNN can (a float32 or a bf16 cache)."""
+    bfloat16: torch's products, every weight oneDNN-packed where oneDNN can (a float32 or a bf16 cache). Below 4
+    rows the products are torch's whatever the policy (the modules' choice there); "onednn": with oneDNN's fp32
+    product taken for every shape, as on a CPU where it beats the BLAS."""
     path = str(biased_llama if name == "biased" else model_dirs[name])
     if dtype == "bfloat16" and packing.supported():
         monkeypatch.setattr(packing, "faster", lambda *shape: True)
+    if kv == "onednn":
+        if not packing.dense_supported():
+            pytest.skip("torch has no oneDNN linear here")
+        monkeypatch.setattr(packing, "dense_faster", lambda *shape: True)
+        kv = "auto"
 
     def adapters(worker):
         if not lora:
             return contextlib.nullcontext()
         first, second = sorted(worker.loras.adapters)
-        return lora_batch(worker.loras.batch([(first, 0, 4), (second, 4, 8)], 8))
+        return lora_batch(worker.loras.batch([(first, 0, 4), (second, 4, 8)], rows))
 
     def compare(worker):
         model, kernel, stack = worker.model.model, worker.runner.attention_kernel, worker.runner.stack
         attn = model.layers[0].self_attn.attn
         block_size = attn.k_cache.shape[1]
         gen = torch.Generator().manual_seed(0)
-        contexts = torch.randint(5, 41, (8,), generator=gen).tolist()
+        contexts = torch.randint(5, 41, (rows,), generator=gen).tolist()
         blocks = torch.randperm(attn.k_cache.shape[0] - 1, generator=gen) + 1
         tables, used = [], 0
         for c in contexts:
             n = -(-c // block_size)
             tables.append(blocks[used : used + n].tolist())
             used += n
-        meta = AttentionMetadata.build([1] * 8, contexts, tables, block_size, kernel)
-        ids = torch.randint(0, 100, (8,), generator=gen)
+        meta = AttentionMetadata.build([1] * rows, contexts, tables, block_size, kernel)
+        ids = torch.randint(0, 100, (rows,), generator=gen)
         positions = torch.tensor(contexts) - 1
         caches = [layer.self_attn.attn for layer in model.layers]
         for cache in caches:  # the steps before this one left keys and values everywhere
@@ -210,11 +219,19 @@ def test_decoder_layers_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="entries per layer"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [])
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [], [])
     with pytest.raises(RuntimeError, match="segment of lora_rows"):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [None] * 3, [0, 4])
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [None] * 3, [0, 4], [])
+    with pytest.raises(RuntimeError, match="onednn must be empty or hold 4"):
+        ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
+                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
+                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [], [True])
+    with pytest.raises(RuntimeError, match="native products are float32"):
+        ops.decoder_layers(x.bfloat16(), torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
+                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
+                           1.0, 1e-6, torch.ones(8).bfloat16(), True, False, True, 0, 0, [], [], [])
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch, tmp_path):
@@ -230,7 +247,7 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
     monkeypatch.setattr(policy, "calibrate_stack", lambda measure, native_products=True: mixed)
     test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, "float32", "auto",
-                                                               tmp_path, monkeypatch)
+                                                               8, tmp_path, monkeypatch)
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)
     slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
     assert native_steps > 0

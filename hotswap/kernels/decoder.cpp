@@ -6,8 +6,8 @@
 //
 // decoder_layers(x [T, H], positions [T] int64, layers, k_caches, v_caches, slot_mapping, block_tables,
 //                context_lens, query_lens?, kv_of_q?, num_heads, num_kv_heads, head_dim, scale, eps,
-//                final_norm [H], native_linear, native_gated, native_silu, o_split, down_split, lora, lora_rows)
-//                -> [T, H]
+//                final_norm [H], native_linear, native_gated, native_silu, o_split, down_split, lora, lora_rows,
+//                onednn) -> [T, H]
 // runs every layer on the embedded tokens x and returns the final RMSNorm of the last hidden state. `layers`
 // holds kLayerTensors entries per layer, in the order of LayerTensor (biases may be None); k/v_caches hold each
 // layer's cache; the other attention arguments are those of rope_paged_attention (paged_attention.cpp), shared by
@@ -29,7 +29,9 @@
 //   x = silu_mul(h · gate_upᵀ + gate_up_bias) · downᵀ + down_bias
 // bfloat16 (or float16) weights: the products are torch's, as the modules run them: a product whose weight comes
 // as a oneDNN-packed tensor (hotswap/kernels/packed.py) through oneDNN's `_linear_pointwise`, a plain weight through
-// at::linear (the native flags must then be off: the small-batch kernels are float32). Attention runs in the
+// at::linear (the native flags must then be off: the small-batch kernels are float32). `onednn` (empty, or one
+// flag per product: qkv, o, gate_up, down) sends a product that is not native and whose weight is plain through
+// oneDNN too, where the modules take oneDNN's fp32 product (packed.py's dense_linear). Attention runs in the
 // caches' dtype, q, k and v cast to it and the output cast back, as the modules' Attention does.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -48,6 +50,8 @@ enum LayerTensor : int64_t {
 };
 
 using OptTensor = std::optional<at::Tensor>;
+
+enum Product : int64_t { kQkvProduct, kOProduct, kGateUpProduct, kDownProduct, kProducts };
 
 // oneDNN's product with a packed weight, the call kernels/packed.py makes (`_onednn_linear`).
 at::Tensor onednn_linear(const at::Tensor& a, const at::Tensor& packed, const OptTensor& bias) {
@@ -70,7 +74,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                           const at::Tensor& final_norm, bool native_linear, bool native_gated, bool native_silu,
                           int64_t o_split, int64_t down_split, const c10::List<OptTensor>& lora,
-                          at::IntArrayRef lora_rows) {
+                          at::IntArrayRef lora_rows, const c10::List<bool>& onednn) {
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decoder_layers: layers must hold ", static_cast<int>(kLayerTensors),
               " entries per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, H] tensor");
@@ -111,25 +115,31 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
   };
   TORCH_CHECK(x.scalar_type() == at::kFloat || !(native_linear || native_gated),
               "decoder_layers: the native products are float32; a ", x.scalar_type(), " stack takes torch's");
-  auto linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b) -> at::Tensor {
+  TORCH_CHECK(onednn.size() == 0 || onednn.size() == kProducts, "decoder_layers: onednn must be empty or hold ",
+              static_cast<int>(kProducts), " flags");
+  auto plain_onednn = [&](Product p) -> bool { return onednn.size() != 0 && onednn.get(p); };
+  auto linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, Product p) -> at::Tensor {
     if (w.is_mkldnn()) return onednn_linear(a, w, b);
-    return native_linear ? hotswap_ops::small_batch_linear(a, w, b) : at::linear(a, w, b);
+    if (native_linear) return hotswap_ops::small_batch_linear(a, w, b);
+    return plain_onednn(p) ? onednn_linear(a, w, b) : at::linear(a, w, b);
   };
   // Deterministic mode's row-parallel product on one rank (hotswap/model/layers/linear.py): the two partial
   // products over inputs [0, split) and [split, K), added, then the bias; split 0: one product.
-  auto row_linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t split) -> at::Tensor {
-    if (split <= 0 || split >= a.size(1)) return linear(a, w, b);
+  auto row_linear = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t split,
+                        Product p) -> at::Tensor {
+    if (split <= 0 || split >= a.size(1)) return linear(a, w, b, p);
     if (native_linear) return hotswap_ops::small_batch_linear(a, w, b, split);
     const int64_t rest = a.size(1) - split;
-    at::Tensor y = linear(a.narrow(1, 0, split), w.narrow(1, 0, split), c10::nullopt);
-    y.add_(linear(a.narrow(1, split, rest), w.narrow(1, split, rest), c10::nullopt));
+    at::Tensor y = linear(a.narrow(1, 0, split), w.narrow(1, 0, split), c10::nullopt, p);
+    y.add_(linear(a.narrow(1, split, rest), w.narrow(1, split, rest), c10::nullopt, p));
     if (b.has_value()) y.add_(*b);
     return y;
   };
   auto gated = [&](const at::Tensor& a, const at::Tensor& w, const OptTensor& b, int64_t layer) -> at::Tensor {
     const bool lora_here = adapted(layer, kGateUpShrink);
     if (native_gated && !lora_here) return hotswap_ops::small_batch_gated_linear(a, w, b);
-    const at::Tensor h = lora_here ? adapt(linear(a, w, b), a, layer, kGateUpShrink) : linear(a, w, b);
+    const at::Tensor h = lora_here ? adapt(linear(a, w, b, kGateUpProduct), a, layer, kGateUpShrink)
+                                   : linear(a, w, b, kGateUpProduct);
     if (native_silu) return hotswap_ops::silu_and_mul(h);
     const int64_t half = h.size(1) / 2;
     return at::silu(h.narrow(1, 0, half)) * h.narrow(1, half, half);
@@ -143,7 +153,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     } else {
       h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kInputNorm), eps);
     }
-    const at::Tensor qkv = adapt(linear(h, need(l, kQkv), get(l, kQkvBias)), h, l, kQkvShrink);
+    const at::Tensor qkv = adapt(linear(h, need(l, kQkv), get(l, kQkvBias), kQkvProduct), h, l, kQkvShrink);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layers: qkv width does not match the head counts");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -155,10 +165,11 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
         need(l, kCos), need(l, kSin), k_caches[l], v_caches[l], slot_mapping, block_tables, context_lens, query_lens,
         kv_of_q, scale);
     const at::Tensor attn = cast ? attn_c.to(q.scalar_type()) : attn_c;
-    hidden = adapt(row_linear(attn, need(l, kO), get(l, kOBias), o_split), attn, l, kOShrink);
+    hidden = adapt(row_linear(attn, need(l, kO), get(l, kOBias), o_split, kOProduct), attn, l, kOShrink);
     h = hotswap_ops::add_rms_norm(hidden, residual, need(l, kPostNorm), eps);
     const at::Tensor act = gated(h, need(l, kGateUp), get(l, kGateUpBias), l);
-    hidden = adapt(row_linear(act, need(l, kDown), get(l, kDownBias), down_split), act, l, kDownShrink);
+    hidden = adapt(row_linear(act, need(l, kDown), get(l, kDownBias), down_split, kDownProduct), act, l,
+                   kDownShrink);
   }
   if (num_layers == 0) return hotswap_ops::rms_norm(hidden, final_norm, eps);
   return hotswap_ops::add_rms_norm(hidden, residual, final_norm, eps);
@@ -172,7 +183,7 @@ TORCH_LIBRARY_FRAGMENT(hotswap, m) {
       "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor? query_lens, "
       "Tensor? kv_of_q, int num_heads, int num_kv_heads, int head_dim, float scale, float eps, Tensor final_norm, "
       "bool native_linear, bool native_gated, bool native_silu, int o_split, int down_split, Tensor?[] lora, "
-      "int[] lora_rows) -> Tensor");
+      "int[] lora_rows, bool[] onednn) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

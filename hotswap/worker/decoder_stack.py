@@ -70,7 +70,7 @@ class NativeDecoderStack:
         policy = ops.policy()
         return (
             (ops.deterministic() or (
-                ops.SMALL_BATCH_MIN_ROWS <= num_tokens <= ops.SMALL_BATCH_ROWS
+                num_tokens <= ops.SMALL_BATCH_ROWS
                 and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
             ))
             and cache is not None
@@ -185,15 +185,23 @@ class NativeDecoderStack:
             products = (True, True, True)
             splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
-        if not wide:  # the native products are float32 (the modules' half-precision products are torch's)
-            linear = gated = False
+        onednn: list[bool] = []
+        if not ops.deterministic():
+            if not wide or x.shape[0] < ops.SMALL_BATCH_MIN_ROWS:  # the modules' products are torch's here
+                linear = gated = False
+            # fp32 products off the native kernels go where the modules send them: oneDNN for the shapes it wins
+            onednn = [packing.dense_faster(*self._first_weight(i).shape) for i in range(4)] if wide else []
         adapters, segments = self._lora_tensors()
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
             meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
             first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu, *splits,
-            adapters, segments,
+            adapters, segments, onednn,
         )
+
+    def _first_weight(self, product: int) -> torch.Tensor:
+        """The first layer's weight of product `product` (qkv, o, gate_up, down): every layer's has its shape."""
+        return _weight(self.layers[0][(1, 2, 4, 5)[product]])
 
     def _lora_tensors(self) -> tuple[list[torch.Tensor | None], list[int]]:
         """The pass's LoRA adapters as `decoder_layers` takes them: per layer and row segment, (shrink, expand)
