@@ -92,10 +92,15 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
 
 
 @pytest.mark.parametrize(("name", "lora", "dtype", "kv", "rows"), [
-    ("qwen2", False, "float32", "auto", 8), ("biased", False, "float32", "auto", 8),
-    ("qwen2", True, "float32", "auto", 8), ("biased", True, "float32", "auto", 8),
-    ("qwen2", False, "bfloat16", "auto", 8), ("biased", False, "bfloat16", "auto", 8), ("llama", False, "bfloat16", "bfloat16", 8),
-    ("biased", False, "float32", "auto", 2), ("biased", False, "float32", "onednn", 1),
+    ("qwen2", False, "float32", "auto", 8),
+    ("biased", False, "float32", "auto", 8),
+    ("qwen2", True, "float32", "auto", 8),
+    ("biased", True, "float32", "auto", 8),
+    ("qwen2", False, "bfloat16", "auto", 8),
+    ("biased", False, "bfloat16", "auto", 8),
+    ("llama", False, "bfloat16", "bfloat16", 8),
+    ("biased", False, "float32", "auto", 2),
+    ("biased", False, "float32", "onednn", 1),
     ("biased", False, "bfloat16", "auto", 3),
 ])
 def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, dtype, kv,
