@@ -102,15 +102,17 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
     ("biased", False, "float32", "auto", 2),
     ("biased", False, "float32", "onednn", 1),
     ("biased", False, "bfloat16", "auto", 3),
+    ("biased", False, "bfloat16", "packed", 8),
+    ("qwen2", False, "bfloat16", "packed", 2),
 ])
 def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, dtype, kv,
                                                                 rows, tmp_path, monkeypatch):
     """One decode step of `rows` sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs
     and caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
     `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only).
-    bfloat16: torch's products, every weight oneDNN-packed where oneDNN can (a float32 or a bf16 cache). Below 4
-    rows the products are torch's whatever the policy (the modules' choice there); "onednn": with oneDNN's fp32
-    product taken for every shape, as on a CPU where it beats the BLAS."""
+    bfloat16: the native bf16 products, or ("packed") torch's, every weight oneDNN-packed where oneDNN can (a
+    float32 or a bf16 cache). Below 4 rows the fp32 products are torch's whatever the policy (the modules' choice
+    there); "onednn": with oneDNN's fp32 product taken for every shape, as on a CPU where it beats the BLAS."""
     path = str(biased_llama if name == "biased" else model_dirs[name])
     if dtype == "bfloat16" and packing.supported():
         monkeypatch.setattr(packing, "faster", lambda *shape: True)
@@ -118,6 +120,14 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
         if not packing.dense_supported():
             pytest.skip("torch has no oneDNN linear here")
         monkeypatch.setattr(packing, "dense_faster", lambda *shape: True)
+        kv = "auto"
+    if kv == "packed":  # the products off the native kernels: torch's, oneDNN-packed where oneDNN can
+        from hotswap.kernels import ops as facade
+        from hotswap.kernels.policy import OPS, Decision, KernelPolicy
+
+        decisions = {op: Decision.rule(op, op not in ("linear", "gated_linear"), "test") for op in OPS}
+        mixed = KernelPolicy("native", decisions, None)
+        monkeypatch.setattr(facade, "policy", lambda: mixed)
         kv = "auto"
 
     def adapters(worker):
@@ -233,10 +243,6 @@ def test_decoder_layers_rejects_bad_input(ops):
         ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
                            torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
                            1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [], [True])
-    with pytest.raises(RuntimeError, match="native products are float32"):
-        ops.decoder_layers(x.bfloat16(), torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
-                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8).bfloat16(), True, False, True, 0, 0, [], [], [])
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch, tmp_path):
@@ -250,7 +256,7 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     mixed = KernelPolicy("native", decisions, None)
     monkeypatch.setattr(facade, "policy", lambda: mixed)
     monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
-    monkeypatch.setattr(policy, "calibrate_stack", lambda measure, native_products=True: mixed)
+    monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
     test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, "float32", "auto",
                                                                8, tmp_path, monkeypatch)
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)

@@ -352,6 +352,44 @@ def test_small_batch_gated_linear_edges_and_bad_input(ops):
         ops.small_batch_gated_linear(torch.randn(2, 8).double(), w, None)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, 64])  # groups of x rows: whole, and with a short last one
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 3), (48, 16), (49, 33), (100, 64), (211, 150), (97, 576)])
+def test_bf16_small_batch_kernels_match_the_reference(ops, m, n, k):
+    """bf16 x and w (rows with a stride: column slices): float32 sums over the exact products, one rounding to
+    bf16; the gated form the bits of the product then `silu_and_mul`; each row the same bits whatever rows run
+    beside it."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 5, generator=gen).bfloat16()[:, 2 : 2 + k]
+    w = torch.randn(2 * n, k + 3, generator=gen).bfloat16()[:, 1 : 1 + k]
+    b = torch.randn(2 * n, generator=gen).bfloat16()
+    tol = {"rtol": 2**-8, "atol": 1e-5 * k + 1e-6}  # half a bf16 step of the result, and float32 sums
+    for bias in (None, b):
+        full = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = ops.small_batch_linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 2 * n)
+        torch.testing.assert_close(got.double(), full, **tol)
+        gated = ops.small_batch_gated_linear(x, w.contiguous(), bias)
+        assert torch.equal(gated, ops.silu_and_mul(got))  # the unfused calls' bits
+        torch.testing.assert_close(gated.double(), torch.nn.functional.silu(full[:, :n]) * full[:, n:],
+                                   rtol=2**-5, atol=tol["atol"])  # four roundings to bf16 on the way
+        for row in range(m):  # alone, the same bits
+            assert torch.equal(ops.small_batch_linear(x[row : row + 1], w, bias)[0], got[row])
+            assert torch.equal(ops.small_batch_gated_linear(x[row : row + 1], w.contiguous(), bias)[0], gated[row])
+
+
+def test_bf16_small_batch_kernels_refuse_bad_input(ops):
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16 \\[N, K\\]"):
+        ops.small_batch_linear(x, w.float(), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous bfloat16"):
+        ops.small_batch_linear(x, w, torch.randn(6))
+    with pytest.raises(RuntimeError, match="no split"):
+        ops.small_batch_linear(x, w, None, 4)
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.small_batch_gated_linear(x, w[:5], None)
+    assert ops.small_batch_linear(x[:0], w, None).shape == (0, 6)
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, llama_dir, quantization):
     """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
@@ -391,7 +429,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
     cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
              (3, torch.float32, False), (65, torch.float32, False)]
     if quantization is None:
-        cases.append((8, torch.bfloat16, False))
+        cases += [(8, torch.bfloat16, True), (1, torch.bfloat16, True), (65, torch.bfloat16, False)]
     for rows, dtype, fused in cases:
         x = torch.randn(rows, 32, generator=gen).to(dtype)
         if quantization is None:
@@ -407,7 +445,7 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
 
 
 def test_linear_dispatch(ops, native_mode, monkeypatch):
-    """`linear` takes the kernel for small float32 batches only, and equals F.linear either way."""
+    """`linear` takes the kernel for small float32 and bfloat16 batches only, and equals F.linear either way."""
     from hotswap.kernels import ops as linear_module
 
     monkeypatch.setattr(linear_module, "_ops", lambda: Spy())
@@ -422,11 +460,13 @@ def test_linear_dispatch(ops, native_mode, monkeypatch):
 
     w, b = torch.randn(24, 32), torch.randn(24)
     cases = [(64, torch.float32, True), (4, torch.float32, True), (65, torch.float32, False), (3, torch.float32, False)]
-    for rows, dtype, used in [*cases, (8, torch.bfloat16, False)]:
+    bf16 = [(8, torch.bfloat16, True), (1, torch.bfloat16, True), (65, torch.bfloat16, False)]  # bf16 from one row
+    for rows, dtype, used in [*cases, *bf16, (8, torch.float16, False)]:
         calls.clear()
         x = torch.randn(rows, 32).to(dtype)
         out = linear_module.linear(x, w.to(dtype), b.to(dtype))
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)))
+        tol = {} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}  # both rounded to 16 bits
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.to(dtype), b.to(dtype)), **tol)
         assert calls == ([rows] if used else [])
     calls.clear()
     out = linear_module.linear(torch.randn(8, 32), w.clone().requires_grad_(), None)

@@ -27,9 +27,9 @@
 //   x = rope_paged_attention(q, k, v, ...) · oᵀ + o_bias      (writes the layer's KV cache)
 //   h = rms_norm(residual += x)
 //   x = silu_mul(h · gate_upᵀ + gate_up_bias) · downᵀ + down_bias
-// bfloat16 (or float16) weights: the products are torch's, as the modules run them: a product whose weight comes
-// as a oneDNN-packed tensor (hotswap/kernels/packed.py) through oneDNN's `_linear_pointwise`, a plain weight through
-// at::linear (the native flags must then be off: the small-batch kernels are float32). `onednn` (empty, or one
+// bfloat16 weights: a product whose weight comes as a oneDNN-packed tensor (hotswap/kernels/packed.py) goes through
+// oneDNN's `_linear_pointwise`, as the modules' does; the native flags take the bf16 small-batch kernels
+// (linear_bf16.cpp) on plain weights. `onednn` (empty, or one
 // flag per product: qkv, o, gate_up, down) sends a product that is not native and whose weight is plain through
 // oneDNN too, where the modules take oneDNN's fp32 product (packed.py's dense_linear). Attention runs in the
 // caches' dtype, q, k and v cast to it and the output cast back, as the modules' Attention does.
@@ -113,8 +113,6 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     TORCH_CHECK(t.has_value(), "decoder_layers: layer ", layer, " lacks tensor ", static_cast<int>(which));
     return *t;
   };
-  TORCH_CHECK(x.scalar_type() == at::kFloat || !(native_linear || native_gated),
-              "decoder_layers: the native products are float32; a ", x.scalar_type(), " stack takes torch's");
   TORCH_CHECK(onednn.size() == 0 || onednn.size() == kProducts, "decoder_layers: onednn must be empty or hold ",
               static_cast<int>(kProducts), " flags");
   auto plain_onednn = [&](Product p) -> bool { return onednn.size() != 0 && onednn.get(p); };

@@ -27,6 +27,11 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const st
 // linear.cpp: silu(gate) * up of x · wᵀ (+ bias) for w = [gate; up] [2I, K]: [M, I].
 at::Tensor small_batch_gated_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// linear_bf16.cpp: the same two products for a bfloat16 x and w (float32 sums, each output rounded once); the
+// two entry points above take this path for a bfloat16 x.
+at::Tensor small_batch_linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                   bool gated);
+
 // activation.cpp: silu(x[:, :I]) * x[:, I:] for x [T, 2I] with contiguous rows.
 at::Tensor silu_and_mul(const at::Tensor& x);
 

@@ -1,4 +1,5 @@
-// Float32 linear layer for small batches (decode steps): y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]).
+// Float32 linear layer for small batches (decode steps): y[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]). A bfloat16 x
+// goes to linear_bf16.cpp.
 // small_batch_gated_linear(x, w [2I, K], bias [2I]?) is a SwiGLU MLP's fused gate/up projection with its gate
 // applied on the way out: silu(x · gateᵀ + b_gate) * (x · upᵀ + b_up), [M, I], where gate = w[:I] and up = w[I:].
 // Each thread computes matching gate and up tiles back to back, so the [M, 2I] projection never reaches memory.
@@ -355,6 +356,10 @@ void few_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, const fl
 at::Tensor run(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool gated,
                int64_t split) {
   const char* name = gated ? "small_batch_gated_linear" : "small_batch_linear";
+  if (x.scalar_type() == at::kBFloat16) {  // linear_bf16.cpp (no split: deterministic mode is float32)
+    TORCH_CHECK(split == 0, name, ": a bfloat16 product has no split");
+    return hotswap_ops::small_batch_linear_bf16(x, w, bias, gated);
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
               ": x must be a float32 [M, K] tensor with contiguous rows");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.stride(1) == 1 && w.size(1) == x.size(1) &&

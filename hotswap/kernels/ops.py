@@ -208,17 +208,19 @@ def add_rms_norm(
 
 def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str = "linear") -> bool:
     """Whether the native small-batch kernel `op` ("linear" or "gated_linear") takes this product: chosen by the
-    policy, a 2-D float32 CPU `x` of SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows with contiguous rows, a
-    contiguous weight, no autograd (the kernels have no backward)."""
+    policy, a 2-D CPU `x` with contiguous rows, float32 of SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows or
+    bfloat16 of 1 to SMALL_BATCH_ROWS (linear_bf16.cpp), a contiguous weight and bias of x's dtype, no autograd
+    (the kernels have no backward)."""
     return (
         x.dim() == 2
-        and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_ROWS
+        and (1 if x.dtype == torch.bfloat16 else SMALL_BATCH_MIN_ROWS) <= x.shape[0] <= SMALL_BATCH_ROWS
         and policy().uses(op, x.shape[0])
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and not _needs_grad(x, weight, bias)
     )
 
@@ -230,10 +232,10 @@ def linear(
     oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
     if deterministic():
         return _det_product(_ops().small_batch_linear, F.linear, x, weight, bias)
-    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
-        return packing.linear(x, packed, bias)
     if small_batch_applies(x, weight, bias):
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
+    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
+        return packing.linear(x, packed, bias)
     if not _needs_grad(x, weight, bias) and packing.dense_applies(x, weight):
         return packing.dense_linear(x, weight, bias)  # fp32 where oneDNN beats the BLAS (kernels/packed.py)
     return F.linear(x, weight, bias)

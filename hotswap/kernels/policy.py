@@ -243,7 +243,6 @@ def products(current: KernelPolicy, rows: int) -> Products:
 
 def calibrate_stack(
     measure: Callable[[int, Sequence[Products]], tuple[list[float], float] | None],
-    native_products: bool = True,
 ) -> KernelPolicy:
     """Decides the decoder stack, and where the products of a decode step run, from `measure(rows, variants)` ->
     (seconds of one step of `rows` tokens through the stack with each variant's products, seconds of the same
@@ -257,8 +256,7 @@ def calibrate_stack(
     large model's decode step streams its weights from memory, which the native kernels overlap with their
     arithmetic (they prefetch each weight in the order they read it) and a BLAS does not: the step, on the
     model's own weights, is the better judge. A product moves to its native kernel at a batch class where the
-    step measured at least 5 % faster with it (for the modules too: one policy). `native_products` False (a
-    half-precision model, whose products are torch's): only the stack is judged."""
+    step measured at least 5 % faster with it (for the modules too: one policy)."""
     current = policy()
     if current.mode != "auto" or current.shapes is None or not any(current.decisions["rms_norm"].native.values()):
         return current
@@ -268,8 +266,7 @@ def calibrate_stack(
         stack, moved = {}, {}
         for b in BATCHES:
             table = products(current, b)
-            native = native_products and not all(table[:2])
-            variants = [table] + ([(True, True, table[2])] if native else [])
+            variants = [table] + ([(True, True, table[2])] if not all(table[:2]) else [])
             timed = measure(b, variants)
             if timed is None:  # the cache cannot hold the step: decided by rule, nothing cached
                 return current
@@ -395,13 +392,16 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
         r = max(2, min(n, (64 << 20) // (4 * k)))
         return r - r % 2 if n % 2 == 0 else r  # [gate; up] keeps two halves
 
-    weights = {name: [torch.full((rows(n, k), k), 0.01) for _ in range(copies)]
+    # a bf16 model's products are timed in bf16, against torch's bf16 path (oneDNN-packed where the model's would be)
+    wdtype = torch.bfloat16 if shapes.dtype == "bfloat16" else torch.float32
+    weights = {name: [torch.full((rows(n, k), k), 0.01, dtype=wdtype) for _ in range(copies)]
                for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}
+    torch_weights = {name: [_torch_path_weight(t) for t in ts] for name, ts in weights.items()}
     turn = [0]
 
-    def w(name: str) -> torch.Tensor:
+    def w(name: str, torch_path: bool = False) -> torch.Tensor:
         turn[0] += 1
-        return weights[name][turn[0] % copies]
+        return (torch_weights if torch_path else weights)[name][turn[0] % copies]
 
     norm_w = randn(h)
     positions_max = 2048
@@ -415,13 +415,30 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
     return ratios
 
 
-def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor], w: Callable[[str], torch.Tensor],
-           norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gen: torch.Generator
-           ) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+def _torch_path_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What torch's path multiplies by: a bf16 weight's oneDNN-packed copy where a model's layer would take one."""
+    from hotswap.kernels import packed
+
+    if weight.dtype == torch.bfloat16 and packed.supported() and packed.faster(*weight.shape):
+        return packed.pack(weight)
+    return weight
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` as the layers run it (`weight` from `_torch_path_weight`)."""
+    from hotswap.kernels import packed
+
+    return packed.linear(x, weight, None) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor],
+           w: Callable[..., torch.Tensor], norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           gen: torch.Generator) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """(native call, torch call) per calibrated op, on a batch of `m` rows."""
     h, i = shapes.hidden, shapes.intermediate
-    act = getattr(torch, shapes.dtype)  # the products and the logits are float32 on their native paths
-    x, xi, residual = randn(m, h), randn(m, i), randn(m, h).to(act)
+    act = getattr(torch, shapes.dtype)
+    wide = torch.bfloat16 if act == torch.bfloat16 else torch.float32  # products: float32, or bf16 for a bf16 model
+    x, xi, residual = randn(m, h).to(wide), randn(m, i).to(wide), randn(m, h).to(act)
     gu, xa, norm_a = randn(m, 2 * i).to(act), x.to(act), norm_w.to(act)
     logits = randn(m, shapes.vocab)
     q = randn(m, shapes.heads, shapes.head_dim).to(act)
@@ -433,9 +450,9 @@ def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tens
                          lambda: _torch_rms_norm(residual.clone() + xa, norm_a, 1e-6)),
         "linear": (lambda: (kernels.small_batch_linear(x, w("qkv"), None),
                             kernels.small_batch_linear(xi, w("down"), None)),
-                   lambda: (F.linear(x, w("qkv")), F.linear(xi, w("down")))),
+                   lambda: (_torch_linear(x, w("qkv", True)), _torch_linear(xi, w("down", True)))),
         "gated_linear": (lambda: kernels.small_batch_gated_linear(x, w("gate_up"), None),
-                         lambda: _torch_silu_and_mul(F.linear(x, w("gate_up")))),
+                         lambda: _torch_silu_and_mul(_torch_linear(x, w("gate_up", True)))),
         "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: _torch_silu_and_mul(gu)),
         "rotary": (lambda: kernels.rotary(q, k, positions, cos, sin), lambda: _torch_rotary(q, k, positions, cos, sin)),
         "greedy_sample": (lambda: kernels.greedy_sample(logits), lambda: _torch_greedy(logits)),

@@ -165,21 +165,8 @@ class NativeDecoderStack:
         attribute lookup is a measurable part of a small step. Every RMSNorm of the model has the config's one
         epsilon, and every layer the first one's head layout."""
         assert self.model is not None  # checked by `applies`
-        tensors: list[torch.Tensor | None] = []
-        k_caches, v_caches = [], []
-        wide = x.dtype == torch.float32
-        # A half-precision product takes the module's oneDNN-packed weight where the module would (packed.py)
-        weight = _weight if wide else _packed_or_weight
-        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
-            tensors += [
-                norm1._parameters["weight"], weight(qkv), qkv._parameters.get("bias"),
-                weight(o), o._parameters.get("bias"), norm2._parameters["weight"],
-                weight(gate_up), gate_up._parameters.get("bias"), weight(down),
-                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
-            ]
-            k_caches.append(attn.k_cache)
-            v_caches.append(attn.v_cache)
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        wide = x.dtype == torch.float32
         splits = (0, 0)
         if ops.deterministic():  # every product native, the row-parallel ones split as the modules split them
             products = (True, True, True)
@@ -187,10 +174,24 @@ class NativeDecoderStack:
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
         onednn: list[bool] = []
         if not ops.deterministic():
-            if not wide or x.shape[0] < ops.SMALL_BATCH_MIN_ROWS:  # the modules' products are torch's here
+            if wide and x.shape[0] < ops.SMALL_BATCH_MIN_ROWS:  # the modules' fp32 products are torch's here
                 linear = gated = False
             # fp32 products off the native kernels go where the modules send them: oneDNN for the shapes it wins
             onednn = [packing.dense_faster(*self._first_weight(i).shape) for i in range(4)] if wide else []
+        # a bf16 product that is not native takes the module's oneDNN-packed weight where the module would
+        weight = _weight if wide or linear else _packed_or_weight
+        gate_up_weight = _weight if wide or linear or gated else _packed_or_weight
+        tensors: list[torch.Tensor | None] = []
+        k_caches, v_caches = [], []
+        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
+            tensors += [
+                norm1._parameters["weight"], weight(qkv), qkv._parameters.get("bias"),
+                weight(o), o._parameters.get("bias"), norm2._parameters["weight"],
+                gate_up_weight(gate_up), gate_up._parameters.get("bias"), weight(down),
+                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
+            ]
+            k_caches.append(attn.k_cache)
+            v_caches.append(attn.v_cache)
         adapters, segments = self._lora_tensors()
         return ops.decoder_layers(
             x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,

@@ -72,7 +72,6 @@ class ModelRunner:
             lambda rows, variants: self.stack.time_step(
                 rows, self.block_size, self.attention_kernel, self.num_blocks, variants
             ),
-            native_products=dtype == torch.float32,
         )
 
     def free_kv_cache(self) -> None:
