@@ -73,3 +73,34 @@ def test_an_engine_on_either_path_generates_transformers_tokens(llama_dir, monke
         out = llm.generate([prompt], greedy, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(tok.encode(prompt)), 8)[0]
     assert bool(calls) == wins
+
+
+def test_bf16_products_without_bf16_hardware_run_in_float32_where_that_measured_faster(monkeypatch, tmp_path):
+    """Where torch has no oneDNN bf16 (an AVX2-only CPU), a bf16 product above the small-batch rows is timed once
+    in float32 against torch's bf16 `F.linear`, the ratio cached; it runs in float32 exactly where that won, and
+    equals `F.linear` up to the sums' order."""
+    from hotswap.kernels import ops as facade
+
+    monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(packed, "supported", lambda: False)
+    gate = packed.upcast_faster
+    gate.cache_clear()
+    try:
+        first = gate(24, 32)
+        key = f"24x32{policy.threads_and_isa()}"
+        stored = json.loads((tmp_path / "calibration.json").read_text())[key]["upcast_bf16_linear"]
+        assert first == (stored[str(packed.UPCAST_ROWS)] < packed.WIN_RATIO)
+        calls = []
+        real = packed.upcast_linear
+        monkeypatch.setattr(packed, "upcast_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        w, b = torch.randn(24, 32).bfloat16(), torch.randn(24).bfloat16()
+        for wins in (True, False):
+            monkeypatch.setattr(packed, "upcast_faster", lambda out_features, in_features, wins=wins: wins)
+            for rows in (facade.SMALL_BATCH_ROWS + 1, 300, facade.SMALL_BATCH_ROWS):
+                calls.clear()
+                x = torch.randn(rows, 32).bfloat16()
+                out = facade.linear(x, w, b)
+                torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=0.05, rtol=0.02)
+                assert calls == ([rows] if wins and rows > facade.SMALL_BATCH_ROWS else [])
+    finally:
+        gate.cache_clear()

@@ -238,6 +238,8 @@ def linear(
         return packing.linear(x, packed, bias)
     if not _needs_grad(x, weight, bias) and packing.dense_applies(x, weight):
         return packing.dense_linear(x, weight, bias)  # fp32 where oneDNN beats the BLAS (kernels/packed.py)
+    if not _needs_grad(x, weight, bias) and packing.upcast_applies(x, weight, SMALL_BATCH_ROWS):
+        return packing.upcast_linear(x, weight, bias)  # bf16 without bf16 hardware in torch (kernels/packed.py)
     return F.linear(x, weight, bias)
 
 

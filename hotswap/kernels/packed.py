@@ -1,5 +1,7 @@
 """oneDNN for the linear products torch would hand to its BLAS: packed copies of bf16 weights (the bf16 products'
-fast path on CPUs with AVX512-BF16 / AMX), and fp32 products with the weight as it is.
+fast path on CPUs with AVX512-BF16 / AMX), and fp32 products with the weight as it is. Where torch has no bf16
+hardware path (AVX2-only CPUs), bf16 products above the small-batch rows run in float32 (`upcast_linear`) where
+that measured faster than torch's bf16 `F.linear`.
 
 fp32 (`dense_linear`, `dense_faster`): torch's fp32 `F.linear` on x86 is MKL's sgemm, which on AMD Zen runs 2.5-4x
 slower than oneDNN's product on the same plain weight (docs/log.md). No copy is packed: oneDNN reorders the weight
@@ -147,6 +149,50 @@ def dense_faster(out_features: int, in_features: int) -> bool:
                                        functools.partial(F.linear, x, weight), 3)
         policy._store(key, op, ratios)
     return all(ratio < WIN_RATIO for ratio in ratios.values())
+
+
+UPCAST_ROWS = 256  # the batch a bf16 product above the small-batch kernels' rows is timed at (prefill chunks)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bf16 tensors computed in float32 (x, the weight and the bias widened, exactly;
+    torch's fp32 product; the result rounded back to x's dtype)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@functools.cache
+def upcast_faster(out_features: int, in_features: int) -> bool:
+    """Whether, on a CPU where torch has no oneDNN bf16 (`supported()` False: AVX2-only hosts, where torch's bf16
+    `F.linear` runs without bf16 hardware), `upcast_linear` measured at least 5 % faster than `F.linear` for a
+    bf16 weight of this shape at UPCAST_ROWS rows (the fastest of 3 calls each, in turn). Cached with the
+    calibration, once per machine, ISA cap and thread count."""
+    if supported():
+        return False
+    from hotswap.kernels import policy
+
+    key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "upcast_bf16_linear"
+    ratios = policy._cached(key, op, (UPCAST_ROWS,))
+    if ratios is None:
+        gen = torch.Generator().manual_seed(0)
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
+        x = torch.randn(UPCAST_ROWS, in_features, generator=gen).to(torch.bfloat16)
+        ratios = {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
+                                           functools.partial(F.linear, x, weight), 3)}
+        policy._store(key, op, ratios)
+    return all(ratio < WIN_RATIO for ratio in ratios.values())
+
+
+def upcast_applies(x: torch.Tensor, weight: torch.Tensor, above_rows: int) -> bool:
+    """Whether `F.linear(x, weight)` runs as `upcast_linear` here: bf16 on the CPU, more than `above_rows` rows (the
+    small-batch kernels' range), and measured faster for the weight's shape (`upcast_faster`). The caller checks
+    autograd."""
+    return (
+        x.dtype == weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.dim() == 2
+        and x.numel() > above_rows * x.shape[-1]
+        and upcast_faster(weight.shape[0], weight.shape[1])
+    )
 
 
 def dense_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
