@@ -83,15 +83,16 @@ def _time_ratio(candidate: Any, baseline: Any, reps: int) -> float:
 
 
 STREAM_BYTES = 128 << 20  # weights the bf16 gate cycles through: more than a last-level cache holds
+MAX_COPIES = 256  # ... in at most this many copies (a small model's weights stay in cache anyway)
 
 
 @functools.cache
 def faster(out_features: int, in_features: int) -> bool:
     """Whether the packed product measured at least 5 % faster than `F.linear` for a bf16 weight of this shape,
     at 1 and at 32 rows (decode batches; the fastest of 5 passes each, in turn). Each pass multiplies by enough
-    copies of the weight (STREAM_BYTES) that they come from memory, as a model's weights do in a decode step: a
-    weight that stays in cache measures the arithmetic alone, and a shape's verdict then flipped from process to
-    process. Measured once per machine, ISA cap and thread count: cached with the policy's calibration."""
+    copies of the weight (STREAM_BYTES, at most MAX_COPIES) that they come from memory, as a model's weights do in a
+    decode step: a weight that stays in cache measures the arithmetic alone, and a shape's verdict then flipped from
+    process to process. Measured once per machine, ISA cap and thread count: cached with the policy's calibration."""
     from hotswap.kernels import policy
 
     key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "packed_bf16_linear"
@@ -99,7 +100,7 @@ def faster(out_features: int, in_features: int) -> bool:
     if ratios is None:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
-        copies = [weight.clone() for _ in range(max(1, -(-STREAM_BYTES // (weight.numel() * 2))))]
+        copies = [weight.clone() for _ in range(min(MAX_COPIES, -(-STREAM_BYTES // (weight.numel() * 2))))]
         packs = [pack(w) for w in copies]
         ratios = {}
         for rows in (1, PACK_ROWS):
