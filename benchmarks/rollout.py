@@ -224,7 +224,9 @@ def run_engine(engine: str, job: dict[str, Any], tmp: Path) -> dict[str, Any] | 
                           env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        print(f"  {engine}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+        err = proc.stderr.strip().splitlines()
+        errors = [line for line in err if "Error" in line or "error:" in line]  # the cause, not a later warning
+        print(f"  {engine}: failed (exit {proc.returncode}): {(errors or err)[-1:]}")
         return None
     return json.loads(lines[-1])
 
