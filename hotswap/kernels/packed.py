@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -82,6 +83,21 @@ def _time_ratio(candidate: Any, baseline: Any, reps: int) -> float:
     return best[0] / best[1]
 
 
+def _measured(op: str, out_features: int, in_features: int, rows: tuple[int, ...],
+              measure: Callable[[], dict[int, float]]) -> bool:
+    """Whether the candidate won (ratio below WIN_RATIO at every batch of `rows`) for a weight of this shape: the
+    ratios cached with the policy's calibration under `op`, else `measure()`d once and stored there (per machine,
+    ISA cap and thread count)."""
+    from hotswap.kernels import policy
+
+    key = f"{out_features}x{in_features}{policy.threads_and_isa()}"
+    ratios = policy._cached(key, op, rows)
+    if ratios is None:
+        ratios = measure()
+        policy._store(key, op, ratios)
+    return all(ratio < WIN_RATIO for ratio in ratios.values())
+
+
 STREAM_BYTES = 128 << 20  # weights the bf16 gate cycles through: more than a last-level cache holds
 MAX_COPIES = 256  # ... in at most this many copies (a small model's weights stay in cache anyway)
 
@@ -93,11 +109,7 @@ def faster(out_features: int, in_features: int) -> bool:
     copies of the weight (STREAM_BYTES, at most MAX_COPIES) that they come from memory, as a model's weights do in a
     decode step: a weight that stays in cache measures the arithmetic alone, and a shape's verdict then flipped from
     process to process. Measured once per machine, ISA cap and thread count: cached with the policy's calibration."""
-    from hotswap.kernels import policy
-
-    key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "packed_bf16_linear"
-    ratios = policy._cached(key, op, (1, PACK_ROWS))
-    if ratios is None:
+    def measure() -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
         copies = [weight.clone() for _ in range(min(MAX_COPIES, -(-STREAM_BYTES // (weight.numel() * 2))))]
@@ -107,9 +119,9 @@ def faster(out_features: int, in_features: int) -> bool:
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
             ratios[rows] = _time_ratio(lambda: [linear(x, p, None) for p in packs],  # noqa: B023 (called at once)
                                        lambda: [F.linear(x, w) for w in copies], 5)  # noqa: B023
-        del copies, packs
-        policy._store(key, op, ratios)
-    return all(ratio < WIN_RATIO for ratio in ratios.values())
+        return ratios
+
+    return _measured("packed_bf16_linear", out_features, in_features, (1, PACK_ROWS), measure)
 
 
 @functools.cache
@@ -136,11 +148,8 @@ def dense_faster(out_features: int, in_features: int) -> bool:
     the ratios are cached beside the kernel build with the policy's calibration."""
     if not dense_supported():
         return False
-    from hotswap.kernels import policy
 
-    key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "dense_fp32_linear"
-    ratios = policy._cached(key, op, DENSE_ROWS)
-    if ratios is None:
+    def measure() -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         weight = torch.randn(out_features, in_features, generator=gen) * 0.02
         ratios = {}
@@ -148,8 +157,9 @@ def dense_faster(out_features: int, in_features: int) -> bool:
             x = torch.randn(rows, in_features, generator=gen)
             ratios[rows] = _time_ratio(functools.partial(dense_linear, x, weight, None),
                                        functools.partial(F.linear, x, weight), 3)
-        policy._store(key, op, ratios)
-    return all(ratio < WIN_RATIO for ratio in ratios.values())
+        return ratios
+
+    return _measured("dense_fp32_linear", out_features, in_features, DENSE_ROWS, measure)
 
 
 UPCAST_ROWS = 256  # the batch a bf16 product above the small-batch kernels' rows is timed at (prefill chunks)
@@ -169,18 +179,15 @@ def upcast_faster(out_features: int, in_features: int) -> bool:
     calibration, once per machine, ISA cap and thread count."""
     if supported():
         return False
-    from hotswap.kernels import policy
 
-    key, op = f"{out_features}x{in_features}{policy.threads_and_isa()}", "upcast_bf16_linear"
-    ratios = policy._cached(key, op, (UPCAST_ROWS,))
-    if ratios is None:
+    def measure() -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
         x = torch.randn(UPCAST_ROWS, in_features, generator=gen).to(torch.bfloat16)
-        ratios = {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
-                                           functools.partial(F.linear, x, weight), 3)}
-        policy._store(key, op, ratios)
-    return all(ratio < WIN_RATIO for ratio in ratios.values())
+        return {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
+                                         functools.partial(F.linear, x, weight), 3)}
+
+    return _measured("upcast_bf16_linear", out_features, in_features, (UPCAST_ROWS,), measure)
 
 
 def upcast_applies(x: torch.Tensor, weight: torch.Tensor, above_rows: int) -> bool:

@@ -47,7 +47,7 @@ class NativeDecoderStack:
     def user_code_ran(self) -> None:
         """Called after user code ran on the model (`apply_model`, `collective_rpc` with a callable), which may
         have added hooks, replaced modules or unfrozen parameters."""
-        for name in ("model", "modules_fit", "needs_grad", "layers"):
+        for name in ("model", "modules_fit", "needs_grad", "layers", "onednn"):
             self.__dict__.pop(name, None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -55,9 +55,9 @@ class NativeDecoderStack:
         return cast(torch.Tensor, self.model.embed_tokens(input_ids))
 
     def applies(self, num_tokens: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32, or bfloat16
-        with torch's products; a small batch, one rank, unquantized, the native attention, no q/k norm) and no
-        forward hook would see the model or its layers run."""
+        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32 or bfloat16
+        (`dtypes_fit`); a small batch, one rank, unquantized, the native attention, no q/k norm) and no forward
+        hook would see the model or its layers run."""
         if meta.kernel is None or not ops.decoder_stack_available(num_tokens) or self.model is None:
             return False
         lora = active_lora()
@@ -74,7 +74,7 @@ class NativeDecoderStack:
                 and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
             ))
             and cache is not None
-            and self._dtypes_fit(qkv.weight.dtype, cache.dtype, lora is not None)
+            and self.dtypes_fit(qkv.weight.dtype, cache.dtype, lora is not None)
             and not (torch.is_grad_enabled() and self.needs_grad)
             and positions.dtype == torch.long
             and positions.device.type == "cpu"
@@ -82,9 +82,9 @@ class NativeDecoderStack:
         )
 
     @staticmethod
-    def _dtypes_fit(weights: torch.dtype, cache: torch.dtype, lora: bool) -> bool:
-        """float32 weights and cache; or bfloat16 weights (their products torch's, as the modules run them) with a
-        float32 or bfloat16 cache, without adapters (their float32 factors meet bf16 rows in the modules' order)."""
+    def dtypes_fit(weights: torch.dtype, cache: torch.dtype, lora: bool) -> bool:
+        """Whether the stack runs these dtypes: float32 weights and cache; or bfloat16 weights with a float32 or
+        bfloat16 cache, without adapters (their float32 factors meet bf16 rows in the modules' order)."""
         if weights == torch.float32:
             return cache == torch.float32
         return weights == torch.bfloat16 and cache in (torch.float32, torch.bfloat16) and not lora
@@ -176,8 +176,7 @@ class NativeDecoderStack:
         if not ops.deterministic():
             if wide and x.shape[0] < ops.SMALL_BATCH_MIN_ROWS:  # the modules' fp32 products are torch's here
                 linear = gated = False
-            # fp32 products off the native kernels go where the modules send them: oneDNN for the shapes it wins
-            onednn = [packing.dense_faster(*self._first_weight(i).shape) for i in range(4)] if wide else []
+            onednn = self.onednn if wide else []
         # a bf16 product that is not native takes the module's oneDNN-packed weight where the module would
         weight = _weight if wide or linear else _packed_or_weight
         gate_up_weight = _weight if wide or linear or gated else _packed_or_weight
@@ -200,9 +199,12 @@ class NativeDecoderStack:
             adapters, segments, onednn,
         )
 
-    def _first_weight(self, product: int) -> torch.Tensor:
-        """The first layer's weight of product `product` (qkv, o, gate_up, down): every layer's has its shape."""
-        return _weight(self.layers[0][(1, 2, 4, 5)[product]])
+    @cached_property
+    def onednn(self) -> list[bool]:
+        """Per product (qkv, o, gate_up, down), whether an fp32 product off the native kernels goes to oneDNN, as
+        the modules send it (`dense_faster` of its shape; every layer's weights have the first layer's shapes)."""
+        _, qkv, o, _, gate_up, down, _, _ = self.layers[0]
+        return [packing.dense_faster(*_weight(m).shape) for m in (qkv, o, gate_up, down)]
 
     def _lora_tensors(self) -> tuple[list[torch.Tensor | None], list[int]]:
         """The pass's LoRA adapters as `decoder_layers` takes them: per layer and row segment, (shrink, expand)

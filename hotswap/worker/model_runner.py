@@ -65,7 +65,7 @@ class ModelRunner:
         if self.attention_kernel is None or self.stack.model is None or not self.stack.modules_fit:
             return
         dtype = next(self.model.parameters()).dtype
-        if current_parallel().size > 1 or not self.stack._dtypes_fit(
+        if current_parallel().size > 1 or not self.stack.dtypes_fit(
                 dtype, self.config.cache_config.kv_torch_dtype, lora=False):
             return
         kernel_policy.calibrate_stack(
