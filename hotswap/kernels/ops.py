@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from hotswap.config import current_config_or_none
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
-from hotswap.kernels.policy import _torch_greedy, _torch_rms_norm, _torch_rotary, _torch_silu_and_mul
+from hotswap.kernels.policy import (
+    _torch_greedy,
+    _torch_rms_norm,
+    _torch_rotary,
+    _torch_silu_and_mul,
+    scatter_faster,
+    stream_copy_faster,
+)
 from hotswap.kernels.policy import policy as policy  # re-exported: layers and the stack read it here
 
 # From SMALL_BATCH_MIN_ROWS to SMALL_BATCH_ROWS rows (tokens: decode batches, short prefills), the native linear
@@ -366,3 +373,82 @@ def decoder_stack_available(rows: int) -> bool:
 
 def decoder_layers(*args: Any) -> torch.Tensor:
     return cast(torch.Tensor, _ops().decoder_layers(*args))
+
+
+# ---- copies of weights into place -------------------------------------------------------------------------
+# A weight update writes every weight once, far more bytes than the caches hold: streaming stores skip reading
+# each destination line before writing it (hotswap/kernels/stream_copy.cpp). A copy below this size is not worth
+# the op's call (and its destination is the likeliest to be cached, where ordinary stores win).
+STREAM_COPY_MIN_BYTES = 256 << 10
+
+
+def stream_copy_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether `copy_(dst, src)` takes the streaming-store kernel: CPU tensors of one dtype and shape, both
+    contiguous, not overlapping, at least STREAM_COPY_MIN_BYTES, no autograd, and the policy takes it (native mode:
+    always; auto: where `policy.stream_copy_faster` measured it faster)."""
+    return _stream_kernel(dst, src) is not None
+
+
+def _stream_kernel(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    nbytes = dst.nbytes
+    if (
+        nbytes < STREAM_COPY_MIN_BYTES
+        or dst.dtype != src.dtype
+        or dst.shape != src.shape
+        or dst.device.type != "cpu"
+        or src.device.type != "cpu"
+        or not dst.is_contiguous()
+        or not src.is_contiguous()
+        or _needs_grad(dst, src)
+    ):
+        return None
+    if dst.data_ptr() < src.data_ptr() + nbytes and src.data_ptr() < dst.data_ptr() + nbytes:
+        return None
+    return _gate("stream_copy", stream_copy_faster)
+
+
+_GATES: dict[tuple[str, Any, int], Any] = {}  # (gate, policy, threads) -> the kernels, or None: each decided once
+
+
+def _gate(name: str, faster: Callable[[], bool]) -> Any:
+    """The native kernels if a measured native path is taken under the current policy, else None: never in torch
+    mode or without the build, always in native mode, where `faster()` (measured once, cached) says so in auto
+    mode."""
+    current = policy()
+    key = (name, current, torch.get_num_threads())
+    if key not in _GATES:
+        kernels = _ops() if current.mode != "torch" else None
+        _GATES[key] = kernels if kernels is not None and (current.mode == "native" or faster()) else None
+    return _GATES[key]
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`dst.copy_(src)`, byte for byte the same result: through streaming stores where `stream_copy_applies`, else
+    torch's copy (which also casts and broadcasts). Returns `dst`."""
+    kernels = _stream_kernel(dst, src)
+    if kernels is None:
+        return dst.copy_(src)
+    kernels.stream_copy_(dst, src)
+    return dst
+
+
+def scatter_(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`flat.index_copy_(0, indices, values)` for a 1-D `flat` and int64 `indices` already checked to lie in
+    range: the native scatter (requests each write's cache line ahead, hotswap/kernels/scatter.cpp) for a
+    contiguous CPU `flat` of 2, 4 or 8-byte elements and `values` of its dtype, no autograd, where the policy takes
+    it (native mode: always; auto: where `policy.scatter_faster` measured it faster); else `index_copy_`. A repeated
+    index gets one of its values, either way. Returns `flat`."""
+    if (
+        flat.device.type == "cpu" == indices.device.type == values.device.type
+        and flat.dim() == 1
+        and flat.is_contiguous()
+        and flat.element_size() in (2, 4, 8)
+        and values.dtype == flat.dtype
+        and indices.dtype == torch.int64
+        and not _needs_grad(flat, values)
+    ):
+        kernels = _gate("scatter", scatter_faster)
+        if kernels is not None:
+            kernels.scatter_(flat, indices.contiguous(), values.contiguous())
+            return flat
+    return flat.index_copy_(0, indices, values)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -83,21 +82,6 @@ def _time_ratio(candidate: Any, baseline: Any, reps: int) -> float:
     return best[0] / best[1]
 
 
-def _measured(op: str, out_features: int, in_features: int, rows: tuple[int, ...],
-              measure: Callable[[], dict[int, float]]) -> bool:
-    """Whether the candidate won (ratio below WIN_RATIO at every batch of `rows`) for a weight of this shape: the
-    ratios cached with the policy's calibration under `op`, else `measure()`d once and stored there (per machine,
-    ISA cap and thread count)."""
-    from hotswap.kernels import policy
-
-    key = f"{out_features}x{in_features}{policy.threads_and_isa()}"
-    ratios = policy._cached(key, op, rows)
-    if ratios is None:
-        ratios = measure()
-        policy._store(key, op, ratios)
-    return all(ratio < WIN_RATIO for ratio in ratios.values())
-
-
 STREAM_BYTES = 128 << 20  # weights the bf16 gate cycles through: more than a last-level cache holds
 MAX_COPIES = 256  # ... in at most this many copies (a small model's weights stay in cache anyway)
 
@@ -121,7 +105,9 @@ def faster(out_features: int, in_features: int) -> bool:
                                        lambda: [F.linear(x, w) for w in copies], 5)  # noqa: B023
         return ratios
 
-    return _measured("packed_bf16_linear", out_features, in_features, (1, PACK_ROWS), measure)
+    from hotswap.kernels import policy
+
+    return policy.measured("packed_bf16_linear", f"{out_features}x{in_features}", (1, PACK_ROWS), measure)
 
 
 @functools.cache
@@ -159,7 +145,9 @@ def dense_faster(out_features: int, in_features: int) -> bool:
                                        functools.partial(F.linear, x, weight), 3)
         return ratios
 
-    return _measured("dense_fp32_linear", out_features, in_features, DENSE_ROWS, measure)
+    from hotswap.kernels import policy
+
+    return policy.measured("dense_fp32_linear", f"{out_features}x{in_features}", DENSE_ROWS, measure)
 
 
 UPCAST_ROWS = 256  # the batch a bf16 product above the small-batch kernels' rows is timed at (prefill chunks)
@@ -187,7 +175,9 @@ def upcast_faster(out_features: int, in_features: int) -> bool:
         return {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
                                          functools.partial(F.linear, x, weight), 3)}
 
-    return _measured("upcast_bf16_linear", out_features, in_features, (UPCAST_ROWS,), measure)
+    from hotswap.kernels import policy
+
+    return policy.measured("upcast_bf16_linear", f"{out_features}x{in_features}", (UPCAST_ROWS,), measure)
 
 
 def upcast_applies(x: torch.Tensor, weight: torch.Tensor, above_rows: int) -> bool:

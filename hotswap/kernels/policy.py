@@ -300,6 +300,74 @@ def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: 
     return out
 
 
+def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], dict[int, float]]) -> bool:
+    """Whether a candidate path won against its baseline (time ratio below WIN_RATIO at every one of `batches`)
+    for `key` (e.g. a weight's shape): the ratios cached with the calibration under `op`, else `measure()`d once and
+    stored there (per machine, ISA cap and thread count)."""
+    key = key + threads_and_isa()
+    ratios = _cached(key, op, batches)
+    if ratios is None:
+        ratios = measure()
+        _store(key, op, ratios)
+    return all(ratio < WIN_RATIO for ratio in ratios.values())
+
+
+STREAM_COPY_BYTES = 192 << 20  # the copy the streaming-store gate times: more than a last-level cache holds
+
+
+def stream_copy_faster() -> bool:
+    """Whether the native streaming-store copy (stream_copy.cpp) measured at least 5 % faster than torch's `copy_`
+    for a destination far larger than the caches (STREAM_COPY_BYTES; the fastest of 3 copies each, in turn), as
+    a weight update writes. False without the native build. Measured once per machine, ISA cap and thread count
+    (cached with the calibration; about 0.3 s and twice STREAM_COPY_BYTES of memory while it runs)."""
+    kernels = native.ops()
+    if kernels is None:
+        return False
+    return _stream_copy_faster(kernels, threads_and_isa())
+
+
+_stream_verdicts: dict[str, bool] = {}  # per gate and thread count/ISA: the verdicts of this process
+
+
+def _stream_copy_faster(kernels: Any, where: str) -> bool:
+    if where not in _stream_verdicts:
+        def measure() -> dict[int, float]:
+            src = torch.ones(STREAM_COPY_BYTES, dtype=torch.uint8)
+            dst = torch.zeros_like(src)
+            stream_s, torch_s = paired_seconds(lambda: kernels.stream_copy_(dst, src), lambda: dst.copy_(src), 3)
+            return {1: stream_s / torch_s}
+
+        _stream_verdicts[where] = measured("stream_copy", "bytes", (1,), measure)
+    return _stream_verdicts[where]
+
+
+SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
+
+
+def scatter_faster() -> bool:
+    """Whether the native scatter (scatter.cpp) measured at least 5 % faster than torch's `index_copy_` writing
+    SCATTER_FRACTION of a float32 destination of STREAM_COPY_BYTES at sorted random positions (a sparse delta; the
+    fastest of 3 each, in turn). False without the native build. Measured once per machine, ISA cap and thread count
+    (cached with the calibration)."""
+    kernels = native.ops()
+    if kernels is None:
+        return False
+    where = "scatter" + threads_and_isa()
+    if where not in _stream_verdicts:
+        def measure() -> dict[int, float]:
+            gen = torch.Generator().manual_seed(0)
+            dst = torch.zeros(STREAM_COPY_BYTES // 4)
+            count = int(SCATTER_FRACTION * dst.numel())
+            indices = torch.randint(0, dst.numel(), (count,), generator=gen).sort().values
+            values = torch.ones(count)
+            native_s, torch_s = paired_seconds(lambda: kernels.scatter_(dst, indices, values),
+                                               lambda: dst.index_copy_(0, indices, values), 3)
+            return {1: native_s / torch_s}
+
+        _stream_verdicts[where] = measured("sparse_scatter", "float32", (1,), measure)
+    return _stream_verdicts[where]
+
+
 def _store(key: str, op: str, ratios: dict[int, float]) -> None:
     path = _cache_file()
     try:

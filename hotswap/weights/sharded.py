@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from hotswap.kernels import ops
+
 # (dim, start, length) narrowings that cut a rank's part out of a full checkpoint tensor, applied in order
 Narrowing = list[tuple[int, int, int]]
 
@@ -58,7 +60,7 @@ class _Replicated:
     def load_weight(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
     ) -> None:
-        param.data.copy_(loaded)
+        ops.copy_(param.data, loaded)
 
 
 REPLICATED: ShardedWeights = _Replicated()

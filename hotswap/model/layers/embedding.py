@@ -44,7 +44,7 @@ class VocabEmbedding(nn.Module):
         packing.drop(self)
         if not pre_sliced:
             loaded = loaded.narrow(0, self.start, self.valid)
-        self.local_view(param).copy_(loaded)
+        ops.copy_(self.local_view(param), loaded)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

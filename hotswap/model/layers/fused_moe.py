@@ -317,7 +317,7 @@ class FusedMoE(nn.Module):
             if not pre_sliced:
                 for dim, start, length in self.narrowings(param, shard_id):
                     loaded = loaded.narrow(dim, start, length)
-            self.local_view(param, shard_id).copy_(loaded)
+            ops.copy_(self.local_view(param, shard_id), loaded)
             return
         value = loaded if pre_sliced else loaded.narrow(1 if part == _DOWN else 0, *share)
         self._write(param, slot, None if part == _DOWN else self._rows(part), value)
@@ -328,7 +328,7 @@ class FusedMoE(nn.Module):
         fp8 `value` (already quantized, its scale in the same update) is copied as it is."""
         if not self.fp8 or value.dtype == FP8_DTYPE:
             target = param.data[slots]
-            (target if rows is None else target.narrow(-2, *rows)).copy_(value)
+            ops.copy_(target if rows is None else target.narrow(-2, *rows), value)
             if self.fp8:
                 self._unstage(param, slots, rows)
             return

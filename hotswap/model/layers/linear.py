@@ -127,7 +127,7 @@ class Linear(nn.Module):
         into shard `shard_id` of `param` in place (for an fp8 weight: into the stage)."""
         packing.drop(self)
         if param is self.bias and self.parallel == "row":
-            param.data.copy_(loaded)
+            ops.copy_(param.data, loaded)
             return
         spec = self._spec(shard_id)
         part = loaded
@@ -136,12 +136,12 @@ class Linear(nn.Module):
             if param is self.weight and self.parallel == "row":
                 part = part.narrow(1, self.in_start, self.in_local)
         if not (self.fp8 and param is self.weight):
-            self.local_view(param, shard_id).copy_(part)
+            ops.copy_(self.local_view(param, shard_id), part)
             return
         if self._stage is None:
             self._stage = torch.empty(self.weight.shape, dtype=self.stage_dtype)
             self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
-        self._stage.narrow(0, spec.local_offset, spec.size).copy_(part)
+        ops.copy_(self._stage.narrow(0, spec.local_offset, spec.size), part)
         assert self._staged_rows is not None  # allocated and freed with the stage
         self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
 
