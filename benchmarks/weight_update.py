@@ -96,7 +96,7 @@ def deltas(llm: LLM, start: dict[str, torch.Tensor], full_s: float, floor_s: flo
     from hotswap.weights.delta import INDICES, VALUES
 
     out: dict[str, object] = {}
-    for fraction in (0.01, 0.03, 0.10):
+    for fraction in (0.01, 0.02, 0.03, 0.10):
         other = changed(start, fraction, seed=int(fraction * 1000))
         for encoding in ("sparse", "xor"):
             def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
@@ -120,6 +120,33 @@ def deltas(llm: LLM, start: dict[str, torch.Tensor], full_s: float, floor_s: flo
                   f"{seconds / floor_s:4.2f}x the floor; {sent / 1e6:.0f} MB sent")
             out[label] = {"ms": round(seconds * 1e3, 1), "of_full": round(seconds / full_s, 3),
                           "mb_sent": round(sent / 1e6, 1)}
+        if fraction == 0.02:
+            out.update(scatter_floor(start, other, full_s, reps))
+    return out
+
+
+def scatter_floor(start: dict[str, torch.Tensor], other: dict[str, torch.Tensor], full_s: float, reps: int
+                  ) -> dict[str, object]:
+    """What writing a delta's elements costs by itself, outside the engine: the changed elements of `other` written
+    into a scratch copy of `start` (as large as the weights, so it comes from memory as they do) by torch's
+    `index_copy_` and by hotswap's native scatter; nothing else (no decoding, no checks)."""
+    from hotswap.kernels import native
+
+    scratch = {n: t.clone() for n, t in start.items()}
+    writes = []
+    for name, new in other.items():
+        flat = new.reshape(-1)
+        indices = (flat != start[name].reshape(-1)).nonzero().squeeze(1)
+        writes.append((scratch[name].view(-1), indices, flat[indices]))
+    paths = {"index_copy_": lambda: [d.index_copy_(0, i, v) for d, i, v in writes]}
+    kernels = native.ops()
+    if kernels is not None:
+        paths["native scatter"] = lambda: [kernels.scatter_(d, i, v) for d, i, v in writes]
+    out: dict[str, object] = {}
+    for label, fn in paths.items():
+        seconds = median_seconds(fn, 2 * reps)
+        print(f"  2% elements alone, {label:<14} {seconds * 1e3:6.1f} ms   {seconds / full_s:5.1%} of the full reload")
+        out[f"2% elements alone, {label}"] = {"ms": round(seconds * 1e3, 1), "of_full": round(seconds / full_s, 3)}
     return out
 
 
