@@ -6,7 +6,7 @@ update -> finish) through each transport, with the trainer in its own process fo
 reloads. The floor is torch `copy_` of the same number of bytes, measured in the same run. Every path is atomic
 unless its label says otherwise.
 
-    python benchmarks/weight_update.py [--reps 5] [--preset 125m]
+    python benchmarks/weight_update.py [--reps 5] [--preset 125m] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -17,6 +17,7 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -155,7 +156,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--preset", default="125m")
     parser.add_argument("--canary-tokens", type=int, default=16, help="tokens of the canary's one probe")
+    parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
+    from hotswap.kernels import emulation, policy
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import kernel_build
+
+    emulation.reexec_under(args.isa)
+    build = kernel_build()
     with tempfile.TemporaryDirectory() as tmp:
         a = make_tiny_model(Path(tmp) / "A", preset=args.preset, seed=0)
         b = make_tiny_model(Path(tmp) / "B", preset=args.preset, seed=1)
@@ -164,10 +173,12 @@ def main() -> None:
         named = list(load_file(b_file).items())
         total = sum(t.numel() * t.element_size() for _, t in named)
         floor = memcpy_seconds(total, args.reps)
-        print(f"cpu: {cpu_description()}")
+        writes = {"stream_copy": policy.stream_copy_faster(), "native_scatter": policy.scatter_faster()}
+        print(f"cpu: {cpu_description()}; kernels: {build['build']}; torch: {build['torch_isa']}")
+        print(f"weight writes taken here (measured gates): {writes}")
         print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")
-        figures: dict = {"cpu": cpu_description(), "weights_mb": round(total / 1e6, 1),
-                         "memcpy_floor_ms": round(floor * 1e3, 1)}
+        figures: dict = {"cpu": cpu_description(), "isa": args.isa, "build": build["build"], "writes": writes,
+                         "weights_mb": round(total / 1e6, 1), "memcpy_floor_ms": round(floor * 1e3, 1)}
 
         def report(label: str, seconds: float) -> None:
             print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / floor:5.1f}x the floor")
