@@ -143,10 +143,10 @@ def test_one_switch_forces_each_path_with_the_same_outputs(built, llama_dir, mon
 
 @pytest.mark.slow
 def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
-    """The kernel tests (every op against its torch path, the decoder stack to the bit) on an AVX2-only build
-    (`-march=x86-64-v3`, what AMD Zen 2/3 and older Intel servers run), in a fresh process with torch's own kernels
-    (the torch paths) capped at AVX2 too, as on such a host. (`avx2-kernels`, the same build beside an uncapped
-    torch, is the benchmarks' middle column; its build is the same one, checked by the probe.)"""
+    """The kernel tests (every op against its torch path, the decoder stack and the weight writes to the bit) on an
+    AVX2-only build (`-march=x86-64-v3`, what AMD Zen 2/3 and older Intel servers run), in a fresh process with
+    torch's own kernels (the torch paths) capped at AVX2 too, as on such a host. (`avx2-kernels`, the same build
+    beside an uncapped torch, is the benchmarks' middle column; its build is the same one, checked by the probe.)"""
     if native.target_isa() == "generic":
         pytest.skip("this machine cannot run an x86-64-v3 build")
     probe = "from hotswap.kernels import native; print(native.target_isa(), native.ops().vector_bits())"
@@ -154,7 +154,8 @@ def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
         env = {**os.environ, **emulation.ISA_ENV[isa]}
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
         assert out.stdout.split() == ["avx2", "256"], (isa, out.stderr[-2000:])
-    tests = ["tests/test_kernels.py", "tests/test_decoder_stack.py", "-k", "not stale_build and not failed_build"]
+    tests = ["tests/test_kernels.py", "tests/test_decoder_stack.py", "tests/test_weight_writes.py", "-k",
+             "not stale_build and not failed_build"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
