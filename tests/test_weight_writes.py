@@ -1,7 +1,8 @@
-"""How weights are written into place (docs/weight-sync.md, "Writing the weights"): the streaming-store copy and the
-prefetching scatter (hotswap/kernels/stream_copy.cpp, scatter.cpp) against torch's `copy_` and `index_copy_`, byte
-for byte; the facade's fallbacks; their gates measured once and cached; and every weight path through them (full
-reloads, atomic sessions and their rollback, sparse deltas and theirs) equal to the same update through torch's."""
+"""How weights are written into place (docs/weight-sync.md, "Writing the weights"): the streaming-store copy, the
+prefetching scatter and the one-pass value check (hotswap/kernels/stream_copy.cpp, scatter.cpp, magnitudes.cpp)
+against torch's `copy_`, `index_copy_` and `all_finite`, exactly; the facade's fallbacks; their gates measured once
+and cached; and every weight path through them (full reloads, atomic sessions and their rollback, sparse deltas and
+theirs) equal to the same update through torch's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hotswap.transfer.checksum import tensor_sha256
 from hotswap.transfer.delta import sparse_delta
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.weights.delta import INDICES, VALUES
+from hotswap.weights.update import all_finite, magnitude_bound
 from test_delta import perturbed, sums, tensors_of
 
 KV = 1 << 22
@@ -32,7 +34,7 @@ def every_copy_native(monkeypatch):
     """Native mode, and every weight copy, however small, through the streaming kernel (the tiny test models'
     weights are below the size the facade streams from)."""
     monkeypatch.setattr(ops, "STREAM_COPY_MIN_BYTES", 0)
-    taken: dict[str, int] = {"stream_copy": 0, "scatter": 0}
+    taken: dict[str, int] = {"stream_copy": 0, "scatter": 0, "finite_check": 0}
     real_gate = ops._gate
 
     def gate(name, faster):
@@ -104,6 +106,48 @@ def test_scatter_never_writes_outside_and_says_so(kernels):
 
 
 @pytest.mark.unit
+def test_max_magnitude_bits_is_the_largest_magnitude_of_each_tensor(kernels):
+    """Any mix of lengths and of 4- and 2-byte floats, the extreme at any position (the threads split the tensors,
+    laid end to end, anywhere); NaN and Inf above every finite value."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1, 15, 16, 63, 64, 65, 1000, 70_001, 300_001, 2]
+    tensors = [torch.randn(n, generator=gen).to(dt) for n in sizes for dt in (torch.float32, torch.bfloat16)]
+    tensors.append(torch.randn(999, generator=gen).half())
+    for t in tensors[::3]:
+        t[int(torch.randint(0, t.numel(), (1,), generator=gen))] = -1e4  # the extreme, negative, anywhere
+
+    def bits(t: torch.Tensor) -> int:
+        return int(t.abs().max().view(torch.int32 if t.element_size() == 4 else torch.int16))
+
+    assert kernels.max_magnitude_bits(tensors).tolist() == [bits(t) for t in tensors]
+    for special in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(100_003, generator=gen)
+        t[-1] = special
+        top = kernels.max_magnitude_bits([torch.zeros(5), t]).tolist()
+        assert top[0] == 0 and top[1] > magnitude_bound(torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="2 or 4 bytes"):
+        kernels.max_magnitude_bits([torch.zeros(4, dtype=torch.float64)])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype, limit", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                          (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                          (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_the_bit_bound_decides_as_all_finite(kernels, dtype, limit):
+    """The one-pass check accepts exactly what `all_finite` (torch's check of one tensor) accepts."""
+    edges = [0.0, -0.0, 1.0, 65504.0, -65504.0, 65505.0, 65520.0, 3.3895e38, -3.39e38, torch.finfo(dtype).max,
+             float("inf"), float("-inf"), float("nan")]
+    bound = magnitude_bound(dtype, limit)
+    assert bound is not None
+    for value in edges:
+        t = torch.tensor([0.5, value]).to(dtype)
+        top = kernels.max_magnitude_bits([t]).tolist()[0]
+        assert (top <= bound) == all_finite(t, limit), (dtype, limit, value)
+    assert magnitude_bound(torch.bfloat16, torch.float16) is None  # left to all_finite
+    assert magnitude_bound(torch.float64, torch.float32) is None
+
+
+@pytest.mark.unit
 def test_the_facade_falls_back_where_the_kernels_do_not_apply(kernels, every_copy_native):
     """A cast, a broadcast or a strided side goes to torch's copy; a strided scatter target to index_copy_; the
     results are torch's."""
@@ -127,7 +171,8 @@ def test_the_facade_falls_back_where_the_kernels_do_not_apply(kernels, every_cop
 
 @pytest.mark.unit
 @pytest.mark.parametrize("gate, op, key", [("stream_copy_faster", "stream_copy", "bytes"),
-                                           ("scatter_faster", "sparse_scatter", "float32")])
+                                           ("scatter_faster", "sparse_scatter", "float32"),
+                                           ("finite_check_faster", "finite_check", "float32")])
 def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, gate, op, key):
     """Each gate times its kernel against torch's path once per machine and stores the ratio with the calibration;
     a later process reads it (and decides by it) without timing anything."""
@@ -163,6 +208,13 @@ def test_every_weight_path_through_the_kernels_equals_torch(ckpts, every_copy_na
     llm.reload_weights(weights_iterator=list(b.items()))
     sums_b = sums(llm)
     assert sums_b == {n: tensor_sha256(b[n]) for n in sums_b}
+    poisoned = dict(a)
+    middle = sorted(poisoned)[len(poisoned) // 2]
+    poisoned[middle] = poisoned[middle].clone()
+    poisoned[middle].view(-1)[-1] = float("inf")
+    with pytest.raises(ValueError, match=f"NaN or Inf.*{middle}"):
+        llm.reload_weights(weights_iterator=list(poisoned.items()))  # checked in one pass, before any write
+    assert sums(llm) == sums_b
     llm.init_weight_transfer_engine({"backend": "tensors"})
     llm.start_weight_update()
     llm.update_weights(tensors_update_info(list(a.items())))
@@ -196,3 +248,4 @@ def test_every_weight_path_through_the_kernels_equals_torch(ckpts, every_copy_na
     fresh = LLM(str(ckpts["B"]), kv_cache_memory_bytes=KV)
     assert sums(llm) == sums(fresh) and _generate(llm) == _generate(fresh)
     assert every_copy_native["stream_copy"] > 4 * len(a) and every_copy_native["scatter"] > len(delta) // 2
+    assert every_copy_native["finite_check"] >= 3  # the one-shot reloads' checks

@@ -21,6 +21,7 @@ from hotswap.kernels.policy import (
     _torch_rms_norm,
     _torch_rotary,
     _torch_silu_and_mul,
+    finite_check_faster,
     scatter_faster,
     stream_copy_faster,
 )
@@ -452,3 +453,16 @@ def scatter_(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) ->
             kernels.scatter_(flat, indices.contiguous(), values.contiguous())
             return flat
     return flat.index_copy_(0, indices, values)
+
+
+def max_magnitude_bits(tensors: list[torch.Tensor]) -> list[int] | None:
+    """For each tensor (contiguous CPU float32, bfloat16 or float16), the largest |x| bit pattern (sign cleared;
+    NaN and Inf above every finite value), read in one pass over all of them (hotswap/kernels/magnitudes.cpp),
+    where the policy takes it (native mode: always; auto: where `policy.finite_check_faster` measured it faster
+    than a check per tensor); None where it does not (the caller checks each tensor with torch)."""
+    if not tensors:
+        return []
+    kernels = _gate("finite_check", finite_check_faster)
+    if kernels is None:
+        return None
+    return cast(list[int], kernels.max_magnitude_bits(tensors).tolist())

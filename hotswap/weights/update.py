@@ -207,6 +207,23 @@ def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
     return finite
 
 
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def magnitude_bound(dtype: torch.dtype, limit_dtype: torch.dtype) -> int | None:
+    """The largest |x| bit pattern (sign cleared) of a `dtype` tensor that `all_finite(x, limit_dtype)` accepts
+    (finite, and within `limit_dtype`'s range), or None where a bit comparison does not decide it (another dtype,
+    or a 16-bit tensor bound for a narrower dtype)."""
+    if dtype not in _BITS:
+        return None
+    top = torch.finfo(dtype).max
+    if limit_dtype.is_floating_point and torch.finfo(limit_dtype).max < top:
+        if dtype != torch.float32:
+            return None
+        top = torch.finfo(limit_dtype).max  # exactly a float32 (float16's and bfloat16's maxima are)
+    return int(torch.tensor(top, dtype=dtype).view(_BITS[dtype]).item())
+
+
 def _castable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and not dtype.is_complex
 
@@ -289,14 +306,40 @@ class WeightUpdate:
             if missing:
                 raise ValueError(f"checkpoint is missing tensors: {missing}")
 
+    def _limit(self, name: str) -> torch.dtype:
+        """The dtype `name`'s values must fit: the parameter's, or for a staging layer (fp8) its stage's, from which
+        each row gets its scale."""
+        target = self.index.targets[name]
+        return getattr(self.index.modules[target.module_name], "stage_dtype", None) or target.param.dtype
+
     def _finite(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s values fit its target: the parameter's dtype, or for a staging layer (fp8) the dtype
-        of its stage, from which each row gets its scale."""
+        """Whether `tensor`'s values fit its target (`_limit`)."""
         if not self.check_finite:
             return True
-        target = self.index.targets[name]
-        limit = getattr(self.index.modules[target.module_name], "stage_dtype", None) or target.param.dtype
-        return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, limit)
+        return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, self._limit(name))
+
+    def _non_finite(self, pairs: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """The names in `pairs` whose values do not fit their targets (`_finite`), in order. Read last to first, so
+        the first tensors loaded are the ones read last (still cached, if they fit); where the native check applies,
+        in one pass over all of them (`ops.max_magnitude_bits`)."""
+        if not self.check_finite:
+            return []
+        batch: list[tuple[str, torch.Tensor, int]] = []
+        alone: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in reversed(pairs):
+            values = tensor.values if isinstance(tensor, Patch) else tensor
+            bound = magnitude_bound(values.dtype, self._limit(name))
+            if bound is None or values.device.type != "cpu" or not values.is_contiguous() or values.numel() == 0:
+                alone.append((name, tensor))
+            else:
+                batch.append((name, values, bound))
+        maxima = ops.max_magnitude_bits([values for _, values, _ in batch])
+        if maxima is None:
+            alone = [(name, values) for name, values, _ in batch] + alone
+            batch = []
+        bad = {name for (name, _, bound), top in zip(batch, maxima or [], strict=True) if top > bound}
+        bad.update(name for name, tensor in alone if not self._finite(name, tensor))
+        return [name for name, _ in pairs if name in bad]
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -318,8 +361,7 @@ class WeightUpdate:
         self.unprotected = self.unprotected or (self.atomic and not backup)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
-            # checked last to first, so the first tensors loaded are the ones read last (still cached, if they fit)
-            bad = [name for name, tensor in reversed(pairs) if not self._finite(name, tensor)][::-1]
+            bad = self._non_finite(pairs)
             if bad:
                 raise _non_finite_error(bad)
             count = self._load(pairs, source.pre_sliced, backup, True, source.description)
