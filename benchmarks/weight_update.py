@@ -173,7 +173,8 @@ def main() -> None:
         named = list(load_file(b_file).items())
         total = sum(t.numel() * t.element_size() for _, t in named)
         floor = memcpy_seconds(total, args.reps)
-        writes = {"stream_copy": policy.stream_copy_faster(), "native_scatter": policy.scatter_faster()}
+        writes = {"stream_copy": policy.stream_copy_faster(), "native_scatter": policy.scatter_faster(),
+                  "one_pass_check": policy.finite_check_faster()}
         print(f"cpu: {cpu_description()}; kernels: {build['build']}; torch: {build['torch_isa']}")
         print(f"weight writes taken here (measured gates): {writes}")
         print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")

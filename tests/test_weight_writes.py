@@ -178,13 +178,13 @@ def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, 
     a later process reads it (and decides by it) without timing anything."""
     monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
     monkeypatch.setattr(policy, "STREAM_COPY_BYTES", 1 << 20)  # the rule, not the size, under test: keep it quick
-    monkeypatch.setattr(policy, "_stream_verdicts", {})
+    monkeypatch.setattr(policy, "_write_verdicts", {})
     first = getattr(policy, gate)()
     key += policy.threads_and_isa()
     ratio = policy._cached(key, op, (1,))
     assert ratio is not None and first == (ratio[1] < policy.WIN_RATIO)
     policy._store(key, op, {1: 2.0})  # as if it had lost
-    monkeypatch.setattr(policy, "_stream_verdicts", {})
+    monkeypatch.setattr(policy, "_write_verdicts", {})
     timed = []
     monkeypatch.setattr(policy, "paired_seconds", lambda *a: timed.append(1) or (1.0, 1.0))
     assert getattr(policy, gate)() is False and timed == []

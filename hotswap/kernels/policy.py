@@ -314,80 +314,66 @@ def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], 
 
 STREAM_COPY_BYTES = 128 << 20  # what the weight-write gates write: more than most last-level caches hold (a larger
 # cache makes ordinary stores look better, so the gate then errs toward torch's path)
+SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
+_write_verdicts: dict[str, bool] = {}  # per gate, thread count and ISA: the verdicts of this process
+
+
+def _write_gate(op: str, key: str, measure: Callable[[Any], dict[int, float]]) -> bool:
+    """A weight-write gate's verdict (`measured`: native over torch below WIN_RATIO, cached with the calibration),
+    decided once per process, thread count and ISA; False without the native build. `measure(kernels)` returns
+    {1: native time / torch time}, the fastest of 3 each, in turn."""
+    kernels = native.ops()
+    if kernels is None:
+        return False
+    where = op + threads_and_isa()
+    if where not in _write_verdicts:
+        _write_verdicts[where] = measured(op, key, (1,), lambda: measure(kernels))
+    return _write_verdicts[where]
+
+
+def _ratio(native_fn: Callable[[], object], torch_fn: Callable[[], object]) -> dict[int, float]:
+    native_s, torch_s = paired_seconds(native_fn, torch_fn, 3)
+    return {1: native_s / torch_s}
 
 
 def stream_copy_faster() -> bool:
     """Whether the native streaming-store copy (stream_copy.cpp) measured at least 5 % faster than torch's `copy_`
-    for a destination far larger than the caches (STREAM_COPY_BYTES; the fastest of 3 copies each, in turn), as
-    a weight update writes. False without the native build. Measured once per machine, ISA cap and thread count
-    (cached with the calibration; about 0.3 s and twice STREAM_COPY_BYTES of memory while it runs)."""
-    kernels = native.ops()
-    if kernels is None:
-        return False
-    return _stream_copy_faster(kernels, threads_and_isa())
+    for a destination far larger than the caches (STREAM_COPY_BYTES), as a weight update writes. Measured once per
+    machine, ISA cap and thread count (about 0.3 s and twice STREAM_COPY_BYTES of memory while it runs)."""
+    def measure(kernels: Any) -> dict[int, float]:
+        src = torch.ones(STREAM_COPY_BYTES, dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        return _ratio(lambda: kernels.stream_copy_(dst, src), lambda: dst.copy_(src))
 
-
-_stream_verdicts: dict[str, bool] = {}  # per gate and thread count/ISA: the verdicts of this process
-
-
-def _stream_copy_faster(kernels: Any, where: str) -> bool:
-    if where not in _stream_verdicts:
-        def measure() -> dict[int, float]:
-            src = torch.ones(STREAM_COPY_BYTES, dtype=torch.uint8)
-            dst = torch.zeros_like(src)
-            stream_s, torch_s = paired_seconds(lambda: kernels.stream_copy_(dst, src), lambda: dst.copy_(src), 3)
-            return {1: stream_s / torch_s}
-
-        _stream_verdicts[where] = measured("stream_copy", "bytes", (1,), measure)
-    return _stream_verdicts[where]
-
-
-SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
+    return _write_gate("stream_copy", "bytes", measure)
 
 
 def scatter_faster() -> bool:
     """Whether the native scatter (scatter.cpp) measured at least 5 % faster than torch's `index_copy_` writing
-    SCATTER_FRACTION of a float32 destination of STREAM_COPY_BYTES at sorted random positions (a sparse delta; the
-    fastest of 3 each, in turn). False without the native build. Measured once per machine, ISA cap and thread count
-    (cached with the calibration)."""
-    kernels = native.ops()
-    if kernels is None:
-        return False
-    where = "scatter" + threads_and_isa()
-    if where not in _stream_verdicts:
-        def measure() -> dict[int, float]:
-            gen = torch.Generator().manual_seed(0)
-            dst = torch.zeros(STREAM_COPY_BYTES // 4)
-            count = int(SCATTER_FRACTION * dst.numel())
-            indices = torch.randint(0, dst.numel(), (count,), generator=gen).sort().values
-            values = torch.ones(count)
-            native_s, torch_s = paired_seconds(lambda: kernels.scatter_(dst, indices, values),
-                                               lambda: dst.index_copy_(0, indices, values), 3)
-            return {1: native_s / torch_s}
+    SCATTER_FRACTION of a float32 destination of STREAM_COPY_BYTES at sorted random positions (a sparse delta).
+    Measured once per machine, ISA cap and thread count."""
+    def measure(kernels: Any) -> dict[int, float]:
+        gen = torch.Generator().manual_seed(0)
+        dst = torch.zeros(STREAM_COPY_BYTES // 4)
+        count = int(SCATTER_FRACTION * dst.numel())
+        indices = torch.randint(0, dst.numel(), (count,), generator=gen).sort().values
+        values = torch.ones(count)
+        return _ratio(lambda: kernels.scatter_(dst, indices, values), lambda: dst.index_copy_(0, indices, values))
 
-        _stream_verdicts[where] = measured("sparse_scatter", "float32", (1,), measure)
-    return _stream_verdicts[where]
+    return _write_gate("sparse_scatter", "float32", measure)
 
 
 def finite_check_faster() -> bool:
     """Whether the native value check of many tensors at once (`max_magnitude_bits`, magnitudes.cpp) measured at
     least 5 % faster than torch's check of each (`isfinite(t.sum())`, what `all_finite` runs) on STREAM_COPY_BYTES of
-    float32 in 2 MB tensors (a model's weights; the fastest of 3 each, in turn). False without the native build.
-    Measured once per machine, ISA cap and thread count (cached with the calibration)."""
-    kernels = native.ops()
-    if kernels is None:
-        return False
-    where = "finite" + threads_and_isa()
-    if where not in _stream_verdicts:
-        def measure() -> dict[int, float]:
-            count = max(4, STREAM_COPY_BYTES >> 21)
-            tensors = [torch.ones(STREAM_COPY_BYTES // count // 4) for _ in range(count)]
-            native_s, torch_s = paired_seconds(lambda: kernels.max_magnitude_bits(tensors),
-                                               lambda: [bool(torch.isfinite(t.sum())) for t in tensors], 3)
-            return {1: native_s / torch_s}
+    float32 in 2 MB tensors (a model's weights). Measured once per machine, ISA cap and thread count."""
+    def measure(kernels: Any) -> dict[int, float]:
+        count = max(4, STREAM_COPY_BYTES >> 21)
+        tensors = [torch.ones(STREAM_COPY_BYTES // count // 4) for _ in range(count)]
+        return _ratio(lambda: kernels.max_magnitude_bits(tensors),
+                      lambda: [bool(torch.isfinite(t.sum())) for t in tensors])
 
-        _stream_verdicts[where] = measured("finite_check", "float32", (1,), measure)
-    return _stream_verdicts[where]
+    return _write_gate("finite_check", "float32", measure)
 
 
 def _store(key: str, op: str, ratios: dict[int, float]) -> None:
