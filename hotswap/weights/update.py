@@ -26,6 +26,7 @@ session may fail, and deferring the writes instead is unsafe, since a trainer ma
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -210,6 +211,7 @@ def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
+@functools.cache
 def magnitude_bound(dtype: torch.dtype, limit_dtype: torch.dtype) -> int | None:
     """The largest |x| bit pattern (sign cleared) of a `dtype` tensor that `all_finite(x, limit_dtype)` accepts
     (finite, and within `limit_dtype`'s range), or None where a bit comparison does not decide it (another dtype,
