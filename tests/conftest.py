@@ -132,3 +132,14 @@ def serves(llm, path, tokens: int = 12) -> bool:
         o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), tokens)[0]
         for p, o in zip(PROMPTS[:2], outs, strict=True)
     )
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """`torch.ops.hotswap` with the native kernels; the test is skipped where they are not built."""
+    from hotswap.kernels import native
+
+    kernels = native.ops()
+    if kernels is None:
+        pytest.skip("native kernels unavailable (no C++ compiler, or turned off)")
+    return kernels

@@ -14,7 +14,6 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
-from hotswap.kernels import native
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import use_mode
 from hotswap.lora.batch import lora_batch
@@ -26,11 +25,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 @pytest.fixture(scope="module")
-def ops():
-    kernels = native.ops()
-    if kernels is None:
-        pytest.skip("native kernels unavailable (no C++ compiler)")
-    return kernels
+def ops(native_kernels):
+    return native_kernels
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hotswap import LLM
-from hotswap.kernels import native, ops, policy
+from hotswap.kernels import ops, policy
 from hotswap.transfer.checksum import tensor_sha256
 from hotswap.transfer.delta import sparse_delta
 from hotswap.transfer.tensors import tensors_update_info
@@ -22,11 +22,8 @@ KV = 1 << 22
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    result = native.ops()
-    if result is None:
-        pytest.skip("no native build: the weight paths use torch's copy and index_copy_")
-    return result
+def kernels(native_kernels):
+    return native_kernels
 
 
 @pytest.fixture
@@ -178,13 +175,11 @@ def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, 
     a later process reads it (and decides by it) without timing anything."""
     monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
     monkeypatch.setattr(policy, "STREAM_COPY_BYTES", 1 << 20)  # the rule, not the size, under test: keep it quick
-    monkeypatch.setattr(policy, "_write_verdicts", {})
     first = getattr(policy, gate)()
     key += policy.threads_and_isa()
     ratio = policy._cached(key, op, (1,))
     assert ratio is not None and first == (ratio[1] < policy.WIN_RATIO)
     policy._store(key, op, {1: 2.0})  # as if it had lost
-    monkeypatch.setattr(policy, "_write_verdicts", {})
     timed = []
     monkeypatch.setattr(policy, "paired_seconds", lambda *a: timed.append(1) or (1.0, 1.0))
     assert getattr(policy, gate)() is False and timed == []

@@ -315,20 +315,14 @@ def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], 
 STREAM_COPY_BYTES = 128 << 20  # what the weight-write gates write: more than most last-level caches hold (a larger
 # cache makes ordinary stores look better, so the gate then errs toward torch's path)
 SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
-_write_verdicts: dict[str, bool] = {}  # per gate, thread count and ISA: the verdicts of this process
-
-
 def _write_gate(op: str, key: str, measure: Callable[[Any], dict[int, float]]) -> bool:
-    """A weight-write gate's verdict (`measured`: native over torch below WIN_RATIO, cached with the calibration),
-    decided once per process, thread count and ISA; False without the native build. `measure(kernels)` returns
+    """A weight-write gate's verdict (`measured`: native over torch below WIN_RATIO, cached with the calibration;
+    the facade keeps it per policy and thread count); False without the native build. `measure(kernels)` returns
     {1: native time / torch time}, the fastest of 3 each, in turn."""
     kernels = native.ops()
     if kernels is None:
         return False
-    where = op + threads_and_isa()
-    if where not in _write_verdicts:
-        _write_verdicts[where] = measured(op, key, (1,), lambda: measure(kernels))
-    return _write_verdicts[where]
+    return measured(op, key, (1,), lambda: measure(kernels))
 
 
 def _ratio(native_fn: Callable[[], object], torch_fn: Callable[[], object]) -> dict[int, float]:
