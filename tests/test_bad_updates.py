@@ -181,12 +181,12 @@ def test_torch_dist_timeout_rolls_back(ckpts, b_tensors):
 def test_shm_trainer_killed_mid_update_is_rolled_back(ckpts, b_tensors):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": 30})
     before = llm.weight_checksums()
-    segments = shm_segments()
     trainer = start_shm_trainer(str(ckpts["B"] / "model.safetensors"))
     llm.init_weight_transfer_engine({"backend": "shm"})
     llm.start_weight_update()
     llm.update_weights(json.loads(trainer.stdout.readline()))
     assert llm.weight_checksums() != before
+    assert shm_segments(creators={trainer.pid})  # its segment is found by its name (checked gone at the end)
     trainer.stdin.write("next\n")  # a sender reuses its buffer only after the engine has taken the previous update
     trainer.stdin.flush()
     info = json.loads(trainer.stdout.readline())
@@ -199,9 +199,9 @@ def test_shm_trainer_killed_mid_update_is_rolled_back(ckpts, b_tensors):
     llm.shutdown_weight_transfer_engine()
     trainer.wait()
     deadline = time.monotonic() + 10
-    while shm_segments() - segments and time.monotonic() < deadline:
+    while shm_segments(creators={trainer.pid}) and time.monotonic() < deadline:
         time.sleep(0.1)  # the dead trainer's resource tracker unlinks its segment
-    assert not shm_segments() - segments
+    assert not shm_segments(creators={trainer.pid})
 
 
 @pytest.mark.slow
@@ -240,12 +240,12 @@ def test_fifty_updates_keep_memory_and_shm_flat(ckpts, b_tensors, backend):
     pusher = Pusher(llm, backend)
     for i in range(5):  # warm-up: buffers and allocator pools reach their steady size
         pusher.push(b_tensors if i % 2 else a_tensors)
-    rss, segments = rss_bytes(), shm_segments()
+    rss, segments = rss_bytes(), shm_segments(creators={os.getpid()})
     for i in range(50):
         pusher.push(b_tensors if i % 2 else a_tensors)
     growth = rss_bytes() - rss
     assert growth < 16 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 50 updates"
-    assert shm_segments() == segments
+    assert shm_segments(creators={os.getpid()}) == segments
     assert llm.get_weight_version() == 55
     pusher.close()
     assert not {

@@ -3,29 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import os
+from collections.abc import Iterator
 
 import pytest
 
 from hotswap import LLM
 from hotswap.demo import CopyTask, DemoResult, TrainerSettings, _TrainerHandle, add_demo_arguments, run_demo
-from transfer_helpers import shm_segments
+from transfer_helpers import children_started, shm_segments
 
 # A shortened demo: copy one digit, a short warm-up, 60 RL steps. The reward starts at chance (0.1); over seeds 0-5
 # the mean of the last 10 steps reaches 0.80-0.96 and greedy copies 89-100% of fresh prompts.
 SHORT = {"num_digits": 1, "prompts_per_step": 32, "group_size": 8, "lr": 2e-3, "warmup_steps": 100, "steps": 60}
 
 
-def _no_leaks(segments_before: set[str]) -> None:
-    assert shm_segments() == segments_before, "the demo left hotswap_* shared memory segments behind"
-    assert multiprocessing.active_children() == [], "the demo left child processes behind"
+@contextlib.contextmanager
+def _no_leaks() -> Iterator[None]:
+    """The block leaves no child process, and no hotswap_* shared memory segment that this process or a child it
+    started created (segments of tests running beside this one are theirs to check)."""
+    before = shm_segments(creators={os.getpid()})
+    with children_started() as children:
+        yield
+    assert children, "the block started no process: nothing was checked"
+    assert shm_segments(creators=children | {os.getpid()}) == before, "hotswap_* shared memory segments left behind"
+    assert multiprocessing.active_children() == [], "child processes left behind"
 
 
 def test_short_demo_learns_through_verified_pushes(tmp_path, capsys):
-    before = shm_segments()
-    result = run_demo(out_dir=str(tmp_path), quiet=True, log_every=10, seed=0, **SHORT)
-    _no_leaks(before)
+    with _no_leaks():
+        result = run_demo(out_dir=str(tmp_path), quiet=True, log_every=10, seed=0, **SHORT)
 
     assert isinstance(result, DemoResult)
     assert result.checksums_ok and result.mismatched == []
@@ -65,9 +74,8 @@ def test_checksum_mismatch_stops_the_demo_loudly(tmp_path, capsys, monkeypatch):
         return sums
 
     monkeypatch.setattr(LLM, "weight_checksums", tampered)
-    before = shm_segments()
-    result = run_demo(out_dir=str(tmp_path), quiet=True, steps=3, warmup_steps=1)
-    _no_leaks(before)
+    with _no_leaks():
+        result = run_demo(out_dir=str(tmp_path), quiet=True, steps=3, warmup_steps=1)
     assert not result.checksums_ok and not result.ok
     assert result.mismatched == ["model.norm.weight"]
     assert result.rewards == []  # stopped at the first push, before any RL step
@@ -76,18 +84,17 @@ def test_checksum_mismatch_stops_the_demo_loudly(tmp_path, capsys, monkeypatch):
 
 def test_a_failing_trainer_is_reported_and_reaped():
     """The trainer's traceback reaches the engine side, and closing leaves no process or segment behind."""
-    before = shm_segments()
     task = CopyTask(digit_ids=tuple(range(3, 13)), sep_id=13, bos_id=0, num_digits=2)
-    handle = _TrainerHandle(
-        TrainerSettings("no/such/checkpoint", task, seed=0, lr=1e-3, warmup_steps=1, warmup_lr=1e-3)
-    )
-    try:
-        with pytest.raises(RuntimeError, match="the trainer failed"):
-            handle.receive("ready")
-    finally:
-        handle.close()
+    with _no_leaks():
+        handle = _TrainerHandle(
+            TrainerSettings("no/such/checkpoint", task, seed=0, lr=1e-3, warmup_steps=1, warmup_lr=1e-3)
+        )
+        try:
+            with pytest.raises(RuntimeError, match="the trainer failed"):
+                handle.receive("ready")
+        finally:
+            handle.close()
     assert handle.process.exitcode == 0  # it reported the error and returned
-    _no_leaks(before)
 
 
 def test_arguments_and_validation(tmp_path):

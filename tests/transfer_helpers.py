@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
 import tempfile
 import threading
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -12,7 +15,7 @@ from safetensors.torch import save_file
 
 from hotswap import LLM
 from hotswap.testing import free_port
-from hotswap.transfer.shm import ShmSender
+from hotswap.transfer.shm import SEGMENT_PREFIX, ShmSender, segment_creator
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.transfer.torch_dist import TorchDistSender
 
@@ -119,8 +122,29 @@ class Pusher:
         self.tmp.cleanup()
 
 
-def shm_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("hotswap_")}
+def shm_segments(creators: Collection[int] | None = None) -> set[str]:
+    """The hotswap_* segments in /dev/shm; with `creators`, only those one of these processes created (a segment's
+    name carries its creator's pid), so that a test sees its own and not those of tests running beside it."""
+    names = {f for f in os.listdir("/dev/shm") if f.startswith(SEGMENT_PREFIX)}
+    return names if creators is None else {n for n in names if segment_creator(n) in creators}
+
+
+@contextlib.contextmanager
+def children_started() -> Iterator[set[int]]:
+    """Yields the set of pids of the multiprocessing children started inside the block (filled as they start)."""
+    pids: set[int] = set()
+    original = multiprocessing.process.BaseProcess.start
+
+    def start(self: multiprocessing.process.BaseProcess) -> None:
+        original(self)
+        if self.pid is not None:
+            pids.add(self.pid)
+
+    multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
+    try:
+        yield pids
+    finally:
+        multiprocessing.process.BaseProcess.start = original  # type: ignore[method-assign]
 
 
 # ---- trainer processes (spawned) used by the dead-trainer tests ----------------------------------------------
@@ -130,7 +154,7 @@ SHM_TRAINER = """
 import json, sys, time
 from safetensors.torch import load_file
 from hotswap.testing import free_port
-from hotswap.transfer.shm import ShmSender
+from hotswap.transfer.shm import SEGMENT_PREFIX, ShmSender, segment_creator
 tensors = list(load_file(sys.argv[1]).items())
 sender = ShmSender()
 print(json.dumps(sender.write(tensors[:10])), flush=True)

@@ -43,6 +43,18 @@ _HEADER_BYTES = 64
 _ALIGN = 64
 
 
+def segment_name() -> str:
+    """A new segment's name: the prefix, the creating process's pid (a segment left in /dev/shm names who made
+    it), and a random part."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
+
+
+def segment_creator(name: str) -> int | None:
+    """The pid of the process that created the segment `name` (see `segment_name`), or None for another name."""
+    pid, sep, _ = name.removeprefix(SEGMENT_PREFIX).partition("_")
+    return int(pid) if name.startswith(SEGMENT_PREFIX) and sep and pid.isdigit() else None
+
+
 def _layout(shapes_dtypes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
     offsets, offset = [], _HEADER_BYTES
     for shape, dtype in shapes_dtypes:
@@ -79,8 +91,7 @@ class ShmSender:
         offsets, size = _layout([(tuple(t.shape), t.dtype) for _, t in pairs])
         if self.segment is None or self.segment.size < size:
             self.close()
-            self.segment = shared_memory.SharedMemory(name=f"{SEGMENT_PREFIX}{uuid.uuid4().hex[:16]}", create=True,
-                                                      size=size)
+            self.segment = shared_memory.SharedMemory(name=segment_name(), create=True, size=size)
         self.generation += 1
         buf = self.segment.buf
         assert buf is not None  # None only once the segment is closed
