@@ -32,6 +32,26 @@ PROMPTS = [
 ]
 
 
+# Test files that start a Ray fleet (in-process or in a server they start): under pytest-xdist (scripts/test) they
+# run one after another on one worker, as in a serial run, so that one Ray at a time takes the cores and memory.
+RAY_FILES = frozenset(
+    {"test_fleet.py", "test_fleet_lora.py", "test_fleet_server.py", "test_fleet_tp.py", "test_soak.py"}
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Distributes whole files, in order (tests of a file share module fixtures and build on each other's state);
+    the Ray files form one unit (RAY_FILES). Called by pytest-xdist only."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray fleets" if Path(path).name in RAY_FILES else path
+
+    return FileScheduling(config, log)
+
+
 _ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 
