@@ -39,15 +39,24 @@ RAY_FILES = frozenset(
 )
 
 
+RAY_UNIT = "ray fleets"
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Distributes whole files, in order (tests of a file share module fixtures and build on each other's state);
-    the Ray files form one unit (RAY_FILES). Called by pytest-xdist only."""
+    the Ray files form one unit (RAY_FILES), handed out first: it is the longest, and a long unit started last
+    would leave the other worker idle at the end. Called by pytest-xdist only."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "ray fleets" if Path(path).name in RAY_FILES else path
+            return RAY_UNIT if Path(path).name in RAY_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            if RAY_UNIT in self.workqueue:
+                self.workqueue.move_to_end(RAY_UNIT, last=False)
+            super()._assign_work_unit(node)
 
     return FileScheduling(config, log)
 

@@ -359,7 +359,8 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
         return generated, failed, error
 
     generated, failed, error = asyncio.run(main())
-    assert generated < timeout_s / 2, f"generation waited for the init: {generated:.1f} s"
+    # waiting for the init would take timeout_s or more; the margin absorbs a shared CPU
+    assert generated < timeout_s - 0.5, f"generation waited for the init: {generated:.1f} s"
     assert error is not None and "could not join" in str(error) and dead["master_address"] in str(error)
     assert failed < timeout_s + 10
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)

@@ -361,11 +361,11 @@ def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
             model = _Stack(layers, 128)
         best = float("inf")
         for _ in range(3):
-            start = time.perf_counter()
+            start = time.process_time()  # CPU time: another process sharing the cores does not count
             index = WeightIndex(model)
             declared = [(n, torch.float32, t.full_shape) for n, t in index.targets.items() if t.covers is None]
             WeightUpdate(index, atomic=True, check_finite=True).check_declaration(declared, True, frozenset())
-            best = min(best, time.perf_counter() - start)
+            best = min(best, time.process_time() - start)
         assert len(declared) == layers * 128 * 3
         return best
 

@@ -124,7 +124,7 @@ def test_limits_and_waits_are_bounded(ckpts):
         assert big.status_code == 413 and "--max-request-bytes" in big.json()["error"]["message"]
         assert time.monotonic() - start < 10
         health_start = time.monotonic()
-        assert httpx.get(f"{base}/health").status_code == 200 and time.monotonic() - health_start < 0.5
+        assert httpx.get(f"{base}/health").status_code == 200 and time.monotonic() - health_start < 2.0
         many = completion(base, stop=[f"s{i}" for i in range(65)])
         assert many.status_code == 400 and "--max-stop-strings" in many.json()["error"]["message"]
         assert completion(base, stop=["x" * 2000]).status_code == 400

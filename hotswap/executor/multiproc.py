@@ -21,7 +21,7 @@ import sys
 import time
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, cast
+from typing import Any
 
 import cloudpickle
 
@@ -45,7 +45,11 @@ def _worker_main(conn: Connection) -> None:
     config, rank, size, port = cloudpickle.loads(conn.recv_bytes())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     timeout = datetime.timedelta(seconds=config.parallel_config.rpc_timeout_s)
-    store = TCPStore("127.0.0.1", port, world_size=size, is_master=rank == 0, timeout=timeout)
+    if rank == 0:  # hosts the group's store on a port the OS picks (port 0), and tells the engine which
+        store = TCPStore("127.0.0.1", 0, world_size=size, is_master=True, timeout=timeout, wait_for_workers=False)
+        conn.send_bytes(cloudpickle.dumps(("store", store.port)))
+    else:
+        store = TCPStore("127.0.0.1", port, world_size=size, is_master=False, timeout=timeout)
     group = ProcessGroupGloo(store, rank, size, timeout)
     worker = Worker(config, rank, ParallelContext(rank, size, group))
     conn.send_bytes(cloudpickle.dumps(("ok", os.getpid())))
@@ -70,21 +74,13 @@ def _worker_main(conn: Connection) -> None:
     os._exit(0)  # skip interpreter teardown: the process group's threads must not be destroyed while running
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return cast("int", s.getsockname()[1])
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         # build and calibrate the kernels (if not cached) once here, before the workers would each wait for it
         kernel_policy.prepare(config.model_config.hf_config, config.model_config.torch_dtype)
         size = config.parallel_config.tensor_parallel_size
-        port = _free_port()
+        port = 0  # the store's, known once rank 0 listens (no port is picked here and bound later by another process)
         authkey = os.urandom(32)
         self.processes: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
@@ -104,6 +100,8 @@ class MultiprocExecutor(Executor):
                 conn = listener.accept()
                 conn.send_bytes(cloudpickle.dumps((config, rank, size, port)))
                 self.conns.append(conn)
+                if rank == 0:
+                    port = self._store_port(conn, config.parallel_config.rpc_timeout_s)
         self._gather(config.parallel_config.rpc_timeout_s, "start")
 
     def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -140,6 +138,18 @@ class MultiprocExecutor(Executor):
         if errors:
             raise errors[0]
         return results
+
+    def _store_port(self, conn: Connection, timeout: float) -> int:
+        """The port rank 0's store listens on, as it reports it. Stops the workers and raises if it does not."""
+        deadline = time.monotonic() + timeout
+        while not conn.poll(_POLL_S):
+            dead = [proc.pid for proc in self.processes if proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = f"worker pid {dead[0]} died" if dead else f"no answer within {timeout:g} s"
+                self._break(f"rank 0 did not start the group's store ({why})")
+        kind, port = cloudpickle.loads(conn.recv_bytes())
+        assert kind == "store", kind
+        return int(port)
 
     def _break(self, reason: str, grace_s: float = 5.0) -> None:
         self.broken = reason
