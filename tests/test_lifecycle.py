@@ -4,6 +4,7 @@ processes (two-phase commit), and when something fails where nothing was expecte
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -337,7 +338,9 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
     timeout_s = 3.0
     config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
                                       weight_transfer_config={"timeout_s": timeout_s})
-    dead = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": free_port()}
+    held = socket.socket()  # bound and never listening: a join is refused, and no other process can take the port
+    held.bind(("127.0.0.1", 0))
+    dead = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": held.getsockname()[1]}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     async def main() -> tuple[float, float, BaseException | None]:
@@ -363,6 +366,7 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
     assert generated < timeout_s - 0.5, f"generation waited for the init: {generated:.1f} s"
     assert error is not None and "could not join" in str(error) and dead["master_address"] in str(error)
     assert failed < timeout_s + 10
+    held.close()
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
     pusher = Pusher(llm, "torch_dist")
     pusher.push(b_tensors)
