@@ -315,6 +315,8 @@ def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], 
 STREAM_COPY_BYTES = 128 << 20  # what the weight-write gates write: more than most last-level caches hold (a larger
 # cache makes ordinary stores look better, so the gate then errs toward torch's path)
 SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
+
+
 def _write_gate(op: str, key: str, measure: Callable[[Any], dict[int, float]]) -> bool:
     """A weight-write gate's verdict (`measured`: native over torch below WIN_RATIO, cached with the calibration;
     the facade keeps it per policy and thread count); False without the native build. `measure(kernels)` returns
