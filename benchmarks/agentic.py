@@ -14,7 +14,7 @@ grammar: `--rows` sequences decode `--tokens` tokens each (temperature 1, EOS ig
 all unconstrained, half under a grammar, all under it (a regex that stays open, so every row runs to the end).
 Reported: tokens/s and the step time of each, as ratios to the unconstrained batch.
 
-    python benchmarks/agentic.py [--parts sessions,grammar] [--sessions 16] [--turns 20] [--preset 125m]
+    python -m benchmarks.agentic [--parts sessions,grammar] [--sessions 16] [--turns 20] [--preset 125m]
         [--vocab 39084] [--kv-cache-memory-bytes N] [--max-model-len 8192] [--rows 32] [--tokens 128]
         [--isa native|avx2-kernels|avx2]
 
@@ -28,7 +28,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -201,11 +200,9 @@ def main() -> None:
     parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
 
+    from benchmarks.throughput import kernel_build
     from hotswap.kernels import emulation
     from hotswap.testing import make_tiny_model
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import kernel_build
 
     emulation.reexec_under(args.isa)
     build = kernel_build()

@@ -9,7 +9,7 @@ modules and their layers split into linear, attention and norms. With `--attenti
 every decode attention call is also repeated at once, with its KV now in cache, to split attention into compute
 and waiting for memory (the repeat is not counted in the step times, but it is in the run's total).
 
-    python benchmarks/decode_profile.py [--workload 125m] [--modules] [--attention-in-cache]
+    python -m benchmarks.decode_profile [--workload 125m] [--modules] [--attention-in-cache]
                                         [--isa native|avx2-kernels|avx2] [--dtype float32|bfloat16]
                                         [--kv-cache-dtype auto|bfloat16] [--seqs N]
 

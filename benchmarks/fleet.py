@@ -7,7 +7,7 @@ checkpoint B then A, alternating, through shm (written once, read by every repli
 spanning the trainer and every replica: each bucket broadcast once), median of `--reps`. On a machine with
 fewer cores than replicas, the replicas share cores: the figures are as measured.
 
-    python benchmarks/fleet.py [--preset 9m] [--prompts 64] [--max-tokens 64] [--reps 5] [--replicas 1,2]
+    python -m benchmarks.fleet [--preset 9m] [--prompts 64] [--max-tokens 64] [--reps 5] [--replicas 1,2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from safetensors.torch import load_file
-from throughput import kernel_build, make_prompts
-from weight_update import free_port
 
+from benchmarks.throughput import kernel_build, make_prompts
+from benchmarks.weight_update import free_port
 from hotswap import SamplingParams
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.shm import ShmSender

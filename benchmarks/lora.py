@@ -28,7 +28,7 @@ The checkpoint and the adapters are made once into `--cache-dir` (default ~/.cac
 ~1.7 GB for the defaults; making 64 adapters takes a couple of minutes on 2 cores) and reused by later runs.
 With them cached the default command runs in about 3-4 minutes on 2 cores.
 
-    python benchmarks/lora.py [--preset 125m] [--dtype float32|bfloat16] [--prompts 64] [--tokens 64]
+    python -m benchmarks.lora [--preset 125m] [--dtype float32|bfloat16] [--prompts 64] [--tokens 64]
         [--temperature 0] [--adapters 64] [--active 8] [--rank 16] [--reps 3] [--update-reps 10]
         [--cache-dir DIR] [--isa native|avx2-kernels|avx2]
 
@@ -117,9 +117,11 @@ def main() -> None:
 
     emulation.reexec_under(args.isa)
     import torch
-    from throughput import kernel_build, make_prompts
-    from weight_update import median_seconds  # a sibling script; imported after the re-exec (it imports torch)
 
+    from benchmarks.throughput import kernel_build, make_prompts
+    from benchmarks.weight_update import (
+        median_seconds,  # a sibling script; imported after the re-exec (it imports torch)
+    )
     from hotswap import LLM, LoRARequest, SamplingParams
     from hotswap.lora.peft_format import read_folder
     from hotswap.transfer.shm import ShmSender

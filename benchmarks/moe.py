@@ -8,7 +8,7 @@ The model (default): hidden 512, 12 layers, 48 experts of intermediate 256, top-
 0.25B parameters (1 GB in fp32). 32 prompts x 32 generated tokens, fp32 greedy, fixed length. Each engine runs
 `--reps` times, taking turns; the best run of each is reported with the ratio.
 
-    python benchmarks/moe.py [--reps 2] [--layers 12] [--experts 48] [--top-k 8] [--skip-ep] [--route-reps 4]
+    python -m benchmarks.moe [--reps 2] [--layers 12] [--experts 48] [--top-k 8] [--skip-ep] [--route-reps 4]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -23,9 +23,9 @@ import time
 
 import torch
 from safetensors.torch import load_file
-from throughput import HotswapRunner, TransformersRunner, kernel_build, make_prompts
-from weight_update import median_seconds, memcpy_seconds
 
+from benchmarks.throughput import HotswapRunner, TransformersRunner, kernel_build, make_prompts
+from benchmarks.weight_update import median_seconds, memcpy_seconds
 from hotswap import LLM
 from hotswap.testing import make_tiny_model
 

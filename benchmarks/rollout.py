@@ -21,7 +21,7 @@ that has it (benchmarks/setup_vllm_cpu.sh makes one, with the recipe of docs/per
 skipped with a message. transformers generates each prompt's samples as one padded batch (the longest sample's
 length, the useful tokens counted): slow, so it runs only when `--engines` names it.
 
-    python benchmarks/rollout.py [--workloads grpo,grpo-seeded,n8,fixed,long-prompt] [--dtype float32|bfloat16]
+    python -m benchmarks.rollout [--workloads grpo,grpo-seeded,n8,fixed,long-prompt] [--dtype float32|bfloat16]
         [--kv-cache-dtype auto|bfloat16] [--engines hotswap,vllm] [--prompts 16] [--samples 8] [--min-len 16]
         [--max-len 512] [--prompt-len 48:160] [--vocab 39084] [--reps 2] [--budget TOKENS]
         [--isa native|avx2-kernels|avx2]
@@ -220,8 +220,9 @@ def run_engine(engine: str, job: dict[str, Any], tmp: Path) -> dict[str, Any] | 
         job = {**job, "engine": settings}
     path = tmp / f"job-{engine}.json"
     path.write_text(json.dumps(job))
-    proc = subprocess.run([python, __file__, "--worker", engine, "--job", str(path)], capture_output=True, text=True,
-                          env=env, timeout=3600)
+    root = Path(__file__).resolve().parents[1]  # `-m benchmarks.rollout` from the repository root
+    proc = subprocess.run([python, "-m", "benchmarks.rollout", "--worker", engine, "--job", str(path)],
+                          capture_output=True, text=True, env=env, timeout=3600, cwd=root)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = proc.stderr.strip().splitlines()
@@ -251,18 +252,14 @@ def main() -> None:
                         help="hotswap's max_num_batched_tokens (default: the engine's, 2048 with chunking)")
     parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
-    if args.worker:  # benchmarks/ leaves the path: its kernels.py would shadow the `kernels` package others probe
-        here = Path(__file__).resolve().parent
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    if args.worker:
         job = json.loads(Path(args.job).read_text())
         print(json.dumps(WORKERS[args.worker](job)), flush=True)
         return
 
+    from benchmarks.throughput import kernel_build
     from hotswap.kernels import emulation
     from hotswap.testing import make_tiny_model
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import kernel_build
 
     emulation.reexec_under(args.isa)
     build = kernel_build()

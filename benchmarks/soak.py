@@ -16,7 +16,7 @@ request alive during an 'abort' pause, and a 503 with Retry-After while the trai
 outside those windows is counted as `unexpected_5xx`. The server's log is scanned for tracebacks and ERROR lines.
 The server's process tree (the replicas' Ray workers included) is sampled for RSS and open file descriptors.
 
-    python benchmarks/soak.py [--minutes 30] [--replicas 1] [--clients 6] [--preset tiny] [--update-every 3]
+    python -m benchmarks.soak [--minutes 30] [--replicas 1] [--clients 6] [--preset tiny] [--update-every 3]
 
 Prints progress, a summary, and a final JSON line.
 """

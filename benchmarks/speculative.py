@@ -17,7 +17,7 @@ verification of B x (k+1), a 9M draft pass) and prints the speed-up they imply f
 given acceptance rate: E[tokens per step] = (1 - a^(k+1)) / (1 - a), time per step = k draft passes + one
 verification. Those lines are a projection from measured costs, labelled as such.
 
-    python benchmarks/speculative.py [--reps 2] [--tokens 96] [--batches 1,8]
+    python -m benchmarks.speculative [--reps 2] [--tokens 96] [--batches 1,8]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -30,8 +30,8 @@ import tempfile
 import time
 
 import torch
-from throughput import kernel_build
 
+from benchmarks.throughput import kernel_build
 from hotswap import LLM, SamplingParams
 from hotswap.testing import make_tiny_model
 

@@ -1,6 +1,6 @@
 """Throughput at tensor_parallel_size 1 and 2 on the same model and prompts, in one run.
 
-    python benchmarks/tensor_parallel.py [--preset 125m] [--prompts 64] [--tokens 64]
+    python -m benchmarks.tensor_parallel [--preset 125m] [--prompts 64] [--tokens 64]
 
 Prints human-readable lines and ends with one JSON line of figures. On a machine with few cores the two ranks
 share them, so this measures the overhead of the split (all-reduces, process hops) more than a speed-up.

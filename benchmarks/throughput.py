@@ -8,7 +8,7 @@ fp32 GEMM peak and read bandwidth (at the start and beside each workload, keepin
 fraction of the roofline reached, and the time from `LLM(...)` to ready. hotswap with every kernel on its torch
 path runs interleaved too (the `HOTSWAP_NATIVE_KERNELS=0` baseline).
 
-    python benchmarks/throughput.py [--workloads 9m,125m] [--skip-hf] [--skip-torch-path] [--reps 3]
+    python -m benchmarks.throughput [--workloads 9m,125m] [--skip-hf] [--skip-torch-path] [--reps 3]
                                     [--isa native|avx2-kernels|avx2]
 
 `--isa avx2` runs everything (hotswap's kernels, torch's ATen, MKL and oneDNN, so transformers too) as on an

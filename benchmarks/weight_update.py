@@ -6,7 +6,7 @@ update -> finish) through each transport, with the trainer in its own process fo
 reloads. The floor is torch `copy_` of the same number of bytes, measured in the same run. Every path is atomic
 unless its label says otherwise.
 
-    python benchmarks/weight_update.py [--reps 5] [--preset 125m] [--isa native|avx2-kernels|avx2]
+    python -m benchmarks.weight_update [--reps 5] [--preset 125m] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -158,10 +157,8 @@ def main() -> None:
     parser.add_argument("--canary-tokens", type=int, default=16, help="tokens of the canary's one probe")
     parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
+    from benchmarks.throughput import kernel_build
     from hotswap.kernels import emulation, policy
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import kernel_build
 
     emulation.reexec_under(args.isa)
     build = kernel_build()

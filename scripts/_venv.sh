@@ -1,17 +1,26 @@
-# Sourced by scripts/demo and scripts/test: creates .venv on first use and installs the project into it.
+# Sourced by scripts/demo and scripts/test: builds .venv from requirements.lock on first use, and again from scratch
+# whenever the lock, pyproject.toml or this file changes. Nothing is resolved here: every package is installed at the
+# version the lock names and checked against its hashes (pip's --require-hashes), each without its dependencies
+# (the lock already lists them all); `pip check` then proves the set consistent. ./scripts/lock refreshes the lock.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${HOTSWAP_VENV:-$ROOT/.venv}"
+LOCK="${HOTSWAP_LOCK:-$ROOT/requirements.lock}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | cksum | cut -d' ' -f1)"
+# torch's CPU build is the one exact version not in the lock's hashed list (PyTorch publishes it on its own index;
+# a local folder of wheels that pip is configured with may hold it too). Keep it equal to pyproject.toml's pin.
+TORCH="torch==2.13.0+cpu"
+STAMP="$VENV/.installed-$(cat "$LOCK" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | cksum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ]; then
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  # torch is pinned explicitly: this resolves to the CPU build where one is provided locally.
-  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]"
-  rm -f "$VENV"/.installed-*
+  echo "building $VENV from $(basename "$LOCK") (once; again only when the lock changes)" >&2
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  pip=("$VENV/bin/python" -m pip install --quiet --no-deps)
+  "${pip[@]}" --require-hashes -r "$LOCK"
+  "${pip[@]}" --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
+  "${pip[@]}" --no-build-isolation -e "$ROOT"
+  "$VENV/bin/python" -m pip check
   touch "$STAMP"
 fi
 # The venv's tools first: the kernels must be built by the same ninja that later checks them, since two ninja

@@ -123,27 +123,3 @@ def test_bf16_and_fp16_generate(llama_dir):
         out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 8 for o in out)
         assert llm.apply_model(lambda m: m.model.embed_tokens.weight.dtype)[0] == getattr(__import__("torch"), dtype)
-
-
-@pytest.mark.parametrize("tokenizer_class", [None, "TokenizersBackend", "NoSuchTokenizer"])
-def test_the_engine_loads_the_tokenizer_autotokenizer_would(llama_dir, tmp_path, tokenizer_class):
-    """The class named in tokenizer_config.json is loaded directly (start-up); none, or one transformers does not
-    export, goes through AutoTokenizer: the same tokenizer either way."""
-    import json
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from hotswap.engine.llm_engine import _load_tokenizer
-
-    folder = tmp_path / "tok"
-    shutil.copytree(llama_dir, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config.pop("tokenizer_class", None)
-    if tokenizer_class is not None:
-        config["tokenizer_class"] = tokenizer_class
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    text = "hello world, <|im_start|>user\n1 2 3"
-    ours, auto = _load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
-    assert type(ours) is type(auto) and ours.encode(text) == auto.encode(text)
-    assert ours.eos_token_id == auto.eos_token_id and ours.chat_template == auto.chat_template

@@ -6,13 +6,9 @@ the server's log, the engine's checksums equal to the trainer's after every upda
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from soak import soak
+from benchmarks.soak import soak
 
 pytestmark = pytest.mark.slow
 

@@ -23,6 +23,7 @@ from hotswap.engine.sequence import Request, Sequence
 from hotswap.engine.sessions import Sessions
 from hotswap.engine.speculator import Speculator
 from hotswap.engine.state import EngineState
+from hotswap.engine.tokenizer import load_tokenizer
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnresponsive
 from hotswap.executor.base import Executor
@@ -49,7 +50,8 @@ class LLMEngine:
 
                 executor_class = MultiprocExecutor
         mc, cc = config.model_config, config.cache_config
-        self.tokenizer = _load_tokenizer(mc.tokenizer)
+        assert mc.tokenizer is not None  # EngineConfig defaults it to the model's folder
+        self.tokenizer = load_tokenizer(mc.tokenizer)
         assert mc.max_model_len is not None
         self.outputs = OutputProcessor(
             Detokenizer(self.tokenizer), _eos_token_ids(mc.hf_config, self.tokenizer, mc.model), mc.max_model_len
@@ -752,30 +754,3 @@ def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) ->
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def _load_tokenizer(path: str | None) -> Any:
-    """The checkpoint's tokenizer. When its tokenizer_config.json names a class transformers exports, that class
-    loads it directly: the same object `AutoTokenizer` returns, without the model config (whose import costs ~2 s
-    of a fresh process's start-up). Otherwise `AutoTokenizer`."""
-    import transformers  # imported here: `import hotswap` stays without transformers
-
-    config_file = os.path.join(path or "", "tokenizer_config.json")
-    name = None
-    if path is not None and os.path.isfile(config_file):
-        with open(config_file) as f:
-            try:
-                name = json.load(f).get("tokenizer_class")
-            except (ValueError, AttributeError):
-                name = None
-    # the fast variant first, as AutoTokenizer (use_fast=True) picks it for a hub config naming the slow class
-    for candidate in (f"{name}Fast", name) if isinstance(name, str) and not name.endswith("Fast") else (name,):
-        if not isinstance(candidate, str):
-            continue
-        try:
-            klass = getattr(transformers, candidate, None)
-        except Exception:  # a class whose optional backend is missing (e.g. sentencepiece)
-            klass = None
-        if isinstance(klass, type) and hasattr(klass, "from_pretrained"):
-            return klass.from_pretrained(path)
-    return transformers.AutoTokenizer.from_pretrained(path)

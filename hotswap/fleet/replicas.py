@@ -134,11 +134,11 @@ class FleetReplicas:
         # the environment that selects kernels, caches and the ISA torch's libraries use travels to every replica
         self._env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
 
-        from transformers import AutoTokenizer
-
         from hotswap.engine.detokenizer import Detokenizer
+        from hotswap.engine.tokenizer import load_tokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer)
+        assert self.config.model_config.tokenizer is not None  # EngineConfig defaults it to the model's folder
+        self.tokenizer: Any = load_tokenizer(self.config.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.router = Router()
         self.version = 0  # orders versions; labels given by clients are kept beside it

@@ -9,7 +9,7 @@ ratio is native time / torch time (below 1: native wins). Attention is one decod
 sequence in scattered blocks, the paged kernel against the layer's torch path (gather, then SDPA). Also prints
 the calibration's choice for each op and batch (`python -m hotswap.kernels --report` prints the whole table).
 
-    python benchmarks/kernels.py [--reps 30] [--isa native|avx2-kernels|avx2]
+    python -m benchmarks.native_ops [--reps 30] [--isa native|avx2-kernels|avx2]
 
 Prints human-readable lines and ends with one JSON line of figures.
 """
