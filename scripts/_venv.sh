@@ -12,7 +12,18 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 # a local folder of wheels that pip is configured with may hold it too). Keep it equal to pyproject.toml's pin.
 TORCH="torch==2.13.0+cpu"
 STAMP="$VENV/.installed-$(cat "$LOCK" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | cksum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ]; then
+if [ "${HOTSWAP_LATEST:-0}" = 1 ]; then
+  # ./scripts/test --latest: a throwaway venv with the newest releases pyproject.toml's bounds allow (resolved now,
+  # on purpose), to find the next breaking upgrade before a user does; torch stays at its pin.
+  echo "building $VENV with the newest versions pyproject.toml allows (not the lock)" >&2
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --no-deps --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
+  "$VENV/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager "setuptools>=68"
+  "$VENV/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager --no-build-isolation -e "$ROOT[test]"
+  "$VENV/bin/python" -m pip check
+  "$VENV/bin/python" "$ROOT/scripts/compare_lock.py" "$LOCK" --write "$VENV/.upgrades.json"
+elif [ ! -f "$STAMP" ]; then
   echo "building $VENV from $(basename "$LOCK") (once; again only when the lock changes)" >&2
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
