@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from hotswap.device import check_engine_on_device, parse_device
 from hotswap.model.registry import supported_architectures
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -54,6 +55,8 @@ class ModelConfig:
     `deterministic`: the batch-invariant forward pass (docs/determinism.md): every request's tokens and logprobs
     are the same bits whatever else is batched with it, however its prompt is chunked or cached, on one rank or
     two, and equal to `hotswap.train.token_logprobs` on the trainer's model. Float32 weights, native kernels.
+    `device`: "cpu" (default), "cuda" or "cuda:N": where the model, its KV cache and the step's tensors live
+    (hotswap/device.py); CUDA without a visible GPU, and what has no CUDA path yet, are refused here.
     """
 
     model: str
@@ -65,9 +68,11 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     enable_return_routed_experts: bool = False
     deterministic: bool = False
+    device: str = "cpu"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self.device = parse_device(self.device)
         path = Path(self.model)
         if not path.is_dir():
             raise ValueError(f"model: checkpoint folder {self.model!r} does not exist")
@@ -125,18 +130,22 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """Paged KV cache. The block count is derived at startup from `kv_cache_memory_bytes` when given, else from
-    `memory_fraction` of the host's available memory, capped at what `max_num_seqs` full-length sequences need.
+    `memory_fraction` of the host's available memory (on a GPU: `gpu_memory_utilization` of the device's memory
+    less what the weights and a profiling forward take, vLLM's rule), capped at what `max_num_seqs` full-length
+    sequences need.
     On a weight change the prefix cache is either dropped ("reset") or keyed by weight version from then on
     ("salt": old entries are never hit and age out).
 
-    `kv_cache_dtype` is the dtype K and V are stored and attended in: "auto" (default) is float32 whatever the
-    weights' dtype (attention, like the logits, in float32: logprobs nearest a float32 trainer's); "bfloat16" or
-    "float16" halve the cache's memory and the bytes each decode step reads. q, k and v are cast to it on the way
-    in and the attention's output back to the activations' dtype."""
+    `kv_cache_dtype` is the dtype K and V are stored and attended in: "auto" (default) is, on the CPU, float32
+    whatever the weights' dtype (attention, like the logits, in float32: logprobs nearest a float32 trainer's), and
+    on a GPU the weights' dtype (vLLM's "auto"); "bfloat16" or "float16" halve the cache's memory and the bytes
+    each decode step reads. q, k and v are cast to it on the way in and the attention's output back to the
+    activations' dtype."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     memory_fraction: float = 0.2
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     prefix_cache_policy: str = "reset"
     num_kv_blocks: int | None = None  # derived at startup
@@ -156,6 +165,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.session_cache_fraction <= 1.0:
             raise ValueError(f"session_cache_fraction must be in [0, 1], got {self.session_cache_fraction}")
 
@@ -396,6 +407,12 @@ class EngineConfig:
             mc.max_model_len = mc.max_context_len
         check_batch_budget(sc, mc.max_model_len)
         check_expert_placement(self.parallel_config, mc.hf_config)
+        check_engine_on_device(mc.device, mc.deterministic, tp, self.lora_config.enable_lora,
+                               self.speculative_config.enabled)
+        if mc.device != "cpu" and self.cache_config.kv_cache_dtype == "auto":
+            # on a GPU, "auto" is the weights' dtype (vLLM's): a bf16 model attends in bf16; float32 weights keep
+            # a float32 cache for parity with a float32 trainer
+            self.cache_config.kv_cache_dtype = str(mc.torch_dtype).removeprefix("torch.")
         if mc.deterministic:
             check_deterministic(self)
         if self.lora_config.enable_lora:
@@ -545,6 +562,7 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
         dtype=str(target.torch_dtype).removeprefix("torch."),
         seed=target.seed,
         tokenizer=target.tokenizer,
+        device=target.device,
     )
     if draft.hf_config.get("vocab_size") != target.hf_config.get("vocab_size"):
         raise ValueError(

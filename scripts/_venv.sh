@@ -18,7 +18,7 @@ if [ "${HOTSWAP_LATEST:-0}" = 1 ]; then
   echo "building $VENV with the newest versions pyproject.toml allows (not the lock)" >&2
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --no-deps --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
+  "$VENV/bin/python" -m pip install --quiet --retries 1 --extra-index-url https://download.pytorch.org/whl/cpu "$TORCH"
   "$VENV/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager "setuptools>=68"
   "$VENV/bin/python" -m pip install --quiet --upgrade --upgrade-strategy eager --no-build-isolation -e "$ROOT[test]"
   "$VENV/bin/python" -m pip check

@@ -61,6 +61,28 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="the device the device-parametrized tests run their engines "
+                     "and transformers on: cpu (default; CI) or cuda[:N] (a GPU machine)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need `--device cuda`; those marked `cpu_only` (native kernels, huge pages, deterministic
+    mode, Ray, servers) are skipped under it."""
+    on_cuda = str(config.getoption("--device")).startswith("cuda")
+    for item in items:
+        if not on_cuda and item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.skip(reason="needs --device cuda"))
+        if on_cuda and item.get_closest_marker("cpu_only"):
+            item.add_marker(pytest.mark.skip(reason="CPU only"))
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    """The device of `--device`: device-parametrized tests build their engines and transformers references there."""
+    return str(request.config.getoption("--device"))
+
+
 _ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 
@@ -115,22 +137,22 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 
 
 @functools.cache
-def hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 @functools.cache
-def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype = torch.float32
-              ) -> tuple[list[int], list[torch.Tensor]]:
-    """Transformers' greedy continuation of `prompt_ids` (EOS ignored) and its per-step log-softmax rows (of its
-    logits in `dtype`, the model's, cast to float32)."""
-    model = hf_model(path, dtype)
+def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
+    """Transformers' greedy continuation of `prompt_ids` (EOS ignored) on `device`, and its per-step log-softmax
+    rows (of its logits in `dtype`, the model's, cast to float32, on the CPU)."""
+    model = hf_model(path, dtype, device)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
@@ -139,7 +161,7 @@ def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype
             pad_token_id=0,
         )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    return tokens, [step[0].float().log_softmax(-1) for step in out.logits]
+    return tokens, [step[0].float().log_softmax(-1).cpu() for step in out.logits]
 
 
 @pytest.fixture(scope="module")

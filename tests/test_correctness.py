@@ -12,13 +12,14 @@ MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-def assert_matches_transformers(path: str, llm: LLM, prompts: list[str]) -> None:
+def assert_matches_transformers(path: str, llm: LLM, prompts: list[str], device: str = "cpu") -> None:
+    """Greedy tokens equal to transformers' on the same device, float32 logprobs within 1e-4."""
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     for prompt, out in zip(prompts, outputs, strict=True):
         ids = tuple(tokenizer.encode(prompt))
         assert out.prompt_token_ids == list(ids)
-        ref_tokens, ref_logprobs = hf_greedy(path, ids, MAX_TOKENS)
+        ref_tokens, ref_logprobs = hf_greedy(path, ids, MAX_TOKENS, torch.float32, device)
         completion = out.outputs[0]
         assert completion.token_ids == ref_tokens, f"greedy tokens differ for {prompt!r}"
         assert completion.finish_reason == "length"
@@ -34,10 +35,10 @@ def assert_matches_transformers(path: str, llm: LLM, prompts: list[str]) -> None
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_greedy_matches_transformers(model_dirs, name):
+def test_greedy_matches_transformers(model_dirs, name, device):
     path = str(model_dirs[name])
-    llm = LLM(path, kv_cache_memory_bytes=1 << 24)
-    assert_matches_transformers(path, llm, PROMPTS)
+    llm = LLM(path, kv_cache_memory_bytes=1 << 24, device=device)
+    assert_matches_transformers(path, llm, PROMPTS, device)
 
 
 @pytest.mark.parametrize(
@@ -50,23 +51,23 @@ def test_greedy_matches_transformers(model_dirs, name):
     ],
     ids=["no-prefix-cache", "max-num-seqs-2", "block-size-4", "unchunked"],
 )
-def test_same_outputs_under_other_engine_settings(llama_dir, engine_kwargs):
-    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, **engine_kwargs)
-    assert_matches_transformers(str(llama_dir), llm, PROMPTS)
+def test_same_outputs_under_other_engine_settings(llama_dir, engine_kwargs, device):
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, device=device, **engine_kwargs)
+    assert_matches_transformers(str(llama_dir), llm, PROMPTS, device)
 
 
-def test_preemption_keeps_outputs_exact(llama_dir):
+def test_preemption_keeps_outputs_exact(llama_dir, device):
     # 12 blocks of 8 tokens cannot hold 8 sequences of up to ~50 tokens: the scheduler must preempt.
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
-    llm = LLM(str(llama_dir), block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block)
+    llm = LLM(str(llama_dir), block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block, device=device)
     assert llm.config.cache_config.num_kv_blocks == 12
-    assert_matches_transformers(str(llama_dir), llm, PROMPTS)
+    assert_matches_transformers(str(llama_dir), llm, PROMPTS, device)
     assert llm.llm_engine.stats()["num_preemptions"] > 0
     assert llm.llm_engine.stats()["num_free_blocks"] == 12
 
 
-def test_prefix_cache_hits_and_outputs_unchanged(llama_dir):
-    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, block_size=4)
+def test_prefix_cache_hits_and_outputs_unchanged(llama_dir, device):
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 24, block_size=4, device=device)
     prefix = PROMPTS[7]
     prompts = [prefix + " yes", prefix + " no"]
     llm.generate(prompts[0], GREEDY, use_tqdm=False)
@@ -74,7 +75,7 @@ def test_prefix_cache_hits_and_outputs_unchanged(llama_dir):
     out = llm.generate(prompts[1], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens >= 12
     assert llm.llm_engine.stats()["prefix_hit_tokens"] - before == out.num_cached_tokens
-    assert_matches_transformers(str(llama_dir), llm, prompts)
+    assert_matches_transformers(str(llama_dir), llm, prompts, device)
 
 
 def assert_near_transformers(path: str, llm: LLM, ref_dtype: torch.dtype, tolerance: float) -> None:

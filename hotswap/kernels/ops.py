@@ -329,22 +329,46 @@ def write_kv_cache(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention_available() -> bool:
-    """Whether attention runs in the native paged kernels (`paged_attention`, `rope_paged_attention`): then the
-    batch needs none of the padded layout the torch path (SDPA) uses. Always in deterministic mode (its one
-    attention path)."""
+def paged_attention_available(device: torch.device | str = "cpu") -> bool:
+    """Whether attention on `device` runs in a paged kernel (`paged_attention`, `rope_paged_attention`): then the
+    batch needs none of the padded layout the torch path (SDPA) uses. On the CPU, the native kernels where the
+    policy takes them, and always in deterministic mode (its one attention path); on CUDA, the Triton kernels
+    (hotswap/kernels/triton_attention.py) where triton imports."""
+    if torch.device(device).type == "cuda":
+        return _triton() is not None
     return deterministic() or policy().uses("paged_attention")
 
 
+def _triton() -> Any:
+    """hotswap.kernels.triton_attention, or None where triton is not installed."""
+    try:
+        from hotswap.kernels import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
+
+
 def paged_attention(*args: Any) -> torch.Tensor:
-    """The native `paged_attention` (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
-    scale); only where `paged_attention_available()`."""
+    """The paged kernel of q's device (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
+    scale): native on the CPU, Triton on CUDA; only where `paged_attention_available(device)`."""
+    if args[0].device.type == "cuda":
+        return cast(torch.Tensor, _triton().paged_attention(*args))
     return cast(torch.Tensor, _ops().paged_attention(*args))
 
 
+def rope_attention_applies(positions: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether `rope_paged_attention` takes these tokens (rotary, cache write and attention in one call): on
+    the CPU where the native kernels rotate them (`rotary_applies`), on CUDA where the Triton kernels exist."""
+    if q.device.type == "cuda":
+        return positions.dtype == torch.long and not _needs_grad(q) and _triton() is not None
+    return rotary_applies(positions, q)
+
+
 def rope_paged_attention(*args: Any) -> torch.Tensor:
-    """The native `rope_paged_attention`: rotates q/k, writes the cache and attends, in one call (arguments as
-    the kernel's); only where `paged_attention_available()` and `rotary_applies`."""
+    """Rotates q/k, writes the cache and attends, in one call (arguments as the native kernel's), in the kernel
+    of q's device; only where `paged_attention_available(device)` and `rope_attention_applies`."""
+    if args[0].device.type == "cuda":
+        return cast(torch.Tensor, _triton().rope_paged_attention(*args))
     return cast(torch.Tensor, _ops().rope_paged_attention(*args))
 
 

@@ -61,11 +61,15 @@ class ModelSpec(Protocol):
     @property
     def hf_config(self) -> dict[str, Any]: ...
 
+    @property
+    def device(self) -> str: ...
+
 
 def build_model(model_config: ModelSpec) -> nn.Module:
-    """Constructs the model with uninitialized parameters in the configured dtype (inside the config scope:
-    layers read the quantization and parallel layout at construction)."""
+    """Constructs the model with uninitialized parameters in the configured dtype, on the configured device (every
+    parameter, buffer and construction-time tensor follows `torch.device`), inside the config scope: layers read
+    the quantization and parallel layout at construction."""
     klass = model_class(model_config.architecture)
-    with _default_dtype(model_config.torch_dtype):
+    with _default_dtype(model_config.torch_dtype), torch.device(model_config.device):
         model = klass(model_config.hf_config)
     return model.eval()

@@ -31,11 +31,13 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.block_size = config.cache_config.block_size
+        self.device = torch.device(config.model_config.device)  # the model's, its cache's and the step's tensors'
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
         if config.model_config.deterministic:
             ops.require_native()  # its one path for every batch
-        self.attention_kernel = ops.paged_attention if ops.paged_attention_available() else None  # runs in scope
+        # the paged kernel of this device (native on the CPU, Triton on CUDA), or None: the torch path (SDPA)
+        self.attention_kernel = ops.paged_attention if ops.paged_attention_available(self.device) else None
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
         self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)
@@ -55,14 +57,15 @@ class ModelRunner:
         self.kv_caches = []
         for attn in self.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = zeroed(shape, dtype)
-            attn.v_cache = zeroed(shape, dtype)
+            attn.k_cache = zeroed(shape, dtype, self.device)
+            attn.v_cache = zeroed(shape, dtype, self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
 
     def calibrate_stack(self) -> None:
         """Times the native decoder stack against the modules on this model and cache (once per model shapes and
         build: the result is cached), where the stack could run at all."""
-        if self.attention_kernel is None or self.stack.model is None or not self.stack.modules_fit:
+        if self.device.type != "cpu" or self.attention_kernel is None or self.stack.model is None or \
+                not self.stack.modules_fit:
             return
         dtype = next(self.model.parameters()).dtype
         if current_parallel().size > 1 or not self.stack.dtypes_fit(
@@ -82,8 +85,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies])
-        dst = torch.tensor([d for _, d in copies])
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
@@ -101,7 +104,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        if self.stack.applies(len(input_ids), pos, meta):
+        if self.device.type != "cpu":  # built on the host, moved once per step
+            meta, ids, pos = meta.to(self.device), ids.to(self.device), pos.to(self.device)
+        elif self.stack.applies(len(input_ids), pos, meta):
             return self.stack.run(self.stack.embed(ids), pos, meta)
         return cast(torch.Tensor, self.model(ids, pos, meta))
 
@@ -109,7 +114,8 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The logits [len(rows), V] of those rows of `hidden`, on every rank (every rank takes part in
         gathering the vocab)."""
-        return cast(torch.Tensor, cast(Any, self.model).compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return cast(torch.Tensor, cast(Any, self.model).compute_logits(hidden[index]))
 
     def forward(
         self,
@@ -139,7 +145,7 @@ class ModelRunner:
         try:
             yield out
             if seqs and current_parallel().rank == 0:  # the engine reads rank 0's; the others only clear
-                ids = routing.take().to(routes_dtype(routing.num_experts)).numpy()
+                ids = routing.take().to(routes_dtype(routing.num_experts)).cpu().numpy()
                 starts = [0, *itertools.accumulate(query_lens)]
                 for i in seqs:
                     out[i] = ids[starts[i] : starts[i + 1]].copy()
@@ -158,14 +164,15 @@ class ModelRunner:
                   for ask in mi.prompt_logprobs}
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
-        return Samples(sample(logits, mi.sample_specs), prompt, routes)
+        # the sampler runs on the host: a device's logits come back once per step
+        return Samples(sample(logits.cpu(), mi.sample_specs), prompt, routes)
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:
         """Logprobs of `targets[j]` after flat row start + j (raw, like sampled logprobs), a chunk of rows at a
         time so that [rows, V] stays bounded."""
         out = PromptLogprobs([], [], [], [])
-        wanted = torch.tensor(targets, dtype=torch.long)
+        wanted = torch.tensor(targets, dtype=torch.long, device=self.device)
         for first in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
             last = min(first + PROMPT_LOGPROB_CHUNK, len(targets))
             logprobs = self.logits(hidden, list(range(start + first, start + last))).float().log_softmax(dim=-1)
@@ -182,9 +189,12 @@ class ModelRunner:
 PROMPT_LOGPROB_CHUNK = 256  # prompt rows whose logits are computed at once (memory: rows x vocab floats)
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor backed by an anonymous mapping: pages are zero-filled by the OS on first touch, so a large
-    cache costs nothing until used, and its memory returns to the system when the tensor is freed."""
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A zero tensor. On the CPU backed by an anonymous mapping: pages are zero-filled by the OS on first touch, so
+    a large cache costs nothing until used, and its memory returns to the system when the tensor is freed. The
+    zeros matter: the torch path reads padded slots, and 0 * NaN would be NaN."""
+    if device is not None and device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(nbytes, 1))
     return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)

@@ -33,6 +33,7 @@ from hotswap.config import (
     live_overrides,
     use_config,
 )
+from hotswap.device import cuda_kv_budget
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
 from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import packed as packing
@@ -109,7 +110,8 @@ class Worker:
         """Full load: builds the model and loads every weight from the configured checkpoint folder."""
         torch.manual_seed(self.config.model_config.seed)  # unseeded sampling draws from this process's generator
         mc = self.config.model_config
-        kernel_policy.prepare(mc.hf_config, mc.torch_dtype)  # which kernels win on this model's shapes and dtype
+        if mc.device == "cpu":  # which native kernels win on this model's shapes and dtype (none run elsewhere)
+            kernel_policy.prepare(mc.hf_config, mc.torch_dtype)
         model = build_model(self.config.model_config)
         if self.config.load_config.huge_pages:
             place_in_huge_pages(model)
@@ -172,6 +174,9 @@ class Worker:
         runner = self._runner()
         cache = self.config.cache_config
         budget = cache.kv_cache_memory_bytes
+        if budget is None and self.config.model_config.device != "cpu":
+            budget = cuda_kv_budget(torch.cuda.get_device_properties(self.config.model_config.device).total_memory,
+                                    cache.gpu_memory_utilization, self._profile_peak_bytes())
         if budget is None:
             budget = int(available_memory_bytes() * cache.memory_fraction)
         per_block = runner.bytes_per_block()
@@ -180,6 +185,36 @@ class Worker:
         max_len = self.config.model_config.max_model_len or 1
         cap = self.config.scheduler_config.max_num_seqs * math.ceil(max_len / cache.block_size)
         return min(budget // per_block, cap)
+
+    def _profile_peak_bytes(self) -> int:
+        """GPU: the device memory the engine takes at its busiest, measured as vLLM does: the peak of one forward
+        over `max_num_batched_tokens` prompt tokens (on a scratch cache just large enough), plus the logits of
+        `max_num_seqs` rows in float32 twice over (the sampler's copy). The scratch cache is freed after."""
+        runner = self._runner()
+        device = self.config.model_config.device
+        sc, block = self.config.scheduler_config, self.config.cache_config.block_size
+        tokens = min(sc.max_num_batched_tokens or 2048, self.config.model_config.max_model_len or 2048)
+        blocks = math.ceil(tokens / block)
+        runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
+            (runner, contextlib.nullcontext)]
+        if self.draft_runner is not None:
+            runners.append((self.draft_runner, self._draft_scope))
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            for r, scope in runners:
+                with scope():
+                    r.allocate_kv_cache(blocks)
+                    r.forward([0] * tokens, list(range(tokens)), [tokens], [tokens], [list(range(blocks))],
+                              [tokens - 1])
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        finally:
+            for r, _ in runners:
+                r.free_kv_cache()
+            torch.cuda.empty_cache()
+        vocab = int(self.config.model_config.hf_config.get("vocab_size", 0))
+        return int(peak + 2 * 4 * sc.max_num_seqs * vocab)
 
     @in_config_scope
     def initialize_cache(self, num_blocks: int) -> None:

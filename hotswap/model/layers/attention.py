@@ -8,10 +8,11 @@ linear layers see the flat token batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,19 @@ class AttentionMetadata:
         )
 
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """This metadata with its tensors on `device` (built on the host, moved once per step)."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        parts = None if self.parts is None else [(move(rows), part.to(device)) for rows, part in self.parts]
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            context_lens=self.context_lens.to(device, non_blocking=True), pad_index=move(self.pad_index),
+            mask=move(self.mask), query_lens=move(self.query_lens), parts=cast(Any, parts),
+        )
+
     @classmethod
     def _split(
         cls,
@@ -168,14 +182,14 @@ class Attention(nn.Module):
             assert positions is not None, "rotary needs the token positions"
             if meta.kernel is not None and ops.deterministic() and positions.dtype == torch.long:
                 return self._rope_attend_exact(q, k, v, positions, rotary, meta)
-            if meta.kernel is not None and ops.rotary_applies(positions, q):
+            if meta.kernel is not None and ops.rope_attention_applies(positions, q):
                 return ops.rope_paged_attention(
                     q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                     meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
                 )
             q, k = rotary(positions, q, k)
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.kernel is not None:  # a CPU operator: other devices raise here rather than attend unmasked
+        if meta.kernel is not None:  # the device's paged kernel (hotswap.kernels.ops dispatches by device)
             return meta.kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                 self.expand_index, self.scale,

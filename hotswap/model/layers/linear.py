@@ -139,8 +139,8 @@ class Linear(nn.Module):
             ops.copy_(self.local_view(param, shard_id), part)
             return
         if self._stage is None:
-            self._stage = torch.empty(self.weight.shape, dtype=self.stage_dtype)
-            self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool)
+            self._stage = torch.empty(self.weight.shape, dtype=self.stage_dtype, device=self.weight.device)
+            self._staged_rows = torch.zeros(self.out_local, dtype=torch.bool, device=self.weight.device)
         ops.copy_(self._stage.narrow(0, spec.local_offset, spec.size), part)
         assert self._staged_rows is not None  # allocated and freed with the stage
         self._staged_rows[spec.local_offset : spec.local_offset + spec.size] = True
@@ -180,7 +180,7 @@ class Linear(nn.Module):
     def effective_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply by: the parameter itself, or for fp8 its dequantized copy in `dtype`."""
         if self.fp8 and self.weight_scale.dim() == 2:  # a scale per half (see __init__)
-            widths = torch.tensor([self.det_split, self.in_local - self.det_split])
+            widths = torch.tensor([self.det_split, self.in_local - self.det_split], device=self.weight.device)
             return (self.weight.float() * self.weight_scale.repeat_interleave(widths, dim=1)).to(dtype)
         return dequantize(self.weight, self.weight_scale, dtype) if self.fp8 else self.weight
 

@@ -1,0 +1,71 @@
+"""The device an engine runs its model on: a build-time setting (`LLM(..., device="cuda")`) that flows through the
+constructors of the worker, the model runner and the KV cache; never an ambient variable.
+
+"cpu" (the default) is the reference path with the native kernels. "cuda" / "cuda:N" runs the same engine with
+torch ops and the Triton paged-attention kernels (hotswap/kernels/triton_attention.py); what has no CUDA path yet
+is refused at construction with the reason (`check_engine_on_device`)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_NAME = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def parse_device(name: str) -> str:
+    """`name` normalised ("cpu", "cuda:N"; a bare "cuda" is the current CUDA device). Raises ValueError for a
+    malformed name, and for CUDA where this torch build has no CUDA or no GPU is visible, saying which."""
+    m = _NAME.match(str(name).strip()) if isinstance(name, str) else None
+    if m is None:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cpu":
+        if index is not None:
+            raise ValueError(f"device {name!r}: the CPU takes no index; use 'cpu'")
+        return "cpu"
+    if not torch.backends.cuda.is_built():
+        raise ValueError(f"device={name!r}, but this torch build ({torch.__version__}) has no CUDA support: install "
+                         "a CUDA build of torch, or use device='cpu'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}, but no CUDA GPU is visible to this process (torch.cuda.is_available() is "
+                         "False; check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'")
+    count = torch.cuda.device_count()
+    number = torch.cuda.current_device() if index is None else int(index)
+    if number >= count:
+        raise ValueError(f"device={name!r}, but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+    return f"cuda:{number}"
+
+
+def check_engine_on_device(device: str, deterministic: bool = False, tensor_parallel_size: int = 1,
+                           enable_lora: bool = False, speculative: bool = False) -> None:
+    """Raises ValueError, naming the setting, for what has no path on `device` yet: on CUDA, deterministic mode
+    (batch-invariant GPU kernels are a later step: the CPU stays its reference), tensor parallelism above 1
+    (untested on more than one GPU), LoRA adapters and speculative decoding (their tensors are not placed on the
+    device yet)."""
+    if device == "cpu":
+        return
+    for flag, what in ((enable_lora, "enable_lora=True"), (speculative, "speculative decoding")):
+        if flag:
+            raise ValueError(f"{what} is not supported on {device!r} yet (it runs on the CPU only for now); use "
+                             "device='cpu' or leave it off")
+    if deterministic:
+        raise ValueError(f"deterministic=True runs on the CPU only for now (device={device!r}): its batch-invariant "
+                         "kernels, equal to the trainer's forward bit for bit, are CPU kernels; use device='cpu'")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported on "
+                         f"{device!r} yet (one GPU per engine; NCCL groups are untested); use 1")
+
+
+def cuda_kv_budget(total: int, utilization: float, used_by_engine: int) -> int:
+    """The bytes the KV cache may take on a GPU (vLLM's rule): `utilization` of the device's `total` memory, less
+    what the engine already uses (weights, plus the peak of a profiling forward at the largest batch). Raises
+    ValueError, with the figures, when nothing is left."""
+    budget = int(total * utilization) - used_by_engine
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} of "
+                         f"{total / 2**30:.1f} GiB is {total * utilization / 2**30:.1f} GiB, and the model with a "
+                         f"profiling forward already takes {used_by_engine / 2**30:.1f} GiB; raise "
+                         "gpu_memory_utilization or lower max_num_batched_tokens")
+    return budget

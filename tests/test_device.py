@@ -1,0 +1,166 @@
+"""The `device` setting on a machine without a GPU: names are checked, CUDA is refused at construction with the
+reason, what has no CUDA path yet is refused naming the setting, the GPU's KV budget and KV dtype follow vLLM's
+rules, the step's metadata moves to a device unchanged, and no runtime path creates a tensor on torch's implicit
+default device outside a reviewed list (a tensor without `device=` lands on the CPU, beside a model on a GPU)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotswap import LLM
+from hotswap import config as config_module
+from hotswap.config import EngineConfig
+from hotswap.device import check_engine_on_device, cuda_kv_budget, parse_device
+from hotswap.model.layers.attention import AttentionMetadata
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.unit
+def test_device_names():
+    assert parse_device("cpu") == "cpu"
+    for bad in ("gpu", "cuda:x", "cpu:0", "cuda:-1", "", "CUDA"):
+        with pytest.raises(ValueError, match="device"):
+            parse_device(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu_is_refused_at_construction_with_the_reason(llama_dir):
+    with pytest.raises(ValueError, match=r"no CUDA support|no CUDA GPU is visible"):
+        parse_device("cuda")
+    with pytest.raises(ValueError, match="device='cuda'"):
+        LLM(str(llama_dir), device="cuda", kv_cache_memory_bytes=1 << 20)
+    llm = LLM(str(llama_dir), device="cpu", kv_cache_memory_bytes=1 << 20)  # the default, said out loud
+    assert llm.config.model_config.device == "cpu"
+    assert llm.apply_model(lambda m: {p.device.type for p in m.parameters()})[0] == {"cpu"}
+
+
+@pytest.mark.unit
+def test_what_has_no_cuda_path_yet_is_refused_naming_the_setting():
+    check_engine_on_device("cpu", deterministic=True, tensor_parallel_size=2, enable_lora=True, speculative=True)
+    for kwargs, named in (({"deterministic": True}, "deterministic=True"), ({"tensor_parallel_size": 2},
+                          "tensor_parallel_size=2"), ({"enable_lora": True}, "enable_lora=True"),
+                          ({"speculative": True}, "speculative decoding")):
+        with pytest.raises(ValueError, match=named):
+            check_engine_on_device("cuda:0", **kwargs)
+    check_engine_on_device("cuda:0")
+
+
+def test_a_cuda_config_takes_the_weights_dtype_for_its_kv_and_refuses_deterministic(llama_dir, monkeypatch):
+    """The config's own rules for CUDA, checked without a GPU (the device name is taken as given)."""
+    monkeypatch.setattr(config_module, "parse_device", lambda name: "cuda:0" if name.startswith("cuda") else name)
+    path = str(llama_dir)
+    assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16").cache_config.kv_cache_dtype == "bfloat16"
+    assert EngineConfig.from_kwargs(path, device="cuda", dtype="float32").cache_config.kv_cache_dtype == "float32"
+    assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16",
+                                    kv_cache_dtype="float32").cache_config.kv_cache_dtype == "float32"
+    assert EngineConfig.from_kwargs(path, dtype="bfloat16").cache_config.kv_cache_dtype == "auto"  # CPU: float32
+    with pytest.raises(ValueError, match="deterministic=True runs on the CPU"):
+        EngineConfig.from_kwargs(path, device="cuda", deterministic=True)
+    speculative = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineConfig.from_kwargs(path, device="cuda", speculative_config=speculative)
+    draft = EngineConfig.from_kwargs(path, speculative_config=speculative).draft_model_config
+    assert draft is not None and draft.device == "cpu"
+
+
+@pytest.mark.unit
+def test_the_gpu_kv_budget():
+    gib = 1 << 30
+    assert cuda_kv_budget(140 * gib, 0.9, 10 * gib) == int(140 * gib * 0.9) - 10 * gib
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.1"):
+        cuda_kv_budget(140 * gib, 0.1, 20 * gib)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        config_module.CacheConfig(gpu_memory_utilization=1.5)
+
+
+@pytest.mark.unit
+def test_attention_metadata_moves_whole():
+    """Every tensor of a step's metadata, its parts' included, arrives on the device unchanged."""
+    meta = AttentionMetadata.build([1, 1, 40], [9, 17, 40], [[3, 1], [0, 2, 5], [4, 6, 7, 8, 9]], 8, kernel=None)
+    assert meta.parts is not None
+    moved = meta.to(torch.device("cpu"))
+
+    def tensors(m: AttentionMetadata) -> list[torch.Tensor | None]:
+        return [m.slot_mapping, m.block_tables, m.context_lens, m.pad_index, m.mask, m.query_lens]
+
+    for a, b in [(meta, moved), *zip([p for _, p in meta.parts], [p for _, p in moved.parts or []], strict=True)]:
+        for x, y in zip(tensors(a), tensors(b), strict=True):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+    assert [torch.equal(r, s) for (r, _), (s, _) in zip(meta.parts, moved.parts or [], strict=True)] == [True, True]
+
+
+# ---- tensors created on the implicit default device ----------------------------------------------------------
+
+CONSTRUCTORS = {"tensor", "as_tensor", "arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint"}
+RUNTIME = ("hotswap/worker", "hotswap/model", "hotswap/weights", "hotswap/transfer", "hotswap/lora")
+# (file or folder, function or "*") -> why a tensor there may be created without `device=`
+ALLOWED = {
+    ("hotswap/model", "__init__"): "construction: build_model runs every constructor under torch.device(device)",
+    ("hotswap/model/layers/linear.py", "_param"): "construction (see __init__)",
+    ("hotswap/model/layers/fused_moe.py", "_param"): "construction (see __init__)",
+    ("hotswap/model/layers/attention.py", "build"): "the step's metadata: built on the host, moved once (to())",
+    ("hotswap/model/layers/attention.py", "_split"): "the step's metadata (see build)",
+    ("hotswap/model/layers/attention.py", "_rope_attend_exact"): "deterministic mode: refused on CUDA",
+    ("hotswap/model/layers/attention.py", "reference"): "deterministic mode's trainer reference: CPU only",
+    ("hotswap/model/layers/sampler.py", "*"): "the sampler runs on the host: logits come back once per step",
+    ("hotswap/model/layers/rejection_sampler.py", "*"): "speculative decoding: refused on CUDA, samples on the host",
+    ("hotswap/worker/speculative.py", "_draft_proposals"): "speculative decoding: refused on CUDA",
+    ("hotswap/worker/decoder_stack.py", "time_step"): "the native CPU decoder stack",
+    ("hotswap/worker/model_runner.py", "hidden_states"): "ids and positions: built on the host, moved once",
+    ("hotswap/worker/model_runner.py", "bytes_per_block"): "an element size",
+    ("hotswap/worker/model_runner.py", "zeroed"): "its CPU branch (an anonymous mapping)",
+    ("hotswap/worker/worker.py", "_move_experts"): "a flag summed over the gloo group",
+    ("hotswap/lora", "*"): "LoRA: refused on CUDA for now",
+    ("hotswap/model/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",
+    ("hotswap/transfer", "*"): "wire buffers and shm views live on the host",
+    ("hotswap/weights/delta.py", "xor_dtype"): "a dtype's element size",
+    ("hotswap/weights/update.py", "magnitude_bound"): "a scalar bound read with .item()",
+    ("hotswap/weights/update.py", "random_source"): "dummy weights generated on the host, copied in like a file's",
+}
+
+
+def implicit_device_tensors(root: Path) -> list[tuple[str, str, int]]:
+    """(file, enclosing function, line) of every `torch.<constructor>(...)` without `device=` under RUNTIME."""
+    found = []
+    for folder in RUNTIME:
+        for file in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(file.read_text(), filename=str(file))
+            for fn in ast.walk(tree):
+                if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                            node.func.attr in CONSTRUCTORS and ast.unparse(node.func.value) == "torch" and \
+                            not any(k.arg == "device" for k in node.keywords):
+                        found.append((file.relative_to(root).as_posix(), fn.name, node.lineno))
+    return sorted(set(found))
+
+
+def allowed(file: str, function: str) -> bool:
+    return any((file == place or file.startswith(place + "/")) and name in (function, "*")
+               for place, name in ALLOWED)
+
+
+@pytest.mark.unit
+def test_no_runtime_tensor_lands_on_the_implicit_device():
+    found = implicit_device_tensors(ROOT)
+    unreviewed = [f"{f}:{line} in {fn}()" for f, fn, line in found if not allowed(f, fn)]
+    assert unreviewed == [], "tensors created without device= (pass the device, or add a reviewed reason):\n" + \
+        "\n".join(unreviewed)
+    stale = [key for key in ALLOWED if not any((f == key[0] or f.startswith(key[0] + "/")) and key[1] in (fn, "*")
+                                               for f, fn, _ in found)]
+    assert stale == [], f"allowlist entries that match nothing any more: {stale}"
+
+
+@pytest.mark.unit
+def test_the_device_guard_finds_a_planted_tensor(tmp_path):
+    planted = tmp_path / "hotswap" / "worker" / "runner.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("import torch\n\ndef step(x):\n    return torch.arange(4) + x\n\n"
+                       "def fine(x):\n    return torch.arange(4, device=x.device)\n")
+    assert implicit_device_tensors(tmp_path) == [("hotswap/worker/runner.py", "step", 4)]
