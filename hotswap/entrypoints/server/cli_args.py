@@ -37,6 +37,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-admin", action="store_true", help="serve only the OpenAI routes")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the model and its KV "
+                        "cache live (docs/gpu.md)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on a GPU: the share of its memory the engine may take (weights, activations, KV cache)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -59,7 +63,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="dtype K and V are stored and attended in: auto (float32), bfloat16 or float16")
+                        help="dtype K and V are stored and attended in: auto (float32 on the CPU, the weights' "
+                        "dtype on a GPU), bfloat16 or float16")
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--deterministic", "--enable-deterministic-inference", action="store_true",
                         help="batch-invariant forward pass: every request's tokens and logprobs are the same bits "
@@ -178,6 +183,8 @@ def serve(args: argparse.Namespace) -> int:
         allowed = frozenset(LOOPBACK_NAMES | {args.host, *args.allowed_host})
     engine_kwargs = dict(
         dtype=args.dtype,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
