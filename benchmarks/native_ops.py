@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import emulation, native, policy
+from hotswap.kernels.ops import NATIVE_ATTENTION
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 576, 1536, 960, 16384  # the 125M preset (SmolLM2-135M shape)
@@ -94,7 +95,7 @@ def attention_us(kernels: Any, m: int, reps: int, context: int = 64, block_size:
     order = torch.randperm(blocks).tolist()
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(m)]
     q, k, v = torch.randn(m, 9, 64), torch.randn(m, 3, 64), torch.randn(m, 3, 64)
-    fast = AttentionMetadata.build([1] * m, [context] * m, tables, block_size, kernels.paged_attention)
+    fast = AttentionMetadata.build([1] * m, [context] * m, tables, block_size, NATIVE_ATTENTION)
     slow = AttentionMetadata.build([1] * m, [context] * m, tables, block_size, None)
     with torch.inference_mode():
         return pair_us(lambda: layer(q, k, v, fast), lambda: layer(q, k, v, slow), reps)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from hotswap.device import check_engine_on_device, parse_device
+from hotswap.device import check_attention_backend, check_engine_on_device, parse_device
 from hotswap.model.registry import supported_architectures
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -57,6 +57,9 @@ class ModelConfig:
     two, and equal to `hotswap.train.token_logprobs` on the trainer's model. Float32 weights, native kernels.
     `device`: "cpu" (default), "cuda" or "cuda:N": where the model, its KV cache and the step's tensors live
     (hotswap/device.py); CUDA without a visible GPU, and what has no CUDA path yet, are refused here.
+    `attention_backend` (vLLM's flag): "auto" (the native kernels on the CPU where they win, Triton's on CUDA),
+    "native", "triton" (on the CPU only under TRITON_INTERPRET=1: the tests' way to run the GPU kernels), or "torch"
+    (SDPA over a padded copy).
     """
 
     model: str
@@ -69,10 +72,12 @@ class ModelConfig:
     enable_return_routed_experts: bool = False
     deterministic: bool = False
     device: str = "cpu"
+    attention_backend: str = "auto"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = parse_device(self.device)
+        check_attention_backend(self.attention_backend, self.device, self.deterministic)
         path = Path(self.model)
         if not path.is_dir():
             raise ValueError(f"model: checkpoint folder {self.model!r} does not exist")

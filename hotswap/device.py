@@ -7,9 +7,12 @@ is refused at construction with the reason (`check_engine_on_device`)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
+
+ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
 
 _NAME = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -69,3 +72,19 @@ def cuda_kv_budget(total: int, utilization: float, used_by_engine: int) -> int:
                          f"profiling forward already takes {used_by_engine / 2**30:.1f} GiB; raise "
                          "gpu_memory_utilization or lower max_num_batched_tokens")
     return budget
+
+
+def check_attention_backend(backend: str, device: str, deterministic: bool) -> None:
+    """Raises ValueError, with the reason, for an attention backend the device or mode cannot run: "native" is the
+    CPU's; deterministic mode runs "auto"/"native" only (its one attention path); "triton" on the CPU runs only
+    under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run the GPU kernels."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "native" and device != "cpu":
+        raise ValueError(f"attention_backend='native' runs on the CPU only, not {device!r}; use 'auto' or 'triton'")
+    if deterministic and backend not in ("auto", "native"):
+        raise ValueError(f"deterministic=True attends in its native kernel only; attention_backend={backend!r} "
+                         "cannot be combined with it")
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' on the CPU runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1, for tests); on the CPU use 'auto'")

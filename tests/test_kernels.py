@@ -15,6 +15,7 @@ import torch
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import native
+from hotswap.kernels.ops import NATIVE_ATTENTION
 from hotswap.kernels.policy import use_mode
 
 
@@ -173,7 +174,7 @@ def test_attention_fallback_matches_kernel(ops, query_lens):
     # with a rotary embedding, the kernel path rotates inside rope_paged_attention; the torch path, with torch ops
     for rope in (None, RotaryEmbedding(16, 64, 10000.0, None)):
         outs, caches = [], []
-        for mode, kernel in (("torch", None), ("native", ops.paged_attention)):
+        for mode, kernel in (("torch", None), ("native", NATIVE_ATTENTION)):
             attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()
             meta = AttentionMetadata.build(query_lens, contexts, tables, 4, kernel)
             assert (meta.kernel is None) == (kernel is None)

@@ -136,8 +136,8 @@ CASES = {
     "decode-gqa8-f32-splits": (8, 1, 64, 16, F32, [15, 16, 17, 32, 33], None, None,
                                {"block_n": 16, "split_keys": 20}),  # rounded up to 32 keys a split
     "decode-gqa4-f16-defaults": (4, 1, 32, 8, F16, [1, 8, 24, 25], None, None, {}),
-    "decode-ones-kv-map-f32": (5, 2, 16, 4, F32, [3, 12, 1], [1, 1, 1], [1, 0, 1, 1, 0],
-                               {"block_n": 16, "split_keys": 8}),
+    "decode-ones-kv-map-f32": (5, 2, 16, 4, F32, [3, 12, 1, 40], [1, 1, 1, 1], [1, 0, 1, 1, 0],
+                               {"block_n": 16, "split_keys": 8}),  # rounded up to one tile a split
     "extend-mha-f32": (2, 2, 16, 4, F32, [5, 17, 1, 24, 9], [5, 3, 1, 24, 2], None, {"block_m": 16, "block_n": 16}),
     "extend-gqa4-bf16": (8, 2, 32, 8, BF16, [16, 17, 40, 8], [16, 1, 20, 7], None, {"block_m": 16, "block_n": 16}),
     "extend-gqa8-f32-defaults": (8, 1, 64, 16, F32, [33, 31, 2], [33, 1, 2], None, {}),
@@ -160,11 +160,38 @@ def test_paged_attention(ta, case):
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
-def _rope_table(head_dim):
-    """cos/sin [MAX_POSITION, D] as rotary.py builds them (the two halves repeat)."""
+class _Launches:
+    """A kernel whose launches are recorded: each grid, then the launch itself."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@interpreted
+def test_decode_splits_from_the_device(ta, monkeypatch):
+    """Without split_keys, a decode batch splits its keys until the programs number twice the multiprocessors
+    (here a device of 4, and splits of at least 16 keys): 3 sequences x 2 KV heads, 2 splits of 32 keys."""
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(ta, "MIN_SPLIT_KEYS", 16)
+    decode, merge = _Launches(ta._decode_kernel), _Launches(ta._merge_kernel)
+    monkeypatch.setattr(ta, "_decode_kernel", decode)
+    monkeypatch.setattr(ta, "_merge_kernel", merge)
+    q, k_cache, v_cache, tables, context_lens = _problem([40, 3, 17], None, 8, 2, 32, 8, BF16, seed=8)
+    out = ta.paged_attention(q, k_cache, v_cache, tables, context_lens, None, None, 0.2, block_n=16)
+    assert decode.grids == [(3, 2, 2)] and merge.grids == [(3, 8)]
+    _close(out, reference(q, k_cache, v_cache, tables, context_lens, None, None, 0.2), BF16)
+
+
+def _rope_table(head_dim, same_halves=True):
+    """cos/sin [MAX_POSITION, D] as rotary.py builds them (the two halves repeat), or with halves that differ (the
+    kernels' contract reads each column: a kernel that mixes them up fails)."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(MAX_POSITION, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = torch.cat((freqs, freqs if same_halves else freqs + 0.5), dim=-1)
     return emb.cos(), emb.sin()
 
 
@@ -192,20 +219,22 @@ def _rope_inputs(lens, query_lens, heads, kv_heads, head_dim, block_size, dtype,
     return q, k, v, positions, slots, k_cache, v_cache, tables, context_lens
 
 
+# (heads, kv_heads, head_dim, block_size, dtype, context_lens, query_lens, cos/sin halves the same, tuning)
 ROPE_CASES = {
-    "extend-gqa2-f32": (4, 2, 32, 8, F32, [6, 13, 1, 17], [6, 2, 1, 9], {"block_m": 16, "block_n": 16}),
-    "extend-gqa4-bf16": (8, 2, 16, 4, BF16, [9, 20], [3, 20], {"block_m": 16, "block_n": 16}),
-    "decode-mha-f16": (3, 3, 16, 4, F16, [5, 8, 12], None, {"block_n": 16, "split_keys": 8}),
+    "extend-gqa2-f32": (4, 2, 32, 8, F32, [6, 13, 1, 17], [6, 2, 1, 9], True, {"block_m": 16, "block_n": 16}),
+    "extend-gqa4-bf16": (8, 2, 16, 4, BF16, [9, 20], [3, 20], True, {"block_m": 16, "block_n": 16}),
+    "decode-mha-f16": (3, 3, 16, 4, F16, [5, 8, 12], None, False, {"block_n": 16, "split_keys": 8}),
+    "extend-gqa2-f32-halves": (4, 2, 16, 4, F32, [6, 3], [4, 3], False, {"block_m": 16, "block_n": 16}),
 }
 
 
 @interpreted
 @pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
 def test_rope_paged_attention(ta, case):
-    heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, tuning = case
+    heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, same_halves, tuning = case
     q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
         lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens))
-    cos, sin = _rope_table(head_dim)
+    cos, sin = _rope_table(head_dim, same_halves)
     ql = _tensor(query_lens)
     scale = head_dim**-0.5
     k_before, v_before = k_cache.clone(), v_cache.clone()
@@ -216,7 +245,12 @@ def test_rope_paged_attention(ta, case):
     k_ref, v_ref = k_before.clone(), v_before.clone()
     k_ref.flatten(0, 1).index_copy_(0, slots, k_rot)
     v_ref.flatten(0, 1).index_copy_(0, slots, v)
-    _close(out, reference(q_rot, k_ref, v_ref, tables, context_lens, ql, None, scale), dtype)
+    ref = reference(q_rot, k_ref, v_ref, tables, context_lens, ql, None, scale)
+    if dtype == torch.bfloat16:  # the interpreter truncates float32 to bfloat16 where torch rounds to nearest:
+        # q and k rotate to values up to an ulp off, and scores add their differences
+        torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    else:
+        _close(out, ref, dtype)
 
     written = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
     written[slots] = True
@@ -224,8 +258,8 @@ def test_rope_paged_attention(ta, case):
     assert torch.equal(flat_k[~written], k_before.flatten(0, 1)[~written])  # every other slot untouched
     assert torch.equal(flat_v[~written], v_before.flatten(0, 1)[~written])
     assert torch.equal(flat_v[slots], v)
-    if dtype == torch.bfloat16:  # the interpreter truncates float32 to bfloat16 where torch rounds to nearest
-        torch.testing.assert_close(flat_k[slots], k_rot, rtol=2**-6, atol=1e-2)
+    if dtype == torch.bfloat16:  # truncated products and sum: off by up to an ulp of the larger product each
+        torch.testing.assert_close(flat_k[slots], k_rot, rtol=2**-6, atol=3e-2)
     else:
         assert torch.equal(flat_k[slots], k_rot)
 
@@ -267,28 +301,31 @@ def _replace(name, make):
     return change
 
 
+# each change, and the error it must raise
 BAD = {
-    "slot past the cache": _set("slot_mapping", 1, 10_000),
-    "negative slot": _set("slot_mapping", 0, -1),
-    "k dtype": _replace("k", lambda a: a["k"].to(torch.bfloat16)),
-    "q dtype": _replace("q", lambda a: a["q"].double()),
-    "position past the table": _set("positions", 0, MAX_POSITION),
-    "block id past the cache": _set("block_tables", (0, 0), 10_000),
-    "int32 block tables": _replace("block_tables", lambda a: a["block_tables"].int()),
-    "empty context": _set("context_lens", 0, 0),
-    "context past the table": _set("context_lens", 0, 10_000),
-    "query lens not summing to T": _set("query_lens", 1, 3),
-    "query len past its context": _set("query_lens", 2, 2),
-    "kv_of_q past the KV heads": _replace("kv_of_q", lambda a: torch.tensor([0, 1, 2, 0])),
-    "float64 cos": _replace("cos", lambda a: a["cos"].double()),
-    "q heads not contiguous": _replace("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
-    "slot_mapping length": _replace("slot_mapping", lambda a: a["slot_mapping"][:-1]),
+    "slot past the cache": (_set("slot_mapping", 1, 10_000), "slot out of range"),
+    "negative slot": (_set("slot_mapping", 0, -1), "slot out of range"),
+    "k dtype": (_replace("k", lambda a: a["k"].to(torch.bfloat16)), "dtype mismatch"),
+    "q dtype": (_replace("q", lambda a: a["q"].double()), "q must be one of"),
+    "position past the table": (_set("positions", 0, MAX_POSITION), "position out of range"),
+    "block id past the cache": (_set("block_tables", (0, 0), 10_000), "block id out of range"),
+    "int32 block tables": (_replace("block_tables", lambda a: a["block_tables"].int()), "block_tables must be"),
+    "empty context": (_set("context_lens", 0, 0), "context_lens out of range"),
+    "context past the table": (_set("context_lens", 0, 10_000), "context_lens out of range"),
+    "query lens not summing to T": (_set("query_lens", 1, 3), "one row per new token"),
+    "query len past its context": (_set("query_lens", 2, 2), "query_lens out of range"),
+    "kv_of_q past the KV heads": (_replace("kv_of_q", lambda a: torch.tensor([0, 1, 2, 0])), "kv_of_q out of range"),
+    "float64 cos": (_replace("cos", lambda a: a["cos"].double()), "cos/sin must be"),
+    "q heads not contiguous": (_replace("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+                               "contiguous heads"),
+    "slot_mapping length": (_replace("slot_mapping", lambda a: a["slot_mapping"][:-1]), "slot_mapping must be"),
+    "tile not a power of two": (lambda a: a.update(block_n=24), "block_n must be"),
 }
 
 
 @interpreted
-@pytest.mark.parametrize("change", BAD.values(), ids=BAD.keys())
-def test_bad_input_leaves_the_cache(ta, change):
+@pytest.mark.parametrize(("change", "error"), BAD.values(), ids=BAD.keys())
+def test_bad_input_leaves_the_cache(ta, change, error):
     q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
         [6, 13, 1], [6, 2, 1], 4, 2, 16, 4, torch.float32, seed=5)
     cos, sin = _rope_table(16)
@@ -296,32 +333,35 @@ def test_bad_input_leaves_the_cache(ta, change):
                 slot_mapping=slots, block_tables=tables, context_lens=context_lens,
                 query_lens=torch.tensor([6, 2, 1]), kv_of_q=torch.tensor([0, 1, 1, 0]), scale=0.25)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=error):
         ta.rope_paged_attention(**_bad(args, change))
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     ta.rope_paged_attention(**args)  # the valid arguments pass
     assert not torch.equal(k_cache, k_before)
 
 
+# (k, v, slots) -> the same made invalid, and the error it must raise
 WRITE_BAD = {
-    "slot past the cache": lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([2]), 10_000)),
-    "negative slot": lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([0]), -1)),
-    "int32 slots": lambda k, v, slots: (k, v, slots.int()),
-    "v dtype": lambda k, v, slots: (k, v.half(), slots),
-    "rows not contiguous": lambda k, v, slots: (k.transpose(1, 2).contiguous().transpose(1, 2), v, slots),
-    "KV heads": lambda k, v, slots: (k[:, :1], v[:, :1], slots),
+    "slot past the cache": (lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([2]), 10_000)),
+                            "slot out of range"),
+    "negative slot": (lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([0]), -1)), "slot out of range"),
+    "int32 slots": (lambda k, v, slots: (k, v, slots.int()), "slot_mapping must be"),
+    "v dtype": (lambda k, v, slots: (k, v.half(), slots), "dtype mismatch"),
+    "rows not contiguous": (lambda k, v, slots: (k.transpose(1, 2).contiguous().transpose(1, 2), v, slots),
+                            "contiguous rows"),
+    "KV heads": (lambda k, v, slots: (k[:, :1], v[:, :1], slots), "matching the cache"),
 }
 
 
 @interpreted
-@pytest.mark.parametrize("change", WRITE_BAD.values(), ids=WRITE_BAD.keys())
-def test_write_kv_cache_rejects(ta, change):
+@pytest.mark.parametrize(("change", "error"), WRITE_BAD.values(), ids=WRITE_BAD.keys())
+def test_write_kv_cache_rejects(ta, change, error):
     _, k_cache, v_cache, *_ = _problem([7, 12], None, 2, 2, 16, 4, F32, seed=7)
     k, v = torch.randn(2, 4, 2, 16).unbind(0)
-    slots = torch.tensor([0, 5, 9, 30])
+    k, v, slots = change(k, v, torch.tensor([0, 5, 9, 30]))
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    with pytest.raises(ValueError):
-        ta.write_kv_cache(*change(k, v, slots)[:2], k_cache, v_cache, change(k, v, slots)[2])
+    with pytest.raises(ValueError, match=error):
+        ta.write_kv_cache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
@@ -338,5 +378,68 @@ def test_paged_attention_rejects(ta):
         ta.paged_attention(q[:1], k_cache, v_cache, tables, context_lens, None, None, 0.25)
     with pytest.raises(ValueError, match="block_n"):
         ta.paged_attention(q, k_cache, v_cache, tables, context_lens, None, None, 0.25, block_n=24)
+    with pytest.raises(ValueError, match="one row per new token"):
+        ta.paged_attention(q, k_cache, v_cache, tables[:0], context_lens[:0], torch.zeros(0, dtype=torch.long),
+                           None, 0.25)
     empty = ta.paged_attention(q[:0], k_cache, v_cache, tables[:0], context_lens[:0], None, None, 0.25)
     assert empty.shape == (0, 64)
+
+
+# ---- on a GPU (--device cuda): the compiled kernels, the same cases and longer contexts -------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_ta(request):
+    """The kernels compiled for the GPU of `--device`, and that device."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a GPU and triton's compiler (not its interpreter)")
+    from hotswap.kernels import triton_attention
+
+    return triton_attention, torch.device(request.config.getoption("--device", default="cuda"))
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+GPU_CASES = {
+    **CASES,
+    "decode-gqa4-bf16-long": (32, 8, 128, 16, BF16, [1, 1000, 3001, 17], None, None, {}),
+    "decode-gqa8-f32-long": (16, 2, 64, 16, F32, [2048, 7], None, None, {}),
+    "extend-gqa4-bf16-long": (16, 4, 128, 16, BF16, [700, 300, 1], [200, 300, 1], None, {}),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tuned", [True, False], ids=["tuned", "defaults"])
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_paged_attention_gpu(gpu_ta, case, tuned):
+    ta, device = gpu_ta
+    heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, kv_of_q, tuning = case
+    q, k_cache, v_cache, tables, context_lens = _problem(lens, query_lens, heads, kv_heads, head_dim, block_size,
+                                                         dtype, seed=len(lens) * head_dim)
+    ql, kv = _tensor(query_lens), _tensor(kv_of_q)
+    out = ta.paged_attention(*_on(device, q, k_cache, v_cache, tables, context_lens, ql, kv), head_dim**-0.5,
+                             **(tuning if tuned else {}))
+    _close(out.cpu(), reference(q, k_cache, v_cache, tables, context_lens, ql, kv, head_dim**-0.5), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
+def test_rope_paged_attention_gpu(gpu_ta, case):
+    """As test_rope_paged_attention, the rotated keys bit for bit torch's in every dtype (rounded to nearest)."""
+    ta, device = gpu_ta
+    heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, same_halves, tuning = case
+    q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens))
+    cos, sin = _rope_table(head_dim, same_halves)
+    ql = _tensor(query_lens)
+    k_gpu, v_gpu = _on(device, k_cache, v_cache)
+    out = ta.rope_paged_attention(*_on(device, q, k, v, positions, cos, sin), k_gpu, v_gpu,
+                                  *_on(device, slots, tables, context_lens, ql), None, head_dim**-0.5, **tuning)
+    q_rot, k_rot = _rotate(q, cos[positions], sin[positions]), _rotate(k, cos[positions], sin[positions])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.flatten(0, 1).index_copy_(0, slots, k_rot)
+    v_ref.flatten(0, 1).index_copy_(0, slots, v)
+    assert torch.equal(k_gpu.cpu(), k_ref) and torch.equal(v_gpu.cpu(), v_ref)
+    _close(out.cpu(), reference(q_rot, k_ref, v_ref, tables, context_lens, ql, None, head_dim**-0.5), dtype)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from hotswap.config import current_config_or_none
+from hotswap.device import ATTENTION_BACKENDS
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import (
@@ -329,47 +331,70 @@ def write_kv_cache(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention_available(device: torch.device | str = "cpu") -> bool:
-    """Whether attention on `device` runs in a paged kernel (`paged_attention`, `rope_paged_attention`): then the
-    batch needs none of the padded layout the torch path (SDPA) uses. On the CPU, the native kernels where the
-    policy takes them, and always in deterministic mode (its one attention path); on CUDA, the Triton kernels
-    (hotswap/kernels/triton_attention.py) where triton imports."""
-    if torch.device(device).type == "cuda":
-        return _triton() is not None
+def paged_attention_available() -> bool:
+    """Whether attention runs in the native paged kernels (`paged_attention`, `rope_paged_attention`): then the
+    batch needs none of the padded layout the torch path (SDPA) uses. Always in deterministic mode (its one
+    attention path)."""
     return deterministic() or policy().uses("paged_attention")
 
 
-def _triton() -> Any:
-    """hotswap.kernels.triton_attention, or None where triton is not installed."""
-    try:
-        from hotswap.kernels import triton_attention
-    except ImportError:
-        return None
-    return triton_attention
-
-
 def paged_attention(*args: Any) -> torch.Tensor:
-    """The paged kernel of q's device (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
-    scale): native on the CPU, Triton on CUDA; only where `paged_attention_available(device)`."""
-    if args[0].device.type == "cuda":
-        return cast(torch.Tensor, _triton().paged_attention(*args))
+    """The native `paged_attention` (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
+    scale); only where `paged_attention_available()`."""
     return cast(torch.Tensor, _ops().paged_attention(*args))
 
 
-def rope_attention_applies(positions: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether `rope_paged_attention` takes these tokens (rotary, cache write and attention in one call): on
-    the CPU where the native kernels rotate them (`rotary_applies`), on CUDA where the Triton kernels exist."""
-    if q.device.type == "cuda":
-        return positions.dtype == torch.long and not _needs_grad(q) and _triton() is not None
-    return rotary_applies(positions, q)
-
-
 def rope_paged_attention(*args: Any) -> torch.Tensor:
-    """Rotates q/k, writes the cache and attends, in one call (arguments as the native kernel's), in the kernel
-    of q's device; only where `paged_attention_available(device)` and `rope_attention_applies`."""
-    if args[0].device.type == "cuda":
-        return cast(torch.Tensor, _triton().rope_paged_attention(*args))
+    """The native `rope_paged_attention`: rotates q/k, writes the cache and attends, in one call (arguments as
+    the kernel's); only where `paged_attention_available()` and `rotary_applies`."""
     return cast(torch.Tensor, _ops().rope_paged_attention(*args))
+
+
+@dataclass(frozen=True)
+class PagedKernels:
+    """One backend's paged attention, called like the native `paged_attention`; `rope` takes the arguments of the
+    native `rope_paged_attention` (rotary, cache write and attention in one call) where `rotates(positions, q)`."""
+
+    name: str
+    paged: Callable[..., torch.Tensor]
+    rope: Callable[..., torch.Tensor]
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.paged(*args)
+
+    def rotates(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
+        if self.name == "native":
+            return rotary_applies(positions, q)
+        return positions.dtype == torch.long and not _needs_grad(q)
+
+
+NATIVE_ATTENTION = PagedKernels("native", paged_attention, rope_paged_attention)
+
+
+def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
+    """The paged attention a model on `device` runs with `backend` ("auto": the native kernels on the CPU where
+    the policy takes them, the Triton kernels on CUDA where triton imports; "native", "triton"; "torch": None, the
+    padded SDPA path). Raises ValueError for a backend the device cannot run."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return None
+    if backend == "native" or (backend == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='native' runs on the CPU only, not {device.type}")
+        if paged_attention_available():
+            return NATIVE_ATTENTION
+        if backend == "native":
+            raise ValueError("attention_backend='native': the native kernels are not available here (not built, "
+                             "turned off, or not taken by the kernel policy); use 'auto'")
+        return None
+    try:
+        from hotswap.kernels import triton_attention
+    except ImportError as err:
+        if backend == "triton":
+            raise ValueError(f"attention_backend='triton' needs triton installed ({err})") from None
+        return None
+    return PagedKernels("triton", triton_attention.paged_attention, triton_attention.rope_paged_attention)
 
 
 def greedy_native(logits: torch.Tensor) -> bool:

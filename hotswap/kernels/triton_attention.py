@@ -25,15 +25,19 @@ Every argument is checked, its values included (one transfer to the host), befor
 raises ValueError and leaves the cache as it was.
 
 Kernels: a decode batch (one new token per sequence) runs split-KV ("flash decoding"): one program per (sequence,
-KV head, split of its keys) scores the query heads of that KV head together, a [GROUP, D] tile against each tile of
-keys, with an online softmax; a second kernel merges the splits by their log-sum-exp. Longer queries run one
-program per (sequence, block of its new tokens, query head) over the sequence's keys with the causal mask. Tiles
-are float32 in the dots: exact ("ieee") for a float32 cache; for a 16-bit cache "tf32", which holds bfloat16 and
-float16 values exactly, with the probabilities rounded to float16 before they weight the values.
+KV head, split of its keys) scores the query heads of that KV head together, a [GROUP, D] tile (GROUP a power of two
+>= 16, its spare rows masked) against tiles of BLOCK_N keys gathered through the block table, with an online
+softmax; a second kernel merges the splits by their log-sum-exp. A split holds at least MIN_SPLIT_KEYS keys, and
+there are as many (up to MAX_SPLITS) as bring the programs to about twice the device's multiprocessors. Longer
+queries run one program per (sequence, block of BLOCK_M new tokens, query head) over the sequence's keys with the
+causal mask. Tiles enter the dots as float32 (Triton's interpreter, which runs the tests, multiplies no 16-bit
+tiles): exact ("ieee") for a float32 cache; "tf32" for a 16-bit one, which holds bfloat16 and float16 values
+exactly, with the probabilities rounded to float16 before they weight the values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -46,8 +50,9 @@ import triton.language as tl
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_SPLIT_KEYS = 256  # a decode split holds at least this many keys: fewer, and merging costs more than it spreads
 MAX_SPLITS = 32
+ATTENTION_WARPS = 8
 _LOG2E = 1.4426950408889634
-_NEG = -1.0e30  # the score of a masked key: finite, so that a row with every key masked stays finite
+_NEG = tl.constexpr(-1.0e30)  # the score of a masked key: finite, so that a row with every key masked stays finite
 
 
 def _jit(fn: Any) -> Any:
@@ -77,8 +82,8 @@ def _dot(a: tl.tensor, b: tl.tensor, EXACT: tl.constexpr) -> tl.tensor:
 
 @_jit
 def _weights(p: tl.tensor, EXACT: tl.constexpr) -> tl.tensor:
-    """The probabilities as they weight the values: as they are for a float32 cache, else rounded to float16
-    (exact in tf32; tf32 would truncate them)."""
+    """The probabilities as they weight the values: as they are for a float32 cache, else rounded to nearest
+    float16, which tf32 holds exactly (what a tf32 dot does to wider values is the hardware's)."""
     if EXACT:
         return p
     else:
@@ -216,6 +221,16 @@ def _rotate(a: tl.tensor, b: tl.tensor, c: tl.tensor, s: tl.tensor, DTYPE: tl.co
 
 
 @_jit
+def _rotate_heads(src: tl.tensor, dst: tl.tensor, mask: tl.tensor, half: int, c0: tl.tensor, c1: tl.tensor,
+                  s0: tl.tensor, s1: tl.tensor, DTYPE: tl.constexpr) -> None:
+    """Rotates the heads at `src` (pointers to their first halves) into `dst`: rotate_half's layout."""
+    a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, _rotate(a, -b, c0, s0, DTYPE), mask=mask)
+    tl.store(dst + half, _rotate(b, a, c1, s1, DTYPE), mask=mask)
+
+
+@_jit
 def _rope_write_kernel(
     q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, positions_ptr: tl.tensor, cos_ptr: tl.tensor,
     sin_ptr: tl.tensor, q_out_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, slots_ptr: tl.tensor,
@@ -223,7 +238,8 @@ def _rope_write_kernel(
     q_blocks: int, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
 ) -> None:
     """Program (token, block of BLOCK_H heads): blocks below q_blocks rotate query heads into q_out [T, H, D];
-    the others rotate KV heads of k into the token's cache slot and copy the same heads of v to theirs."""
+    the others rotate KV heads of k into the token's cache slot and copy the same heads of v to theirs. (No name is
+    assigned in both branches: Triton would merge it, and it would need one type in both.)"""
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -237,27 +253,20 @@ def _rope_write_kernel(
     s0 = tl.load(sin_ptr + table, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + table + half, mask=dmask, other=0.0).to(dtype).to(tl.float32)[None, :]
     if blk < q_blocks:
-        heads = blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (heads < num_heads)[:, None] & dmask[None, :]
-        src = q_ptr + t * q_stride + heads[:, None] * head_dim + dd[None, :]
-        a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        dst = q_out_ptr + (t * num_heads + heads)[:, None] * head_dim + dd[None, :]
-        tl.store(dst, _rotate(a, -b, c0, s0, dtype), mask=mask)
-        tl.store(dst + half, _rotate(b, a, c1, s1, dtype), mask=mask)
+        q_heads = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+        q_cols = q_heads[:, None] * head_dim + dd[None, :]
+        _rotate_heads(q_ptr + t * q_stride + q_cols, q_out_ptr + t * num_heads * head_dim + q_cols,
+                      (q_heads < num_heads)[:, None] & dmask[None, :], half, c0, c1, s0, s1, dtype)
     else:
-        heads = (blk - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (heads < num_kv_heads)[:, None] & dmask[None, :]
-        cols = heads[:, None] * head_dim + dd[None, :]
-        dst = tl.load(slots_ptr + t) * (num_kv_heads * head_dim) + cols
-        src = k_ptr + t * k_stride + cols
-        a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        tl.store(k_cache_ptr + dst, _rotate(a, -b, c0, s0, dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + half, _rotate(b, a, c1, s1, dtype), mask=mask)
-        src = v_ptr + t * v_stride + cols
-        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst + half, tl.load(src + half, mask=mask), mask=mask)
+        kv_heads = (blk - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        kv_mask = (kv_heads < num_kv_heads)[:, None] & dmask[None, :]
+        kv_cols = kv_heads[:, None] * head_dim + dd[None, :]
+        slot_row = tl.load(slots_ptr + t) * (num_kv_heads * head_dim)
+        _rotate_heads(k_ptr + t * k_stride + kv_cols, k_cache_ptr + slot_row + kv_cols, kv_mask, half, c0, c1, s0,
+                      s1, dtype)
+        v_src = v_ptr + t * v_stride + kv_cols
+        tl.store(v_cache_ptr + slot_row + kv_cols, tl.load(v_src, mask=kv_mask), mask=kv_mask)
+        tl.store(v_cache_ptr + slot_row + kv_cols + half, tl.load(v_src + half, mask=kv_mask), mask=kv_mask)
 
 
 @_jit
@@ -304,7 +313,7 @@ class _Checks:
         if not items:
             return []
         got = torch.stack([x.reshape(()).to(torch.int64) for x in items]).tolist()
-        for (_, message), failed in zip(self._flags, got, strict=False):
+        for (_, message), failed in zip(self._flags, got[:len(self._flags)], strict=True):
             _require(not failed, message)
         return [int(x) for x in got[len(self._flags):]]
 
@@ -384,6 +393,7 @@ def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     _same_device(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q)
     bs = k_cache.shape[1]
     max_len = max_query_len = group = -1
+    _require(num_seqs > 0 or q.shape[0] == 0, f"q must have one row per new token: no sequences, {q.shape[0]} rows")
     if num_seqs > 0:
         lens = context_lens
         checks.fail_if(((lens < 1) | (lens > width * bs)).any(), "context_lens out of range of block_tables")
@@ -413,10 +423,15 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _tile(n: int | None, default: int, name: str) -> int:
-    n = default if n is None else n
-    _require(n >= 16 and n & (n - 1) == 0, f"{name} must be a power of two >= 16, got {n}")
-    return n
+def _device_of(x: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """x's CUDA device made the current one (Triton launches on the current device); nothing elsewhere."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _check_tuning(block_m: int | None, block_n: int | None, split_keys: int | None) -> None:
+    for name, n in (("block_m", block_m), ("block_n", block_n)):
+        _require(n is None or (n >= 16 and n & (n - 1) == 0), f"{name} must be a power of two >= 16, got {n}")
+    _require(split_keys is None or split_keys >= 1, f"split_keys must be positive, got {split_keys}")
 
 
 def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | None,
@@ -435,7 +450,8 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
     qk_scale = float(p.scale) * _LOG2E
     max_len = values[p.max_len]
     max_query_len = 1 if p.query_lens is None else values[p.max_query_len]
-    block_n = _tile(block_n, 64 if d_pad <= 64 else 32, "block_n")
+    # the defaults compile for sm_90 without register spills at ATTENTION_WARPS, float32 tiles included
+    block_n = block_n or max(16, min(32, 4096 // d_pad))
     if p.kv_of_q is None:
         per_kv = num_heads // num_kv_heads
         kv_index = torch.arange(num_heads, device=device) // per_kv
@@ -444,13 +460,13 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
         kv_index = p.kv_of_q
     if max_query_len > 1:
         assert p.query_lens is not None  # max_query_len is 1 without it
-        block_m = _tile(block_m, 16 if max_query_len <= 16 else 32, "block_m")
+        block_m = block_m or (16 if max_query_len <= 16 or d_pad > 128 else 32)
         q_start = torch.cumsum(p.query_lens, 0) - p.query_lens
         grid = (num_seqs, _cdiv(max_query_len, block_m), num_heads)
         _extend_kernel[grid](
             q, k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_lens, q_start, kv_index, out, qk_scale,
             num_heads, num_kv_heads, head_dim, bs, width, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
-            EXACT=exact, num_warps=4,
+            EXACT=exact, num_warps=ATTENTION_WARPS,
         )
         return out
     # decode: the query heads of each KV head, a [group, D] tile (rows of -1 pad it to a power of two >= 16)
@@ -465,7 +481,6 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
         programs = num_seqs * num_kv_heads
         wanted = min(_cdiv(2 * _sm_count(device), programs), _cdiv(max_len, MIN_SPLIT_KEYS), MAX_SPLITS)
         split_keys = _cdiv(max_len, max(1, wanted))
-    _require(split_keys >= 1, f"split_keys must be positive, got {split_keys}")
     split_keys = _cdiv(split_keys, block_n) * block_n  # whole tiles
     num_splits = _cdiv(max_len, split_keys)
     direct = num_splits == 1
@@ -477,7 +492,7 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, p.v_cache, p.block_tables, p.context_lens, heads, out, part_o, part_lse, qk_scale, num_heads,
         num_kv_heads, head_dim, bs, width, split_keys, num_splits, GROUP=group, BLOCK_N=block_n, D_PAD=d_pad,
-        EXACT=exact, DIRECT=direct, num_warps=4,
+        EXACT=exact, DIRECT=direct, num_warps=ATTENTION_WARPS,
     )
     if not direct:
         _merge_kernel[(num_tokens, num_heads)](
@@ -500,9 +515,12 @@ def paged_attention(
     per tile; `split_keys`, keys per split of a decode batch (rounded up to whole tiles; None: from the lengths and
     the device's multiprocessors). Raises ValueError for bad input."""
     _require(q.is_contiguous(), "q must be contiguous")
+    _check_tuning(block_m, block_n, split_keys)
     checks = _Checks()
     problem = _prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, checks)
-    return _attend(problem, checks.run(), block_m, block_n, split_keys)
+    values = checks.run()
+    with _device_of(q):
+        return _attend(problem, values, block_m, block_n, split_keys)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -516,9 +534,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if k.shape[0] == 0 or row == 0:
         return
     block = min(1024, _pow2(row))
-    _write_kernel[(k.shape[0], _cdiv(row, block))](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row, BLOCK=block, num_warps=4,
-    )
+    with _device_of(k):
+        _write_kernel[(k.shape[0], _cdiv(row, block))](
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row, BLOCK=block, num_warps=4,
+        )
 
 
 def rope_paged_attention(
@@ -532,6 +551,7 @@ def rope_paged_attention(
     rotated keys and v to the cache at `slot_mapping`, then returns paged_attention of the rotated queries (tuning
     as there). q, k and v need contiguous heads only. Every check runs before the cache is written: bad input raises
     ValueError and leaves it as it was."""
+    _check_tuning(block_m, block_n, split_keys)
     checks = _Checks()
     _check_kv_write(k, v, k_cache, v_cache, slot_mapping, checks)
     problem = _prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, checks)
@@ -551,16 +571,14 @@ def rope_paged_attention(
     values = checks.run()
     q_rot = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_kv_heads = k.shape[1]
-    if num_tokens > 0 and head_dim > 0:
-        half = head_dim // 2
-        block_h = min(_pow2(max(num_heads, num_kv_heads)), max(1, 4096 // _pow2(half)))
-        q_blocks = _cdiv(num_heads, block_h)
-        _rope_write_kernel[(num_tokens, q_blocks + _cdiv(num_kv_heads, block_h))](
-            q, k, v, positions, cos, sin, q_rot, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0),
-            v.stride(0), num_heads, num_kv_heads, head_dim, half, q_blocks, BLOCK_H=block_h, HALF_PAD=_pow2(half),
-            num_warps=4, enable_fp_fusion=False,  # no fused multiply-add: torch rounds each product
-        )
-    return _attend(dataclasses.replace(problem, q=q_rot), values, block_m, block_n, split_keys)
-
-
-__all__ = ["paged_attention", "rope_paged_attention", "write_kv_cache"]
+    with _device_of(q):
+        if num_tokens > 0 and head_dim > 0:
+            half = head_dim // 2
+            block_h = min(_pow2(max(num_heads, num_kv_heads)), max(1, 2048 // _pow2(half)))
+            q_blocks = _cdiv(num_heads, block_h)
+            _rope_write_kernel[(num_tokens, q_blocks + _cdiv(num_kv_heads, block_h))](
+                q, k, v, positions, cos, sin, q_rot, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0),
+                v.stride(0), num_heads, num_kv_heads, head_dim, half, q_blocks, BLOCK_H=block_h,
+                HALF_PAD=_pow2(half), num_warps=4, enable_fp_fusion=False,  # no fused multiply-add, as torch rounds
+            )
+        return _attend(dataclasses.replace(problem, q=q_rot), values, block_m, block_n, split_keys)

@@ -201,7 +201,7 @@ def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperatu
             blocks = -(-n // BLOCK_SIZE)
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-        meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, ops.paged_attention)
+        meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, ops.NATIVE_ATTENTION)
         attention = [m for m in mirror.model.modules() if isinstance(m, Attention)]
         for attn in attention:
             shape = (next_block, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)

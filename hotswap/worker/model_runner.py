@@ -36,8 +36,8 @@ class ModelRunner:
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
         if config.model_config.deterministic:
             ops.require_native()  # its one path for every batch
-        # the paged kernel of this device (native on the CPU, Triton on CUDA), or None: the torch path (SDPA)
-        self.attention_kernel = ops.paged_attention if ops.paged_attention_available(self.device) else None
+        # the paged kernels of this device and backend (native on the CPU, Triton on CUDA), or None: the torch path
+        self.attention_kernel = ops.paged_kernels(config.model_config.attention_backend, self.device)
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
         self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,7 +34,8 @@ class AttentionMetadata:
     `pad_index` maps each flat token to its row in the padded [B * max_query_len] layout (None when every
     sequence has one query token). `mask` [B, 1, max_query_len, key_len] is True where a query may attend.
     `gather_cache` is False when no sequence has cached tokens, so keys come straight from this step.
-    `kernel` (the native `paged_attention`, see hotswap/kernels) is set when it is available and no sequence has
+    `kernel` (the paged attention of the model's backend: native on the CPU, Triton on CUDA; `ops.paged_kernels`)
+    is set when there is one and no sequence has
     more than KERNEL_MAX_QUERY_LEN new tokens: attention then reads the paged cache in place, with `query_lens`
     (None when every sequence has one new token) and none of the padded layout.
     `parts`: a step that mixes short queries (decodes) with long ones (prefill chunks) attends in two groups,
@@ -49,7 +49,7 @@ class AttentionMetadata:
     mask: torch.Tensor | None
     max_query_len: int
     gather_cache: bool
-    kernel: Callable[..., torch.Tensor] | None = None
+    kernel: ops.PagedKernels | None = None
     query_lens: torch.Tensor | None = None
     parts: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
 
@@ -60,7 +60,7 @@ class AttentionMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        kernel: Callable[..., torch.Tensor] | None = None,
+        kernel: ops.PagedKernels | None = None,
     ) -> AttentionMetadata:
         max_q = max(query_lens)
         cap = KERNEL_MAX_QUERY_LEN if not ops.deterministic() else max_q  # deterministic: one path for every query
@@ -124,7 +124,7 @@ class AttentionMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        kernel: Callable[..., torch.Tensor] | None,
+        kernel: ops.PagedKernels | None,
         short: int,
     ) -> AttentionMetadata:
         """Metadata with `parts`: the sequences of at most `short` new tokens, and the others."""
@@ -182,14 +182,14 @@ class Attention(nn.Module):
             assert positions is not None, "rotary needs the token positions"
             if meta.kernel is not None and ops.deterministic() and positions.dtype == torch.long:
                 return self._rope_attend_exact(q, k, v, positions, rotary, meta)
-            if meta.kernel is not None and ops.rope_attention_applies(positions, q):
-                return ops.rope_paged_attention(
+            if meta.kernel is not None and meta.kernel.rotates(positions, q):
+                return meta.kernel.rope(
                     q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                     meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
                 )
             q, k = rotary(positions, q, k)
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.kernel is not None:  # the device's paged kernel (hotswap.kernels.ops dispatches by device)
+        if meta.kernel is not None:  # the paged kernel of the model's backend (ops.paged_kernels)
             return meta.kernel(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                 self.expand_index, self.scale,
