@@ -186,7 +186,8 @@ def test_shm_trainer_killed_mid_update_is_rolled_back(ckpts, b_tensors):
     llm.start_weight_update()
     llm.update_weights(json.loads(trainer.stdout.readline()))
     assert llm.weight_checksums() != before
-    assert shm_segments(creators={trainer.pid})  # its segment is found by its name (checked gone at the end)
+    segments = shm_segments(creators={trainer.pid})
+    assert segments  # its segment is found by its name (checked gone at the end)
     trainer.stdin.write("next\n")  # a sender reuses its buffer only after the engine has taken the previous update
     trainer.stdin.flush()
     info = json.loads(trainer.stdout.readline())
@@ -195,6 +196,8 @@ def test_shm_trainer_killed_mid_update_is_rolled_back(ckpts, b_tensors):
     with pytest.raises(RuntimeError, match="exited before publishing"):
         llm.update_weights(info)
     assert time.monotonic() - start < 10
+    with open("/proc/self/maps") as maps:  # unmapped as the update failed, with the transport still open
+        assert not [line for line in maps if any(name in line for name in segments)]
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
     llm.shutdown_weight_transfer_engine()
     trainer.wait()

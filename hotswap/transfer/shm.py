@@ -201,6 +201,7 @@ class ShmEngine(TransferEngine):
             if current == generation:
                 return
             if not _process_alive(pid):
+                self._forget(segment)  # nothing more will come through it: not held until the transport closes
                 raise RuntimeError(f"trainer process {pid} exited before publishing update generation {generation}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -236,6 +237,16 @@ class ShmEngine(TransferEngine):
                 raise RuntimeError("the trainer overwrote the shared buffer while the worker was reading it")
 
         return WeightSource(declared, tensors, in_memory=True, verify=verify, description="shm update")
+
+    def _forget(self, segment: _Mapping) -> None:
+        """Drops a segment whose trainer is gone and unmaps it now, unless a tensor view of it remains (then it
+        goes with the last view)."""
+        self.segments.pop(segment.name, None)
+        try:
+            segment.buf.release()
+            segment.map.close()
+        except BufferError:
+            pass
 
     def shutdown(self) -> None:
         """Drops the mappings; each is unmapped once no tensor view of it remains (see `_Mapping`)."""
