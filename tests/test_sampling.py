@@ -340,3 +340,23 @@ def test_include_stop_str_in_output_and_validation(llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs=50 exceeds max_logprobs"):
         llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=50), use_tqdm=False)
+
+
+@pytest.mark.cuda
+def test_the_sampler_on_a_device_equals_the_host(device):
+    """Logits left on the GPU: greedy rows, filters, penalties, logit bias, banned tokens and seeded draws give the
+    tokens the host gives (the uniforms are drawn on the host), logprobs within float rounding."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 3000, generator=gen) * 4
+    specs = [SampleSpec(), SampleSpec(num_logprobs=5), SampleSpec(temperature=0.7, seed=1, top_k=50),
+             SampleSpec(temperature=1.0, seed=2, top_p=0.9), SampleSpec(temperature=1.3, seed=3, min_p=0.05),
+             SampleSpec(temperature=1.0, seed=4, logit_bias={7: 30.0}),
+             SampleSpec(temperature=0.0, banned_token_ids=[int(logits[6].argmax())]),
+             SampleSpec(temperature=0.9, seed=5, repetition_penalty=1.3, seen_token_ids=[1, 2, 3],
+                        num_prompt_tokens=1, presence_penalty=0.5, frequency_penalty=0.2),
+             *[SampleSpec(temperature=1.0, seed=10 + i, num_logprobs=2) for i in range(4)]]
+    host = sample(logits, specs)
+    on_device = sample(logits.to(device), specs)
+    assert [r.token_id for r in on_device] == [r.token_id for r in host]
+    for a, b in zip(on_device, host, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4 and a.top_ids == b.top_ids

@@ -164,8 +164,8 @@ class ModelRunner:
                   for ask in mi.prompt_logprobs}
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
-        # the sampler runs on the host: a device's logits come back once per step
-        return Samples(sample(logits.cpu(), mi.sample_specs), prompt, routes)
+        # sampled on the logits' device: only the ids and the asked logprobs come back to the host
+        return Samples(sample(logits, mi.sample_specs), prompt, routes)
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:

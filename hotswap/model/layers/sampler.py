@@ -1,4 +1,5 @@
-"""Batched token sampling with per-row settings.
+"""Batched token sampling with per-row settings, on the logits' device (only the sampled ids and the asked
+logprobs come back to the host).
 
 Sampling inverts the cumulative distribution: one uniform number per row picks the token where the row's running
 sum of probabilities (in float64) passes it, which draws exactly from p at the cost of one pass over the vocabulary
@@ -29,16 +30,17 @@ def _row_seed(seed: int, index: int, position: int) -> int:
 
 def apply_filters(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Applies min-p, then top-k and top-p, per row (vLLM's order); filtered entries become -inf."""
-    top_k = torch.tensor([s.top_k if s.top_k > 0 else logits.shape[1] for s in specs])
-    top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype)
-    min_p = torch.tensor([s.min_p for s in specs], dtype=logits.dtype)
-    if (min_p > 0).any():
+    device = logits.device
+    top_k = torch.tensor([s.top_k if s.top_k > 0 else logits.shape[1] for s in specs], device=device)
+    top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype, device=device)
+    min_p = torch.tensor([s.min_p for s in specs], dtype=logits.dtype, device=device)
+    if any(s.min_p > 0 for s in specs):  # decided on the host: no device read
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
+    if any(0 < s.top_k < logits.shape[1] or s.top_p < 1.0 for s in specs):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1])[None, :]
+        ranks = torch.arange(logits.shape[1], device=device)[None, :]
         drop = ranks >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
@@ -59,18 +61,19 @@ def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     logits = logits.clone()
     for row, spec in enumerate(specs):
         if spec.logit_bias:
-            ids = torch.tensor(list(spec.logit_bias), dtype=torch.long)
-            logits[row, ids] += torch.tensor(list(spec.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(spec.logit_bias), dtype=torch.long, device=logits.device)
+            logits[row, ids] += torch.tensor(list(spec.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if spec.seen_token_ids is None:
             continue
         line = logits[row]
         if spec.repetition_penalty != 1.0 and spec.seen_token_ids:
-            seen = torch.tensor(sorted(set(spec.seen_token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(spec.seen_token_ids)), dtype=torch.long, device=logits.device)
             values = line[seen]
             line[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
         outputs = spec.seen_token_ids[spec.num_prompt_tokens :]
         if outputs and (spec.presence_penalty or spec.frequency_penalty):
-            counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=line.shape[0]).to(line.dtype)
+            ids = torch.tensor(outputs, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=line.shape[0]).to(line.dtype)
             line -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).to(line.dtype)
     return logits
 
@@ -88,11 +91,11 @@ def processed_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Ten
     processed = banned(adjusted(logits, specs), specs)
     rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if rows:
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         sub = [specs[r] for r in rows]
         scaled = processed[index]
         if any(s.temperature != 1.0 for s in sub):  # x / 1 is x
-            scaled = scaled / torch.tensor([s.temperature for s in sub], dtype=logits.dtype)[:, None]
+            scaled = scaled / temperatures(sub, logits)
         processed = processed.index_copy(0, index, apply_filters(scaled, sub))
     return processed
 
@@ -123,16 +126,19 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     logits = banned(adjusted(logits, specs), specs)
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     # rows drawn from, as an index (None: every row, taken whole: no gather, and no argmax pass for greedy rows)
-    index = None if len(random_rows) == len(specs) else torch.tensor(random_rows, dtype=torch.long)
+    index = None if len(random_rows) == len(specs) else torch.tensor(random_rows, dtype=torch.long,
+                                                                      device=logits.device)
     tokens: torch.Tensor | None = None if index is None else logits.max(dim=-1).indices  # the first maximum
     kept: dict[int, list[int]] = {}
     if random_rows:
         sub_specs = specs if index is None else [specs[r] for r in random_rows]
         scaled = logits if index is None else logits[index]
         if any(s.temperature != 1.0 for s in sub_specs):  # x / 1 is x: the common case skips the pass
-            scaled = scaled / torch.tensor([s.temperature for s in sub_specs], dtype=logits.dtype)[:, None]
+            scaled = scaled / temperatures(sub_specs, logits)
         filtered = apply_filters(scaled, sub_specs)
-        drawn = draw(filtered.softmax(dim=-1), uniforms_for(sub_specs))
+        # the uniforms are drawn on the host (a seeded row's from its own generator), so a seeded sample is the
+        # same token on any device
+        drawn = draw(filtered.softmax(dim=-1), uniforms_for(sub_specs).to(logits.device))
         if tokens is None:
             tokens = drawn
         else:
@@ -157,7 +163,7 @@ def kept_sets(filtered: torch.Tensor, specs: list[SampleSpec], rows: list[int]) 
     wanted = [j for j, s in enumerate(specs) if s.return_mask and filters(s, filtered.shape[1])]
     if not wanted:
         return {}
-    finite = torch.isfinite(filtered[torch.tensor(wanted)])
+    finite = torch.isfinite(filtered[torch.tensor(wanted, device=filtered.device)])
     return {rows[j]: finite[i].nonzero().squeeze(1).tolist() for i, j in enumerate(wanted)}
 
 
@@ -186,7 +192,7 @@ def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         logits = logits.clone()
         for row, spec in enumerate(specs):
             if spec.allowed is not None:
-                allowed = unpack(spec.allowed, logits.shape[1])
+                allowed = unpack(spec.allowed.to(logits.device), logits.shape[1])
                 if spec.banned_token_ids:
                     kept = allowed.clone()
                     kept[spec.banned_token_ids] = False
@@ -199,7 +205,7 @@ def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 
 def unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [vocab] from a grammar's packed mask: bit t % 32 of word t // 32 says whether token t is allowed."""
-    bits = (words.to(torch.int64)[:, None] >> torch.arange(32)) & 1
+    bits = (words.to(torch.int64)[:, None] >> torch.arange(32, device=words.device)) & 1
     return bits.flatten()[:vocab].bool()
 
 
@@ -210,18 +216,24 @@ def distribution(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     probs = torch.zeros_like(processed)
     greedy = [r for r, s in enumerate(specs) if s.temperature == 0]
     if greedy:
-        rows = torch.tensor(greedy)
+        rows = torch.tensor(greedy, device=logits.device)
         probs[rows, processed[rows].argmax(dim=-1)] = 1.0
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     if random_rows:
-        rows = torch.tensor(random_rows)
+        rows = torch.tensor(random_rows, device=logits.device)
         probs[rows] = processed[rows].softmax(dim=-1)
     return probs
 
 
+def temperatures(specs: list[SampleSpec], logits: torch.Tensor) -> torch.Tensor:
+    """[R, 1] of the rows' temperatures, in `logits`' dtype and on its device."""
+    return torch.tensor([s.temperature for s in specs], dtype=logits.dtype, device=logits.device)[:, None]
+
+
 def uniforms_for(specs: list[SampleSpec], stream: int = 0) -> torch.Tensor:
-    """One uniform number in [0, 1) per row (float32): a seeded row's from its keyed generator (see
-    `uniform_for`), the others' from the process's generator."""
+    """One uniform number in [0, 1) per row (float32, on the host whatever the logits' device, so that a seeded
+    draw does not depend on the device): a seeded row's from its keyed generator (see `uniform_for`), the
+    others' from the process's generator."""
     uniforms = torch.rand(len(specs))
     for i, spec in enumerate(specs):
         if spec.seed is not None:
@@ -266,7 +278,7 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     block = torch.searchsorted(block_cum, target, right=True).clamp_(max=blocks - 1)  # [R, 1]
     before = block_cum.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
     fraction = ((target - before) / mass.gather(1, block)).clamp_(0.0, 1.0)  # the chosen block has mass
-    columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK)  # [R, DRAW_BLOCK], past the vocabulary at the end
+    columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # [R, DRAW_BLOCK], past the end
     inside = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0)
     cum = inside.double().cumsum(dim=-1)
     offset = torch.searchsorted(cum, fraction * cum[:, -1:], right=True).squeeze(1)
