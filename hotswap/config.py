@@ -59,7 +59,8 @@ class ModelConfig:
     (hotswap/device.py); CUDA without a visible GPU, and what has no CUDA path yet, are refused here.
     `attention_backend` (vLLM's flag): "auto" (the native kernels on the CPU where they win, Triton's on CUDA),
     "native", "triton" (on the CPU only under TRITON_INTERPRET=1: the tests' way to run the GPU kernels), or "torch"
-    (SDPA over a padded copy).
+    (SDPA over a padded copy). `enforce_eager` (vLLM's): no CUDA graphs for decode steps
+    (hotswap/worker/cuda_graphs.py).
     """
 
     model: str
@@ -73,6 +74,7 @@ class ModelConfig:
     deterministic: bool = False
     device: str = "cpu"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

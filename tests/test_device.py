@@ -115,6 +115,7 @@ ALLOWED = {
     ("hotswap/worker/model_runner.py", "hidden_states"): "ids and positions: built on the host, moved once",
     ("hotswap/worker/model_runner.py", "bytes_per_block"): "an element size",
     ("hotswap/worker/model_runner.py", "zeroed"): "its CPU branch (an anonymous mapping)",
+    ("hotswap/worker/cuda_graphs.py", "run"): "a step's inputs, built on the host, copied into the graphs' buffers",
     ("hotswap/worker/worker.py", "_move_experts"): "a flag summed over the gloo group",
     ("hotswap/lora", "*"): "LoRA: refused on CUDA for now",
     ("hotswap/model/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",

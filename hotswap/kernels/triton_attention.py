@@ -294,7 +294,8 @@ def _require(ok: bool, message: str) -> None:
 class _Checks:
     """Checks of tensor values and the sizes read with them, brought to the host in one transfer."""
 
-    def __init__(self) -> None:
+    def __init__(self, trusted: bool = False) -> None:
+        self.trusted = trusted  # values are not checked (trusted mode: see paged_attention's `max_context`)
         self._flags: list[tuple[torch.Tensor, str]] = []
         self._reads: list[torch.Tensor] = []
 
@@ -316,6 +317,14 @@ class _Checks:
         for (_, message), failed in zip(self._flags, got[:len(self._flags)], strict=True):
             _require(not failed, message)
         return [int(x) for x in got[len(self._flags):]]
+
+
+def _trusted_values(p: _Problem, max_context: int) -> list[int]:
+    """What `_Checks.run` would return in trusted mode: the longest context only (a decode batch, no head map)."""
+    _require(p.query_lens is None and p.kv_of_q is None and p.max_len == 0,
+             "max_context (trusted mode) takes decode batches without kv_of_q")
+    _require(max_context >= 1, f"max_context must be positive, got {max_context}")
+    return [max_context]
 
 
 def _same_device(*tensors: torch.Tensor | None) -> None:
@@ -344,7 +353,9 @@ def _check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     _int64(slot_mapping, k.shape[0], "slot_mapping", "[T]")
     _same_device(k, v, k_cache, v_cache, slot_mapping)
     slots = k_cache.shape[0] * k_cache.shape[1]
-    checks.fail_if(((slot_mapping < 0) | (slot_mapping >= slots)).any(), f"slot out of range of the cache ({slots})")
+    if not checks.trusted:
+        checks.fail_if(((slot_mapping < 0) | (slot_mapping >= slots)).any(),
+                       f"slot out of range of the cache ({slots})")
 
 
 @dataclass(frozen=True)
@@ -394,6 +405,10 @@ def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     bs = k_cache.shape[1]
     max_len = max_query_len = group = -1
     _require(num_seqs > 0 or q.shape[0] == 0, f"q must have one row per new token: no sequences, {q.shape[0]} rows")
+    if checks.trusted:  # trusted mode: no value is checked or read (the longest context is the caller's)
+        _require(query_lens is None and kv_of_q is None, "max_context (trusted mode) takes decode batches without "
+                 "kv_of_q")
+        return _Problem(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, 0, -1, -1)
     if num_seqs > 0:
         lens = context_lens
         checks.fail_if(((lens < 1) | (lens > width * bs)).any(), "context_lens out of range of block_tables")
@@ -509,16 +524,21 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, query_lens: torch.Tensor | None, kv_of_q: torch.Tensor | None, scale: float, *,
     block_m: int | None = None, block_n: int | None = None, split_keys: int | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q [T, H, D] over the paged cache (see the top of the file); returns
     [T, H * D] in q's dtype. Tuning, each a power of two >= 16 where given: `block_m` new tokens and `block_n` keys
     per tile; `split_keys`, keys per split of a decode batch (rounded up to whole tiles; None: from the lengths and
-    the device's multiprocessors). Raises ValueError for bad input."""
+    the device's multiprocessors). Raises ValueError for bad input.
+
+    `max_context` (decode batches, `query_lens` and `kv_of_q` None): the trusted mode a CUDA graph captures. The
+    caller vouches for the values of the metadata (the engine builds them on the host), so none is checked and
+    nothing is read back to the host; the grid is sized for `max_context` keys per sequence."""
     _require(q.is_contiguous(), "q must be contiguous")
     _check_tuning(block_m, block_n, split_keys)
-    checks = _Checks()
+    checks = _Checks(trusted=max_context is not None)
     problem = _prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, checks)
-    values = checks.run()
+    values = checks.run() if max_context is None else _trusted_values(problem, max_context)
     with _device_of(q):
         return _attend(problem, values, block_m, block_n, split_keys)
 
@@ -546,13 +566,15 @@ def rope_paged_attention(
     block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor | None,
     kv_of_q: torch.Tensor | None, scale: float, *,
     block_m: int | None = None, block_n: int | None = None, split_keys: int | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Rotates q [T, H, D] and k [T, KVH, D] at `positions` [T] int64 with cos/sin float32 [P, D], writes the
     rotated keys and v to the cache at `slot_mapping`, then returns paged_attention of the rotated queries (tuning
-    as there). q, k and v need contiguous heads only. Every check runs before the cache is written: bad input raises
-    ValueError and leaves it as it was."""
+    as there; `max_context`: paged_attention's trusted mode, positions and slots unchecked too). q, k and v need
+    contiguous heads only. Every check runs before the cache is written: bad input raises ValueError and leaves it
+    as it was."""
     _check_tuning(block_m, block_n, split_keys)
-    checks = _Checks()
+    checks = _Checks(trusted=max_context is not None)
     _check_kv_write(k, v, k_cache, v_cache, slot_mapping, checks)
     problem = _prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, checks)
     num_tokens, num_heads, head_dim = q.shape
@@ -566,9 +588,10 @@ def rope_paged_attention(
              f"{sin.dtype} {list(sin.shape)}")
     _int64(positions, num_tokens, "positions", "[T]")
     _same_device(q, positions, cos, sin, k_cache)
-    checks.fail_if(((positions < 0) | (positions >= cos.shape[0])).any(),
-                   f"position out of range of the cos/sin table ({cos.shape[0]})")
-    values = checks.run()
+    if not checks.trusted:
+        checks.fail_if(((positions < 0) | (positions >= cos.shape[0])).any(),
+                       f"position out of range of the cos/sin table ({cos.shape[0]})")
+    values = checks.run() if max_context is None else _trusted_values(problem, max_context)
     q_rot = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_kv_heads = k.shape[1]
     with _device_of(q):

@@ -23,6 +23,7 @@ from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
 from hotswap.model.routing import bind_routing, routes_dtype
+from hotswap.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture, graphable
 from hotswap.worker.decoder_stack import NativeDecoderStack
 
 
@@ -41,6 +42,8 @@ class ModelRunner:
         self.stack = NativeDecoderStack(model)
         self.routing = bind_routing(model)  # None for a dense model
         self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)
+        # decode steps replayed from CUDA graphs (hotswap/worker/cuda_graphs.py), made with the KV cache
+        self.graphs: DecodeGraphs | None = None
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -50,16 +53,31 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.config.cache_config.kv_torch_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocates zeroed K and V tensors [num_blocks, block_size, kv_heads, head_dim] per layer and binds them."""
+    def allocate_kv_cache(self, num_blocks: int, capture: Capture | None = None) -> None:
+        """Allocates zeroed K and V tensors [num_blocks, block_size, kv_heads, head_dim] per layer and binds them.
+        With decode graphs (on CUDA unless `enforce_eager`, a dense model on the Triton kernels; or `capture`
+        given: the tests' stand-in), one more block, the graphs' scratch block, follows the usable ones."""
         dtype = self.config.cache_config.kv_torch_dtype
         self.num_blocks = num_blocks
         self.kv_caches = []
+        self.graphs = None
+        use_graphs = self.attention_kernel is not None and self.attention_kernel.name == "triton" and \
+            graphable(self.model) and (capture is not None or (
+                self.device.type == "cuda" and not self.config.model_config.enforce_eager))
         for attn in self.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks + int(use_graphs), self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = zeroed(shape, dtype, self.device)
             attn.v_cache = zeroed(shape, dtype, self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
+        if use_graphs:
+            assert self.attention_kernel is not None  # checked above
+            mc = self.config.model_config
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: cast(torch.Tensor, self.model(ids, pos, meta)), self.attention_kernel,
+                int(mc.hf_config["hidden_size"]), next(self.model.parameters()).dtype, self.device,
+                self.config.scheduler_config.max_num_seqs, math.ceil((mc.max_model_len or 1) / self.block_size),
+                self.block_size, num_blocks, capture or cuda_capture,
+            )
 
     def calibrate_stack(self) -> None:
         """Times the native decoder stack against the modules on this model and cache (once per model shapes and
@@ -78,6 +96,7 @@ class ModelRunner:
         )
 
     def free_kv_cache(self) -> None:
+        self.graphs = None
         for attn in self.attention_layers():
             attn.k_cache = attn.v_cache = None
         self.kv_caches = []
@@ -101,6 +120,9 @@ class ModelRunner:
         block_tables: list[list[int]],
     ) -> torch.Tensor:
         """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]."""
+        if self.graphs is not None and self.graphs.applies(query_lens, block_tables) and \
+                (self.routing is None or not (self.routing.record or self.routing.forced is not None)):
+            return self.graphs.run(input_ids, positions, context_lens, block_tables)
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)

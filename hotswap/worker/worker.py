@@ -250,13 +250,15 @@ class Worker:
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable. After a callable,
         the runner's native decoder stack, which keeps what it checked on the modules (e.g. that no forward hook
-        is set), is told that user code ran on the model."""
+        is set), is told that user code ran on the model, and its CUDA graphs are dropped (captured again)."""
         if callable(method):
             try:
                 return method(self, *args, **kwargs)
             finally:
                 if self.runner is not None:
                     self.runner.stack.user_code_ran()
+                    if self.runner.graphs is not None:
+                        self.runner.graphs.invalidate()
                 for model in (self.model, self.draft_model):
                     if model is not None:
                         packing.drop_all(model)  # the code may have written weights
