@@ -13,8 +13,10 @@ Parts (each runs even if an earlier one failed; a failure is a row of the table,
 - correct: greedy tokens of small llama / qwen2 / qwen3 / qwen3-MoE models against transformers on the same GPU
   (teacher-forced on the engine's tokens): fp32 equal at every step, logprobs within 1e-3; bf16 equal up to each
   sequence's first near-tie of transformers' two best logprobs (< 0.2 apart), logprobs within 0.2.
-- steps: the engine's decode step at 1/8/32/128/512 rows of a 1.5B-shaped bf16 model (random weights), against the
-  HBM floor (weight bytes / 4.8 TB/s) and transformers' eager forward of the same rows.
+- steps: the engine's decode step at 1/8/32/128/512 rows of a 1.5B-shaped bf16 model (random weights), eager and
+  from CUDA graphs, against the HBM floor (weight bytes / 4.8 TB/s) and the plain-torch reference the issue names
+  (the shape's MLP blocks and LM head, eager and as one graph replay); the target: graphs <= 1.5x that replay at
+  128 rows.
 - rollout: the GRPO-shaped rollout (64 prompts x 16 samples = 1,024 requests, T=1, max_tokens = min_tokens drawn
   long-tailed in 16-1024, prompts of 48-160 random ids) and 128 x 256 fixed, on 0.5B and 1.5B shapes in bf16,
   beside transformers `generate` at 128 x 256 (its best case) in the same run; tokens/s and the ratio.
@@ -228,41 +230,81 @@ def weight_bytes(shape: str) -> int:
     return 2 * (layers * per_layer + v * h)
 
 
-def steps(tmp: Path, quick: bool, shape: str) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def decode_step_ms(llm: Any, rows: int) -> float:
+    """The engine's decode step at `rows` sequences of 16-token prompts: (a 65-token run - a 1-token run) / 64."""
     from hotswap import SamplingParams
 
-    folder = model_folder(tmp, shape)
-    llm = engine(folder, max_num_seqs=512, max_num_batched_tokens=8192)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.bfloat16)
-    hf = hf.to(DEVICE).eval()
-    floor_ms = weight_bytes(shape) / HBM_BYTES_PER_S * 1e3
-    for rows in (1, 8) if DEVICE == "cpu" else (1, 8, 32, 128) if quick else (1, 8, 32, 128, 512):
-        prompts = [{"prompt_token_ids": [random.randrange(3, 4000) for _ in range(16)]} for _ in range(rows)]
-        decode = 64
-        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    prompts = [{"prompt_token_ids": [random.randrange(3, 4000) for _ in range(16)]} for _ in range(rows)]
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up, captures
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=65, ignore_eos=True), use_tqdm=False)
+    return (time.perf_counter() - start - prefill) / 64 * 1e3
+
+
+def reference_stack_ms(shape: str, rows: int, graph: bool) -> float:
+    """The plain-torch floor the issue names: the shape's MLP blocks and LM head at `rows` rows, bf16, eager or as
+    one CUDA graph replay (median of 20)."""
+    s = SHAPES[shape]
+    h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    layers = [(torch.randn(2 * i, h, device=DEVICE, dtype=torch.bfloat16) * 0.02,
+               torch.randn(h, i, device=DEVICE, dtype=torch.bfloat16) * 0.02) for _ in range(s["num_hidden_layers"])]
+    head = torch.randn(v, h, device=DEVICE, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(rows, h, device=DEVICE, dtype=torch.bfloat16)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for gate_up, down in layers:
+            g, u = (y @ gate_up.T).chunk(2, dim=-1)
+            y = y + (torch.nn.functional.silu(g) * u) @ down.T
+        return y @ head.T
+
+    run: Callable[[], Any] = forward
+    if graph and DEVICE != "cpu":
+        from hotswap.worker.cuda_graphs import cuda_capture
+
+        out = torch.empty(rows, SHAPES[shape]["vocab_size"], device=DEVICE, dtype=torch.bfloat16)
+
+        def captured() -> None:
+            out.copy_(forward())
+
+        run = cuda_capture(captured)
+    times = []
+    for _ in range(23):
         sync()
         start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=decode + 1, ignore_eos=True), use_tqdm=False)
-        step_ms = (time.perf_counter() - start - prefill) / decode * 1e3
-        ids = torch.randint(3, 4000, (rows, 1), device=DEVICE)
-        with torch.no_grad():
-            for _ in range(3):
-                hf(ids)
-            sync()
-            start = time.perf_counter()
-            for _ in range(10):
-                hf(ids)
-            sync()
-        hf_ms = (time.perf_counter() - start) / 10 * 1e3
-        row("steps", f"{shape} bf16 decode step, {rows} rows", f"{step_ms:.2f} ms (floor {floor_ms:.2f}, "
-            f"{step_ms / floor_ms:.1f}x; transformers' eager forward {hf_ms:.2f} ms)", None, rows=rows,
-            step_ms=step_ms, floor_ms=floor_ms, hf_forward_ms=hf_ms)
-    del llm, hf
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times[3:])[10] * 1e3
+
+
+def steps(tmp: Path, quick: bool, shape: str) -> None:
+    folder = model_folder(tmp, shape)
+    all_rows = (1, 8) if DEVICE == "cpu" else (1, 8, 32, 128) if quick else (1, 8, 32, 128, 512)
+    figures: dict[tuple[bool, int], float] = {}
+    for eager in (True, False):
+        llm = engine(folder, max_num_seqs=512, max_num_batched_tokens=8192, enforce_eager=eager,
+                     gpu_memory_utilization=0.4)
+        for rows in all_rows:
+            figures[eager, rows] = decode_step_ms(llm, rows)
+        replays = llm.collective_rpc(lambda w: None if w.runner.graphs is None else w.runner.graphs.replays)
+        row("steps", f"{shape} engine {'eager' if eager else 'graphs'}", f"graph replays {replays}",
+            None if eager or DEVICE == "cpu" else bool(replays[0]))
+        del llm
+        torch.cuda.empty_cache()
+    floor_ms = weight_bytes(shape) / HBM_BYTES_PER_S * 1e3
+    for rows in all_rows:
+        eager_ms, graph_ms = figures[True, rows], figures[False, rows]
+        ref_eager, ref_graph = reference_stack_ms(shape, rows, False), reference_stack_ms(shape, rows, True)
+        target = rows == 128 and DEVICE != "cpu"
+        row("steps", f"{shape} bf16 decode step, {rows} rows", f"eager {eager_ms:.2f} / graphs {graph_ms:.2f} ms; "
+            f"torch MLPs+head eager {ref_eager:.2f} / graph {ref_graph:.2f}; floor {floor_ms:.2f}",
+            graph_ms <= 1.5 * ref_graph if target else None, rows=rows, eager_ms=eager_ms, graph_ms=graph_ms,
+            reference_eager_ms=ref_eager, reference_graph_ms=ref_graph, floor_ms=floor_ms)
     torch.cuda.empty_cache()
 
 
