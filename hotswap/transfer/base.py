@@ -22,6 +22,8 @@ BACKENDS = {
     "torch_dist": "hotswap.transfer.torch_dist:TorchDistEngine",
     "disk": "hotswap.transfer.disk:DiskEngine",
     "sglang_dist": "hotswap.transfer.sglang_dist:SglangDistEngine",
+    "cuda_ipc": "hotswap.transfer.cuda_ipc:CudaIpcEngine",
+    "ipc": "hotswap.transfer.cuda_ipc:CudaIpcEngine",  # vLLM's name for the same transport
 }
 
 

@@ -58,6 +58,23 @@ class UpdateBody(_Body):
     session_token: str | None = None
 
 
+class TensorUpdateBody(_Body):
+    """SGLang's /update_weights_from_tensor: `serialized_named_tensors`, one base64 pickle of shared-tensor handles per
+    tensor-parallel rank (SGLang's MultiprocessingSerializer, or `CudaIpcSender.sglang_payload`), read only by
+    hotswap.transfer.safe_pickle; `load_format` null ((name, tensor) pairs) or "flattened_bucket"; `flush_cache` is
+    accepted (the prefix cache is always invalidated on a weight change); a delta's fields as on SGLang's other
+    weight routes."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: VersionField = None
+    encoding: str | None = Field(default=None, pattern="^(full|overwrite|xor|sparse)$")
+    base_version: VersionField = None
+    checksums: dict[str, str] | None = None
+
+
 class FinishBody(_Body):
     weight_version: VersionField = None  # a label (vLLM and SGLang send strings) or an integer
     session_token: str | None = None

@@ -13,7 +13,8 @@ Shapes follow SGLang 0.5.2x (`sglang/srt/entrypoints/http_server.py`, `io_struct
 shaping are in `sglang_protocol`): responses carry `success` / `message`, weight versions are strings, and a
 failed update is a 400 with `success: false` (the weights untouched). `/update_weights_from_distributed` outside a
 `/begin_weight_update` session opens and commits one of its own, as the frameworks that never call begin (slime,
-AReaL, verl) need.
+AReaL, verl) need. `/update_weights_from_tensor` (a colocated trainer's CUDA IPC or CPU shared-memory handles) is
+read by the restricted unpickler of `hotswap.transfer.safe_pickle`, the only way request data is unpickled.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar, cast
 
+import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import hotswap.entrypoints.server.generation as generation
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.replay_wire import forced_routes
+from hotswap.entrypoints.server.bodies import TensorUpdateBody
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
 from hotswap.entrypoints.sglang_protocol import (
     TENSOR_LOAD_FORMATS,
@@ -54,6 +57,7 @@ from hotswap.entrypoints.sglang_protocol import (
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+from hotswap.transfer.cuda_ipc import open_sglang, synchronize
 from hotswap.weights.version import parse_version
 
 T = TypeVar("T")
@@ -430,6 +434,39 @@ async def update_weights_from_distributed(body: DistributedBody, state: StateDep
         return error
     state.version_changed()
     return {"success": True, "message": "Succeeded to update parameter online."}
+
+
+@admin_router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(body: TensorUpdateBody, state: StateDep, engine: EngineDep) -> Any:
+    """SGLang's: tensors that stay in a colocated trainer's memory. `serialized_named_tensors` is read by the restricted
+    unpickler (hotswap.transfer.safe_pickle) and its handles opened onto the engine's device, all before anything
+    pauses: a refused payload is a 400 naming the problem, the weights untouched. The tensors then load as one
+    atomic, versioned reload (every value checked before the first write); the trainer's memory is let go, its
+    reads finished, before the answer. Outside a /begin_weight_update session only."""
+    device = torch.device(engine.engine.config.model_config.device)
+    try:
+        parse_version(body.weight_version)  # checked before anything moves
+        if open_session(state, engine) is not None:
+            raise ValueError("/update_weights_from_tensor runs an update of its own; call it outside a "
+                             "/begin_weight_update session (/end_weight_update first)")
+        pairs = await asyncio.to_thread(open_sglang, body.serialized_named_tensors, body.load_format, device)
+    except ValueError as err:
+        return fail(err)
+    await asyncio.to_thread(synchronize, device)  # the trainer's writes to what was opened are done
+    resume = await paused(engine, body.abort_all_requests)
+    try:
+        _, error = await ok_or_400(engine.reload_weights(weights_iterator=pairs, weight_version=body.weight_version,
+                                                         encoding=body.encoding, base_version=body.base_version,
+                                                         checksums=body.checksums))
+    finally:
+        await asyncio.to_thread(synchronize, device)  # the engine's reads of the trainer's memory are done
+        pairs.clear()
+        if resume:
+            await engine.resume_generation()
+    if error is not None:
+        return error
+    state.version_changed()
+    return {"success": True, "message": "Succeeded to update model weights from tensors."}
 
 
 @admin_router.get("/model_info")
