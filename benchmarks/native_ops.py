@@ -4,7 +4,7 @@ loads (`--isa avx2-kernels`, or `HOTSWAP_KERNEL_MARCH=x86-64-v3`, builds for AVX
 
 The linear ops rotate through more than 64 MB of weight copies, so a call does not find its weight in the core's
 caches, as in a decode step over 30 layers. Each figure is the fastest of `--reps` calls after a warm-up, the
-native and torch calls taking turns (`policy.paired_seconds`: on a shared machine load only adds time); the
+native and torch calls taking turns (`measurements.paired_seconds`: on a shared machine load only adds time); the
 ratio is native time / torch time (below 1: native wins). Attention is one decode layer call over 64 keys per
 sequence in scattered blocks, the paged kernel against the layer's torch path (gather, then SDPA). Also prints
 the calibration's choice for each op and batch (`python -m hotswap.kernels --report` prints the whole table).

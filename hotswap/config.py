@@ -21,8 +21,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from hotswap.architectures import supported_architectures
 from hotswap.device import check_attention_backend, check_engine_on_device, parse_device
-from hotswap.model.registry import supported_architectures
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

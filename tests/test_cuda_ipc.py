@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from conftest import PROMPTS, hf_greedy, serves
 from hotswap import LLM
 from hotswap.transfer import safe_pickle
-from hotswap.transfer.checksum import tensor_sha256
 from hotswap.transfer.cuda_ipc import CudaIpcSender, dumps, open_update
+from hotswap.weights.checksum import tensor_sha256
 from server_helpers import post, running_server
 
 TRAINER = r"""
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
 from hotswap.transfer.base import declare
-from hotswap.transfer.checksum import tensor_sha256
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.transfer.cuda_ipc import CudaIpcSender, device_key, dumps, pack
 
 device = torch.device(sys.argv[1])

@@ -16,8 +16,8 @@ from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import use_mode
-from hotswap.lora.batch import lora_batch
 from hotswap.model.layers.attention import AttentionMetadata
+from hotswap.model.lora_batch import lora_batch
 from hotswap.testing import make_tiny_lora, make_tiny_model
 from hotswap.worker.decoder_stack import NativeDecoderStack
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hotswap import LLM, SamplingParams
-from hotswap.transfer.checksum import tensor_sha256
 from hotswap.transfer.delta import DeltaEncoder, sparse_delta, xor_delta
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import INDICES, VALUES
 from transfer_helpers import BACKENDS, Pusher
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import PROMPTS, hf_greedy
 from hotswap import LLM, SamplingParams
-from hotswap.kernels import ops, packed, policy
+from hotswap.kernels import measurements, ops, packed, policy
 
 pytestmark = pytest.mark.skipif(not packed.dense_supported(), reason="torch has no oneDNN linear here")
 
@@ -42,14 +42,14 @@ def test_dense_linear_equals_f_linear_and_is_taken_only_where_it_wins(monkeypatc
 
 
 def test_the_measurement_is_cached_beside_the_build_and_decides(monkeypatch, tmp_path):
-    monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(measurements, "cache_file", lambda: tmp_path / "calibration.json")
     packed.dense_faster.cache_clear()
     try:
         first = packed.dense_faster(48, 32)
         key = f"48x32{policy.threads_and_isa()}"
         stored = json.loads((tmp_path / "calibration.json").read_text())[key]["dense_fp32_linear"]
         assert set(stored) == {str(r) for r in packed.DENSE_ROWS}
-        assert first == all(r < packed.WIN_RATIO for r in stored.values())
+        assert first == all(r < measurements.WIN_RATIO for r in stored.values())
         losing = {str(r): 1.2 for r in packed.DENSE_ROWS}  # a CPU where the BLAS wins: the cached ratios say so
         (tmp_path / "calibration.json").write_text(json.dumps({key: {"dense_fp32_linear": losing}}))
         packed.dense_faster.cache_clear()
@@ -81,7 +81,7 @@ def test_bf16_products_without_bf16_hardware_run_in_float32_where_that_measured_
     equals `F.linear` up to the sums' order."""
     from hotswap.kernels import ops as facade
 
-    monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(measurements, "cache_file", lambda: tmp_path / "calibration.json")
     monkeypatch.setattr(packed, "supported", lambda: False)
     gate = packed.upcast_faster
     gate.cache_clear()
@@ -89,7 +89,7 @@ def test_bf16_products_without_bf16_hardware_run_in_float32_where_that_measured_
         first = gate(24, 32)
         key = f"24x32{policy.threads_and_isa()}"
         stored = json.loads((tmp_path / "calibration.json").read_text())[key]["upcast_bf16_linear"]
-        assert first == (stored[str(packed.UPCAST_ROWS)] < packed.WIN_RATIO)
+        assert first == (stored[str(packed.UPCAST_ROWS)] < measurements.WIN_RATIO)
         calls = []
         real = packed.upcast_linear
         monkeypatch.setattr(packed, "upcast_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -341,7 +341,7 @@ def test_bad_settings_are_refused_with_the_reason(models):
 
 
 def test_parity_reports_zero_in_deterministic_mode_and_the_gap_by_default(models, capsys):
-    from hotswap.entrypoints.cli import main
+    from hotswap.cli import main
     from hotswap.train.parity import parity
 
     sequences = [[5, 17, 33, 2, 90, 41, 7], [300, 12, 9]]

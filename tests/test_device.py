@@ -118,7 +118,7 @@ ALLOWED = {
     ("hotswap/worker/cuda_graphs.py", "run"): "a step's inputs, built on the host, copied into the graphs' buffers",
     ("hotswap/worker/worker.py", "_move_experts"): "a flag summed over the gloo group",
     ("hotswap/lora", "*"): "LoRA: refused on CUDA for now",
-    ("hotswap/model/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",
+    ("hotswap/weights/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",
     ("hotswap/transfer", "*"): "wire buffers and shm views live on the host",
     ("hotswap/weights/delta.py", "xor_dtype"): "a dtype's element size",
     ("hotswap/weights/update.py", "magnitude_bound"): "a scalar bound read with .item()",

@@ -440,9 +440,9 @@ def test_restarted_replicas_get_the_fleets_config_and_transport_and_a_folder_bri
 def test_a_delta_and_a_canary_reach_every_replica(fleet, ckpts, b_tensors):
     """An xor delta on top of the fleet's version commits on both replicas exactly; one on another base is refused
     by every replica; a canary that fails on the prepared weights rolls both back."""
-    from hotswap.transfer.checksum import tensor_sha256
     from hotswap.transfer.delta import xor_delta
     from hotswap.transfer.tensors import tensors_update_info
+    from hotswap.weights.checksum import tensor_sha256
 
     a = dict(load_a(ckpts))
     b = dict(b_tensors)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
-from hotswap.kernels import emulation, native, ops, policy
+from hotswap.kernels import emulation, measurements, native, ops, policy
 from hotswap.kernels.policy import BATCHES, CALIBRATED, OPS, WIN_RATIO, Shapes, use_mode
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -106,7 +106,7 @@ def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_bui
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
            "vocab_size": 512, "num_hidden_layers": 2}
     first = policy._resolve("auto", Shapes.of(cfg))
-    cache = json.loads(policy._cache_file().read_text())
+    cache = json.loads(measurements.cache_file().read_text())
     assert calls == [Shapes.of(cfg)] and Shapes.of(cfg).key() in cache
     second = policy._resolve("auto", Shapes.of(cfg))
     assert len(calls) == 1 and second.decisions == first.decisions
@@ -196,4 +196,4 @@ def test_the_calibration_times_the_models_dtype(built, monkeypatch, tmp_path):
     assert bf16.dtype == "bfloat16" and bf16.key() != fp32.key()
     resolved = policy._resolve("auto", bf16)
     assert all(set(resolved.decisions[op].ratios) == set(BATCHES) for op in CALIBRATED)
-    assert bf16.key() in json.loads(policy._cache_file().read_text())
+    assert bf16.key() in json.loads(measurements.cache_file().read_text())

@@ -469,7 +469,7 @@ def test_lora_routes_without_enable_lora_are_refused(ckpts, adapters):
 
 @pytest.mark.unit
 def test_serve_flags_parse_vllm_and_sglang_adapter_forms():
-    from hotswap.entrypoints.cli import build_parser
+    from hotswap.cli import build_parser
 
     args = build_parser().parse_args([
         "serve", "ckpt", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "6",

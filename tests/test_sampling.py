@@ -7,8 +7,8 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, SamplingParams
-from hotswap.engine.model_input import SampleSpec
 from hotswap.model.layers.sampler import draw, sample
+from hotswap.wire import SampleSpec
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 
 from conftest import PROMPTS, serves
 from hotswap import LLM, EngineConfig, SamplingParams, current_config
-from hotswap.engine.model_input import SampleSpec
 from hotswap.engine.speculator import lookup
 from hotswap.model.layers.rejection_sampler import propose, verify
 from hotswap.model.layers.sampler import distribution
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.tensors import tensors_update_info
+from hotswap.wire import SampleSpec
 from server_helpers import running_server
 
 KV = 1 << 23

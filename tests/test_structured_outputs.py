@@ -93,7 +93,9 @@ def test_unconstrained_rows_in_the_batch_are_untouched_and_the_sampling_mask_is_
     assert mixed[0].outputs[0].token_ids == alone.token_ids
     for got, want in zip(mixed[0].outputs[0].logprobs, alone.logprobs, strict=True):
         assert got.keys() == want.keys()
-        assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+        # 1e-4, as between batch compositions elsewhere: which product routine a 1- or 2-row step takes depends
+        # on the CPU (measured 9.5e-6 at worst); a mask on the wrong row moves a logprob by order 1
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
     out = mixed[1].outputs[0]
     tok = llm.get_tokenizer()
     first = set(out.sampling_mask.token_ids[out.sampling_mask.offsets[0] : out.sampling_mask.offsets[1]])

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hotswap import LLM
-from hotswap.kernels import ops, policy
-from hotswap.transfer.checksum import tensor_sha256
+from hotswap.kernels import measurements, ops, policy
 from hotswap.transfer.delta import sparse_delta
 from hotswap.transfer.tensors import tensors_update_info
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import INDICES, VALUES
 from hotswap.weights.update import all_finite, magnitude_bound
 from test_delta import perturbed, sums, tensors_of
@@ -173,7 +173,7 @@ def test_the_facade_falls_back_where_the_kernels_do_not_apply(kernels, every_cop
 def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, gate, op, key):
     """Each gate times its kernel against torch's path once per machine and stores the ratio with the calibration;
     a later process reads it (and decides by it) without timing anything."""
-    monkeypatch.setattr(policy, "_cache_file", lambda: tmp_path / "calibration.json")
+    monkeypatch.setattr(measurements, "cache_file", lambda: tmp_path / "calibration.json")
     monkeypatch.setattr(policy, "STREAM_COPY_BYTES", 1 << 20)  # the rule, not the size, under test: keep it quick
     first = getattr(policy, gate)()
     key += policy.threads_and_isa()

@@ -10,10 +10,10 @@ import torch
 
 from conftest import PROMPTS
 from hotswap import LLM, EngineConfig, SamplingParams, current_config, use_config
-from hotswap.engine.model_input import ModelInput
 from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.update import WeightUpdate
+from hotswap.wire import ModelInput
 from hotswap.worker.worker import Worker
 
 
@@ -113,7 +113,7 @@ def scope_cases(worker: Worker, probe):
         "init_weight_transfer_engine": (
             None,
             lambda m, p: m.setattr(
-                "hotswap.weights.session.create_engine",
+                "hotswap.worker.session.create_engine",
                 p(TensorsEngine({}, worker.config.weight_transfer_config)),
             ),
             lambda: worker.init_weight_transfer_engine({"backend": "tensors"}),
@@ -126,7 +126,7 @@ def scope_cases(worker: Worker, probe):
         "start_weight_update": (
             session(),
             lambda m, p: m.setattr(
-                "hotswap.weights.session.WeightUpdate", p(WeightUpdate(WeightIndex.of(model), True, True))
+                "hotswap.worker.session.WeightUpdate", p(WeightUpdate(WeightIndex.of(model), True, True))
             ),
             worker.start_weight_update,
         ),

@@ -146,7 +146,7 @@ class _Trainer:
     def push(self, committed: int | None) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
         """Writes what changed since the engine's `committed` version (None: nothing committed yet, a full push)
         into the shared segment; returns (update_info, {name: sha256 of every parameter}, bytes sent / full)."""
-        from hotswap.transfer.checksum import tensor_sha256
+        from hotswap.weights.checksum import tensor_sha256
 
         if committed is not None:
             self.encoder.committed(committed)

@@ -18,10 +18,10 @@ import torch
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
-from hotswap.lora.registry import LoRARegistry
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams

@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from hotswap.engine.model_input import Samples
-from hotswap.engine.scheduler import SchedulerOutput
-from hotswap.engine.sequence import Request, Sequence
-from hotswap.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from hotswap.engine.llm_engine import LLMEngine
+from typing import Any
 
 MAX_PROBES, MAX_PROBE_TOKENS = 16, 4096
 
@@ -89,36 +81,3 @@ class Canary:
                 if nll > self.max_nll:
                     raise ValueError(f"canary probe {i}: mean negative logprob {nll:.3f} exceeds max_nll "
                                      f"{self.max_nll:g}")
-
-
-def score(engine: LLMEngine, probes: list[list[int]]) -> list[list[float]]:
-    """Each probe's logprobs of its tokens 1.. under the weights the workers hold now, in one forward pass,
-    through KV blocks taken from the free ones and given back (nothing enters the prefix cache). Raises
-    RuntimeError when the free KV cache cannot hold the probes."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    seqs = []
-    for i, ids in enumerate(probes):
-        request = Request(f"canary-{i}", None, list(ids), params)
-        seq = Sequence(request, 0, ids)
-        request.seqs.append(seq)
-        seqs.append(seq)
-    bm = engine.block_manager
-    taken: list[Sequence] = []
-    try:
-        for seq in seqs:
-            if not bm.can_allocate(seq):
-                raise RuntimeError("the free KV cache cannot hold the canary probes (requests held by a 'keep' "
-                                   "pause occupy it); use shorter probes or pause with clear_cache")
-            bm.allocate(seq)
-            taken.append(seq)
-        speculating, engine._speculating = engine._speculating, False
-        try:
-            batch = SchedulerOutput(seqs, [len(s) for s in seqs], True)  # pending copies stay for the next step
-            results = engine.executor.collective_rpc("execute_model", (engine._build_input(batch),))[0]
-        finally:
-            engine._speculating = speculating
-    finally:
-        for seq in taken:
-            bm.free_seq(seq)
-    assert isinstance(results, Samples)
-    return [results.prompt_logprobs[i].logprobs for i in range(len(seqs))]

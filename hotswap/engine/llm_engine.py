@@ -16,7 +16,8 @@ from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
 from hotswap.engine.detokenizer import Detokenizer
 from hotswap.engine.grammar import Grammars
-from hotswap.engine.model_input import ModelInput, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
+from hotswap.engine.lora_registry import Adapter, AdapterVersion, LoRARegistry
+from hotswap.engine.lora_updates import LoRAUpdates
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.scheduler import Scheduler, SchedulerOutput
 from hotswap.engine.sequence import Request, Sequence
@@ -28,13 +29,12 @@ from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnresponsive
 from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
-from hotswap.lora.registry import Adapter, AdapterVersion, LoRARegistry
 from hotswap.lora.request import LoRARequest
-from hotswap.lora.updates import LoRAUpdates
 from hotswap.model.registry import model_class
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionLabels
+from hotswap.wire import ModelInput, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
 
 
 class LLMEngine:
@@ -545,6 +545,38 @@ class LLMEngine:
         return outputs
 
     # ---- health, config ------------------------------------------------------------------------------------
+
+    def score_probes(self, probes: list[list[int]]) -> list[list[float]]:
+        """Each probe's logprobs of its tokens 1.. under the weights the workers hold now, in one forward pass,
+        through KV blocks taken from the free ones and given back (nothing enters the prefix cache). Raises
+        RuntimeError when the free KV cache cannot hold the probes."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        seqs = []
+        for i, ids in enumerate(probes):
+            request = Request(f"canary-{i}", None, list(ids), params)
+            seq = Sequence(request, 0, ids)
+            request.seqs.append(seq)
+            seqs.append(seq)
+        bm = self.block_manager
+        taken: list[Sequence] = []
+        try:
+            for seq in seqs:
+                if not bm.can_allocate(seq):
+                    raise RuntimeError("the free KV cache cannot hold the canary probes (requests held by a 'keep' "
+                                       "pause occupy it); use shorter probes or pause with clear_cache")
+                bm.allocate(seq)
+                taken.append(seq)
+            speculating, self._speculating = self._speculating, False
+            try:
+                batch = SchedulerOutput(seqs, [len(s) for s in seqs], True)  # pending copies stay for the next step
+                results = self.executor.collective_rpc("execute_model", (self._build_input(batch),))[0]
+            finally:
+                self._speculating = speculating
+        finally:
+            for seq in taken:
+                bm.free_seq(seq)
+        assert isinstance(results, Samples)
+        return [results.prompt_logprobs[i].logprobs for i in range(len(seqs))]
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (a dead worker; weights left invalid by a failed update), or None.

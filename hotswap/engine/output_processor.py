@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from hotswap.engine.detokenizer import Detokenizer, find_stop
 from hotswap.engine.grammar import advance
-from hotswap.engine.model_input import SampleResult
 from hotswap.engine.sequence import Request, Sequence
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, SamplingMask, SpecStats, WeightVersionSpan
 from hotswap.weights.version import VersionLabels
+from hotswap.wire import SampleResult
 
 
 class OutputProcessor:

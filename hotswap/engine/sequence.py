@@ -7,10 +7,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotswap.engine.model_input import PromptLogprobs
 from hotswap.engine.routes import RouteLog
 from hotswap.outputs import Logprob
 from hotswap.sampling_params import SamplingParams
+from hotswap.wire import PromptLogprobs
 
 _seq_ids = itertools.count()
 
@@ -125,7 +125,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
     record_routes: bool = False  # its sequences keep their routed experts (a mixture-of-experts model)
     session_id: str | None = None  # the conversation it is a turn of (hotswap/engine/sessions.py)
-    lora: Any = None  # the LoRA adapter version it runs on (hotswap/lora/registry.py AdapterVersion), held for it
+    lora: Any = None  # the LoRA adapter version it runs on (engine/lora_registry.py AdapterVersion), held for it
     lora_name: str | None = None
 
     @property

@@ -22,12 +22,12 @@ import torch
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
-from hotswap.engine.canary import Canary, score
+from hotswap.engine.canary import Canary
+from hotswap.engine.lora_updates import LoRAUpdates, lora_target
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
-from hotswap.lora.updates import LoRAUpdates, lora_target
 from hotswap.weights.delta import is_delta
 from hotswap.weights.target import WeightTarget, check_target
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
@@ -54,6 +54,8 @@ class EngineHooks(Protocol):
     def leave_state(self, state: EngineState) -> None: ...
 
     def is_asleep(self) -> bool: ...
+
+    def score_probes(self, probes: list[list[int]]) -> list[list[float]]: ...
 
 
 # the worker methods of a transfer session that `_session_rpc` runs
@@ -317,7 +319,7 @@ class WeightsController:
         `base_version` (when given) is the served version; `checksums` are the trainer's SHA-256 of each result,
         verified before the commit."""
         name = lora_target(target)
-        if name is not None:  # an adapter's next version (see hotswap/lora/updates.py): nothing pauses
+        if name is not None:  # an adapter's next version (see hotswap/engine/lora_updates.py): nothing pauses
             if self.token is not None or self.prepared is not None:
                 raise RuntimeError("a weight-update session is open; finish or abort it before reloading a LoRA "
                                    "adapter")
@@ -448,7 +450,7 @@ class WeightsController:
         try:
             self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
             if canary is not None:
-                canary.check(score(cast(Any, self.engine), canary.token_ids))
+                canary.check(self.engine.score_probes(canary.token_ids))
         except BaseException:
             try:
                 self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too

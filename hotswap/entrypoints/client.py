@@ -24,9 +24,9 @@ from typing import Any, cast
 import httpx
 import torch
 
-from hotswap.transfer.checksum import tensor_sha256
 from hotswap.transfer.shm import ShmSender
 from hotswap.transfer.torch_dist import DEFAULT_BUCKET_BYTES, TorchDistSender
+from hotswap.weights.checksum import tensor_sha256
 
 
 class AdminError(RuntimeError):

@@ -15,11 +15,11 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.engine.lora_registry import LoRARegistry, Prepared
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
-from hotswap.lora.registry import LoRARegistry, Prepared
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams

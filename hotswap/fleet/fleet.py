@@ -43,6 +43,7 @@ from typing import Any, cast
 import torch
 
 from hotswap.config import apply_overrides, live_overrides
+from hotswap.engine.lora_updates import lora_target
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
 from hotswap.fleet.replicas import (
     FleetReplicas,
@@ -59,7 +60,6 @@ from hotswap.fleet.replicas import (
 from hotswap.fleet.router import request_cost
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
-from hotswap.lora.updates import lora_target
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.delta import is_delta

@@ -20,9 +20,9 @@ import torch
 
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.lora_registry import Prepared
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
-from hotswap.lora.registry import Prepared
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams

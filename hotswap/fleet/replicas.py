@@ -19,8 +19,8 @@ from hotswap.config import EngineConfig
 from hotswap.errors import EngineUnavailable
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router
-from hotswap.weights.session import WeightUpdateFailed
 from hotswap.weights.version import VersionLabels
+from hotswap.worker.session import WeightUpdateFailed
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.kernels.measurements import measured
+
 _ATTR = "_hotswap_packed"  # module attribute: (data_ptr, shape, packed weight)
-WIN_RATIO = 0.95
 PACK_ROWS = 32  # the batch size oneDNN is told to pick its blocked layout for (decode batches)
 
 
@@ -105,9 +106,7 @@ def faster(out_features: int, in_features: int) -> bool:
                                        lambda: [F.linear(x, w) for w in copies], 5)  # noqa: B023
         return ratios
 
-    from hotswap.kernels import policy
-
-    return policy.measured("packed_bf16_linear", f"{out_features}x{in_features}", (1, PACK_ROWS), measure)
+    return measured("packed_bf16_linear", f"{out_features}x{in_features}", (1, PACK_ROWS), measure)
 
 
 @functools.cache
@@ -145,9 +144,7 @@ def dense_faster(out_features: int, in_features: int) -> bool:
                                        functools.partial(F.linear, x, weight), 3)
         return ratios
 
-    from hotswap.kernels import policy
-
-    return policy.measured("dense_fp32_linear", f"{out_features}x{in_features}", DENSE_ROWS, measure)
+    return measured("dense_fp32_linear", f"{out_features}x{in_features}", DENSE_ROWS, measure)
 
 
 UPCAST_ROWS = 256  # the batch a bf16 product above the small-batch kernels' rows is timed at (prefill chunks)
@@ -175,9 +172,7 @@ def upcast_faster(out_features: int, in_features: int) -> bool:
         return {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
                                          functools.partial(F.linear, x, weight), 3)}
 
-    from hotswap.kernels import policy
-
-    return policy.measured("upcast_bf16_linear", f"{out_features}x{in_features}", (UPCAST_ROWS,), measure)
+    return measured("upcast_bf16_linear", f"{out_features}x{in_features}", (UPCAST_ROWS,), measure)
 
 
 def upcast_applies(x: torch.Tensor, weight: torch.Tensor, above_rows: int) -> bool:

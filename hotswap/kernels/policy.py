@@ -26,18 +26,24 @@ import contextlib
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hotswap.kernels import native
+from hotswap.kernels import measurements, native
+from hotswap.kernels.measurements import (
+    WIN_RATIO,
+    cached,
+    measured,
+    paired_seconds,
+    threads_and_isa,
+)
+from hotswap.kernels.measurements import store as _store
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +51,6 @@ CALIBRATED = ("rms_norm", "add_rms_norm", "linear", "gated_linear", "silu_and_mu
 RULED = ("write_kv_cache", "paged_attention", "rope_paged_attention", "decoder_stack")
 OPS = CALIBRATED + RULED
 _STACK_REASON = "calibrated: one decode step through the stack against one through the modules (taken unless slower)"
-WIN_RATIO = 0.95  # native must be at least 5 % faster: noise must not flip a decision between runs
 # The decoder stack runs the kernels the modules would, without the Python between them: it can only gain, so it is
 # taken unless its step measured slower (a flip near 1 costs nothing).
 STACK_WIN_RATIO = 1.0
@@ -85,13 +90,6 @@ class Shapes:
         torch's own kernels run (capped by the environment under `emulation`), which the torch paths' times
         depend on."""
         return "x".join(str(v) for v in asdict(self).values()) + threads_and_isa()
-
-
-def threads_and_isa() -> str:
-    """"@<threads>t@<torch's ISA and its caps>": what a torch path's time depends on besides the shapes."""
-    caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
-    torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
-    return f"@{torch.get_num_threads()}t@{torch_isa}"
 
 
 @dataclass(frozen=True)
@@ -223,12 +221,8 @@ def _resolve(mode_: str, shapes: Shapes | None) -> KernelPolicy:
 
 
 def _cached(key: str, op: str, batches: tuple[int, ...] = BATCHES) -> dict[int, float] | None:
-    """The cached ratios of `op` for shapes `key` at `batches`, or None."""
-    try:
-        entry = json.loads(_cache_file().read_text())[key][op]
-        return {b: float(entry[str(b)]) for b in batches}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The cached ratios of `op` for shapes `key` at `batches` (default: the batch classes), or None."""
+    return cached(key, op, batches)
 
 
 # Which products a decode step runs natively, in decoder_layers' order: (linear, gated_linear, silu_and_mul).
@@ -300,18 +294,6 @@ def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: 
     return out
 
 
-def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], dict[int, float]]) -> bool:
-    """Whether a candidate path won against its baseline (time ratio below WIN_RATIO at every one of `batches`)
-    for `key` (e.g. a weight's shape): the ratios cached with the calibration under `op`, else `measure()`d once and
-    stored there (per machine, ISA cap and thread count)."""
-    key = key + threads_and_isa()
-    ratios = _cached(key, op, batches)
-    if ratios is None:
-        ratios = measure()
-        _store(key, op, ratios)
-    return all(ratio < WIN_RATIO for ratio in ratios.values())
-
-
 STREAM_COPY_BYTES = 128 << 20  # what the weight-write gates write: more than most last-level caches hold (a larger
 # cache makes ordinary stores look better, so the gate then errs toward torch's path)
 SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
@@ -372,36 +354,15 @@ def finite_check_faster() -> bool:
     return _write_gate("finite_check", "float32", measure)
 
 
-def _store(key: str, op: str, ratios: dict[int, float]) -> None:
-    path = _cache_file()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    cached.setdefault(key, {})[op] = {str(b): r for b, r in ratios.items()}
-    try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: calibrate again next time
-
-
-def _cache_file() -> Path:
-    from torch.utils import cpp_extension
-
-    return Path(cpp_extension._get_build_directory(native.build_name(), verbose=False)) / "calibration.json"
-
-
 def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
     """Ratios per calibrated op and batch for these shapes: from the cache beside the build, else measured and
     cached."""
-    path = _cache_file()
+    path = measurements.cache_file()
     try:
-        cached = json.loads(path.read_text())
+        stored = json.loads(path.read_text())
     except (OSError, ValueError):
-        cached = {}
-    entry = cached.get(shapes.key())
+        stored = {}
+    entry = stored.get(shapes.key())
     try:
         return {op: {b: float(entry[op][str(b)]) for b in BATCHES} for op in CALIBRATED}
     except (KeyError, TypeError, ValueError):
@@ -412,39 +373,6 @@ def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
     for op, by_batch in ratios.items():
         _store(shapes.key(), op, by_batch)
     return ratios
-
-
-def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    """The median time of `reps` calls of `fn`, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def fastest_in_turn(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
-    """The fastest of `reps` calls of each of `fns`, called in turn (after one warm-up call each), so all see the
-    same minutes of a shared machine. The fastest, not the median: load from other processes only adds time, and
-    on a busy machine most calls of a two-thread op can wait a scheduler tick for the second thread, which a
-    median would take for the op's cost."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
-
-
-def paired_seconds(first: Callable[[], object], second: Callable[[], object], reps: int) -> tuple[float, float]:
-    """`fastest_in_turn` of two calls."""
-    a, b = fastest_in_turn((first, second), reps)
-    return a, b
 
 
 def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int, float]]:

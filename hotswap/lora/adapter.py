@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.lora.batch import Pack
 from hotswap.lora.peft_format import PREFIX, LoRASpec
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.layers.linear import Linear
+from hotswap.model.lora_batch import Pack
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.sharded import Narrowing
 

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from hotswap.lora.adapter import LoRAAdapter
-from hotswap.lora.batch import LoRABatch, LoRAGroup
 from hotswap.lora.peft_format import LoRASpec
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.layers.linear import Linear
+from hotswap.model.lora_batch import LoRABatch, LoRAGroup
 from hotswap.weights.update import WeightSource, WeightUpdate
 
 

@@ -123,3 +123,15 @@ class MixtralForCausalLM(LlamaForCausalLM):
                     name = f"experts.{e}.{w}.weight"
                     aliases[f"{prefix}.block_sparse_moe.{name}"] = f"{prefix}.mlp.{name}"
         return aliases
+
+
+def bind_routing(model: nn.Module) -> Routing | None:
+    """Numbers `model`'s sparse blocks in module order and gives them one shared `Routing`; None for a dense
+    model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    routing = Routing(len(blocks), blocks[0].top_k, blocks[0].experts.num_experts)
+    for index, block in enumerate(blocks):
+        block.routing, block.routing_layer = routing, index
+    return routing

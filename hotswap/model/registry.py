@@ -10,21 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-# Looked up by name and imported on first use (as transports are): the config can name the supported
-# architectures without importing the model code, which itself reads the config.
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("hotswap.model.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("hotswap.model.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("hotswap.model.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("hotswap.model.llama", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("hotswap.model.moe", "Qwen3MoeForCausalLM"),
-    "Qwen2MoeForCausalLM": ("hotswap.model.moe", "Qwen2MoeForCausalLM"),
-    "MixtralForCausalLM": ("hotswap.model.moe", "MixtralForCausalLM"),
-}
-
-
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(_MODELS)
+from hotswap.architectures import MODELS as _MODELS
 
 
 def model_class(architecture: str) -> type[nn.Module]:

@@ -1,10 +1,10 @@
 """Routing replay inside the model: recording each sparse layer's top-k experts, and forcing given ones.
 
-A model's sparse blocks share one `Routing`, which the model runner binds to its target model (a draft model's
-blocks stay unbound: they neither record nor take forced routes). For one forward pass over a flat batch of T
-tokens the runner sets `record` and/or `forced` ([T, sparse layers, top_k] global expert ids, -1 in a row's first
-column: that token routes itself), runs the model, then reads `take()`: [T, sparse layers, top_k] int64, the
-experts each token used, in the router's order (forced rows: as given).
+A model's sparse blocks share one `Routing`, which the model runner binds to its target model
+(`moe.bind_routing`; a draft model's blocks stay unbound: they neither record nor take forced routes). For one
+forward pass over a flat batch of T tokens the runner sets `record` and/or `forced` ([T, sparse layers, top_k]
+global expert ids, -1 in a row's first column: that token routes itself), runs the model, then reads `take()`:
+[T, sparse layers, top_k] int64, the experts each token used, in the router's order (forced rows: as given).
 
 Under tensor or expert parallelism every rank routes every token itself (the router is replicated), so every
 rank records the same ids; expert ids are global, whatever rank holds the expert.
@@ -13,7 +13,6 @@ rank records the same ids; expert ids are global, whatever rank holds the expert
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 class Routing:
@@ -55,20 +54,6 @@ class Routing:
 
     def clear(self) -> None:
         self.record, self.forced, self._recorded = False, None, []
-
-
-def bind_routing(model: nn.Module) -> Routing | None:
-    """Numbers `model`'s sparse blocks in module order and gives them one shared `Routing`; None for a dense
-    model."""
-    from hotswap.model.moe import SparseMoeBlock
-
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    if not blocks:
-        return None
-    routing = Routing(len(blocks), blocks[0].top_k, blocks[0].experts.num_experts)
-    for index, block in enumerate(blocks):
-        block.routing, block.routing_layer = routing, index
-    return routing
 
 
 def routes_dtype(num_experts: int) -> torch.dtype:

@@ -42,7 +42,8 @@ class ParityReport:
 def _engine_rows(model_dir: str, tokenizer: str | None, sequences: list[list[int]], deterministic: bool,
                  vocab: int) -> list[torch.Tensor]:
     """The engine's full-vocabulary log-softmax after each token but the last of every sequence."""
-    from hotswap import LLM, SamplingParams
+    from hotswap.entrypoints.llm import LLM
+    from hotswap.sampling_params import SamplingParams
 
     llm = LLM(model_dir, tokenizer=tokenizer, dtype="float32", deterministic=deterministic, max_logprobs=-1)
     try:

@@ -1,16 +1,6 @@
-"""Checksums that let a trainer verify the engine holds exactly the tensors it sent."""
+"""The trainer-side name of the weight checksum: `tensor_sha256` (hotswap/weights/checksum.py), the digest
+`weight_checksums()` reports, for a trainer to compare with what it sent."""
 
-from __future__ import annotations
+from hotswap.weights.checksum import tensor_sha256
 
-import hashlib
-
-import torch
-
-
-def tensor_sha256(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
-    """SHA-256 of the tensor's bytes in row-major order (after casting to `dtype` when given)."""
-    t = tensor.detach()
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
+__all__ = ["tensor_sha256"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hotswap.transfer.checksum import tensor_sha256
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import INDICES, VALUES, xor_dtype
 from hotswap.weights.version import VersionArg
 

@@ -16,7 +16,7 @@ form than they arrive (fp8: quantized) cannot take xor or sparse deltas (their c
 trainer's); they take full or overwrite tensors, and only the modules written are re-quantized.
 
 `checked(source, index, checksums)` adds the trainer's per-tensor digests of the *result* (SHA-256 of the new
-tensor's bytes in the weight's dtype, `hotswap.transfer.checksum.tensor_sha256`): verified once everything
+tensor's bytes in the weight's dtype, `hotswap.weights.checksum.tensor_sha256`): verified once everything
 loaded, a mismatch fails the update (rolled back).
 """
 
@@ -28,7 +28,7 @@ from typing import cast
 
 import torch
 
-from hotswap.transfer.checksum import tensor_sha256
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.index import Target, WeightIndex
 from hotswap.weights.update import Declared, Patch, PendingHalf, WeightSource, WeightUpdate
 

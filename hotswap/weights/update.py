@@ -36,8 +36,8 @@ import torch
 
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
-from hotswap.model.safetensors_io import iterate_index, read_index
 from hotswap.weights.index import WeightIndex
+from hotswap.weights.safetensors_io import iterate_index, read_index
 
 Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

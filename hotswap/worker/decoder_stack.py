@@ -21,13 +21,14 @@ from torch import nn
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
-from hotswap.kernels.policy import Products, fastest_in_turn
-from hotswap.lora.batch import active_lora
+from hotswap.kernels.measurements import fastest_in_turn
+from hotswap.kernels.policy import Products
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding
 from hotswap.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from hotswap.model.lora_batch import active_lora
 
 
 class NativeDecoderStack:
@@ -140,7 +141,7 @@ class NativeDecoderStack:
                   ) -> tuple[list[float], float] | None:
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
-        `policy.fastest_in_turn`), or None if the cache has fewer than `rows` blocks (a smaller step would be
+        `measurements.fastest_in_turn`), or None if the cache has fewer than `rows` blocks (a smaller step would be
         another batch class). Writes scratch keys and values into the first `rows` blocks of the cache: only
         before any request ran."""
         assert self.model is not None

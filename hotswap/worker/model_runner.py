@@ -15,14 +15,15 @@ from torch import nn
 
 from hotswap.config import EngineConfig
 from hotswap.distributed import current_parallel
-from hotswap.engine.model_input import ModelInput, PromptLogprobs, Samples
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
-from hotswap.lora.batch import lora_batch
 from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import sample
-from hotswap.model.routing import bind_routing, routes_dtype
+from hotswap.model.lora_batch import lora_batch
+from hotswap.model.moe import bind_routing
+from hotswap.model.routing import routes_dtype
+from hotswap.wire import ModelInput, PromptLogprobs, Samples
 from hotswap.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture, graphable
 from hotswap.worker.decoder_stack import NativeDecoderStack
 

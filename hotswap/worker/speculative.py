@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from hotswap.distributed import ParallelContext
-from hotswap.engine.model_input import ModelInput, SpecInput, SpecOutput
 from hotswap.model.layers.rejection_sampler import propose, verify
+from hotswap.wire import ModelInput, SpecInput, SpecOutput
 from hotswap.worker.model_runner import ModelRunner
 
 

@@ -35,17 +35,15 @@ from hotswap.config import (
 )
 from hotswap.device import cuda_kv_budget
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
-from hotswap.engine.model_input import ModelInput, ModelOutput
 from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
 from hotswap.lora.peft_format import canonical_name
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
-from hotswap.transfer.checksum import tensor_sha256
+from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import is_delta
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.session import SessionState, WeightSession
 from hotswap.weights.target import check_target
 from hotswap.weights.update import (
     RankSelection,
@@ -55,8 +53,10 @@ from hotswap.weights.update import (
     prefixer,
     random_source,
 )
+from hotswap.wire import ModelInput, ModelOutput
 from hotswap.worker.memory import discard_pages, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
+from hotswap.worker.session import SessionState, WeightSession
 from hotswap.worker.speculative import SpeculativeStep
 
 DRAFT_PREFIX = "draft."  # the draft model's checkpoint names, where one update carries both models

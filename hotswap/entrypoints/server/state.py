@@ -17,8 +17,8 @@ from hotswap.entrypoints.metrics import Metrics
 from hotswap.errors import EngineUnavailable
 from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.session import WeightUpdateFailed
 from hotswap.weights.version import VersionArg
+from hotswap.worker.session import WeightUpdateFailed
 
 T = TypeVar("T")
 

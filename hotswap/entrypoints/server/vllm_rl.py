@@ -61,7 +61,8 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
         "cache_config": {"block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
                          "num_gpu_blocks": cc.num_kv_blocks},
         # every transport is available on request; clients only check that one is configured
-        "weight_transfer_config": {"backend": "torch_dist", "backends": ["tensors", "shm", "torch_dist", "disk", "cuda_ipc", "ipc"],
+        "weight_transfer_config": {"backend": "torch_dist",
+                                   "backends": ["tensors", "shm", "torch_dist", "disk", "cuda_ipc", "ipc"],
                                    "atomic": config.weight_transfer_config.atomic},
         "speculative_config": None if not spec.enabled else {
             "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},

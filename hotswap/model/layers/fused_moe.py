@@ -40,8 +40,8 @@ from torch import nn
 from hotswap.config import EngineConfig, current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import ops
-from hotswap.lora.batch import LoRABatch, active_lora
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
+from hotswap.model.lora_batch import LoRABatch, active_lora
 from hotswap.weights.sharded import Narrowing
 
 _GATE, _UP, _DOWN = "gate", "up", "down"

@@ -22,8 +22,8 @@ from hotswap.config import current_config
 from hotswap.distributed import current_parallel, split
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
-from hotswap.lora.batch import active_lora
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
+from hotswap.model.lora_batch import active_lora
 from hotswap.weights.sharded import Narrowing
 
 

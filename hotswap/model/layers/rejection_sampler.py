@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
 from hotswap.model.layers.sampler import (
     adjusted,
@@ -30,6 +29,7 @@ from hotswap.model.layers.sampler import (
     uniform_for,
     uniforms_for,
 )
+from hotswap.wire import SampleResult, SampleSpec
 
 
 def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], torch.Tensor | None]:

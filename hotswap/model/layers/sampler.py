@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from hotswap.config import current_config_or_none
-from hotswap.engine.model_input import SampleResult, SampleSpec
 from hotswap.kernels import ops
+from hotswap.wire import SampleResult, SampleSpec
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:

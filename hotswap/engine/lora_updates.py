@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotswap.engine.lora_registry import Adapter, LoRARegistry, Prepared
 from hotswap.executor.base import Executor
-from hotswap.lora.registry import Adapter, LoRARegistry, Prepared
 from hotswap.weights.delta import check_encoding
 
 PREFIX = "lora:"
