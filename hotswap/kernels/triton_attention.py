@@ -431,6 +431,16 @@ def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
 
 
 @functools.cache
+def _grouped_heads(num_heads: int, num_kv_heads: int, group: int, device: torch.device) -> torch.Tensor:
+    """[KVH, group] int64: row h holds query heads h * H/KVH .. (h + 1) * H/KVH - 1, then -1 (the decode tile's
+    rows). Cached: a graph capturing the decode step reads it, never rebuilds it."""
+    per_kv = num_heads // num_kv_heads
+    columns = torch.arange(group, device=device)
+    table = torch.arange(num_kv_heads, device=device)[:, None] * per_kv + columns[None, :]
+    return torch.where(columns[None, :] < per_kv, table, torch.full_like(table, -1))
+
+
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 1 elsewhere (Triton's interpreter)."""
     if device.type != "cuda":
@@ -486,12 +496,15 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
         return out
     # decode: the query heads of each KV head, a [group, D] tile (rows of -1 pad it to a power of two >= 16)
     group = max(16, _pow2(per_kv))
-    heads = torch.full((num_kv_heads, group), -1, dtype=torch.int64, device=device)
-    order = torch.argsort(kv_index, stable=True)
-    counts = torch.bincount(kv_index, minlength=num_kv_heads)
-    first = torch.cumsum(counts, 0) - counts
-    sorted_kv = kv_index[order]
-    heads[sorted_kv, torch.arange(num_heads, device=device) - first[sorted_kv]] = order
+    if p.kv_of_q is None:  # consecutive heads per KV head: a table made once per shape (nothing runs per call)
+        heads = _grouped_heads(num_heads, num_kv_heads, group, device)
+    else:  # bincount reads its input on the host: never under a graph (the trusted mode takes no kv_of_q)
+        heads = torch.full((num_kv_heads, group), -1, dtype=torch.int64, device=device)
+        order = torch.argsort(kv_index, stable=True)
+        counts = torch.bincount(kv_index, minlength=num_kv_heads)
+        first = torch.cumsum(counts, 0) - counts
+        sorted_kv = kv_index[order]
+        heads[sorted_kv, torch.arange(num_heads, device=device) - first[sorted_kv]] = order
     if split_keys is None:
         programs = num_seqs * num_kv_heads
         wanted = min(_cdiv(2 * _sm_count(device), programs), _cdiv(max_len, MIN_SPLIT_KEYS), MAX_SPLITS)
