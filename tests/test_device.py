@@ -166,3 +166,23 @@ def test_the_device_guard_finds_a_planted_tensor(tmp_path):
     planted.write_text("import torch\n\ndef step(x):\n    return torch.arange(4) + x\n\n"
                        "def fine(x):\n    return torch.arange(4, device=x.device)\n")
     assert implicit_device_tensors(tmp_path) == [("hotswap/worker/runner.py", "step", 4)]
+
+
+@pytest.mark.cuda
+def test_an_update_on_the_gpu_is_checked_in_one_pass_rolled_back_and_then_taken(ckpts, b_tensors, device):
+    """On a GPU: a NaN in a pushed tensor is refused (the fused device check) with the weights bit-identical; the
+    clean push is taken and checksummed as the trainer's tensors; the engine then serves checkpoint B."""
+    from conftest import serves
+    from hotswap.weights.checksum import tensor_sha256
+
+    llm = LLM(str(ckpts["A"]), device=device, kv_cache_memory_bytes=1 << 22)
+    before = llm.weight_checksums()
+    bad = [(n, t.clone().to(device)) for n, t in b_tensors]
+    bad[-1][1].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        llm.reload_weights(weights_iterator=bad)
+    assert llm.weight_checksums() == before
+    llm.reload_weights(weights_iterator=[(n, t.to(device)) for n, t in b_tensors])
+    after = llm.weight_checksums()
+    assert after == {n: tensor_sha256(t) for n, t in b_tensors}
+    assert serves(llm, ckpts["B"])

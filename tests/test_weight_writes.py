@@ -15,7 +15,7 @@ from hotswap.transfer.delta import sparse_delta
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import INDICES, VALUES
-from hotswap.weights.update import all_finite, magnitude_bound
+from hotswap.weights.update import all_finite, device_max_magnitude_bits, magnitude_bound
 from test_delta import perturbed, sums, tensors_of
 
 KV = 1 << 22
@@ -244,3 +244,29 @@ def test_every_weight_path_through_the_kernels_equals_torch(ckpts, every_copy_na
     assert sums(llm) == sums(fresh) and _generate(llm) == _generate(fresh)
     assert every_copy_native["stream_copy"] > 4 * len(a) and every_copy_native["scatter"] > len(delta) // 2
     assert every_copy_native["finite_check"] >= 3  # the one-shot reloads' checks
+
+
+@pytest.mark.unit
+def test_the_device_check_reads_as_the_native_one_and_decides_as_all_finite(device):
+    """The value check a GPU update runs (`device_max_magnitude_bits`: torch ops where the tensors live, one read
+    back for all): the same largest magnitudes as the native one-pass kernel's definition, NaN and Inf above every
+    bound, and the same verdicts as `all_finite` at the edges, on `--device`."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen).to(dt) for n in (1, 63, 70_001) for dt in
+               (torch.float32, torch.bfloat16, torch.float16)]
+    tensors[4][17] = -3e4
+
+    def bits(t: torch.Tensor) -> int:
+        return int(t.abs().max().view(torch.int32 if t.element_size() == 4 else torch.int16))
+
+    assert device_max_magnitude_bits([t.to(device) for t in tensors]) == [bits(t) for t in tensors]
+    assert device_max_magnitude_bits([]) == []
+    for dtype, limit in ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,
+                                                                                          torch.bfloat16)):
+        bound = magnitude_bound(dtype, limit)
+        assert bound is not None
+        for value in (0.0, -0.0, 65504.0, 65520.0, torch.finfo(dtype).max, float("inf"), float("-inf"),
+                      float("nan")):
+            t = torch.tensor([0.5, value]).to(dtype)
+            [top] = device_max_magnitude_bits([t.to(device)])
+            assert (top <= bound) == all_finite(t, limit), (dtype, limit, value)

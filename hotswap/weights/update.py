@@ -30,7 +30,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -226,6 +226,22 @@ def magnitude_bound(dtype: torch.dtype, limit_dtype: torch.dtype) -> int | None:
     return int(torch.tensor(top, dtype=dtype).view(_BITS[dtype]).item())
 
 
+def device_max_magnitude_bits(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor (contiguous float32, bfloat16 or float16, on any one device), the largest |x| bit pattern
+    (sign cleared: NaN and Inf above every finite value), computed with torch ops where the tensors live and read
+    back to the host once for all of them: a GPU update's value check costs one synchronization, not one per tensor
+    (`ops.max_magnitude_bits` is the CPU's native twin)."""
+    if not tensors:
+        return []
+    tops = []
+    for t in tensors:
+        bits = t.view(_BITS[t.dtype])
+        mask = 0x7FFFFFFF if bits.dtype == torch.int32 else 0x7FFF
+        tops.append((bits & mask).amax().to(torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64,
+                                                                                     device=t.device))
+    return cast(list[int], torch.stack(tops).tolist())
+
+
 def _castable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and not dtype.is_complex
 
@@ -327,12 +343,15 @@ class WeightUpdate:
         if not self.check_finite:
             return []
         batch: list[tuple[str, torch.Tensor, int]] = []
+        on_device: dict[torch.device, list[tuple[str, torch.Tensor, int]]] = {}
         alone: list[tuple[str, torch.Tensor]] = []
         for name, tensor in reversed(pairs):
             values = tensor.values if isinstance(tensor, Patch) else tensor
             bound = magnitude_bound(values.dtype, self._limit(name))
-            if bound is None or values.device.type != "cpu" or not values.is_contiguous() or values.numel() == 0:
+            if bound is None or not values.is_contiguous() or values.numel() == 0:
                 alone.append((name, tensor))
+            elif values.device.type != "cpu":  # one fused check per device, one host read
+                on_device.setdefault(values.device, []).append((name, values, bound))
             else:
                 batch.append((name, values, bound))
         maxima = ops.max_magnitude_bits([values for _, values, _ in batch])
@@ -340,6 +359,9 @@ class WeightUpdate:
             alone = [(name, values) for name, values, _ in batch] + alone
             batch = []
         bad = {name for (name, _, bound), top in zip(batch, maxima or [], strict=True) if top > bound}
+        for group in on_device.values():
+            tops = device_max_magnitude_bits([values for _, values, _ in group])
+            bad.update(name for (name, _, bound), top in zip(group, tops, strict=True) if top > bound)
         bad.update(name for name, tensor in alone if not self._finite(name, tensor))
         return [name for name, _ in pairs if name in bad]
 
