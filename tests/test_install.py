@@ -6,12 +6,14 @@ defect, so that it is seen to fail."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from packaging.markers import default_environment
@@ -28,14 +30,18 @@ LOCK_ENV = {**default_environment(), "python_version": "3.11", "python_full_vers
             "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
 
 
+def _compare_lock() -> ModuleType:
+    """scripts/compare_lock.py, loaded by its path (scripts/ is no package): its lock reader is the one used here."""
+    spec = importlib.util.spec_from_file_location("compare_lock", ROOT / "scripts" / "compare_lock.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_lock(path: Path) -> dict[str, Version]:
     """name -> exact version of every package pinned in a `uv pip compile` lock (`name==version \\`)."""
-    pins: dict[str, Version] = {}
-    for line in path.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
-        if m:
-            pins[canonicalize_name(m.group(1))] = Version(m.group(2))
-    return pins
+    return {name: Version(version) for name, version in _compare_lock().read_lock(path).items()}
 
 
 def torch_pin(venv_script: Path) -> Version:

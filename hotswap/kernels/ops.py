@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from hotswap.config import current_config_or_none
-from hotswap.device import ATTENTION_BACKENDS
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import (
@@ -352,15 +351,12 @@ def rope_paged_attention(*args: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PagedKernels:
-    """One backend's paged attention, called like the native `paged_attention`; `rope` takes the arguments of the
+    """One backend's paged attention: `paged` takes the arguments of the native `paged_attention`, `rope` those of the
     native `rope_paged_attention` (rotary, cache write and attention in one call) where `rotates(positions, q)`."""
 
     name: str
     paged: Callable[..., torch.Tensor]
     rope: Callable[..., torch.Tensor]
-
-    def __call__(self, *args: Any) -> torch.Tensor:
-        return self.paged(*args)
 
     def rotates(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
         if self.name == "native":
@@ -374,14 +370,11 @@ NATIVE_ATTENTION = PagedKernels("native", paged_attention, rope_paged_attention)
 def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
     """The paged attention a model on `device` runs with `backend` ("auto": the native kernels on the CPU where
     the policy takes them, the Triton kernels on CUDA where triton imports; "native", "triton"; "torch": None, the
-    padded SDPA path). Raises ValueError for a backend the device cannot run."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+    padded SDPA path), a pair `device.check_attention_backend` accepted. Raises ValueError where the backend asked
+    for is not available here."""
     if backend == "torch":
         return None
     if backend == "native" or (backend == "auto" and device.type == "cpu"):
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend='native' runs on the CPU only, not {device.type}")
         if paged_attention_available():
             return NATIVE_ATTENTION
         if backend == "native":

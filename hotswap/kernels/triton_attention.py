@@ -72,6 +72,16 @@ def _pow2(n: int) -> int:
 
 
 @_jit
+def _kv_offsets(tables_ptr: tl.tensor, seq: tl.tensor, table_width: tl.tensor, pos: tl.tensor, kmask: tl.tensor,
+                block_size: tl.tensor, kv_row: tl.tensor, kvh: tl.tensor, head_dim: tl.tensor,
+                d: tl.tensor) -> tl.tensor:
+    """[BLOCK_N, D_PAD] element offsets into a cache of KV head `kvh` at sequence `seq`'s key positions `pos`,
+    through its block table (positions outside `kmask` read block 0, and are masked by the caller)."""
+    block = tl.load(tables_ptr + seq * table_width + pos // block_size, mask=kmask, other=0)
+    return (block * block_size + pos % block_size)[:, None] * kv_row + kvh * head_dim + d[None, :]
+
+
+@_jit
 def _dot(a: tl.tensor, b: tl.tensor, EXACT: tl.constexpr) -> tl.tensor:
     """a @ b of float32 tiles: IEEE products where EXACT, else tf32 (exact for 16-bit inputs widened to float32)."""
     if EXACT:
@@ -120,8 +130,7 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kmask = pos < end
-        block = tl.load(tables_ptr + seq * table_width + pos // block_size, mask=kmask, other=0)
-        offs = (block * block_size + pos % block_size)[:, None] * kv_row + kvh * head_dim + d[None, :]
+        offs = _kv_offsets(tables_ptr, seq, table_width, pos, kmask, block_size, kv_row, kvh, head_dim, d)
         tile_mask = kmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         s = _dot(q, tl.trans(k), EXACT) * qk_scale
@@ -197,8 +206,7 @@ def _extend_kernel(
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kmask = pos < hi
-        block = tl.load(tables_ptr + seq * table_width + pos // block_size, mask=kmask, other=0)
-        offs = (block * block_size + pos % block_size)[:, None] * kv_row + kvh * head_dim + d[None, :]
+        offs = _kv_offsets(tables_ptr, seq, table_width, pos, kmask, block_size, kv_row, kvh, head_dim, d)
         tile_mask = kmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0).to(tl.float32)
         s = _dot(q, tl.trans(k), EXACT) * qk_scale
@@ -320,9 +328,8 @@ class _Checks:
 
 
 def _trusted_values(p: _Problem, max_context: int) -> list[int]:
-    """What `_Checks.run` would return in trusted mode: the longest context only (a decode batch, no head map)."""
-    _require(p.query_lens is None and p.kv_of_q is None and p.max_len == 0,
-             "max_context (trusted mode) takes decode batches without kv_of_q")
+    """What `_Checks.run` would return in trusted mode: the longest context only (`_prepare` took only a decode
+    batch without a head map)."""
     _require(max_context >= 1, f"max_context must be positive, got {max_context}")
     return [max_context]
 

@@ -190,7 +190,7 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.kernel is not None:  # the paged kernel of the model's backend (ops.paged_kernels)
-            return meta.kernel(
+            return meta.kernel.paged(
                 q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                 self.expand_index, self.scale,
             )
