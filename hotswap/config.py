@@ -286,12 +286,20 @@ class QuantConfig:
 class WeightTransferConfig:
     """Live weight updates. `atomic` keeps a copy of everything an update overwrites until it finishes, so any
     failure rolls back bit for bit. `check_finite` rejects NaN/Inf tensors. `timeout_s` bounds every wait on a
-    trainer. `bucket_size_bytes` is the packing unit of the torch_dist transport."""
+    trainer. `bucket_size_bytes` is the packing unit of the torch_dist transport.
+
+    `update_staging`: "in_place" (default) writes the served weights, so generation pauses for the update;
+    "shadow" receives, checks and post-processes every update into staging copies while requests keep generating
+    on the served version, and the commit swaps them in between two steps (hotswap/weights/shadow.py). It costs
+    one more copy of the weights an update changes. `staging_slice_ms`: how long a staged update receives
+    between two steps of running requests (the serving engine alternates slices and steps)."""
 
     atomic: bool = True
     check_finite: bool = True
     timeout_s: float = 60.0
     bucket_size_bytes: int = 256 * 1024 * 1024
+    update_staging: str = "in_place"
+    staging_slice_ms: float = 4.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.atomic, bool):
@@ -300,6 +308,10 @@ class WeightTransferConfig:
             raise ValueError(f"weight_transfer_config.check_finite must be a bool, got {self.check_finite!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"weight_transfer_config.timeout_s must be positive, got {self.timeout_s}")
+        if self.update_staging not in ("in_place", "shadow"):
+            raise ValueError(f"update_staging must be 'in_place' or 'shadow', got {self.update_staging!r}")
+        if not isinstance(self.staging_slice_ms, (int, float)) or not self.staging_slice_ms > 0:
+            raise ValueError(f"staging_slice_ms must be a positive number, got {self.staging_slice_ms!r}")
         if not isinstance(self.bucket_size_bytes, int) or self.bucket_size_bytes <= 0:
             raise ValueError(
                 f"weight_transfer_config.bucket_size_bytes must be a positive integer, got {self.bucket_size_bytes!r}"
@@ -503,7 +515,7 @@ SECTIONS: dict[str, type] = {
 LIVE_FIELDS = {
     "model_config": {"model"},
     "load_config": {"load_format"},
-    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes"},
+    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes", "staging_slice_ms"},
     "parallel_config": {"expert_placement"},
     "speculative_config": {"draft_staleness"},
 }

@@ -77,8 +77,33 @@ def scope_cases(worker: Worker, probe):
 
         return setup
 
+    def staged(update, advance=False):
+        """A staged session whose `update` is opened for slices (and, `advance`, received)."""
+        def setup():
+            worker.config.weight_transfer_config.update_staging = "shadow"
+            try:
+                session()()
+                worker.start_weight_update()
+                worker.update_weights(update, sliced=True)
+                if advance:
+                    worker.advance_weight_update()
+            finally:
+                worker.config.weight_transfer_config.update_staging = "in_place"
+
+        return setup
+
     qkv = model.model.layers[0].self_attn.qkv_proj
     return {
+        "advance_weight_update": (
+            staged(norm_update),
+            lambda m, p: m.setattr(model.model.norm, "process_weights_after_loading", p(), raising=False),
+            worker.advance_weight_update,
+        ),
+        "view_staged": (
+            staged(norm_update, advance=True),
+            lambda m, p: m.setattr(worker.session.update.shadow, "swap_in", p()),
+            lambda: worker.view_staged(True),
+        ),
         "load_model": (None, lambda m, p: m.setattr("hotswap.worker.worker.build_model", p(model)), worker.load_model),
         "determine_num_kv_blocks": (
             None,

@@ -23,7 +23,7 @@ from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
 from hotswap.lora.request import LoRARequest
-from hotswap.outputs import RequestOutput
+from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
 
 P = ParamSpec("P")
@@ -193,6 +193,13 @@ class AsyncLLMEngine:
                 self._pending_aborts.add(request_id)
                 self._wake.set()
 
+    async def score_tokens(self, sequences: list[list[int]], temperature: float = 1.0, top_logprobs: int = 0,
+                           top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> list[TokenScores]:
+        """`LLMEngine.score_tokens`, between steps (in a thread, under the engine lock)."""
+        scores = await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p,
+                                    min_p)
+        return cast("list[TokenScores]", scores)
+
     # ---- sessions (hotswap/engine/sessions.py) --------------------------------------------------------------
 
     async def open_session(self, session_id: str) -> None:
@@ -270,9 +277,31 @@ class AsyncLLMEngine:
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
     # Changes of the weights run in a thread under the engine lock, between steps (see WeightsController).
-    reload_weights = _between_steps(WeightsController.reload_weights)
     start_weight_update = _between_steps(WeightsController.start_weight_update)
-    update_weights = _between_steps(WeightsController.update_weights)
+
+    async def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+        """`LLM.reload_weights`, between steps; staged (`update_staging="shadow"`), received in slices of
+        `staging_slice_ms` that alternate with the steps of running requests, then committed between two."""
+        await self._in_slices(WeightsController.reload_weights, *args, **kwargs)
+
+    async def update_weights(self, *args: Any, **kwargs: Any) -> None:
+        """`LLM.update_weights`, between steps; staged, received in slices that alternate with steps."""
+        await self._in_slices(WeightsController.update_weights, *args, **kwargs)
+
+    async def _in_slices(self, method: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        weights = self.engine.weights
+        if not weights.staged:
+            await self._locked(method, weights, *args, **kwargs)
+            return
+        await self._locked(method, weights, *args, sliced=True, **kwargs)
+        budget = self.config.weight_transfer_config.staging_slice_ms / 1000
+        try:
+            while not await self._locked(weights.advance_staged, budget):
+                pass
+        except asyncio.CancelledError:  # the caller went away mid-receive: the staged change is dropped
+            if weights.receiving is not None:
+                asyncio.get_running_loop().create_task(self._locked(weights.abort_weight_update))
+            raise
     finish_weight_update = _between_steps(WeightsController.finish_weight_update)
     prepare_weight_update = _between_steps(WeightsController.prepare_weight_update)
     prepare_reload = _between_steps(WeightsController.prepare_reload)

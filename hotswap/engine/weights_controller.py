@@ -83,7 +83,15 @@ class WeightsController:
         # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
         self.prepared: tuple[str, str | None] | None = None
         self.connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
+        self.receiving: Literal["update", "reload"] | None = None  # a staged change being received in slices
+        self.staged_reload: tuple[str | None, VersionArg] | None = None  # its folder to record, its version
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
+
+    @property
+    def staged(self) -> bool:
+        """Whether updates are staged (`update_staging="shadow"`): received beside the served weights while
+        requests keep generating, committed between two steps."""
+        return self.config.weight_transfer_config.update_staging == "shadow"
 
     @property
     def draft_stale(self) -> bool:
@@ -116,7 +124,11 @@ class WeightsController:
         if self.prepared is not None:
             raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
                                "abort_weight_update()")
+        if self.receiving is not None:
+            raise RuntimeError(f"{method}() while a staged {self.receiving} is being received")
         scheduler = self.engine.scheduler
+        if self.staged:
+            return  # the served weights change only at the commit, between two steps
         if self.engine.serving_state().steps and scheduler.num_in_flight() + len(scheduler.running):
             raise RuntimeError(
                 f"{method}() while {len(self.engine.requests)} request(s) are being generated; call "
@@ -130,11 +142,11 @@ class WeightsController:
         fail."""
         if method == "start_weight_update":
             self.check_can_change(method)
-        changed = method == "update_weights"
+        changed = method == "update_weights" and not self.staged  # staged: the served weights are untouched
         ok = False
         try:
             result = self.executor.collective_rpc(method, args, kwargs)
-            changed = changed or (method == "abort_weight_update" and any(result))
+            changed = changed or (method == "abort_weight_update" and any(result) and not self.staged)
             ok = True
         except BaseException:
             if method == "update_weights":
@@ -146,7 +158,7 @@ class WeightsController:
         finally:
             if changed:
                 self._weights_changed(failed=not ok)
-        if method == "start_weight_update":
+        if method == "start_weight_update" and not self.staged:
             self.engine.enter_state(EngineState.UPDATING)
         elif method in ("abort_weight_update", "shutdown_weight_transfer_engine"):
             self._end()
@@ -201,11 +213,13 @@ class WeightsController:
                 "or abort it without a token"
             )
 
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None
-                       ) -> None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None,
+                       sliced: bool = False) -> None:
         """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
-        meaning the previous update's (a trainer that sends the same tensors every step declares them once)."""
+        meaning the previous update's (a trainer that sends the same tensors every step declares them once).
+        Staged, with `sliced`: the update is only opened, and `advance_staged` receives it (the serving engine
+        alternates its slices with steps)."""
         self.check_session(session_token)
         lora = self._lora_open()
         if self.prepared is not None or (lora and self._lora().prepared):
@@ -231,10 +245,41 @@ class WeightsController:
             except BaseException:
                 self.token = None
                 raise
+        elif self.staged and sliced:  # received by `advance_staged`, between steps
+            self._session_rpc("update_weights", update_info, sliced=True)
+            self.receiving = "update"
         else:
-            self._session_rpc("update_weights", update_info)
+            self._session_rpc("update_weights", update_info, **({"sliced": True} if self.staged else {}))
+            if self.staged:
+                self.receiving = "update"
+                while not self.advance_staged(None):
+                    pass
         if isinstance(update_info, dict) and "names" in update_info:
             self.last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
+
+    def advance_staged(self, budget_s: float | None) -> bool:
+        """Receives the staged update or reload being received for about `budget_s` seconds on every worker (None:
+        to its end). Returns True once it ended; a reload is then committed (served from the next step, a new
+        version). A failure ends the change on every rank (the served weights were never written) and raises."""
+        if self.receiving is None:
+            return True
+        try:
+            done = all(n is not None for n in self.executor.collective_rpc("advance_weight_update", (budget_s,)))
+        except BaseException:
+            try:
+                self._abort_on_every_rank()
+            finally:
+                kind, self.receiving = self.receiving, None
+                if kind == "reload":
+                    self.staged_reload = None
+                self._end()
+            raise
+        if not done:
+            return False
+        kind, self.receiving = self.receiving, None
+        if kind == "reload":
+            self._commit_staged_reload()
+        return True
 
     def _abort_open_session(self) -> None:
         """Ends the open session, a model's or an adapter's (rolled back / dropped)."""
@@ -247,6 +292,7 @@ class WeightsController:
     def abort_weight_update(self, session_token: str | None = None) -> None:
         """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
         self.check_session(session_token, ending=True)
+        self.receiving = self.staged_reload = None  # a staged change being received is dropped with it
         if self._lora_open():
             self.token = None
             self._lora().abort()
@@ -255,6 +301,7 @@ class WeightsController:
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Drops every worker's transport (ending an open session, rolled back)."""
+        self.receiving = self.staged_reload = None
         if self._lora_open():
             self.token = None
             self._lora().abort()
@@ -309,7 +356,8 @@ class WeightsController:
 
     def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
                        target: str = "model", weight_version: VersionArg = None, encoding: str | None = None,
-                       base_version: VersionArg = None, checksums: dict[str, str] | None = None) -> None:
+                       base_version: VersionArg = None, checksums: dict[str, str] | None = None,
+                       sliced: bool = False) -> None:
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
         records a new folder only after every worker loaded it. Advances the weight version on success; `target`
@@ -317,7 +365,8 @@ class WeightsController:
         `weight_version` (an integer or a label, see `hotswap.weights.version`) names the new version. `encoding`
         (xor, sparse, overwrite: hotswap/weights/delta.py) reads the tensors as a delta, refused unless
         `base_version` (when given) is the served version; `checksums` are the trainer's SHA-256 of each result,
-        verified before the commit."""
+        verified before the commit. Staged (`update_staging="shadow"`), with `sliced`: the reload is only
+        opened; `advance_staged` receives and commits it."""
         name = lora_target(target)
         if name is not None:  # an adapter's next version (see hotswap/engine/lora_updates.py): nothing pauses
             if self.token is not None or self.prepared is not None:
@@ -337,6 +386,11 @@ class WeightsController:
             raise ValueError("reload_weights(target='draft') needs a draft model (speculative_config 'draft_model')")
         if weights_iterator is not None:
             weights_iterator = list(weights_iterator)
+        if self.staged and target == "model":
+            self.begin_staged_reload(weights_path, weights_iterator, weight_version, encoding, checksums)
+            while not sliced and not self.advance_staged(None):
+                pass
+            return
         ok = False
         try:
             self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
@@ -356,6 +410,39 @@ class WeightsController:
             self._record_model_folder(str(weights_path))
         self._advance_version(weight_version)
 
+    def begin_staged_reload(self, weights_path: str | None, weights_iterator: Any, weight_version: VersionArg,
+                            encoding: str | None, checksums: dict[str, str] | None) -> None:
+        """Opens a staged reload of the model (see `reload_weights`, whose checks the caller ran): `advance_staged`
+        receives it, then commits it."""
+        if self.token is not None or self.prepared is not None or self.receiving is not None:
+            raise RuntimeError("reload_weights() while a weight update is open; finish or abort it first")
+        try:
+            self.executor.collective_rpc("reload_weights", (), {
+                "weights_path": weights_path, "weights_iterator": weights_iterator, "commit": False, "sliced": True,
+                **_delta_kwargs(encoding, checksums)})
+        except BaseException:
+            self._abort_on_every_rank()
+            raise
+        folder = None if weights_path is None or is_delta(encoding) else str(weights_path)
+        self.staged_reload = (folder, weight_version)
+        self.receiving = "reload"
+
+    def _commit_staged_reload(self) -> None:
+        assert self.staged_reload is not None
+        (folder, weight_version), self.staged_reload = self.staged_reload, None
+        ok = False
+        try:
+            self.executor.collective_rpc("finish_weight_update")
+            ok = True
+        except BaseException:
+            self._abort_on_every_rank()
+            raise
+        finally:
+            self._weights_changed(failed=not ok)
+        if folder is not None:
+            self._record_model_folder(folder)
+        self._advance_version(weight_version)
+
     def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
                              canary: Any = None) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
@@ -364,6 +451,7 @@ class WeightsController:
         fails rolls every rank back and raises ValueError naming it."""
         self.check_session(session_token)
         parse_version(weight_version)
+        self._check_received("finish_weight_update")
         if self._lora_open():
             if weight_version is not None or canary is not None:
                 raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
@@ -385,6 +473,10 @@ class WeightsController:
             self._end()
             self._weights_changed(failed=not ok)
         self._versions_after_commit(weight_version)
+
+    def _check_received(self, method: str) -> None:
+        if self.receiving is not None:
+            raise RuntimeError(f"{method}() while the last update_weights() is still being received")
 
     def _canary(self, canary: Any) -> Canary | None:
         """The parsed canary (None: none given). A malformed one ends the session (rolled back), as any failed
@@ -419,8 +511,9 @@ class WeightsController:
                 self.token = None
                 raise
             return
-        if self.engine.state is not EngineState.UPDATING:
+        if self.token is None:
             raise RuntimeError("prepare_weight_update() needs an open session; call start_weight_update() first")
+        self._check_received("prepare_weight_update")
         if self.prepared is not None:
             raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
         self._prepare("finish_weight_update", {}, self._canary(canary))
@@ -433,12 +526,13 @@ class WeightsController:
         place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
         or `abort_weight_update()`. A failure rolls every rank back."""
         self.check_can_change("reload_weights")
-        if self.engine.state is EngineState.UPDATING:
+        if self.engine.state is EngineState.UPDATING or self.token is not None:
             raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
         self.check_base(base_version)
         if weights_iterator is not None:
             weights_iterator = list(weights_iterator)
-        self.engine.enter_state(EngineState.UPDATING)
+        if not self.staged:
+            self.engine.enter_state(EngineState.UPDATING)
         self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator,
                                          **_delta_kwargs(encoding, checksums)})
         folder = None if weights_path is None or is_delta(encoding) else str(weights_path)
@@ -450,7 +544,15 @@ class WeightsController:
         try:
             self.executor.collective_rpc(method, (), {**kwargs, "commit": False})
             if canary is not None:
-                canary.check(self.engine.score_probes(canary.token_ids))
+                if self.staged:  # the probes score the staged weights; requests go on with the served ones
+                    self.executor.collective_rpc("view_staged", (True,))
+                    try:
+                        scores = self.engine.score_probes(canary.token_ids)
+                    finally:
+                        self.executor.collective_rpc("view_staged", (False,))
+                else:
+                    scores = self.engine.score_probes(canary.token_ids)
+                canary.check(scores)
         except BaseException:
             try:
                 self.executor.collective_rpc("abort_weight_update")  # ranks that prepared roll back too

@@ -226,6 +226,20 @@ def drop(module: nn.Module) -> None:
     module.__dict__.pop(_ATTR, None)
 
 
+def take(module: nn.Module) -> Any:
+    """Removes and returns `module`'s packed copy (None: it has none), to `put` back later (staged weights)."""
+    return module.__dict__.pop(_ATTR, None)
+
+
+def put(module: nn.Module, entry: Any) -> None:
+    """Gives `module` a packed copy `take` returned (None: none); used only if it was packed from the weight's
+    present storage."""
+    if entry is None:
+        module.__dict__.pop(_ATTR, None)
+    else:
+        module.__dict__[_ATTR] = entry
+
+
 def drop_all(model: nn.Module) -> None:
     """Forgets every packed copy under `model`."""
     for module in model.modules():

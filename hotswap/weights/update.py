@@ -26,9 +26,10 @@ session may fail, and deferring the writes instead is unsafe, since a trainer ma
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.safetensors_io import iterate_index, read_index
+from hotswap.weights.shadow import Shadow, check_room
 
 Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -257,8 +259,12 @@ class WeightUpdate:
         atomic: bool,
         check_finite: bool,
         backups: dict[str, torch.Tensor] | None = None,
+        shadow: Shadow | None = None,
     ) -> None:
         self.index = index
+        # staged (update_staging="shadow"): every write goes to staging copies, served only at the commit; the
+        # staging copies are the rollback, so no rollback copy is made
+        self.shadow = shadow
         self.atomic = atomic
         self.check_finite = check_finite
         self.backup_pool = {} if backups is None else backups
@@ -367,30 +373,45 @@ class WeightUpdate:
 
     # ---- loading --------------------------------------------------------------------------------------------
 
+    def writing(self) -> contextlib.AbstractContextManager[object]:
+        """The context every write of this update runs in: the staging copies swapped in (staged), else none."""
+        return self.shadow.swapped_in() if self.shadow is not None else contextlib.nullcontext()
+
     def apply(self, source: WeightSource, final: bool = False) -> int:
         """Loads `source` into the model; returns the number of tensors loaded. `final`: no further `apply`
         follows in this update (see the module doc on rollback copies). Raises ValueError for a declaration or
         values that the model rejects (before anything is loaded from an in-memory source), or whatever the
         source raises while streaming; the caller then rolls back."""
+        steps = self.steps(source, final)
+        with self.writing():
+            return drive(steps)
+
+    def steps(self, source: WeightSource, final: bool = False) -> Generator[None, None, int]:
+        """`apply` one tensor at a time: the generator yields after each tensor it loaded and returns the count.
+        The caller runs it inside `writing()`, and may leave that context between two tensors (a staged update
+        received in slices between the engine's steps)."""
         entries = source.loaded_entries()
         self.check_declaration(entries, source.complete, source.pre_sliced)
+        if self.shadow is not None:
+            modules = {self.index.targets[n].module_name for n, _, _ in entries if n in self.index.targets}
+            check_room(self.index, modules - set(self.shadow.modules), self.shadow.pool)
         stream = source.stream()
-        backup = self.atomic and not (
+        backup = self.atomic and self.shadow is None and not (
             final
             and source.in_memory
             and source.verify is None
             and not any(self.index.targets[n].module_name in self.index.staging_modules for n, _, _ in entries
                         if n in self.index.targets)
         )
-        self.unprotected = self.unprotected or (self.atomic and not backup)
+        self.unprotected = self.unprotected or (self.atomic and not backup and self.shadow is None)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
             bad = self._non_finite(pairs)
             if bad:
                 raise _non_finite_error(bad)
-            count = self._load(pairs, source.pre_sliced, backup, True, source.description)
+            count = yield from self._load(pairs, source.pre_sliced, backup, True, source.description)
         else:
-            count = self._load(stream, source.pre_sliced, backup, False, source.description)
+            count = yield from self._load(stream, source.pre_sliced, backup, False, source.description)
         expected = sum(1 for name, _, _ in entries if not self.index.ignored(name))
         if count != expected:
             raise ValueError(f"the {source.description} ended after {count} of {expected} declared tensors")
@@ -398,11 +419,16 @@ class WeightUpdate:
             source.verify()
         return count
 
-    @torch.no_grad()
     def _load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
-              checked: bool, kind: str) -> int:
-        """Loads each tensor of `stream` into its target (the stream's names and shapes must be those declared);
-        `checked`: values were checked already."""
+              checked: bool, kind: str) -> Generator[None, None, int]:
+        """Loads each tensor of `stream` into its target (the stream's names and shapes must be those declared),
+        yielding after each; `checked`: values were checked already."""
+        with torch.no_grad():
+            count = yield from self._load_each(stream, pre_sliced, backup, checked, kind)
+        return count
+
+    def _load_each(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
+                   checked: bool, kind: str) -> Generator[None, None, int]:
         non_finite: list[str] = []
         count = 0
         for name, tensor in stream:
@@ -421,7 +447,9 @@ class WeightUpdate:
                 if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
                     raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
                                      "declared")
-                if backup or target.module_name in self.index.staging_modules:
+                if self.shadow is not None:
+                    self.shadow.stage(target.module_name)
+                elif backup or target.module_name in self.index.staging_modules:
                     self._save(target.module_name)
                 target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
@@ -433,6 +461,7 @@ class WeightUpdate:
             if arrived >= self.index.module_keys[target.module_name]:
                 self._post_process(target.module_name)
                 arrived.clear()
+            yield
         if non_finite:
             raise _non_finite_error(non_finite)
         return count
@@ -440,6 +469,8 @@ class WeightUpdate:
     def _patch(self, target: Any, patch: Patch, backup: bool) -> None:
         """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
         their old values for rollback when `backup`."""
+        if self.shadow is not None:
+            self.shadow.stage(target.module_name)
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
         if backup and self.atomic and target.module_name not in self.saved:
             self.undo.append(("patch", view, patch.indices, view.index_select(0, patch.indices)))
@@ -487,8 +518,13 @@ class WeightUpdate:
         sparse delta's half never met its partner."""
         if self.sparse_pending:
             raise ValueError(f"sparse delta halves whose partner never arrived: {sorted(self.sparse_pending)[:5]}")
-        for module_name in sorted(self.pending):
-            self._post_process(module_name)
+        with self.writing():
+            for module_name in sorted(self.pending):
+                self._post_process(module_name)
+        if self.shadow is not None:
+            self.shadow.prepack()
+            if not keep_copies:
+                self.shadow.commit()
         if not keep_copies:
             self.saved.clear()
             self.undo.clear()
@@ -497,6 +533,15 @@ class WeightUpdate:
     def rollback(self) -> None:
         """Restores every module written since the update began to its saved copy (atomic mode) and discards
         staged data."""
+        if self.shadow is not None:  # the served weights were never written: the staging copies go
+            self.shadow.drop()
+            for module_name in self.arrived:
+                discard = getattr(self.index.modules[module_name], "discard_stage", None)
+                if discard is not None:
+                    discard()
+            self.arrived.clear()
+            self.pending.clear()
+            return
         assert self.atomic, "rollback needs atomic mode"
         with torch.no_grad():
             for entry in reversed(self.undo):  # latest first: each undo sees the state its write left
@@ -519,3 +564,12 @@ class WeightUpdate:
         self.undo.clear()
         self.arrived.clear()
         self.pending.clear()
+
+
+def drive(steps: Generator[None, None, int]) -> int:
+    """Runs `steps` (see `WeightUpdate.steps`) to its end; returns its count."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return cast(int, stop.value)

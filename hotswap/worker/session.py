@@ -24,7 +24,8 @@ have rewritten every weight (one full update, or several partial ones: bucketed 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from typing import Any, NoReturn
 
 import torch
@@ -33,6 +34,7 @@ from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, clear_interrupt, create_engine
 from hotswap.weights.delta import check_encoding, checked, decoded
 from hotswap.weights.index import WeightIndex
+from hotswap.weights.shadow import Shadow
 from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, renamed_source
 
 Rename = Callable[[str], str] | None  # how a source's names map to the index's (None: as they are)
@@ -62,6 +64,9 @@ class WeightSession:
         self.engine: TransferEngine | None = None
         self.update: WeightUpdate | None = None
         self.backups: dict[str, torch.Tensor] = {}
+        self.shadows: dict[str, torch.Tensor] = {}  # the staging copies' pool (update_staging="shadow")
+        # a staged update being received in slices (`advance`): its steps and the transport (None: a reload)
+        self.job: tuple[Generator[None, None, int], TransferEngine | None] | None = None
         self.weights_valid = True
         self._rewritten: set[tuple[str, object]] = set()  # served weights committed since they became invalid
         self._idle = SessionState.NO_ENGINE  # the state an open update returns to
@@ -79,14 +84,23 @@ class WeightSession:
 
     def load(
         self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True,
-        encoding: dict[str, Any] | None = None, rename: Rename = None,
+        encoding: dict[str, Any] | None = None, rename: Rename = None, staged: bool = False, sliced: bool = False,
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
         the update stays open with its rollback copies (see the two-phase commit above). `encoding`: the
         source's delta encoding and checksums ({"encoding", "checksums"}, see hotswap/weights/delta.py). Returns
-        the update (its `loaded_names`). `rename`: applied to the source's names (and to the checksums' names)."""
+        the update (its `loaded_names`). `rename`: applied to the source's names (and to the checksums' names).
+        `staged`: written into staging copies (hotswap/weights/shadow.py), served from the commit on. `sliced`
+        (staged, not committing): only opens the update; `advance` receives it, slice by slice."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        update = WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups)
+        update = self._update(index, atomic, check_finite, staged)
+        if sliced:
+            assert staged and not commit, "a sliced load is staged and committed by finish()"
+            info = encoding or {}
+            source = renamed_source(source, rename) if rename is not None else source
+            self._open(update)
+            self.job = (update.steps(encoded(source, info, update, rename), final=False), None)
+            return update
         try:
             info = encoding or {}
             source = renamed_source(source, rename) if rename is not None else source
@@ -123,36 +137,81 @@ class WeightSession:
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
-        self._open(WeightUpdate(index, atomic=config.atomic, check_finite=config.check_finite, backups=self.backups))
+        self._open(self._update(index, config.atomic, config.check_finite, config.update_staging == "shadow"))
 
-    def receive(self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None) -> int:
+    def _update(self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool) -> WeightUpdate:
+        shadow = Shadow(index, self.shadows) if staged else None
+        return WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups, shadow=shadow)
+
+    def receive(self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None,
+                sliced: bool = False) -> int:
         """One update of the session: its source built by the transport, this rank's entries selected, renamed
         by `rename` (e.g. a prefix put before a draft model's names), then applied. Any failure ends the session
         (rolled back in atomic mode; a transport that cannot survive it is closed) and re-raises. Returns the
-        number of tensors loaded."""
+        number of tensors loaded. `sliced` (a staged session): only prepares the receive, which `advance` runs
+        (returns 0)."""
         self.expect(SessionState.ACTIVE, call="update_weights")
         engine, update = self.engine, self.update
         assert engine is not None and update is not None
+        if self.job is not None:
+            raise RuntimeError("update_weights() while the previous update is still being received")
         try:
             source = selection.apply(engine.source(update_info))
             source = renamed_source(source, rename) if rename is not None else source
+            if sliced:
+                assert update.shadow is not None, "only a staged update is received in slices"
+                self.job = (update.steps(encoded(source, update_info, update, rename)), engine)
+                return 0
             return update.apply(encoded(source, update_info, update, rename))
         except BaseException as err:
-            self._end()
-            if not engine.survives_failure:
-                self.shutdown_engine()
-                if isinstance(err, (ValueError, RuntimeError)):
-                    err = type(err)(
-                        f"{err}; the {type(engine).__name__} channel was closed, call init_weight_transfer_engine() "
-                        "again"
-                    )
-            self._fail(update, err)
+            self._receive_failed(engine, update, err)
+
+    def advance(self, budget_s: float | None) -> int | None:
+        """Receives the staged update of `load(sliced=True)` / `receive(sliced=True)` for about `budget_s` seconds
+        (None: to its end; at least one tensor), its writes swapped in meanwhile. Returns the tensors it loaded
+        once it ended, None while more remain. A failure ends the session, as in `receive`."""
+        self.expect(SessionState.ACTIVE, call="advance_weight_update")
+        if self.job is None:
+            raise RuntimeError("no staged update is being received")
+        steps, engine = self.job
+        update = self.update
+        assert update is not None
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        try:
+            with update.writing():
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        self.job = None
+                        return int(stop.value)
+                    if deadline is not None and time.perf_counter() >= deadline:
+                        return None
+        except BaseException as err:
+            self.job = None
+            if engine is None:
+                self._end()
+                self._fail(update, err)
+            self._receive_failed(engine, update, err)
+
+    def _receive_failed(self, engine: TransferEngine, update: WeightUpdate, err: BaseException) -> NoReturn:
+        self._end()
+        if not engine.survives_failure:
+            self.shutdown_engine()
+            if isinstance(err, (ValueError, RuntimeError)):
+                err = type(err)(
+                    f"{err}; the {type(engine).__name__} channel was closed, call init_weight_transfer_engine() "
+                    "again"
+                )
+        self._fail(update, err)
 
     def finish(self, commit: bool = True) -> WeightUpdate:
         """Completes post-processing of partially updated modules and closes the update; with `commit` False it
         only post-processes, keeping the update open with its rollback copies (the first phase)."""
         self.expect(SessionState.ACTIVE, call="finish_weight_update")
         assert self.update is not None
+        if self.job is not None:
+            raise RuntimeError("finish_weight_update() while an update is still being received")
         update = self.update
         try:
             update.finish(keep_copies=not commit)
@@ -170,10 +229,11 @@ class WeightSession:
         False."""
         if self.state is not SessionState.ACTIVE:
             return False
+        self.job = None
         update = self._end()
-        if update.atomic:
+        if update.atomic or update.shadow is not None:
             update.rollback()
-        if (not update.atomic or update.unprotected) and update.wrote_served():
+        if update.shadow is None and (not update.atomic or update.unprotected) and update.wrote_served():
             self.invalidate()
         return True
 
@@ -187,8 +247,10 @@ class WeightSession:
         self.state = SessionState.NO_ENGINE
 
     def release_backups(self) -> None:
-        """Frees the pooled rollback buffers (sleep, transport shutdown); the next atomic update re-allocates."""
+        """Frees the pooled rollback buffers and staging copies (sleep, transport shutdown); the next update
+        re-allocates."""
         self.backups.clear()
+        self.shadows.clear()
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
@@ -227,6 +289,9 @@ class WeightSession:
                            "until a successful reload_weights()")
             else:
                 outcome = "it failed after writing without rollback copies: reload the draft model"
+        elif update.shadow is not None:
+            update.rollback()
+            outcome = "it was staged: the served weights were never written"
         elif update.atomic:
             update.rollback()
             outcome = "the previous weights were restored"

@@ -279,6 +279,7 @@ class Worker:
         target: str = "model",
         encoding: str | None = None,
         checksums: dict[str, str] | None = None,
+        sliced: bool = False,
     ) -> int:
         """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
         success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
@@ -287,7 +288,8 @@ class Worker:
         `finish_weight_update()` or `abort_weight_update()` (how the engine makes worker processes change
         together), and leaves recording a new folder to the caller. `target` "draft" reloads the speculative draft
         model instead (its own checkpoint names, in its config scope). `encoding` / `checksums`: the tensors are a
-        delta, and the trainer's digests of the results (hotswap/weights/delta.py)."""
+        delta, and the trainer's digests of the results (hotswap/weights/delta.py). `sliced` (a staged engine,
+        `commit` False): the reload is only opened; `advance_weight_update` receives it."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         check_target(target, ("model", "draft"), "reload_weights target")
         if weights_path is not None and weights_iterator is not None:
@@ -307,7 +309,8 @@ class Worker:
         wt = self.config.weight_transfer_config
         update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
                                    encoding={"encoding": encoding, "checksums": checksums},
-                                   rename=prefixer(DRAFT_PREFIX) if target == "draft" else None)
+                                   rename=prefixer(DRAFT_PREFIX) if target == "draft" else None,
+                                   staged=wt.update_staging == "shadow", sliced=sliced)
         if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
@@ -388,9 +391,10 @@ class Worker:
         self._session_target = target
 
     @in_config_scope
-    def update_weights(self, update_info: dict[str, Any]) -> int:
-        """Receives one update of the session: declaration validated first, then data copied in place.
-        Any failure ends the session (rolled back in atomic mode) and re-raises. Returns tensors loaded."""
+    def update_weights(self, update_info: dict[str, Any], sliced: bool = False) -> int:
+        """Receives one update of the session: declaration validated first, then data copied in place (staged:
+        into the staging copies). Any failure ends the session (rolled back in atomic mode) and re-raises. Returns
+        tensors loaded. `sliced` (a staged session): only opens the receive; `advance_weight_update` runs it."""
         selection = RankSelection.from_update_info(update_info, self.parallel.rank, self.parallel.size)
         part = update_info.get("target") if isinstance(update_info, dict) else None
         problem = None
@@ -411,9 +415,29 @@ class Worker:
         rename = canonical_name if self._session_target == "lora" else prefixer(DRAFT_PREFIX) if draft else None
         try:
             with torch.no_grad():
-                return self.session.receive(update_info, selection, rename)
+                return self.session.receive(update_info, selection, rename, sliced=sliced)
         finally:
             self._drop_lora_unless_open()
+
+    @in_config_scope
+    def advance_weight_update(self, budget_s: float | None = None) -> int | None:
+        """Receives the staged update opened with `sliced` for about `budget_s` seconds (None: to its end).
+        Returns the tensors loaded once it ended, None while more remain. A failure ends the session (the served
+        weights were never written) and re-raises."""
+        with torch.no_grad():
+            return self.session.advance(budget_s)
+
+    @in_config_scope
+    def view_staged(self, on: bool) -> None:
+        """Serves the open staged update's weights (`on`), as a canary's probes must see them, or the committed
+        ones again. No-op without a staged update."""
+        update = self.session.update
+        if update is None or update.shadow is None:
+            return
+        if on and not update.shadow.inside:
+            update.shadow.swap_in()
+        elif not on and update.shadow.inside:
+            update.shadow.swap_out()
 
     @in_config_scope
     def finish_weight_update(self, commit: bool = True) -> int:

@@ -1,0 +1,156 @@
+"""Staged updates (`update_staging="shadow"`): every update form is received into staging copies while requests
+keep generating on the served version; the commit swaps them in between two steps; a failure or an abort drops
+them, the served weights bit-identical throughout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import PROMPTS, hf_greedy, serves
+from hotswap import LLM, SamplingParams
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.transfer.delta import xor_delta
+from hotswap.transfer.tensors import tensors_update_info
+from hotswap.weights.checksum import tensor_sha256
+
+pytestmark = pytest.mark.timeout(240)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def staged_llm(path, **kw) -> LLM:
+    return LLM(str(path), update_staging="shadow", kv_cache_memory_bytes=1 << 23, **kw)
+
+
+def params_of(llm: LLM) -> dict[str, torch.Tensor]:
+    (state,) = llm.collective_rpc("export_state")
+    return state
+
+
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_session_streams_beside_running_requests_and_commits_between_steps(ckpts, b_tensors):
+    """Requests started on A run while B is received (no pause); they keep A's tokens until the commit, then
+    continue on B, and the per-token versions say where the change landed. After the commit the engine serves B
+    exactly (transformers' greedy tokens)."""
+    llm = staged_llm(ckpts["A"])
+    tok = llm.get_tokenizer()
+    engine = llm.llm_engine
+    ids = tok.encode(PROMPTS[0])
+    engine.add_request("r0", None, ids, GREEDY)
+    for _ in range(8):
+        engine.step()
+    before = params_of(llm)
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    llm.start_weight_update()  # no pause: refused in place, accepted staged
+    llm.update_weights(tensors_update_info(b_tensors))
+    assert identical(params_of(llm), before), "the served weights changed before the commit"
+    steps_between = 0
+    for _ in range(6):  # generation goes on, on A
+        engine.step()
+        steps_between += 1
+    llm.finish_weight_update()
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out = o
+    assert out is not None
+    tokens, versions = out.outputs[0].token_ids, out.outputs[0].weight_versions
+    a_tokens = hf_greedy(str(ckpts["A"]), tuple(ids), 40)[0]
+    assert [(s.version, s.start_token, s.end_token) for s in versions] == [(0, 0, versions[0].end_token),
+                                                                          (1, versions[0].end_token, 40)]
+    switch = versions[0].end_token
+    assert tokens[:switch] == a_tokens[:switch], "tokens before the commit are A's"
+    assert switch >= 8 + steps_between, "the commit landed before the steps that ran while staging"
+    assert serves(llm, ckpts["B"])
+    b = dict(b_tensors)
+    assert identical({k: v for k, v in params_of(llm).items() if k in b}, {k: b[k] for k in b if k in before})
+
+
+def test_failure_and_abort_drop_the_staging_copy_and_leave_the_served_weights_bitwise(ckpts, b_tensors):
+    llm = staged_llm(ckpts["A"])
+    before = params_of(llm)
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    llm.start_weight_update()
+    bad = [(n, t.clone()) for n, t in b_tensors]
+    bad[-1][1].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match="staged: the served weights were never written"):
+        llm.update_weights(tensors_update_info(bad))
+    assert identical(params_of(llm), before)
+    llm.start_weight_update()
+    llm.update_weights(tensors_update_info(b_tensors[:5]))
+    llm.abort_weight_update()
+    assert identical(params_of(llm), before)
+    assert serves(llm, ckpts["A"])
+    llm.start_weight_update()  # the pool's buffers are reused by the next update
+    llm.update_weights(tensors_update_info(b_tensors))
+    llm.finish_weight_update()
+    assert serves(llm, ckpts["B"])
+
+
+def test_reloads_deltas_checksums_and_the_canary_are_staged(ckpts, b_tensors, tmp_path):
+    """A folder reload, an xor delta with the trainer's checksums, and a session checked by a canary all commit
+    only once received and checked; a canary that fails leaves the served weights as they were."""
+    llm = staged_llm(ckpts["A"])
+    llm.reload_weights(weights_path=str(ckpts["B"]))
+    assert serves(llm, ckpts["B"]) and llm.llm_engine.weight_version == 1
+    a = load_file(str(ckpts["A"] / "model.safetensors"))
+    b = dict(b_tensors)
+    delta = {n: xor_delta(b[n], a[n]) for n in a}
+    llm.reload_weights(weights_iterator=list(delta.items()), encoding="xor",
+                       checksums={n: tensor_sha256(t) for n, t in a.items()})
+    assert serves(llm, ckpts["A"])
+    before = params_of(llm)
+    llm.init_weight_transfer_engine({"backend": "tensors"})
+    llm.start_weight_update()
+    llm.update_weights(tensors_update_info(b_tensors))
+    tok = llm.get_tokenizer()
+    probe = tok.encode(PROMPTS[1])[:6]
+    with pytest.raises(ValueError, match="canary"):
+        llm.finish_weight_update(canary={"token_ids": [probe], "max_nll": 1e-6})
+    assert identical(params_of(llm), before)
+    llm.start_weight_update()
+    llm.update_weights(tensors_update_info(b_tensors))
+    llm.finish_weight_update(canary={"token_ids": [probe], "max_nll": 1e9})
+    assert serves(llm, ckpts["B"])
+
+
+def test_the_serving_engine_alternates_slices_with_steps(ckpts):
+    """AsyncLLMEngine: a staged reload from a folder is received in slices between the steps of a running
+    stream: tokens keep arriving while the reload call runs, on A until the commit and on B after it."""
+
+    async def run() -> tuple[list[float], float, float, list]:
+        engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), update_staging="shadow", staging_slice_ms=0.001,
+                                            kv_cache_memory_bytes=1 << 23)
+        tok = engine.tokenizer
+        times: list[float] = []
+        spans: list = []
+        loop = asyncio.get_running_loop()
+
+        async def stream() -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            async for out in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[0])}, params, "s"):
+                times.append(loop.time())
+                spans[:] = out.outputs[0].weight_versions
+
+        task = asyncio.create_task(stream())
+        while len(times) < 5:
+            await asyncio.sleep(0.001)
+        start = loop.time()
+        await engine.reload_weights(weights_path=str(ckpts["B"]))
+        end = loop.time()
+        await task
+        await engine.shutdown()
+        return times, start, end, spans
+
+    times, start, end, spans = asyncio.run(run())
+    during = sum(start < t < end for t in times)
+    assert during >= 5, f"only {during} tokens arrived while the staged reload was received"
+    assert [s.version for s in spans] == [0, 1] and spans[0].end_token > 5
