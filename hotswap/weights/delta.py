@@ -23,12 +23,12 @@ loaded, a mismatch fails the update (rolled back).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import cast
 
 import torch
 
-from hotswap.weights.checksum import tensor_sha256
+from hotswap.weights.checksum import sha256_steps
 from hotswap.weights.index import Target, WeightIndex
 from hotswap.weights.update import Declared, Patch, PendingHalf, WeightSource, WeightUpdate
 
@@ -216,6 +216,7 @@ def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> Weight
         complete=False,
         pre_sliced=frozenset(n for n, _, _ in declared if n not in whole_names or n in source.pre_sliced),
         verify=source.verify,
+        reads_served=True,
         description=f"{encoding} delta ({source.description})",
     )
 
@@ -242,11 +243,15 @@ def checked(source: WeightSource, index: WeightIndex, checksums: dict[str, str] 
             raise ValueError(f"{name}: split across ranks, no rank holds its whole result to verify a checksum")
     inner = source.verify
 
-    def verify() -> None:
+    def verify() -> Generator[None, None, None]:  # a generator: a staged update hashes between steps
         if inner is not None:
-            inner()
-        wrong = sorted(name for name, digest in checksums.items()
-                       if tensor_sha256(index.targets[name].local_view()) != digest)
+            inner_steps = inner()
+            if inner_steps is not None:
+                yield from inner_steps
+        wrong = []
+        for name, digest in sorted(checksums.items()):
+            if (yield from sha256_steps(index.targets[name].local_view())) != digest:
+                wrong.append(name)
         if wrong:
             raise ValueError(f"checksum mismatch after applying the update (the result differs from the trainer's): "
                              f"{wrong[:10]}")

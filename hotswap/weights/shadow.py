@@ -50,31 +50,37 @@ class Shadow:
 
     # ---- staging ----------------------------------------------------------------------------------------------
 
-    def stage(self, module_name: str) -> None:
+    def stage(self, module_name: str, fill: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Gives `module_name` staging copies of its parameters (once per update); inside `swapped_in()` they take
-        the parameters' place at once."""
+        the parameters' place at once. Returns the (staging copy, served tensor) copies the caller must make
+        before writing: every parameter when `fill`, else only freshly allocated ones (a pooled copy holds a served
+        version already; `fill` False says the update rewrites every loaded element, and derived parameters and
+        padding follow from those or never change)."""
         if module_name in self.modules:
-            return
+            return []
         module = self.index.modules[module_name]
-        with torch.no_grad():
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in self.params:
-                    continue  # tied: staged with its other module
-                key = f"{module_name}.{name}"
-                live = param.data  # not swapped yet: the served tensor
-                buffer = self.pool.pop(key, None)
-                if buffer is None or buffer.shape != live.shape or buffer.dtype != live.dtype or (
-                    buffer.device != live.device
-                ):
-                    buffer = torch.empty_like(live, requires_grad=False)
-                ops.copy_(buffer, live)
-                self.params[id(param)] = (key, param, buffer)
-                if self.inside:
-                    self.served[id(param)] = param.data
-                    param.data = buffer
+        copies = []
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in self.params:
+                continue  # tied: staged with its other module
+            key = f"{module_name}.{name}"
+            live = param.data  # not swapped yet: the served tensor
+            buffer = self.pool.pop(key, None)
+            fresh = buffer is None or buffer.shape != live.shape or buffer.dtype != live.dtype or (
+                buffer.device != live.device
+            )
+            if buffer is None or fresh:
+                buffer = torch.empty_like(live, requires_grad=False)
+            if fill or fresh or getattr(param, "hotswap_derived", False):
+                copies.append((buffer, live))
+            self.params[id(param)] = (key, param, buffer)
+            if self.inside:
+                self.served[id(param)] = param.data
+                param.data = buffer
         self.modules[module_name] = None
         if self.inside:
             self.served_packed[module_name] = packing.take(module)
+        return copies
 
     @property
     def nbytes(self) -> int:

@@ -60,7 +60,10 @@ class WeightSource:
     complete: bool = False
     pre_sliced: frozenset[str] = frozenset()
     skip: list[bool] | None = None
-    verify: Callable[[], None] | None = None
+    # run after the last tensor loaded; it may return a generator (run to its end), which a staged update runs
+    # between steps
+    verify: Callable[[], Generator[None, None, None] | None] | None = None
+    reads_served: bool = False  # decoding reads the weights it updates (a delta): staging copies start as them
     description: str = "update"
 
     def loaded_entries(self) -> Declared:
@@ -393,8 +396,14 @@ class WeightUpdate:
         entries = source.loaded_entries()
         self.check_declaration(entries, source.complete, source.pre_sliced)
         if self.shadow is not None:
-            modules = {self.index.targets[n].module_name for n, _, _ in entries if n in self.index.targets}
+            known = [self.index.targets[n] for n, _, _ in entries if n in self.index.targets]
+            modules = {t.module_name for t in known}
             check_room(self.index, modules - set(self.shadow.modules), self.shadow.pool)
+            keys = {key for t in known for key in t.keys}
+            whole = set() if source.reads_served else {m for m in modules if self.index.module_keys[m] <= keys}
+            count = yield from self._load_staged(source.stream(), source.pre_sliced, source.description, whole)
+            yield from self._verify(source)
+            return count
         stream = source.stream()
         backup = self.atomic and self.shadow is None and not (
             final
@@ -415,9 +424,14 @@ class WeightUpdate:
         expected = sum(1 for name, _, _ in entries if not self.index.ignored(name))
         if count != expected:
             raise ValueError(f"the {source.description} ended after {count} of {expected} declared tensors")
-        if source.verify is not None:
-            source.verify()
+        yield from self._verify(source)
         return count
+
+    def _verify(self, source: WeightSource) -> Generator[None, None, None]:
+        if source.verify is not None:
+            steps = source.verify()
+            if steps is not None:
+                yield from steps
 
     def _load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
               checked: bool, kind: str) -> Generator[None, None, int]:
@@ -447,9 +461,7 @@ class WeightUpdate:
                 if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
                     raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
                                      "declared")
-                if self.shadow is not None:
-                    self.shadow.stage(target.module_name)
-                elif backup or target.module_name in self.index.staging_modules:
+                if backup or target.module_name in self.index.staging_modules:
                     self._save(target.module_name)
                 target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
@@ -466,11 +478,81 @@ class WeightUpdate:
             raise _non_finite_error(non_finite)
         return count
 
+    def _load_staged(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], kind: str,
+                     whole: set[str]) -> Generator[None, None, int]:
+        """`_load` of a staged update: each tensor checked and copied into the staging copies in chunks of
+        `CHUNK_BYTES`, yielding after each, so that no slice between two steps holds a whole large tensor.
+        `whole`: modules this update rewrites entirely (their staging copies need not start as the served
+        weights)."""
+        assert self.shadow is not None
+        non_finite: list[str] = []
+        count = 0
+        with torch.no_grad():
+            for name, tensor in stream:
+                if self.index.ignored(name) or non_finite:
+                    continue  # after a bad tensor: drain the stream to name every bad one; load nothing more
+                target = self.index.targets.get(name)
+                assert target is not None, f"the {kind} delivered {name!r}, which it did not declare"
+                sliced = name in pre_sliced
+                yield from _chunked_copies(self.shadow.stage(target.module_name, target.module_name not in whole))
+                if isinstance(tensor, Patch):
+                    if not self._finite(name, tensor):
+                        non_finite.append(name)
+                        continue
+                    self._patch(target, tensor, False)
+                else:
+                    if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
+                        raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
+                                         "declared")
+                    if not (yield from self._write_staged(name, target, tensor, sliced)):
+                        non_finite.append(name)
+                        continue
+                count += 1
+                self.loaded_names.add(name)
+                self.loaded_keys.update(target.keys)
+                arrived = self.arrived.setdefault(target.module_name, set())
+                arrived.update(target.keys)
+                self.pending.add(target.module_name)
+                if arrived >= self.index.module_keys[target.module_name]:
+                    self._post_process(target.module_name)
+                    arrived.clear()
+                yield
+        if non_finite:
+            raise _non_finite_error(non_finite)
+        return count
+
+    def _write_staged(self, name: str, target: Any, tensor: torch.Tensor, sliced: bool
+                      ) -> Generator[None, None, bool]:
+        """Writes `tensor` into its target (the staging copy), checking its values chunk by chunk: what the
+        layout's `load_weight` does, by the `ShardedWeights` contract (this rank's part, cut by `narrowings`,
+        lands in `local_view`), where that contract alone decides it (no fused name covering several shards, no
+        fp8 stage); else through `load_weight` after checking the whole tensor. Returns False (nothing more
+        written) when a chunk's values do not fit the target."""
+        if target.covers is None and target.module_name not in self.index.staging_modules:
+            src = tensor
+            if not sliced:
+                for dim, start, length in target.narrowings():
+                    src = src.narrow(dim, start, length)
+            dst = target.local_view()
+            if src.shape == dst.shape:
+                limit = self._limit(name)
+                for rows in _row_chunks(dst):
+                    part = src[rows]
+                    if self.check_finite and not all_finite(part, limit):
+                        return False
+                    ops.copy_(dst[rows], part)
+                    yield
+                return True
+        if not self._finite(name, tensor):
+            return False
+        target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
+        return True
+
     def _patch(self, target: Any, patch: Patch, backup: bool) -> None:
         """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
         their old values for rollback when `backup`."""
         if self.shadow is not None:
-            self.shadow.stage(target.module_name)
+            drive_all(_chunked_copies(self.shadow.stage(target.module_name, True)))
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
         if backup and self.atomic and target.module_name not in self.saved:
             self.undo.append(("patch", view, patch.indices, view.index_select(0, patch.indices)))
@@ -573,3 +655,31 @@ def drive(steps: Generator[None, None, int]) -> int:
             next(steps)
         except StopIteration as stop:
             return cast(int, stop.value)
+
+
+def drive_all(steps: Generator[None, None, None]) -> None:
+    """Runs `steps` to its end."""
+    for _ in steps:
+        pass
+
+
+CHUNK_BYTES = 2 << 20  # what a staged update copies or checks between two yields
+
+
+def _row_chunks(t: torch.Tensor) -> Iterator[slice | tuple[()]]:
+    """Index expressions cutting `t` along dim 0 into pieces of about `CHUNK_BYTES` (a 0-d tensor: one, whole)."""
+    if t.dim() == 0 or t.numel() == 0:
+        yield ()
+        return
+    row_bytes = max(1, t[0].numel() * t.element_size())
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, t.shape[0], step):
+        yield slice(start, start + step)
+
+
+def _chunked_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Generator[None, None, None]:
+    """Copies each (dst, src) pair in `_row_chunks`, yielding after each chunk."""
+    for dst, src in pairs:
+        for rows in _row_chunks(dst):
+            ops.copy_(dst[rows], src[rows])
+            yield

@@ -71,6 +71,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "whatever else runs, and equal to hotswap.train.token_logprobs (docs/determinism.md); "
                              "--enable-deterministic-inference is SGLang's spelling")
     parser.add_argument("--prefix-cache-policy", default="reset", choices=["reset", "salt"])
+    parser.add_argument("--update-staging", default="in_place", choices=["in_place", "shadow"],
+                        help="shadow: weight updates are received into staging copies while requests keep "
+                        "generating, and committed between two steps (one more copy of the weights an update "
+                        "changes); in_place (default): updates write the served weights (pause generation first)")
+    parser.add_argument("--staging-slice-ms", type=float, default=4.0,
+                        help="with --update-staging shadow: how long an update is received between two steps")
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
     parser.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings)
     parser.add_argument("--max-stop-string-chars", type=int, default=RequestLimits.max_stop_string_chars)
@@ -197,6 +203,8 @@ def serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         deterministic=args.deterministic,
         prefix_cache_policy=args.prefix_cache_policy,
+        update_staging=args.update_staging,
+        staging_slice_ms=args.staging_slice_ms,
         session_cache_fraction=args.session_cache_fraction,
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,

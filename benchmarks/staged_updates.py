@@ -1,0 +1,142 @@
+"""The pause a weight update puts into running streams, staged (`update_staging="shadow"`) against in place.
+
+Two serving engines (`AsyncLLMEngine`) of the same checkpoint, one per mode, take turns: while `--streams` greedy
+requests stream, one update lands. In place: pause("keep"), the update, resume (what a trainer does today).
+Staged: the update alone (received in slices between steps, committed between two). Per update:
+
+    pause      the longest gap between two tokens of a stream that overlaps the update, minus the stream's
+               median gap before it (the worst stream)
+    commit gap the gap that spans the end of the update call (the commit), minus that median
+    wall       how long the update call took (staged: the staging time, spread over the steps)
+    tok/s      the streams' tokens per second while the update ran, against before it
+
+Updates: a full reload from a checkpoint folder (alternately B and A) and a sparse delta changing 2 % of every
+tensor (there and back). Modes and kinds are interleaved, `--reps` times.
+
+    python -m benchmarks.staged_updates [--preset 125m] [--streams 4] [--reps 3] [--slice-ms 4]
+
+Prints a table and ends with one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.weight_update import changed, cpu_description
+from hotswap import SamplingParams
+from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.testing import make_tiny_model
+from hotswap.transfer.delta import sparse_delta
+from hotswap.weights.delta import INDICES, VALUES
+
+MODES = ("in_place", "shadow")
+
+
+def sparse(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [pair for n in new for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]), strict=True)]
+
+
+async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], streams: int, seed: int
+                ) -> dict[str, float]:
+    """Streams `streams` greedy requests, lands `update` (reload_weights keywords) once each stream has 12
+    tokens, and measures the streams around it."""
+    times: list[list[float]] = [[] for _ in range(streams)]
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def stream(i: int) -> None:
+        prompt = {"prompt_token_ids": torch.randint(10, 500, (24,), generator=gen).tolist()}
+        async for _ in engine.generate(prompt, params, f"t{seed}-{i}"):
+            times[i].append(time.perf_counter())
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
+    while min(len(t) for t in times) < 12:
+        await asyncio.sleep(0.002)
+    t0 = time.perf_counter()
+    if mode == "in_place":
+        await engine.pause_generation("keep")
+        await engine.reload_weights(**update)
+        await engine.resume_generation()
+    else:
+        await engine.reload_weights(**update)
+    t1 = time.perf_counter()
+    counts = [len(t) for t in times]
+    while any(len(t) < c + 8 for t, c in zip(times, counts, strict=True)):
+        await asyncio.sleep(0.002)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    pauses, commits, during, before = [], [], 0, []
+    for t in times:
+        gaps = [(a, b) for a, b in zip(t, t[1:], strict=False)]
+        base = statistics.median(b - a for a, b in gaps if b < t0)
+        over = [b - a for a, b in gaps if b > t0 and a < t1]
+        pauses.append(max(over, default=0.0) - base)
+        commits.append(max((b - a for a, b in gaps if a < t1 < b), default=0.0) - base)
+        during += sum(t0 < x <= t1 for x in t)
+        before.append(1 / base)
+    wall = t1 - t0
+    return {"pause_ms": max(pauses) * 1e3, "commit_gap_ms": max(commits) * 1e3, "wall_ms": wall * 1e3,
+            "tok_s_during": during / wall if wall > 0 else 0.0, "tok_s_before": sum(before)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="staged-"))
+    a = make_tiny_model(root / "A", preset=args.preset, seed=0)
+    b = make_tiny_model(root / "B", preset=args.preset, seed=1)
+    state_a = load_file(str(a / "model.safetensors"))
+    other = changed(state_a, 0.02, seed=2)
+    there, back = sparse(state_a, other), sparse(other, state_a)
+    updates = [("full", {"weights_path": str(b)}), ("full", {"weights_path": str(a)}),
+               ("2% delta", {"weights_iterator": there, "encoding": "sparse"}),
+               ("2% delta", {"weights_iterator": back, "encoding": "sparse"})]
+    engines = {m: AsyncLLMEngine.from_kwargs(str(a), update_staging=m, staging_slice_ms=args.slice_ms,
+                                             max_num_seqs=max(8, args.streams)) for m in MODES}
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    seed = 0
+    for _ in range(args.reps):
+        for kind, update in updates:
+            for mode in MODES:
+                seed += 1
+                figures = await trial(engines[mode], mode, update, args.streams, seed)
+                results.setdefault((kind, mode), []).append(figures)
+    for engine in engines.values():
+        await engine.shutdown()
+    table: dict[str, Any] = {}
+    print(f"\n{'update':<10} {'mode':<9} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
+          f"{'tok/s before':>13}")
+    for (kind, mode), rows in results.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        worst = max(r["pause_ms"] for r in rows)
+        print(f"{kind:<10} {mode:<9} {med['pause_ms']:9.1f} {med['commit_gap_ms']:11.1f} {med['wall_ms']:9.1f} "
+              f"{med['tok_s_during']:13.1f} {med['tok_s_before']:13.1f}   (worst pause {worst:.1f} ms)")
+        table[f"{kind} {mode}"] = {k: round(v, 1) for k, v in med.items()} | {"worst_pause_ms": round(worst, 1)}
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--slice-ms", type=float, default=4.0)
+    args = parser.parse_args()
+    print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; preset {args.preset}, fp32, "
+          f"{args.streams} streams, slices of {args.slice_ms} ms")
+    table = asyncio.run(run(args))
+    print(json.dumps({"benchmark": "staged_updates", "preset": args.preset, "streams": args.streams,
+                      "slice_ms": args.slice_ms, "cpu": cpu_description(), "figures": table}))
+
+
+if __name__ == "__main__":
+    main()
