@@ -193,17 +193,25 @@ class SchedulerConfig:
     `long_prefill_token_threshold` (0: none) caps one prompt's chunk per step, so that several progress;
     `max_num_partial_prefills` prompts at most are part-way through their prefill at once.
     Without chunking, a prompt runs whole in one step, so `max_num_batched_tokens` (None: max(8192,
-    max_model_len)) must hold one of `max_model_len` tokens, and a step either prefills or decodes."""
+    max_model_len)) must hold one of `max_model_len` tokens, and a step either prefills or decodes.
+
+    `on_weight_update`: what a running request does with its KV cache when new weights are committed, unless its
+    `SamplingParams.on_weight_update` says: "keep" (default: it goes on with the KV computed so far; its version
+    spans show where the weights changed) or "recompute" (its KV is dropped and computed again, prompt and output
+    so far, on the new weights, in chunks that share steps with decoding)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    on_weight_update: str = "keep"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.on_weight_update not in ("keep", "recompute"):
+            raise ValueError(f"on_weight_update must be 'keep' or 'recompute', got {self.on_weight_update!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if not isinstance(self.enable_chunked_prefill, bool):

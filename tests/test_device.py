@@ -186,3 +186,36 @@ def test_an_update_on_the_gpu_is_checked_in_one_pass_rolled_back_and_then_taken(
     after = llm.weight_checksums()
     assert after == {n: tensor_sha256(t) for n, t in b_tensors}
     assert serves(llm, ckpts["B"])
+
+
+@pytest.mark.cuda
+def test_sleep_and_wake_on_the_gpu(ckpts, b_tensors, device):
+    """On a GPU: level 1 moves the weights to host memory and frees their device memory; wake_up brings them back
+    bit for bit (new device memory, the decode graphs captured again) and the engine serves A as before. Level 2
+    frees them without a copy: refused until a reload, which then serves B. A staged update commits by a device
+    copy, so the graphs captured before it keep replaying."""
+    from conftest import serves
+
+    llm = LLM(str(ckpts["A"]), device=device, kv_cache_memory_bytes=1 << 22)
+    before = llm.weight_checksums()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    llm.sleep(1)
+    assert torch.cuda.mem_get_info(device)[0] > free_before, "sleep(1) released no device memory"
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.collective_rpc("weight_checksums")
+    llm.wake_up()
+    assert llm.weight_checksums() == before
+    assert serves(llm, ckpts["A"])
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+    llm.reload_weights(weights_path=str(ckpts["B"]))
+    assert serves(llm, ckpts["B"])
+    staged = LLM(str(ckpts["A"]), device=device, update_staging="shadow", kv_cache_memory_bytes=1 << 22)
+    assert serves(staged, ckpts["A"])
+    pointers = staged.apply_model(lambda m: [p.data_ptr() for p in m.parameters()])
+    staged.reload_weights(weights_path=str(ckpts["B"]))
+    assert staged.apply_model(lambda m: [p.data_ptr() for p in m.parameters()]) == pointers
+    assert serves(staged, ckpts["B"])

@@ -218,3 +218,131 @@ def test_tied_embeddings_stay_tied_whichever_name_arrives(ckpts, name):
     assert same and equal
     llm.reload_weights(weights_iterator=list(b.items()))
     assert greedy_tokens(llm) == hf_tokens(ckpts["B_tied"], llm)
+
+
+# ---- torch_dist: device and collective backend settings -------------------------------------------------------
+
+
+def _dist_engine(port: int, **extra):
+    from hotswap.config import WeightTransferConfig
+    from hotswap.transfer.torch_dist import TorchDistEngine
+
+    info = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port, **extra}
+    return TorchDistEngine(info, WeightTransferConfig(timeout_s=60))
+
+
+@pytest.mark.unit
+def test_torch_dist_settings_are_validated_with_clear_errors():
+    from hotswap.testing import free_port
+    from hotswap.transfer.torch_dist import TorchDistSender, resolve_group_settings
+
+    assert resolve_group_settings("cpu", None) == ("cpu", "gloo")
+    assert resolve_group_settings("cpu", "gloo") == ("cpu", "gloo")
+    port = free_port()
+    for extra, message in [
+        ({"dist_backend": "mpi"}, "dist_backend must be one of"),
+        ({"dist_backend": "nccl", "device": "cpu"}, "'nccl' moves CUDA tensors only"),
+        ({"device": "gpu0"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"device": "cpu:1"}, "the CPU takes no index"),
+        ({"device": 3}, "device must be"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _dist_engine(port, **extra)
+    with pytest.raises(ValueError, match="'nccl' moves CUDA tensors only"):
+        TorchDistSender("127.0.0.1", port, device="cpu", dist_backend="nccl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            _dist_engine(port, device="cuda")
+
+
+def _dist_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(300, generator=g)),  # several buckets of 4 KiB: two in flight at a time
+        ("b", torch.randn(40, 50, generator=g).to(torch.bfloat16)),
+        ("empty", torch.empty(0, 3)),
+        ("c", torch.randint(0, 9, (2000,), generator=g)),
+        ("d", torch.randn(5, generator=g)),
+    ]
+
+
+def _receive_from_trainer_process(device: str, dist_backend: str | None, trainer_device: str | None = None) -> None:
+    """A trainer in its own (spawned) process broadcasts buckets packed on `trainer_device` (default `device`);
+    the engine receives onto `device` over `dist_backend`, twice (the buffers are reused), bit for bit."""
+    import multiprocessing as mp
+    import time
+
+    from hotswap.testing import free_port
+    from transfer_helpers import torch_dist_trainer
+
+    ctx = mp.get_context("spawn")
+    infos, go = ctx.Queue(), ctx.Queue()
+    port, named = free_port(), _dist_tensors()
+    args = (port, named, trainer_device or device, dist_backend, 4096, infos, go)
+    trainer = ctx.Process(target=torch_dist_trainer, args=args)
+    trainer.start()
+    engine = None
+    try:
+        extra = {"device": device} | ({} if dist_backend is None else {"dist_backend": dist_backend})
+        engine = _dist_engine(port, **extra)
+        deadline = time.monotonic() + 60
+        while not engine.ready():
+            assert time.monotonic() < deadline, "the engine did not join the trainer's group"
+            time.sleep(0.01)
+        info = infos.get(timeout=60)
+        for _ in range(2):
+            go.put("send")
+            got = [(n, t.clone()) for n, t in engine.source(info).tensors()]
+            assert infos.get(timeout=60) == "sent"
+            assert [n for n, _ in got] == [n for n, _ in named]
+            for (name, want), (_, have) in zip(named, got, strict=True):
+                assert have.device == torch.device(engine.device), name
+                assert torch.equal(have.cpu(), want), name
+    finally:
+        go.put("stop")
+        if engine is not None:
+            engine.shutdown()
+        trainer.join(timeout=60)
+    assert trainer.exitcode == 0
+
+
+def test_torch_dist_gloo_on_the_cpu_named_explicitly():
+    _receive_from_trainer_process("cpu", "gloo")
+
+
+@pytest.mark.cuda
+def test_torch_dist_gloo_with_cuda_buckets_on_one_gpu(device):
+    """The device-bucket path (two CUDA buckets in flight) on one GPU: gloo broadcasts CUDA tensors."""
+    _receive_from_trainer_process(device, "gloo")
+
+
+@pytest.mark.cuda
+def test_torch_dist_nccl_between_two_gpus(device):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL pairs two processes on two GPUs only")
+    _receive_from_trainer_process("cuda:1", "nccl", trainer_device="cuda:0")  # NCCL refuses two ranks on one GPU
+
+
+@pytest.mark.parametrize("backend", ["shm", "disk"])
+def test_a_staged_host_transport_updates_the_engine(ckpts, backend, monkeypatch):
+    """The host transports' device staging (what a CUDA engine gets), run on the CPU with unpinned slots: the
+    streamed source goes through the real update path, bit for bit."""
+    import importlib
+
+    from hotswap.weights.host_staging import HostStaging
+
+    stagers: list[HostStaging] = []
+
+    def staging_for(init_info):
+        stagers.append(HostStaging("cpu", slot_bytes=4096, pin=False))
+        return stagers[-1]
+
+    monkeypatch.setattr(importlib.import_module(f"hotswap.transfer.{backend}"), "staging_for", staging_for)
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
+    reference = LLM(str(ckpts["B"]), kv_cache_memory_bytes=1 << 22)
+    pusher = Pusher(llm, backend)
+    pusher.push(tensors_of(ckpts["B"]))
+    assert stagers and stagers[-1].stats.tensors == len(tensors_of(ckpts["B"]))
+    assert llm.weight_checksums() == reference.weight_checksums()
+    assert greedy_tokens(llm) == greedy_tokens(reference)
+    pusher.close()

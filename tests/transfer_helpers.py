@@ -221,3 +221,16 @@ def sglang_trainer(port: int, world_size: int, group_name: str, checkpoint_file:
             flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in tensors])
             dist.broadcast(flat, 0, group=group)
         done.put(command)
+
+
+def torch_dist_trainer(port, named, device, dist_backend, bucket_size, infos, go) -> None:
+    """A trainer process: rank 0 of a torch_dist group with one worker, packing on `device` over `dist_backend`.
+    Puts its update_info on `infos`, sends `named` (moved to `device`) each time `go` says "send" (then puts
+    "sent"), and closes on anything else."""
+    sender = TorchDistSender("127.0.0.1", port, bucket_size, timeout_s=60, device=device, dist_backend=dist_backend)
+    moved = [(n, t.to(sender.device)) for n, t in named]
+    infos.put(sender.update_info(moved))
+    while go.get() == "send":
+        sender.send(moved)
+        infos.put("sent")
+    sender.close()

@@ -223,6 +223,14 @@ class Scheduler:
         for seq in reversed([s for s in self.running if not is_decoding(s) and s.num_computed_tokens > 0]):
             self._preempt(seq)
 
+    def recompute(self, wants: Callable[[Sequence], bool]) -> int:
+        """Sends every running sequence for which `wants` is true back to be recomputed, prompt and output so far
+        (its KV is dropped): at a weight commit, those whose request asked for "recompute". Returns how many."""
+        chosen = [s for s in self.running if wants(s)]
+        for seq in reversed(chosen):
+            self._preempt(seq)
+        return len(chosen)
+
     def preempt_all(self) -> None:
         """Sends every running sequence back to be recomputed (its KV is dropped)."""
         for seq in reversed(list(self.running)):

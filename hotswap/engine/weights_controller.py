@@ -332,8 +332,14 @@ class WeightsController:
         before it must never be reused (reset policy: drop the cache; salt policy: move to a fresh salt). After a
         failure, or while they are known invalid, the workers are asked whether their weights are valid (for
         `health_problem`); a success cannot invalidate them, so steady-state updates make no extra call.
-        A prompt part-way through a chunked prefill starts again, all of it on the weights of now."""
+        A prompt part-way through a chunked prefill starts again, all of it on the weights of now; after a success,
+        so does every running request whose KV policy is "recompute" (`SamplingParams.on_weight_update`, else the
+        engine's `on_weight_update`)."""
         self.engine.scheduler.restart_prefills()
+        if not failed:
+            default = self.config.scheduler_config.on_weight_update
+            self.engine.scheduler.recompute(
+                lambda seq: (getattr(seq.request.params, "on_weight_update", None) or default) == "recompute")
         self.engine.reset_prefix_cache()
         self.engine.block_manager.salt = self.next_salt()
         if failed or not self.valid:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
+from hotswap.weights.host_staging import HostStaging, stage_to_device, staging_for
 from hotswap.weights.update import WeightSource
 
 _MAGIC = 0x48535750  # "HSWP"
@@ -158,8 +159,9 @@ class _Mapping:
         import _posixshmem
 
         if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
-            raise ValueError(f"shm_name must name a segment of a hotswap ShmSender ('{SEGMENT_PREFIX}...'), got "
-                             f"{name!r}")
+            raise ValueError(
+                f"shm_name must name a segment of a hotswap ShmSender ('{SEGMENT_PREFIX}...'), got {name!r}"
+            )
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
         except FileNotFoundError:
@@ -177,9 +179,15 @@ class _Mapping:
 
 
 class ShmEngine(TransferEngine):
+    """Worker side (init_info: {"backend": "shm"}, optionally "device" and "staging_slot_bytes"). On an engine
+    whose model is on a CUDA device (or init_info "device" naming one), the segment's tensors are streamed to the
+    device through two pinned host slots (hotswap/weights/host_staging.py, `staging_for`); "device": "cpu"
+    turns that off."""
+
     def __init__(self, init_info: dict[str, Any], config: Any) -> None:
         super().__init__(init_info, config)
         self.segments: dict[str, _Mapping] = {}
+        self.staging: HostStaging | None = staging_for(init_info)
 
     def _attach(self, name: str, offsets: list[int], expected: list[int], size: int) -> _Mapping:
         """The mapping of `name`, kept for later updates only once the declared layout fits it (a refused
@@ -212,9 +220,9 @@ class ShmEngine(TransferEngine):
             time.sleep(0.001)
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:
-        """The published update as an in-memory source over views of the segment. Its `verify`, run after the
-        data was copied into the model, rejects an update the trainer overwrote meanwhile (the copy is then rolled
-        back)."""
+        """The published update as an in-memory source over views of the segment (staged: a stream of device
+        tensors, see `stage_to_device`). Its `verify`, run after the data was copied into the model, rejects an
+        update the trainer overwrote meanwhile (the copy is then rolled back)."""
         declared = declared_from_info(update_info)
         try:
             name, offsets = update_info["shm_name"], update_info["offsets"]
@@ -236,7 +244,8 @@ class ShmEngine(TransferEngine):
             if current != generation:
                 raise RuntimeError("the trainer overwrote the shared buffer while the worker was reading it")
 
-        return WeightSource(declared, tensors, in_memory=True, verify=verify, description="shm update")
+        source = WeightSource(declared, tensors, in_memory=True, verify=verify, description="shm update")
+        return source if self.staging is None else stage_to_device(source, staging=self.staging)
 
     def _forget(self, segment: _Mapping) -> None:
         """Drops a segment whose trainer is gone and unmaps it now, unless a tensor view of it remains (then it

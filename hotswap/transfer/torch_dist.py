@@ -1,6 +1,13 @@
 """torch.distributed transport: the trainer (rank 0) broadcasts packed buckets to the worker (gloo on CPU,
 NCCL on CUDA).
 
+Where the buckets land and which collective library moves them are two settings of both sides (init_info on the
+worker, constructor arguments on the trainer): `device` ("cpu", "cuda", "cuda:N"; the worker's default is the
+engine's own device) and `dist_backend` ("gloo" | "nccl"; default NCCL for a CUDA device, gloo on the CPU). Both
+sides must name the same backend. gloo also broadcasts CUDA tensors (through host memory): that is how the device
+path runs with a single GPU, where NCCL cannot pair two processes on one device. ("backend" itself names the
+transport, "torch_dist", in init_info, so the collective library goes under "dist_backend", SGLang's name too.)
+
 Tensors are packed in declared order into buckets of `bucket_size_bytes` (a larger tensor gets a bucket of its
 own); both sides derive the same layout from the declaration. The worker receives into two alternating buffers,
 so the next bucket arrives while the current one is copied into the parameters. Collectives time out after the
@@ -28,8 +35,10 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed import ProcessGroupGloo
 
+from hotswap.device import parse_device
 from hotswap.distributed import current_parallel
 from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
+from hotswap.weights.host_staging import engine_device
 from hotswap.weights.update import Declared, WeightSource
 
 _ALIGN = 64
@@ -58,20 +67,63 @@ def _tensor_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: t
     return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _group(address: str, port: int, rank: int, world: int, timeout_s: float, device: str) -> tuple[TCPStore, Any]:
+DIST_BACKENDS = ("gloo", "nccl")
+
+
+def resolve_group_settings(device: Any, dist_backend: Any) -> tuple[str, str]:
+    """(device, backend) validated and normalised: `device` "cpu", "cuda" (the current CUDA device) or "cuda:N"
+    becomes "cpu" / "cuda:N"; `dist_backend` None picks NCCL for a CUDA device and gloo on the CPU. Raises
+    ValueError for a malformed device (or CUDA where none is visible), an unknown backend, NCCL with a CPU device,
+    and NCCL where this torch build has none."""
+    name = parse_device(device) if isinstance(device, str) else None
+    if name is None:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    backend = ("gloo" if name == "cpu" else "nccl") if dist_backend is None else dist_backend
+    if backend not in DIST_BACKENDS:
+        raise ValueError(f"dist_backend must be one of {list(DIST_BACKENDS)}, got {dist_backend!r}")
+    if backend == "nccl" and name == "cpu":
+        raise ValueError(
+            "dist_backend 'nccl' moves CUDA tensors only, but the device is 'cpu'; name a CUDA device "
+            "('cuda' or 'cuda:N') or use dist_backend 'gloo'"
+        )
+    if backend == "nccl":
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise ValueError(f"dist_backend 'nccl', but this torch build ({torch.__version__}) has no NCCL; use 'gloo'")
+    return name, backend
+
+
+def bind_device(device: str) -> None:
+    """Makes `device` ("cuda:N") the calling thread's current CUDA device (NCCL creates its communicator and
+    streams on the current device); nothing for the CPU."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
+def _group(
+    address: str, port: int, rank: int, world: int, timeout_s: float, device: str, backend: str = "gloo"
+) -> tuple[TCPStore, Any]:
+    """(store, process group) of `backend`: the store hosted at (address, port) by rank 0. Every collective of
+    the group, and its creation, time out after `timeout_s` (NCCL's through its options' `_timeout`, the same
+    field torch.distributed's own group helper sets, so that its watchdog ends a broadcast whose peer is gone)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = TCPStore(address, port, world_size=world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    if device == "cuda":
+    if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
-        # the binding's (store, rank, size, timeout=default) overload is missing from torch's stubs
-        return store, ProcessGroupNCCL(store, rank, world)  # type: ignore[call-arg]
+        options = ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        return store, ProcessGroupNCCL(store, rank, world, options)
     return store, ProcessGroupGloo(store, rank, world, timeout)
 
 
 class TorchDistSender:
     """Trainer side: rank 0 of a group with the engine's `num_workers` workers (its tensor_parallel_size),
-    hosting the rendezvous store at (address, port)."""
+    hosting the rendezvous store at (address, port). `device`: where its buckets are packed ("cpu", "cuda",
+    "cuda:N"; a CUDA device becomes this thread's current device); `dist_backend`: "gloo" or "nccl" (None: NCCL
+    for a CUDA device, gloo on the CPU), the same as the engine's. Raises ValueError for bad settings."""
 
     def __init__(
         self,
@@ -81,11 +133,15 @@ class TorchDistSender:
         timeout_s: float = 60.0,
         device: str = "cpu",
         num_workers: int = 1,
+        dist_backend: str | None = None,
     ) -> None:
         self.bucket_size_bytes = bucket_size_bytes
-        self.device = device
+        self.device, self.dist_backend = resolve_group_settings(device, dist_backend)
+        bind_device(self.device)
         self.store: TCPStore | None  # None once closed
-        self.store, self.group = _group(master_address, master_port, 0, 1 + num_workers, timeout_s, device)
+        self.store, self.group = _group(
+            master_address, master_port, 0, 1 + num_workers, timeout_s, self.device, self.dist_backend
+        )
         self._buffers: list[torch.Tensor] = []
 
     def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -133,7 +189,11 @@ def _root(rank: int) -> Any:
 
 class TorchDistEngine(TransferEngine):
     """Worker side: joins the trainer's group as rank 1 + its tensor-parallel rank (init_info: master_address,
-    master_port; the group has 1 + tensor_parallel_size members).
+    master_port; the group has 1 + tensor_parallel_size members). Optional init_info: `device` (where buckets
+    are received: "cpu", "cuda", "cuda:N"; default the engine's own device, read from its config scope, else the
+    CPU), `dist_backend` ("gloo" | "nccl"; default NCCL for a CUDA device, gloo on the CPU; the trainer's must be
+    the same), `rank_offset`, `world_size`. The joining thread makes a CUDA device its current one before the
+    group is created, and NCCL's collectives time out after `timeout_s` like gloo's.
 
     Joining happens in a background thread, so that a trainer that is late (or a port where nobody listens)
     holds no engine lock: the engine polls `ready()` between steps, and generation goes on meanwhile. Every wait
@@ -149,7 +209,9 @@ class TorchDistEngine(TransferEngine):
             raise ValueError(f"a 'torch_dist' init_info needs master_address and master_port: {err}") from None
         if not 0 < port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {port}")
-        self.device = str(init_info.get("device", "cpu"))
+        self.device, self.group_backend = resolve_group_settings(
+            init_info["device"] if "device" in init_info else engine_device(), init_info.get("dist_backend")
+        )
         offset = init_info.get("rank_offset", 1)  # vLLM's name: the trainer is rank 0, workers follow
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
             raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
@@ -179,12 +241,15 @@ class TorchDistEngine(TransferEngine):
             _joins[key] = self._joining
             self._joining.start()
 
-    def _connect(self, *args: Any) -> tuple[Any, Any]:
-        """Joins the trainer's group: (store, process group)."""
-        return _group(*args)
+    def _connect(
+        self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
+    ) -> tuple[Any, Any]:
+        """Joins the trainer's group over `group_backend`: (store, process group)."""
+        return _group(address, port, rank, world, timeout_s, device, self.group_backend)
 
     def _join(self, *args: Any) -> None:
         try:
+            bind_device(self.device)  # this thread's: NCCL builds its communicator on the current device
             store, group = self._connect(*args)
         except BaseException as err:  # reported by ready()
             self._error = err

@@ -25,7 +25,7 @@ def sha256_steps(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Gene
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    data = memoryview(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    data = memoryview(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
     digest = hashlib.sha256()
     for start in range(0, len(data), CHUNK_BYTES):
         digest.update(data[start : start + CHUNK_BYTES])

@@ -56,6 +56,7 @@ from hotswap.weights.update import (
 from hotswap.wire import ModelInput, ModelOutput
 from hotswap.worker.memory import discard_pages, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
+from hotswap.worker.offload import Offloaded, offload, restore
 from hotswap.worker.session import SessionState, WeightSession
 from hotswap.worker.speculative import SpeculativeStep
 
@@ -91,6 +92,7 @@ class Worker:
         self.model: nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.session = WeightSession()
+        self.offloaded: Offloaded | None = None  # a GPU's weights while asleep (hotswap/worker/offload.py)
         # speculative decoding with a draft model: its model, runner and config (model_config the draft's,
         # parallel_config the draft's layout; the other sections are the worker's own objects, so live changes
         # reach it); every draft operation runs inside `_draft_scope`
@@ -227,8 +229,16 @@ class Worker:
                 self.draft_runner.allocate_kv_cache(num_blocks)
         runner.calibrate_stack()
 
+    def _check_awake(self, call: str) -> None:
+        """Raises RuntimeError while sleep took the weights' device memory (a GPU): nothing may read or write
+        them until wake_up(["weights"])."""
+        if self.offloaded is not None:
+            raise RuntimeError(f"{call}() while asleep: the weights' device memory was released; call "
+                               "wake_up(['weights']) first")
+
     @in_config_scope
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        self._check_awake("execute_model")
         if not self.session.weights_valid:
             raise RuntimeError(
                 "the weights are inconsistent after a failed non-atomic update; call reload_weights() to restore "
@@ -291,6 +301,7 @@ class Worker:
         delta, and the trainer's digests of the results (hotswap/weights/delta.py). `sliced` (a staged engine,
         `commit` False): the reload is only opened; `advance_weight_update` receives it."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
+        self._check_awake("reload_weights")
         check_target(target, ("model", "draft"), "reload_weights target")
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
@@ -387,6 +398,7 @@ class Worker:
         """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback.
         `target`: "model" (the served model), "draft" (the speculative draft) or "all" (both, committed or rolled
         back together; draft tensors are named "draft.<name>" or sent in update calls with "target": "draft")."""
+        self._check_awake("start_weight_update")
         self.session.start(self._weight_index(target), self.config.weight_transfer_config)  # raises for a bad target
         self._session_target = target
 
@@ -548,7 +560,11 @@ class Worker:
     def sleep(self, level: int = 1) -> int:
         """Frees the KV cache (level 1), and at level 2 also the weights' memory: parameters keep their storage
         but its pages go back to the OS and read as zeros, so the worker refuses to execute until a reload or a
-        full update. Rollback buffers are freed too. Returns the bytes released from weights."""
+        full update. Rollback buffers and staging copies are freed too. On a GPU (vLLM's way) level 1 also moves
+        the weights to page-locked host memory and frees their device memory, and level 2 frees it without a
+        copy; either way the worker refuses every call that reads or writes them until wake_up(["weights"]),
+        which gives them new device memory (the decode graphs are captured again). Returns the bytes released
+        from weights."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="sleep")
         self._runner().free_kv_cache()
         if self.draft_runner is not None:
@@ -558,12 +574,18 @@ class Worker:
         packing.drop_all(model)  # the packed copies' memory goes too (they are rebuilt on first use)
         if self.draft_model is not None:
             packing.drop_all(self.draft_model)
+        params = list(model.parameters())
+        if self.draft_model is not None:
+            params += list(self.draft_model.parameters())
+        if self.config.model_config.device != "cpu":
+            if self.offloaded is None:
+                self.offloaded = offload(params, keep=level == 1, pin=True)
+            if level >= 2:  # (deeper after level 1: the host copy comes back at wake, but counts as invalid)
+                self.session.invalidate()
+            return self.offloaded.bytes_released
         released = 0
         if level >= 2:
             with torch.no_grad():
-                params = list(model.parameters())
-                if self.draft_model is not None:
-                    params += list(self.draft_model.parameters())
                 for param in params:
                     released += discard_pages(param.data)
             self.session.invalidate()
@@ -571,8 +593,13 @@ class Worker:
 
     @in_config_scope
     def wake_up(self, tags: list[str]) -> None:
-        """Re-allocates the KV cache ("kv_cache"). Weights released at level 2 come back with a reload or a
-        full update after wake_up(["weights"]); their storage never moved."""
+        """Re-allocates the KV cache ("kv_cache"), and on a GPU the weights' device memory ("weights": their
+        host copy back after level 1; zeros after level 2, until a reload or a full update). On the CPU weights
+        released at level 2 come back with a reload or a full update after wake_up(["weights"]); their storage
+        never moved."""
+        if "weights" in tags and self.offloaded is not None:
+            restore(self.offloaded)
+            self.offloaded = None
         runner = self._runner()
         if "kv_cache" in tags and not runner.kv_caches:
             runner.allocate_kv_cache(runner.num_blocks)
@@ -585,6 +612,7 @@ class Worker:
         """SHA-256 per checkpoint tensor name, over the bytes the engine holds for it (a fused layer's slice),
         so a trainer can compare with `tensor_sha256` of what it sent, cast to the engine's dtype. fp8 layers
         report their quantized bytes. `target` "draft" / "all": the draft's tensors, named "draft.<name>"."""
+        self._check_awake("weight_checksums")
         index = self._weight_index(target)
         return {name: tensor_sha256(index.targets[name].local_view()) for name in sorted(index.required)}
 
@@ -612,12 +640,14 @@ class Worker:
     def export_state(self) -> dict[str, torch.Tensor]:
         """Host copies of this rank's parameters and persistent buffers by name, the draft's under "draft."
         (a live replica on a GPU does not double its device memory)."""
+        self._check_awake("export_state")
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self._tensors().items()}
 
     @in_config_scope
     def import_state(self, states: list[dict[str, torch.Tensor]]) -> None:
         """Copies `states[rank]` into this rank's tensors in place. Raises ValueError, changing nothing, unless
         every name, shape and dtype matches."""
+        self._check_awake("import_state")
         given, mine = states[self.rank], self._tensors()
         if given.keys() != mine.keys():
             missing, extra = sorted(mine.keys() - given.keys()), sorted(given.keys() - mine.keys())
