@@ -16,6 +16,7 @@ from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.transfer.delta import xor_delta
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.weights.checksum import tensor_sha256
+from transfer_helpers import BACKENDS, Pusher
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -154,3 +155,43 @@ def test_the_serving_engine_alternates_slices_with_steps(ckpts):
     during = sum(start < t < end for t in times)
     assert during >= 5, f"only {during} tokens arrived while the staged reload was received"
     assert [s.version for s in spans] == [0, 1] and spans[0].end_token > 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_transport_is_staged_and_a_bad_push_changes_nothing(ckpts, b_tensors, backend):
+    """Each transport's session (tensors, shm, torch_dist, disk) lands in the staging copies: served weights
+    bit-identical until finish; a push with a NaN fails (rolled back: dropped), the next one commits."""
+    llm = staged_llm(ckpts["A"])
+    before = params_of(llm)
+    pusher = Pusher(llm, backend)
+    try:
+        llm.start_weight_update()
+        bad = [(n, t.clone()) for n, t in b_tensors]
+        bad[2][1].view(-1)[0] = float("inf")
+        with pytest.raises(ValueError, match="never written"):
+            pusher.update(bad)
+        assert identical(params_of(llm), before)
+        if backend == "torch_dist":  # a failed torch_dist session closes its channel
+            pusher.connect()
+        llm.start_weight_update()
+        pusher.update(b_tensors)
+        assert identical(params_of(llm), before)
+        assert serves(llm, ckpts["A"])  # generation goes on, on the served version, between update and finish
+        llm.finish_weight_update()
+        assert serves(llm, ckpts["B"])
+    finally:
+        pusher.close()
+
+
+def test_staging_that_does_not_fit_is_refused_before_anything_is_allocated(ckpts, b_tensors, monkeypatch):
+    llm = staged_llm(ckpts["A"])
+    before = params_of(llm)
+    monkeypatch.setattr("hotswap.weights.shadow._free_bytes", lambda device: 1000)
+    with pytest.raises(RuntimeError, match="needs .* MiB more for the staging copies"):
+        llm.reload_weights(weights_iterator=b_tensors)
+    (pool,) = llm.collective_rpc(lambda worker: len(worker.session.shadows))
+    assert pool == 0
+    assert identical(params_of(llm), before)
+    monkeypatch.undo()
+    llm.reload_weights(weights_iterator=b_tensors)
+    assert serves(llm, ckpts["B"])
