@@ -300,7 +300,11 @@ class WeightTransferConfig:
     "shadow" receives, checks and post-processes every update into staging copies while requests keep generating
     on the served version, and the commit swaps them in between two steps (hotswap/weights/shadow.py). It costs
     one more copy of the weights an update changes. `staging_slice_ms`: how long a staged update receives
-    between two steps of running requests (the serving engine alternates slices and steps)."""
+    between two steps of running requests (the serving engine alternates slices and steps).
+
+    `backup_device`: where an in-place atomic update keeps its rollback copies on a GPU: "cpu" (default:
+    page-locked host memory, leaving the device's memory to the KV cache) or "device" (HBM: a rollback at HBM
+    rate). On the CPU both are host memory."""
 
     atomic: bool = True
     check_finite: bool = True
@@ -308,6 +312,7 @@ class WeightTransferConfig:
     bucket_size_bytes: int = 256 * 1024 * 1024
     update_staging: str = "in_place"
     staging_slice_ms: float = 4.0
+    backup_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.atomic, bool):
@@ -316,6 +321,8 @@ class WeightTransferConfig:
             raise ValueError(f"weight_transfer_config.check_finite must be a bool, got {self.check_finite!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"weight_transfer_config.timeout_s must be positive, got {self.timeout_s}")
+        if self.backup_device not in ("cpu", "device"):
+            raise ValueError(f"backup_device must be 'cpu' or 'device', got {self.backup_device!r}")
         if self.update_staging not in ("in_place", "shadow"):
             raise ValueError(f"update_staging must be 'in_place' or 'shadow', got {self.update_staging!r}")
         if not isinstance(self.staging_slice_ms, (int, float)) or not self.staging_slice_ms > 0:
@@ -523,7 +530,8 @@ SECTIONS: dict[str, type] = {
 LIVE_FIELDS = {
     "model_config": {"model"},
     "load_config": {"load_format"},
-    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes", "staging_slice_ms"},
+    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes", "staging_slice_ms",
+                               "backup_device"},
     "parallel_config": {"expert_placement"},
     "speculative_config": {"draft_staleness"},
 }

@@ -219,3 +219,27 @@ def test_sleep_and_wake_on_the_gpu(ckpts, b_tensors, device):
     staged.reload_weights(weights_path=str(ckpts["B"]))
     assert staged.apply_model(lambda m: [p.data_ptr() for p in m.parameters()]) == pointers
     assert serves(staged, ckpts["B"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backup_device", ["cpu", "device"])
+def test_rollback_copies_where_the_user_says(ckpts, b_tensors, device, backup_device):
+    """A streamed session that fails after writing rolls back bit for bit from rollback copies kept in page-locked
+    host memory ("cpu") or in HBM ("device")."""
+    from transfer_helpers import Pusher
+
+    llm = LLM(str(ckpts["A"]), device=device, kv_cache_memory_bytes=1 << 22, backup_device=backup_device)
+    before = llm.weight_checksums()
+    pusher = Pusher(llm, "shm")
+    try:
+        llm.start_weight_update()
+        pusher.update(b_tensors[:4])  # written (and backed up) before the bad one arrives
+        bad = [(n, t.clone()) for n, t in b_tensors[4:]]
+        bad[-1][1].view(-1)[0] = float("nan")
+        with pytest.raises(ValueError, match="restored"):
+            pusher.update(bad)
+        (where,) = llm.collective_rpc(lambda w: {str(t.device) for t in w.session.backups.values()})
+        assert where == ({"cpu"} if backup_device == "cpu" else {str(torch.device(device))})
+        assert llm.weight_checksums() == before
+    finally:
+        pusher.close()

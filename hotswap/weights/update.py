@@ -263,8 +263,11 @@ class WeightUpdate:
         check_finite: bool,
         backups: dict[str, torch.Tensor] | None = None,
         shadow: Shadow | None = None,
+        backup_device: str = "cpu",
     ) -> None:
         self.index = index
+        # where rollback copies of a GPU's parameters go: "cpu" (page-locked host memory) or "device"
+        self.backup_device = backup_device
         # staged (update_staging="shadow"): every write goes to staging copies, served only at the commit; the
         # staging copies are the rollback, so no rollback copy is made
         self.shadow = shadow
@@ -568,8 +571,10 @@ class WeightUpdate:
             # pooled buffers persist between updates, so steady-state updates do not fault in fresh memory
             key = f"{module_name}.{name}"
             buffer = self.backup_pool.get(key)
-            if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
-                buffer = self.backup_pool[key] = torch.empty_like(param, requires_grad=False)
+            where = torch.device("cpu") if self.backup_device == "cpu" else param.device
+            if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype or buffer.device != where:
+                buffer = self.backup_pool[key] = torch.empty(param.shape, dtype=param.dtype, device=where,
+                                                             pin_memory=where.type == "cpu" != param.device.type)
             ops.copy_(buffer, param.detach())
             saved[name] = buffer
         self.saved[module_name] = saved

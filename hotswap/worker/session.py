@@ -85,6 +85,7 @@ class WeightSession:
     def load(
         self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True,
         encoding: dict[str, Any] | None = None, rename: Rename = None, staged: bool = False, sliced: bool = False,
+        backup_device: str = "cpu",
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
         the update stays open with its rollback copies (see the two-phase commit above). `encoding`: the
@@ -93,7 +94,7 @@ class WeightSession:
         `staged`: written into staging copies (hotswap/weights/shadow.py), served from the commit on. `sliced`
         (staged, not committing): only opens the update; `advance` receives it, slice by slice."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        update = self._update(index, atomic, check_finite, staged)
+        update = self._update(index, atomic, check_finite, staged, backup_device)
         if sliced:
             assert staged and not commit, "a sliced load is staged and committed by finish()"
             info = encoding or {}
@@ -137,11 +138,14 @@ class WeightSession:
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
-        self._open(self._update(index, config.atomic, config.check_finite, config.update_staging == "shadow"))
+        self._open(self._update(index, config.atomic, config.check_finite, config.update_staging == "shadow",
+                                config.backup_device))
 
-    def _update(self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool) -> WeightUpdate:
+    def _update(self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool,
+                backup_device: str = "cpu") -> WeightUpdate:
         shadow = Shadow(index, self.shadows) if staged else None
-        return WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups, shadow=shadow)
+        return WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups, shadow=shadow,
+                            backup_device=backup_device)
 
     def receive(self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None,
                 sliced: bool = False) -> int:

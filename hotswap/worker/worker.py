@@ -321,7 +321,8 @@ class Worker:
         update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
                                    encoding={"encoding": encoding, "checksums": checksums},
                                    rename=prefixer(DRAFT_PREFIX) if target == "draft" else None,
-                                   staged=wt.update_staging == "shadow", sliced=sliced)
+                                   staged=wt.update_staging == "shadow", sliced=sliced,
+                                   backup_device=wt.backup_device)
         if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
