@@ -51,7 +51,8 @@ class ModelConfig:
     `logprobs_mode` (vLLM's): what a sampled token's logprobs report: "raw_logprobs" (default: the model's
     distribution), "processed_logprobs" (the distribution sampled from: after logit bias, penalties, banned tokens,
     temperature and top-k/top-p/min-p), or "raw_logits" / "processed_logits" (the logits themselves). Prompt
-    logprobs are always the raw distribution's.
+    logprobs follow the same mode: the raw distribution under the raw modes, logits / T and the filters under the
+    processed ones (docs/teacher-scoring.md).
     `deterministic`: the batch-invariant forward pass (docs/determinism.md): every request's tokens and logprobs
     are the same bits whatever else is batched with it, however its prompt is chunked or cached, on one rank or
     two, and equal to `hotswap.train.token_logprobs` on the trainer's model. Float32 weights, native kernels.

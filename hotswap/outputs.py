@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from hotswap.wire import PromptLogprobs
 
 
 @dataclass
@@ -123,3 +128,36 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no context)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     lora_name: str | None = None  # the LoRA adapter it ran with
+
+
+@dataclass
+class TokenScores:
+    """One sequence scored without generating (`LLM.score_tokens`): for each of its tokens 1..L-1, given the tokens
+    before it, under the distribution asked (log_softmax(logits / T) after the filters): `logprobs` [L-1] float32
+    its logprob, `ranks` [L-1] int32 its rank (1 = most likely; 1 + the number of tokens more likely), and the K
+    most likely tokens, most likely first: `top_ids` [L-1, K] int32 and `top_logprobs` [L-1, K] float32 (K the
+    top_logprobs asked, the vocabulary for -1; [L-1, 0] for 0). Values are the engine's float32 bits. Row i is the
+    distribution after token i, about token i + 1 (vLLM's prompt_logprobs without the leading None).
+    `weight_version` (and its `weight_version_label`): the weights that scored it."""
+
+    token_ids: list[int]
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    weight_version: int = 0
+    weight_version_label: str = ""
+
+    @staticmethod
+    def of(token_ids: list[int], scored: PromptLogprobs, k: int, version: int = 0, label: str = "") -> TokenScores:
+        """From the worker's prompt logprobs of `token_ids` with `k` top entries per position."""
+        rows = len(token_ids) - 1
+        return TokenScores(
+            token_ids,
+            np.asarray(scored.logprobs, dtype=np.float32).reshape(rows),
+            np.asarray(scored.ranks, dtype=np.int32).reshape(rows),
+            np.asarray(scored.top_ids, dtype=np.int32).reshape(rows, k),
+            np.asarray(scored.top_logprobs, dtype=np.float32).reshape(rows, k),
+            version,
+            label or str(version),
+        )

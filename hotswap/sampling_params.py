@@ -21,13 +21,15 @@ class SamplingParams:
     unless `ignore_eos`. `min_tokens` suppresses EOS and stop tokens/strings until that many tokens exist.
     `logprobs` k returns the sampled token's logprob plus the top-k; `prompt_logprobs` k returns, for every prompt
     token after the first, its logprob under the model given the tokens before it, plus the top-k (such a request
-    does not reuse the prefix cache, whose positions are never computed). `repetition_penalty` (> 0, 1 off) divides
-    positive and multiplies negative logits of every token in the prompt or output; `presence_penalty` and
-    `frequency_penalty` ([-2, 2]) subtract per output token seen, once and per occurrence; `logit_bias` maps token
-    ids to values added to their logits ([-100, 100]). `include_stop_str_in_output` keeps a matched stop string in
-    the text. Logprobs are of the raw distribution, before these. `output_kind` says what a streaming
-    consumer gets after each step: the whole output so far ("cumulative"), only what is new ("delta"), or
-    nothing until it finishes ("final_only").
+    does not reuse the prefix cache, whose positions are never computed); -1 for either is the whole vocabulary
+    (vLLM's), within the engine's `max_logprobs`. `repetition_penalty` (> 0, 1 off) divides positive and
+    multiplies negative logits of every token in the prompt or output; `presence_penalty` and `frequency_penalty`
+    ([-2, 2]) subtract per output token seen, once and per occurrence; `logit_bias` maps token ids to values added
+    to their logits ([-100, 100]). `include_stop_str_in_output` keeps a matched stop string in the text. Logprobs
+    are of the raw distribution, before these, unless the engine's `logprobs_mode` is a processed one (then
+    sampled and prompt logprobs are those of the distribution sampled from: docs/teacher-scoring.md).
+    `output_kind` says what a streaming consumer gets after each step: the whole output so far ("cumulative"),
+    only what is new ("delta"), or nothing until it finishes ("final_only").
 
     Replay (mixture-of-experts models; see docs/replay.md): `return_routed_experts` returns each token's top-k
     experts per sparse layer (`CompletionOutput.routed_experts`); `forced_routed_experts` ([rows, sparse layers,
@@ -90,14 +92,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int)
-            or isinstance(self.prompt_logprobs, bool)
-            or self.prompt_logprobs < 0
-        ):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+                raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {value!r}")
         for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:

@@ -73,11 +73,18 @@ class SampleResult:
 @dataclass
 class PromptLogprobsAsk:
     """Sequence `seq` of a step wants the prompt logprobs of its first `len(targets)` query tokens' successors:
-    the logprob of `targets[j]` after query token j (the last target may be the first token of the next chunk)."""
+    the logprob of `targets[j]` after query token j (the last target may be the first token of the next chunk),
+    its rank and the `top_k` most likely tokens (`top_k` = the vocabulary: every token, most likely first).
+
+    `spec` None: the raw distribution (the log-softmax of the logits; vLLM's prompt logprobs). Otherwise the values
+    `mode` (a `logprobs_mode`) reports of the distribution `spec` samples from: the logits divided by its
+    temperature, then its min-p/top-k/top-p (filtered tokens -inf); see `sampler.prompt_logprobs_of`."""
 
     seq: int
     top_k: int
     targets: list[int]
+    spec: SampleSpec | None = None
+    mode: str = "raw_logprobs"
 
 
 @dataclass

@@ -227,7 +227,7 @@ def test_inverse_cdf_draw_is_exact_at_its_edges_and_never_picks_a_zero():
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
@@ -332,7 +332,7 @@ def test_include_stop_str_in_output_and_validation(llm):
         (dict(frequency_penalty="x"), "frequency_penalty"),
         (dict(logit_bias={"a": 1}), "logit_bias keys"),
         (dict(logit_bias={1: 200}), "logit_bias"),
-        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt_logprobs=-2), "prompt_logprobs"),
     ]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**bad)

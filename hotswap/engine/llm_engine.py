@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from typing import Any
@@ -31,10 +32,10 @@ from hotswap.executor.base import Executor
 from hotswap.executor.uniproc import UniProcExecutor
 from hotswap.lora.request import LoRARequest
 from hotswap.model.registry import model_class
-from hotswap.outputs import RequestOutput
+from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.version import VersionLabels
-from hotswap.wire import ModelInput, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
+from hotswap.wire import ModelInput, PromptLogprobs, PromptLogprobsAsk, Samples, SampleSpec, SpecInput, SpecOutput
 
 
 class LLMEngine:
@@ -168,7 +169,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         limit = self.config.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
+            value = self._num_logprobs(getattr(params, name))
             if value is not None and value > (vocab if limit == -1 else min(limit, vocab)):
                 raise ValueError(
                     f"{name}={value} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise it with "
@@ -398,7 +399,9 @@ class LLMEngine:
                 # the prompt runs from its start (no prefix-cache hit), chunk after chunk, each asking once
                 assert request.num_prompt_logprobs() == start, "prompt logprobs cover the chunks before this one"
                 targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
-                prompt_logprobs.append(PromptLogprobsAsk(i, request.params.prompt_logprobs or 0, targets))
+                spec, mode = self._prompt_processing(request.params)
+                top = self._num_logprobs(request.params.prompt_logprobs) or 0
+                prompt_logprobs.append(PromptLogprobsAsk(i, top, targets, spec, mode))
         drafting = self._speculating and self.config.speculative_config.uses_draft
         return ModelInput(
             input_ids,
@@ -443,6 +446,22 @@ class LLMEngine:
             draft_starts=None if ngram else [seq.num_draft_computed for seq in batch.seqs],
         )
 
+    def _num_logprobs(self, value: int | None) -> int | None:
+        """A logprobs count as the workers take it: -1 (vLLM's "the whole vocabulary") as the vocabulary size."""
+        return int(self.config.model_config.hf_config["vocab_size"]) if value == -1 else value
+
+    def _prompt_processing(self, params: SamplingParams) -> tuple[SampleSpec | None, str]:
+        """How a request's prompt logprobs are computed (PromptLogprobsAsk's `spec` and `mode`): under a raw
+        `logprobs_mode` the raw log-softmax (vLLM's prompt logprobs); under "processed_logprobs" /
+        "processed_logits" the distribution its sampled tokens are drawn from at a prompt position: the logits
+        divided by its temperature, then its min-p/top-k/top-p (logit bias, penalties and min_tokens depend on the
+        output and apply to sampled tokens only)."""
+        mode = self.config.model_config.logprobs_mode
+        if mode.startswith("raw"):
+            return None, "raw_logprobs"
+        spec = SampleSpec(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        return spec, mode
+
     def _spec(self, seq: Sequence, index: int, ahead: int = 0) -> SampleSpec:
         """How to sample `seq`'s next token, or (speculation) the one `ahead` positions after it."""
         p = seq.request.params
@@ -458,7 +477,7 @@ class LLMEngine:
             sample_index=index,
             position=seq.num_output_tokens + ahead,
             banned_token_ids=banned,
-            num_logprobs=p.logprobs,
+            num_logprobs=self._num_logprobs(p.logprobs),
             logit_bias=p.logit_bias,
             repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty,
@@ -550,10 +569,106 @@ class LLMEngine:
         """Each probe's logprobs of its tokens 1.. under the weights the workers hold now, in one forward pass,
         through KV blocks taken from the free ones and given back (nothing enters the prefix cache). Raises
         RuntimeError when the free KV cache cannot hold the probes."""
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        if self._blocks_for(probes) > self.block_manager.num_free_blocks:
+            raise RuntimeError("the free KV cache cannot hold the canary probes (requests held by a 'keep' pause "
+                               "occupy it); use shorter probes or pause with clear_cache")
+        return [scored.logprobs for scored in self._score_pass(probes, 0, None, "raw_logprobs")]
+
+    def score_tokens(
+        self,
+        sequences: list[list[int]],
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ) -> list[TokenScores]:
+        """Teacher scoring: for each token sequence, the logprob of each of its tokens 1.. given the tokens
+        before it under log_softmax(logits / temperature) after min-p/top-k/top-p (a filtered token's logprob is
+        -inf), its rank, and the `top_logprobs` most likely tokens per position (-1: the whole vocabulary), without
+        generating. Whatever the engine's `logprobs_mode`, these are the processed distribution's logprobs (at
+        temperature 1 without filters: the raw ones); in deterministic mode the same bits as
+        `hotswap.train.token_logprobs(model, ids, temperature=temperature)` and `sequence_logprobs`.
+
+        The sequences run in as few forward passes as the free KV cache and `max_num_batched_tokens` allow,
+        through blocks given back afterwards (no prefix cache either way), between steps. Raises ValueError for
+        bad input (no sequence, an empty one, one longer than max_model_len, token ids outside the vocabulary,
+        top_logprobs above max_logprobs, a temperature that is not positive, bad filters) and RuntimeError when the
+        weights cannot score now (a weight update open, asleep, invalid weights) or the free KV cache cannot hold
+        one sequence; the engine is unchanged by any of these. A paused engine scores (its weights are valid)."""
+        vocab = int(self.config.model_config.hf_config["vocab_size"])
+        k = self._check_scoring(sequences, temperature, top_logprobs, top_k, top_p, min_p, vocab)
+        problem = self.health_problem()
+        if problem is None and (self.is_asleep() or self.state is EngineState.UPDATING):
+            problem = f"the engine is {self.state.value}"
+        if problem is not None:
+            raise RuntimeError(f"cannot score now: {problem}")
+        spec = SampleSpec(temperature=float(temperature), top_k=top_k, top_p=float(top_p), min_p=float(min_p))
+        budget = self.config.scheduler_config.max_num_batched_tokens or len(max(sequences, key=len))
+        free = self.block_manager.num_free_blocks  # the same before every pass: each gives its blocks back
+        groups: list[list[list[int]]] = []  # one forward pass each: within the token budget and the free blocks
+        for ids in sequences:
+            last = groups[-1] if groups else None
+            if last and sum(map(len, last)) + len(ids) <= budget and self._blocks_for([*last, ids]) <= free:
+                last.append(ids)
+            else:
+                groups.append([ids])
+        results: list[PromptLogprobs] = []
+        for group in groups:
+            if self._blocks_for(group) > free:
+                raise RuntimeError(f"the free KV cache cannot hold a sequence of {len(group[0])} tokens (requests "
+                                   "in flight or held by a 'keep' pause occupy it); score it when they finished")
+            results += self._score_pass(group, k, spec, "processed_logprobs")
+        version = self.weights.version
+        return [TokenScores.of(list(ids), scored, k, version, self.weights.labels.label(version))
+                for ids, scored in zip(sequences, results, strict=True)]
+
+    def _check_scoring(self, sequences: Any, temperature: Any, top_logprobs: Any, top_k: Any, top_p: Any,
+                       min_p: Any, vocab: int) -> int:
+        """Raises ValueError naming what is wrong with a `score_tokens` call; returns its top-k count (-1 resolved
+        to the vocabulary)."""
+        if not isinstance(sequences, list) or not sequences:
+            raise ValueError("give at least one token sequence (a list of lists of token ids)")
+        max_len = self.config.model_config.max_model_len
+        assert max_len is not None
+        for i, ids in enumerate(sequences):
+            if not isinstance(ids, list) or not ids:
+                raise ValueError(f"sequence {i} is empty or not a list of token ids")
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError(f"sequence {i} holds values that are not integer token ids")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"sequence {i} has token ids out of range [0, {vocab}): {bad[:10]}")
+            if len(ids) > max_len:
+                raise ValueError(f"sequence {i} has {len(ids)} tokens; max_model_len={max_len}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+        SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p)  # checks the filters
+        if top_k > vocab:
+            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {vocab} (use -1 to disable top-k)")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < -1:
+            raise ValueError(f"top_logprobs must be an integer >= -1 (-1: the whole vocabulary), got {top_logprobs!r}")
+        k = vocab if top_logprobs == -1 else top_logprobs
+        limit = self.config.model_config.max_logprobs
+        if k > (vocab if limit == -1 else min(limit, vocab)):
+            raise ValueError(f"top_logprobs={top_logprobs} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise "
+                             "it with LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)")
+        return k
+
+    def _blocks_for(self, sequences: list[list[int]]) -> int:
+        """KV blocks `sequences` take, each in blocks of its own."""
+        size = self.config.cache_config.block_size
+        return sum(-(-len(ids) // size) for ids in sequences)
+
+    def _score_pass(self, sequences: list[list[int]], top_k: int, spec: SampleSpec | None, mode: str
+                    ) -> list[PromptLogprobs]:
+        """One forward pass over `sequences` (each of at least one token; their blocks must be free) asking each
+        one's prompt logprobs as PromptLogprobsAsk(top_k, spec, mode) says; blocks taken from the free ones and
+        given back, nothing cached. Its sampled tokens (greedy) are dropped."""
         seqs = []
-        for i, ids in enumerate(probes):
-            request = Request(f"canary-{i}", None, list(ids), params)
+        for i, ids in enumerate(sequences):
+            request = Request(f"score-{i}", None, list(ids), _SCORE_PARAMS)
             seq = Sequence(request, 0, ids)
             request.seqs.append(seq)
             seqs.append(seq)
@@ -561,22 +676,22 @@ class LLMEngine:
         taken: list[Sequence] = []
         try:
             for seq in seqs:
-                if not bm.can_allocate(seq):
-                    raise RuntimeError("the free KV cache cannot hold the canary probes (requests held by a 'keep' "
-                                       "pause occupy it); use shorter probes or pause with clear_cache")
                 bm.allocate(seq)
                 taken.append(seq)
             speculating, self._speculating = self._speculating, False
             try:
                 batch = SchedulerOutput(seqs, [len(s) for s in seqs], True)  # pending copies stay for the next step
-                results = self.executor.collective_rpc("execute_model", (self._build_input(batch),))[0]
+                model_input = self._build_input(batch)
+                for ask in model_input.prompt_logprobs:
+                    ask.top_k, ask.spec, ask.mode = top_k, spec, mode
+                results = self.executor.collective_rpc("execute_model", (model_input,))[0]
             finally:
                 self._speculating = speculating
         finally:
             for seq in taken:
                 bm.free_seq(seq)
         assert isinstance(results, Samples)
-        return [results.prompt_logprobs[i].logprobs for i in range(len(seqs))]
+        return [results.prompt_logprobs[i] for i in range(len(seqs))]
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (a dead worker; weights left invalid by a failed update), or None.
@@ -770,6 +885,11 @@ class LLMEngine:
             "draft_weight_version": self.draft_weight_version,
             "draft_stale": self.draft_stale,
         }
+
+
+# what a scored sequence's request carries: its one sampled token (greedy, never drawn from the process's generator)
+# is dropped; prompt_logprobs makes it ask its prompt logprobs (PromptLogprobsAsk set by `_score_pass`)
+_SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
 
 def _eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:

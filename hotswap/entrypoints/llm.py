@@ -21,7 +21,7 @@ from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
 from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
-from hotswap.outputs import RequestOutput
+from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg
@@ -169,6 +169,25 @@ class LLM:
                                    validated=True, session_id=prompt.session_id, lora_request=lora)
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
+
+    def score_tokens(
+        self,
+        sequences: list[list[int]],
+        *,
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ) -> list[TokenScores]:
+        """Teacher scoring without generating: for each token sequence, each token's logprob given the tokens
+        before it under log_softmax(logits / temperature) after top-k/top-p/min-p, its rank, and the
+        `top_logprobs` most likely tokens per position (-1: the whole vocabulary; bounded by `max_logprobs`), as
+        arrays (`TokenScores`; see `LLMEngine.score_tokens` for the contract). Runs between steps of any
+        generate() in other threads (and on a paused engine); bad input raises ValueError and changes nothing;
+        an open weight update, sleep or invalid weights RuntimeError."""
+        with self._lock:
+            return self.llm_engine.score_tokens(sequences, temperature, top_logprobs, top_k, top_p, min_p)
 
     def chat(
         self,

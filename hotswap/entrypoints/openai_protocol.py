@@ -10,6 +10,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hotswap.entrypoints.logprobs_wire import entries_compact, json_logprob
 from hotswap.entrypoints.replay_wire import forced_routes, mask_lists, npy_base64
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
@@ -76,6 +77,9 @@ class _Request(BaseModel):
     return_sampling_mask: bool = False
     forced_routed_experts: Any = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's, or from response_format / guided_* (see constraint_of)
+    # "base64": logprobs and prompt logprobs as little-endian arrays (`logprobs_b64`, `prompt_logprobs_b64`;
+    # hotswap/entrypoints/logprobs_wire.py) in place of the JSON form
+    logprobs_format: Literal["json", "base64"] = "json"
 
 
 # vLLM's older per-field names -> StructuredOutputsParams fields
@@ -251,11 +255,18 @@ class Shape:
     vllm_versions: bool = False  # weight_versions as vLLM's [{"version", "start", "end"}]
     echo: bool = False  # completions: the prompt before the text, its logprobs before the output's
     drop_output: bool = False  # echo with max_tokens 0: only the prompt
+    compact: bool = False  # logprobs_format "base64": logprobs as arrays (logprobs_b64, prompt_logprobs_b64)
+    top_k: int = 0  # the top logprobs asked per output token (the compact arrays' K)
+    prompt_top_k: int = 0  # and per prompt token
 
     @classmethod
-    def of(cls, request: _Request, echo: bool = False, drop_output: bool = False) -> Shape:
+    def of(cls, request: _Request, echo: bool = False, drop_output: bool = False,
+           params: SamplingParams | None = None) -> Shape:
+        """The shape `request` asks for; `params` (its SamplingParams) give the compact arrays' top-k counts."""
         return cls(request.return_token_ids, request.return_tokens_as_token_ids, request.return_weight_versions,
-                   echo, drop_output)
+                   echo, drop_output, request.logprobs_format == "base64",
+                   (params.logprobs or 0) if params is not None else 0,
+                   (params.prompt_logprobs or 0) if params is not None else 0)
 
 
 def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
@@ -307,8 +318,8 @@ def completion_logprobs(
             continue
         chosen = entry[token_id]
         tokens.append(_token(chosen, token_id, shape))
-        token_logprobs.append(chosen.logprob)
-        top.append({_token(lp, tid, shape): lp.logprob for tid, lp in entry.items()})
+        token_logprobs.append(json_logprob(chosen.logprob))
+        top.append({_token(lp, tid, shape): json_logprob(lp.logprob) for tid, lp in entry.items()})
         offsets.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -320,15 +331,35 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
         return None
     return [
         None if entry is None else {
-            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            str(tid): {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
             for tid, lp in entry.items()
         }
         for entry in out.prompt_logprobs
     ]
 
 
+def prompt_logprobs_fields(out: RequestOutput, shape: Shape) -> dict[str, Any]:
+    """A response's prompt logprobs where asked: vLLM's `prompt_logprobs` (JSON), or with logprobs_format "base64"
+    `prompt_logprobs_b64`, the compact arrays of prompt tokens 1.. (hotswap/entrypoints/logprobs_wire.py)."""
+    if out.prompt_logprobs is None:
+        return {}
+    if shape.compact:
+        entries = cast("list[dict[int, Logprob]]", out.prompt_logprobs[1:])
+        return {"prompt_logprobs_b64": entries_compact(list(out.prompt_token_ids[1:]), entries, shape.prompt_top_k)}
+    return {"prompt_logprobs": prompt_logprobs_json(out)}
+
+
+def compact_logprobs_fields(completion: CompletionOutput, shape: Shape) -> dict[str, Any]:
+    """A choice's `logprobs_b64` (the compact arrays of its output tokens, or of this delta's) where logprobs were
+    asked with logprobs_format "base64"; {} otherwise."""
+    if not shape.compact or completion.logprobs is None or shape.drop_output:
+        return {}
+    return {"logprobs_b64": entries_compact(list(completion.token_ids), completion.logprobs, shape.top_k)}
+
+
 def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape()) -> dict[str, Any] | None:
-    if completion.logprobs is None:
+    """The chat choice's `logprobs` (OpenAI's content list); None where not asked, or asked in the compact form."""
+    if completion.logprobs is None or shape.compact:
         return None
     content = []
     for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
@@ -337,12 +368,12 @@ def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape
         content.append(
             {
                 "token": _token(chosen, token_id, shape),
-                "logprob": chosen.logprob,
+                "logprob": json_logprob(chosen.logprob),
                 "bytes": list((chosen.decoded_token or "").encode()),
                 "top_logprobs": [
                     {
                         "token": _token(lp, tid, shape),
-                        "logprob": lp.logprob,
+                        "logprob": json_logprob(lp.logprob),
                         "bytes": list((lp.decoded_token or "").encode()),
                     }
                     for tid, lp in ranked
@@ -368,7 +399,9 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
     choice: dict[str, Any] = {
         "index": index,
         "text": (prompt_text + text) if shape.echo else text,
-        "logprobs": completion_logprobs(c, 0, shape, out if shape.echo else None, first_text),
+        "logprobs": None if shape.compact else completion_logprobs(c, 0, shape, out if shape.echo else None,
+                                                                   first_text),
+        **compact_logprobs_fields(c, shape),
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         "weight_versions": spans(c, shape),
@@ -378,8 +411,7 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
     if shape.token_ids:
         choice["token_ids"] = [] if shape.drop_output else list(c.token_ids)
         choice["prompt_token_ids"] = list(out.prompt_token_ids)
-    if out.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_json(out)
+    choice.update(prompt_logprobs_fields(out, shape))
     return choice
 
 
@@ -412,6 +444,7 @@ def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, s
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c, top_n, shape),
+                **compact_logprobs_fields(c, shape),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "weight_versions": spans(c, shape),

@@ -19,11 +19,11 @@ from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
-from hotswap.model.layers.sampler import sample
+from hotswap.model.layers.sampler import prompt_logprobs_of, sample
 from hotswap.model.lora_batch import lora_batch
 from hotswap.model.moe import bind_routing
 from hotswap.model.routing import routes_dtype
-from hotswap.wire import ModelInput, PromptLogprobs, Samples
+from hotswap.wire import ModelInput, PromptLogprobs, PromptLogprobsAsk, Samples
 from hotswap.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture, graphable
 from hotswap.worker.decoder_stack import NativeDecoderStack
 
@@ -183,7 +183,7 @@ class ModelRunner:
         with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes, lora_batch(adapters):
             hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
-        prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask.targets, ask.top_k)
+        prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask)
                   for ask in mi.prompt_logprobs}
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
@@ -191,21 +191,15 @@ class ModelRunner:
         return Samples(sample(logits, mi.sample_specs), prompt, routes)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:
-        """Logprobs of `targets[j]` after flat row start + j (raw, like sampled logprobs), a chunk of rows at a
-        time so that [rows, V] stays bounded."""
+    def prompt_logprobs(self, hidden: torch.Tensor, start: int, ask: PromptLogprobsAsk) -> PromptLogprobs:
+        """The prompt logprobs `ask` wants of the query tokens from flat row `start` on (`sampler.prompt_logprobs_of`:
+        raw, or the processed distribution a processed logprobs_mode names), a chunk of rows at a time so that
+        [rows, V] stays bounded."""
         out = PromptLogprobs([], [], [], [])
-        wanted = torch.tensor(targets, dtype=torch.long, device=self.device)
-        for first in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
-            last = min(first + PROMPT_LOGPROB_CHUNK, len(targets))
-            logprobs = self.logits(hidden, list(range(start + first, start + last))).float().log_softmax(dim=-1)
-            chosen = logprobs.gather(1, wanted[first:last, None])
-            out.logprobs += chosen.squeeze(1).tolist()
-            out.ranks += ((logprobs > chosen).sum(dim=1) + 1).tolist()
-            if k > 0:
-                top = logprobs.topk(k, dim=-1)
-                out.top_ids += top.indices.tolist()
-                out.top_logprobs += top.values.tolist()
+        for first in range(0, len(ask.targets), PROMPT_LOGPROB_CHUNK):
+            last = min(first + PROMPT_LOGPROB_CHUNK, len(ask.targets))
+            logits = self.logits(hidden, list(range(start + first, start + last))).float()
+            out.extend(prompt_logprobs_of(logits, ask.targets[first:last], ask))
         return out
 
 

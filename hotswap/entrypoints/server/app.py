@@ -37,6 +37,7 @@ import hotswap.entrypoints.server.chat as chat_routes
 import hotswap.entrypoints.server.fleet as fleet
 import hotswap.entrypoints.server.health as health
 import hotswap.entrypoints.server.openai as openai
+import hotswap.entrypoints.server.scoring as scoring
 import hotswap.entrypoints.server.sglang as sglang
 import hotswap.entrypoints.server.vllm_rl as vllm_rl
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
@@ -255,6 +256,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(openai.router, dependencies=user)
     app.include_router(chat_routes.router, dependencies=user)
+    app.include_router(scoring.router, dependencies=user)
     app.include_router(sglang.generate_router, dependencies=user)
     app.include_router(sglang.public_router)
     if not enable_admin:

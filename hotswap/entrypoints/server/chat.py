@@ -145,7 +145,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
             raise ValueError("prompt_logprobs are not available with stream=true")
     except ValueError as err:
         raise ApiError(400, str(err)) from err
-    shape = oai.Shape.of(body)
+    shape = oai.Shape.of(body, params=params)
     request_id = oai.new_id("chatcmpl")
     created = int(time.time())
     streams: dict[int, ChoiceStream] = {}
@@ -174,6 +174,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
                 "index": c.index,
                 "delta": delta,
                 "logprobs": oai.chat_logprobs(c, top_n, shape),
+                **oai.compact_logprobs_fields(c, shape),
                 "finish_reason": finish,
                 "weight_versions": oai.spans(c, shape),
                 **oai.lora_fields(out, c, shape),
@@ -199,8 +200,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
                 choice["message"] = message.json()
                 if message.calls and c.finish_reason == "stop":
                     choice["finish_reason"] = "tool_calls"
-        if out.prompt_logprobs is not None:
-            response["prompt_logprobs"] = oai.prompt_logprobs_json(out)
+        response.update(oai.prompt_logprobs_fields(out, shape))
         return response
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -86,7 +86,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs-mode", default="raw_logprobs",
                         choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
                         help="what sampled tokens' logprobs report (vLLM's): the raw or the sampled-from "
-                             "distribution, or the logits")
+                             "distribution, or the logits; the processed modes apply to prompt logprobs too")
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="log probabilities one token may return (-1: the whole vocabulary)")
     parser.add_argument("--max-pause-wait-s", type=float, default=RequestLimits.max_pause_wait_s,

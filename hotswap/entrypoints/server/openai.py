@@ -80,7 +80,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
                 check_unicode(p, "the prompt")
         echo_logprobs = None
         if body.echo and body.logprobs is not None:  # the prompt's logprobs, in the same top-k shape
-            echo_logprobs = max(body.logprobs, 0) if body.prompt_logprobs is None else body.prompt_logprobs
+            echo_logprobs = body.logprobs if body.prompt_logprobs is None else body.prompt_logprobs  # -1: vocab
         params = oai.sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens, state.vocab_size,
                                      echo_logprobs)
         state.check_limits(body.stop, params)
@@ -90,7 +90,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
             raise ValueError("prompt_logprobs (and echo with logprobs) are not available with stream=true")
     except ValueError as err:
         raise ApiError(400, str(err)) from err
-    shape = oai.Shape.of(body, echo=body.echo, drop_output=echo_only)
+    shape = oai.Shape.of(body, echo=body.echo, drop_output=echo_only, params=params)
     request_id = oai.new_id("cmpl")
     created = int(time.time())
     tok = engine.tokenizer

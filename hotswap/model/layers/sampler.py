@@ -7,7 +7,9 @@ sum of probabilities (in float64) passes it, which draws exactly from p at the c
 rows of a 39k vocabulary against 1 ms here). A row with a seed draws its uniform from a generator keyed by (seed,
 sample index, output position), so its tokens do not depend on what else is in the batch, on batch order, or on
 preemption. Logprobs are those of the model's raw
-distribution (before temperature and filters), as in vLLM, or what `logprobs_mode` names (`reported`).
+distribution (before temperature and filters), as in vLLM, or what `logprobs_mode` names (`reported`); prompt
+logprobs (`prompt_logprobs_of`) are the raw distribution's, or under a processed mode the same processed distribution
+as sampled ones. Top-k entries are one `topk` over the rows that ask for the same k (no loop over rows).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from hotswap.config import current_config_or_none
 from hotswap.kernels import ops
-from hotswap.wire import SampleResult, SampleSpec
+from hotswap.wire import PromptLogprobs, PromptLogprobsAsk, SampleResult, SampleSpec
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:
@@ -168,20 +170,62 @@ def kept_sets(filtered: torch.Tensor, specs: list[SampleSpec], rows: list[int]) 
 
 
 def results_for(logprobs: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
-    """One SampleResult per row: `tokens[r]` with its logprob under `logprobs` [R, V] (the raw distribution), and
-    its rank and the top-k where `specs[r].num_logprobs` asks."""
+    """One SampleResult per row: `tokens[r]` with its logprob under `logprobs` [R, V] (what the mode reports), and
+    its rank and the top-k (most likely first) where `specs[r].num_logprobs` asks: one `topk` per distinct k over
+    the rows asking for it, so a row's entries do not depend on what the other rows ask."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     token_list, chosen_list = tokens.tolist(), chosen.tolist()
     results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list, strict=True)]
-    for row, spec in enumerate(specs):
-        if spec.num_logprobs is None:
-            continue
-        res = results[row]
-        res.rank = int((logprobs[row] > chosen[row]).sum().item()) + 1
-        if spec.num_logprobs > 0:
-            top = logprobs[row].topk(spec.num_logprobs)
-            res.top_ids, res.top_logprobs = top.indices.tolist(), top.values.tolist()
+    asked = [r for r, spec in enumerate(specs) if spec.num_logprobs is not None]
+    if not asked:
+        return results
+    index = torch.tensor(asked, dtype=torch.long, device=logprobs.device)
+    rows = logprobs if len(asked) == len(specs) else logprobs[index]
+    ranks = ((rows > chosen[index, None]).sum(dim=1) + 1).tolist()
+    by_k: dict[int, list[int]] = {}
+    for j, r in enumerate(asked):
+        results[r].rank = ranks[j]
+        k = min(specs[r].num_logprobs or 0, logprobs.shape[1])
+        if k > 0:
+            by_k.setdefault(k, []).append(j)
+    for k, members in by_k.items():
+        sub = rows if len(members) == len(asked) else rows[torch.tensor(members, device=logprobs.device)]
+        ids, values = top_entries(sub, k)
+        for j, row_ids, row_values in zip(members, ids, values, strict=True):
+            results[asked[j]].top_ids, results[asked[j]].top_logprobs = row_ids, row_values
     return results
+
+
+def top_entries(values: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The `k` largest entries of each row of `values` [R, V] (k <= V), largest first: their ids and values, as
+    lists (one `topk` and one transfer each for the whole tensor)."""
+    top = values.topk(k, dim=-1)
+    return top.indices.tolist(), top.values.tolist()
+
+
+def prompt_logprobs_of(logits: torch.Tensor, targets: list[int], ask: PromptLogprobsAsk) -> PromptLogprobs:
+    """The prompt logprobs `ask` wants of a chunk of rows: `logits` [R, V] (float32) are the logits after R
+    consecutive prompt tokens, `targets[j]` the token that follows row j. Reports, per row, the target's value, its
+    rank (1 + the number of strictly larger values) and the `ask.top_k` largest values with their ids (k clipped to
+    V; V: the whole vocabulary, sorted).
+
+    The values are the raw log-softmax when `ask.spec` is None (vLLM's prompt logprobs), else `reported(logits,
+    [ask.spec] * R, ask.mode)`: the very function sampled tokens' logprobs come from, so a prompt position and a
+    sampled one at the same context and settings are the same bits (logits / T, then min-p/top-k/top-p; a
+    filtered token's logprob is -inf)."""
+    if len(targets) != logits.shape[0]:
+        raise ValueError(f"{len(targets)} targets for {logits.shape[0]} rows of logits")
+    if ask.spec is None:
+        values = logits.log_softmax(dim=-1)
+    else:
+        values = reported(logits, [ask.spec] * logits.shape[0], ask.mode)
+    wanted = torch.tensor(targets, dtype=torch.long, device=logits.device)[:, None]
+    chosen = values.gather(1, wanted)
+    out = PromptLogprobs(chosen.squeeze(1).tolist(), ((values > chosen).sum(dim=1) + 1).tolist(), [], [])
+    k = min(ask.top_k, values.shape[1])
+    if k > 0 and targets:
+        out.top_ids, out.top_logprobs = top_entries(values, k)
+    return out
 
 
 def banned(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
