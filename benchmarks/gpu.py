@@ -367,9 +367,237 @@ def rollout(tmp: Path, shapes: list[str], quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+# ---- weights onto the GPU: every path, against the copy floors ---------------------------------------------------
+
+
+def median_ms(fn: Callable[[], Any], reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def checkpoint(tmp: Path, shape: str) -> tuple[Path, list[tuple[str, torch.Tensor]]]:
+    """A safetensors checkpoint of the shape (random weights made on the device by transformers), and its tensors
+    on the device by checkpoint name (the trainer's)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = model_folder(tmp, shape)
+    folder = tmp / f"ckpt-{shape}"
+    config = AutoConfig.from_pretrained(str(source))
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    named = [(n, t.detach()) for n, t in model.state_dict().items()
+             if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    if not folder.exists():
+        shutil.copytree(source, folder)
+        save_file({n: t.contiguous().cpu() for n, t in named}, str(folder / "model.safetensors"))
+    return folder, named
+
+
+def ipc_trainer(folder: str, device: str, commands: Any, replies: Any) -> None:
+    """A trainer process: its weights on `device`; on each command ("tensors" | "bucket") the update_info of its
+    CUDA IPC handles (kept alive until the next command)."""
+    from safetensors.torch import load_file
+
+    from hotswap.transfer.cuda_ipc import CudaIpcSender
+
+    named = [(n, t.to(device)) for n, t in load_file(str(Path(folder) / "model.safetensors")).items()]
+    sender = CudaIpcSender()
+    while (command := commands.get()) != "stop":
+        replies.put(sender.update_info(named, bucket=command == "bucket"))
+    sender.release()
+
+
+def weights(tmp: Path, shape: str) -> None:
+    """#49: each way new weights reach the engine on the GPU, timed per full push (median of 3) beside the floors:
+    a device-to-device copy of the same bytes, and a pinned host-to-device copy; checksums and what they cost;
+    rollback copies on the host and in HBM; sleep and wake."""
+    folder, named = checkpoint(tmp, shape)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    d2d, h2d = floors(nbytes)
+    expected = pushes(folder, named, d2d, h2d)
+    rollback(folder, named, expected)
+    sleep_wake(folder, expected)
+
+
+def floors(nbytes: int) -> tuple[float, float]:
+    """ms of a device-to-device copy and of a pinned host-to-device copy of `nbytes`."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                  device=DEVICE)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE != "cpu")
+    return median_ms(lambda: dst.copy_(src)), median_ms(lambda: dst.copy_(host, non_blocking=True))
+
+
+def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d: float) -> dict[str, str]:
+    """Every path's full push, timed; returns the trainer's checksums."""
+    import multiprocessing as mp
+    import threading
+
+    from hotswap import LLM
+    from hotswap.testing import free_port
+    from hotswap.transfer.shm import ShmSender
+    from hotswap.transfer.torch_dist import TorchDistSender
+    from hotswap.weights.checksum import tensor_sha256
+
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    row("weights", f"{folder.name}: {len(named)} tensors, {nbytes / 1e9:.2f} GB", f"floors: device copy {d2d:.2f} ms "
+        f"({nbytes / d2d / 1e6:.0f} GB/s), pinned host->device {h2d:.1f} ms ({nbytes / h2d / 1e6:.0f} GB/s)",
+        None, d2d_ms=d2d, h2d_ms=h2d)
+    llm = LLM(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.25)
+    expected = {n: tensor_sha256(t) for n, t in named}
+
+    def push_row(what: str, ms: float, floor: float) -> None:
+        row("weights", what, f"{ms:.1f} ms ({ms / floor:.1f}x the floor)", None, ms=ms)
+
+    push_row("in-process reload_weights(iterator on the device)",
+             median_ms(lambda: llm.reload_weights(weights_iterator=named)), d2d)
+    ms = median_ms(lambda: llm.weight_checksums(), 1)
+    row("weights", "checksums after a push (SHA-256 over a device->host copy)",
+        f"{ms:.0f} ms; equal to the trainer's", llm.weight_checksums() == expected, ms=ms)
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    trainer = ctx.Process(target=ipc_trainer, args=(str(folder), DEVICE, commands, replies), daemon=True)
+    trainer.start()
+    try:
+        llm.init_weight_transfer_engine({"backend": "cuda_ipc"})
+        for form in ("tensors", "bucket"):
+            def push(form: str = form) -> None:
+                commands.put(form)
+                info = replies.get(timeout=120)
+                llm.start_weight_update()
+                llm.update_weights(info)
+                llm.finish_weight_update()
+
+            push()  # the first open pays the CUDA context and the handle cache
+            push_row(f"cuda_ipc from a trainer process ({'one flat bucket' if form == 'bucket' else 'per tensor'})",
+                     median_ms(push), d2d)
+        llm.shutdown_weight_transfer_engine()
+    finally:
+        commands.put("stop")
+        trainer.join(30)
+    on_host = [(n, t.cpu()) for n, t in named]
+    sender = ShmSender()
+    llm.init_weight_transfer_engine({"backend": "shm"})
+
+    def shm_push() -> None:
+        llm.start_weight_update()
+        llm.update_weights(sender.write(on_host))
+        llm.finish_weight_update()
+
+    push_row("shm (host) through pinned double buffers", median_ms(shm_push), h2d)
+    llm.shutdown_weight_transfer_engine()
+    sender.close()
+    port = free_port()
+    box: dict[str, Any] = {}
+    joining = threading.Thread(target=lambda: box.setdefault("s", TorchDistSender(
+        "127.0.0.1", port, device=DEVICE, dist_backend="gloo")))
+    joining.start()
+    llm.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port,
+                                     "dist_backend": "gloo"})
+    joining.join()
+    dist = box["s"]
+
+    def dist_push() -> None:
+        llm.start_weight_update()
+        info = dist.update_info(named)
+        sending = threading.Thread(target=dist.send, args=(named,))
+        sending.start()
+        llm.update_weights(info)
+        sending.join()
+        llm.finish_weight_update()
+
+    push_row("torch_dist over gloo, device buckets (NCCL needs 2 GPUs)", median_ms(dist_push), d2d)
+    llm.shutdown_weight_transfer_engine()
+    dist.close()
+    push_row("reload from the checkpoint folder (page cache -> pinned -> device)",
+             median_ms(lambda: llm.reload_weights(weights_path=str(folder))), h2d)
+    row("weights", "after every path", "checksums equal to the trainer's", llm.weight_checksums() == expected)
+    return expected
+
+
+def rollback(folder: Path, named: list[tuple[str, torch.Tensor]], expected: dict[str, str]) -> None:
+    """A session that fails on its last tensor (a NaN) after writing the others, with its rollback copies in
+    page-locked host memory and in HBM: the rollback's time and its result (bit-identical)."""
+    from hotswap import LLM
+    from hotswap.transfer.tensors import tensors_update_info
+
+    for where in ("cpu", "device"):
+        llm = LLM(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.25,
+                  backup_device=where)
+        bad = named[-1][1].clone()
+        bad.view(-1)[0] = float("nan")
+        llm.init_weight_transfer_engine({"backend": "tensors"})
+        llm.start_weight_update()
+        llm.update_weights(tensors_update_info(named[:-1]))  # written, with rollback copies
+        sync()
+        start = time.perf_counter()
+        try:
+            llm.update_weights(tensors_update_info([(named[-1][0], bad)]))
+        except ValueError:
+            pass
+        sync()
+        ms = (time.perf_counter() - start) * 1e3
+        row("weights", f"rollback of a failed session, copies {'on the host (pinned)' if where == 'cpu' else 'in HBM'}",
+            f"{ms:.1f} ms", llm.weight_checksums() == expected, ms=ms)
+
+
+def sleep_wake(folder: Path, expected: dict[str, str]) -> None:
+    """Level 1 (weights to page-locked host memory, KV freed) and wake_up, the decode step before and after (the
+    graphs captured again); level 2 then a reload."""
+    from hotswap import LLM
+
+    llm = LLM(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.25)
+    before = decode_step_ms(llm, 8)
+    free = torch.cuda.mem_get_info()[0] if DEVICE != "cpu" else 0
+    sleep_ms = median_ms(lambda: llm.sleep(1), 1)
+    released = (torch.cuda.mem_get_info()[0] - free) / 1e9 if DEVICE != "cpu" else 0.0
+    wake_ms = median_ms(lambda: llm.wake_up(), 1)
+    after = decode_step_ms(llm, 8)
+    row("weights", "sleep(1) / wake_up()", f"{sleep_ms:.0f} / {wake_ms:.0f} ms, {released:.1f} GB freed; decode step "
+        f"{before:.2f} -> {after:.2f} ms", llm.weight_checksums() == expected, sleep_ms=sleep_ms, wake_ms=wake_ms)
+    llm.sleep(2)
+    llm.wake_up()
+    ms = median_ms(lambda: llm.reload_weights(weights_path=str(folder)), 1)
+    row("weights", "sleep(2), wake_up(), reload from the folder", f"reload {ms:.0f} ms",
+        llm.weight_checksums() == expected)
+
+
+def staged(tmp: Path, shape: str) -> None:
+    """#50 on the GPU: the pause a full reload from disk puts into 8 running streams, staged (the commit a device
+    copy) and in place (pause keep, reload, resume), from benchmarks/staged_updates.py's measure."""
+    import asyncio
+
+    from benchmarks.staged_updates import trial
+    from hotswap.engine.async_llm_engine import AsyncLLMEngine
+
+    folder, _ = checkpoint(tmp, shape)
+
+    async def run() -> None:
+        for mode in ("in_place", "shadow"):
+            engine = AsyncLLMEngine.from_kwargs(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048,
+                                                gpu_memory_utilization=0.25, update_staging=mode)
+            figures = [await trial(engine, mode, {"weights_path": str(folder)}, 8, seed) for seed in range(3)]
+            await engine.shutdown()
+            med = {k: sorted(f[k] for f in figures)[1] for k in figures[0]}
+            row("staged", f"{shape} full reload, 8 streams, {mode}", f"pause {med['pause_ms']:.1f} ms (commit gap "
+                f"{med['commit_gap_ms']:.1f}), wall {med['wall_ms']:.0f} ms, {med['tok_s_during']:.0f} tok/s during "
+                f"/ {med['tok_s_before']:.0f} before", (med["pause_ms"] <= 10) if mode == "shadow" else None, **med)
+            torch.cuda.empty_cache() if DEVICE != "cpu" else None
+
+    asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="facts,kernels,correct,steps,rollout")
+    parser.add_argument("--parts", default="facts,kernels,correct,steps,rollout,weights,staged")
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--quick", action="store_true", help="smaller kernel cases and rollouts")
     parser.add_argument("--dry-run", action="store_true", help="the script itself on the CPU, with a tiny shape and "
@@ -389,7 +617,8 @@ def main() -> None:
         work: dict[str, Callable[[], None]] = {
             "facts": facts, "kernels": lambda: kernels(args.quick), "correct": lambda: correct(tmp),
             "steps": lambda: steps(tmp, args.quick, shapes[-1]),
-            "rollout": lambda: rollout(tmp, shapes, args.quick)}
+            "rollout": lambda: rollout(tmp, shapes, args.quick),
+            "weights": lambda: weights(tmp, shapes[-1]), "staged": lambda: staged(tmp, shapes[-1])}
         for part in parts:
             guarded(part, work[part])
     print(f"\n{'part':8} {'what':44} {'figure':70} ok")

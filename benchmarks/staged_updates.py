@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import tempfile
@@ -78,7 +79,7 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
     await asyncio.gather(*tasks, return_exceptions=True)
     pauses, commits, during, before = [], [], 0, []
     for t in times:
-        gaps = [(a, b) for a, b in zip(t, t[1:], strict=False)]
+        gaps = list(itertools.pairwise(t))
         base = statistics.median(b - a for a, b in gaps if b < t0)
         over = [b - a for a, b in gaps if b > t0 and a < t1]
         pauses.append(max(over, default=0.0) - base)

@@ -39,6 +39,11 @@ class SamplingParams:
     generated token, the token ids that top-k / top-p / min-p (and banned tokens) left to sample from
     (`CompletionOutput.sampling_mask`).
 
+    `on_weight_update`: what the request does with its KV cache when new weights are committed while it runs:
+    "keep" (it goes on with the KV computed so far; its version spans show where the weights changed) or
+    "recompute" (its KV is computed again on the new weights, prompt and output so far, in chunks that share steps
+    with decoding); None takes the engine's `on_weight_update` (default "keep").
+
     `structured_outputs` (a `StructuredOutputsParams` or a dict of its fields) constrains the output to a JSON
     schema, regex, choice or grammar (hotswap/engine/grammar.py). Invalid values raise ValueError naming the field.
     """
@@ -66,10 +71,13 @@ class SamplingParams:
     return_routed_experts: bool = False
     forced_routed_experts: Any = None
     return_sampling_mask: bool = False
+    on_weight_update: str | None = None
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.on_weight_update not in (None, "keep", "recompute"):
+            raise ValueError(f"on_weight_update must be 'keep' or 'recompute', got {self.on_weight_update!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("temperature", "top_p", "min_p"):

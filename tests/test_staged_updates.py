@@ -187,7 +187,7 @@ def test_staging_that_does_not_fit_is_refused_before_anything_is_allocated(ckpts
     llm = staged_llm(ckpts["A"])
     before = params_of(llm)
     monkeypatch.setattr("hotswap.weights.shadow._free_bytes", lambda device: 1000)
-    with pytest.raises(RuntimeError, match="needs .* MiB more for the staging copies"):
+    with pytest.raises(RuntimeError, match=r"needs .* MiB more for the staging copies"):
         llm.reload_weights(weights_iterator=b_tensors)
     (pool,) = llm.collective_rpc(lambda worker: len(worker.session.shadows))
     assert pool == 0

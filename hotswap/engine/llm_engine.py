@@ -798,8 +798,9 @@ class LLMEngine:
     # ---- sleep and wake -------------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Releases memory. Level 1: the KV cache (weights stay in host memory). Level 2: the KV cache and the
-        weights' memory (restore them with wake_up(["weights"]) then a reload or a full update). Refused while a
+        """Releases memory. Level 1: the KV cache (weights stay in host memory; a GPU's move there, and
+        wake_up(["weights"]) brings them back). Level 2: the KV cache and the weights' memory (restore them with
+        wake_up(["weights"]) then a reload or a full update). Refused while a
         sequence holds KV cache; requests that hold none (queued, or frozen by a 'keep' pause that cleared the
         cache) stay and run after wake_up and resume."""
         if level not in (1, 2):
@@ -814,7 +815,8 @@ class LLMEngine:
         self.executor.collective_rpc("sleep", (level,))
         if level == 2:
             self.weights.valid = False  # their memory was returned; a reload or full update restores them
-        self.released |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+        on_gpu = self.config.model_config.device != "cpu"  # level 1 moves a GPU's weights to the host (vLLM's way)
+        self.released |= {"kv_cache", "weights"} if level == 2 or on_gpu else {"kv_cache"}
         if self.state is not EngineState.ASLEEP:  # sleeping deeper while asleep stays in ASLEEP
             self.enter_state(EngineState.ASLEEP)
         self.reset_prefix_cache(force=True)

@@ -75,6 +75,7 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=-1)
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
+    on_weight_update: Literal["keep", "recompute"] | None = None  # the KV cache at a weight commit (hotswap's)
     forced_routed_experts: Any = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's, or from response_format / guided_* (see constraint_of)
     # "base64": logprobs and prompt logprobs as little-endian arrays (`logprobs_b64`, `prompt_logprobs_b64`;
@@ -216,6 +217,7 @@ def sampling_params(
         output_kind="delta" if request.stream else "cumulative",
         return_routed_experts=request.return_routed_experts,
         return_sampling_mask=request.return_sampling_mask,
+        on_weight_update=request.on_weight_update,
         forced_routed_experts=forced_routes(request.forced_routed_experts),
         structured_outputs=request.structured_outputs,
     )
