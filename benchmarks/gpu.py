@@ -48,6 +48,7 @@ SHAPES = {  # Qwen2.5 shapes (random weights)
             "num_key_value_heads": 2, "vocab_size": 4096, "tie_word_embeddings": True},  # --dry-run
 }
 ROWS: list[dict[str, Any]] = []  # the table
+DEMO_ARGS = ["--steps", "60", "--warmup-steps", "100", "--digits", "1", "--log-every", "20"]  # about a minute
 
 
 def row(part: str, what: str, figure: str, ok: bool | None = None, **extra: Any) -> None:
@@ -595,9 +596,65 @@ def staged(tmp: Path, shape: str) -> None:
     asyncio.run(run())
 
 
+# ---- the test suite's device tests ----------------------------------------------------------------------------
+
+DEVICE_TESTS = ["tests/test_device.py", "tests/test_correctness.py", "tests/test_sampling.py",
+                "tests/test_weight_update.py", "tests/test_weight_writes.py", "tests/test_cuda_ipc.py",
+                "tests/test_host_staging.py", "tests/test_offload.py", "tests/test_triton_attention.py",
+                "tests/test_triton_engine.py", "tests/test_chunked_prefill.py", "tests/test_delta.py",
+                "tests/test_bad_updates.py", "tests/test_moe.py", "tests/test_staged_updates.py",
+                "tests/test_kv_policy.py", "tests/test_teacher_scoring.py"]
+
+
+def suite(timeout_s: int = 360) -> None:
+    """The tests that take `--device` (and the `cuda`-marked ones) on this GPU, in a child pytest; one row per
+    outcome count, and the names of failures."""
+    import os
+    import subprocess
+    import sys
+
+    device = "cpu" if DEVICE == "cpu" else "cuda"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               "-o", "timeout=0", f"--device={device}", "-rfE", *DEVICE_TESTS]
+    if DEVICE == "cpu":
+        command[-len(DEVICE_TESTS):] = ["tests/test_device.py"]  # --dry-run: the script's own plumbing
+    env = {**os.environ, "PYTHONPATH": "."}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired as err:
+        row("suite", "pytest --device", f"timed out after {timeout_s} s: {str(err.stdout)[-300:]}", False)
+        return
+    tail = [line for line in done.stdout.splitlines() if line.strip()][-12:]
+    print("\n".join(tail), flush=True)
+    summary = tail[-1] if tail else done.stderr[-300:]
+    row("suite", f"pytest --device {device} ({len(DEVICE_TESTS)} files)", summary[:200], done.returncode == 0)
+    for line in tail:
+        if line.startswith(("FAILED", "ERROR")):
+            row("suite", "failed", line[:200], False)
+
+
+def demo(tmp: Path, timeout_s: int = 300) -> None:
+    """The live-RL demo on the GPU: the trainer in its own process pushing over CUDA IPC every step, checksums
+    verified, the reward rising (`python -m hotswap demo --device cuda`, shortened)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "hotswap", "demo", "--device", DEVICE, "--out-dir", str(tmp / "demo"),
+               "--quiet", *DEMO_ARGS]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        row("demo", "hotswap demo --device", f"timed out after {timeout_s} s", False)
+        return
+    tail = [line for line in done.stdout.splitlines() if line.strip()][-6:]
+    print("\n".join(tail), flush=True)
+    row("demo", f"hotswap demo --device {DEVICE}", (tail[-1] if tail else done.stderr[-200:])[:200],
+        done.returncode == 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="facts,kernels,correct,steps,rollout,weights,staged")
+    parser.add_argument("--parts", default="facts,kernels,correct,steps,rollout,weights,staged,suite,demo")
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--quick", action="store_true", help="smaller kernel cases and rollouts")
     parser.add_argument("--dry-run", action="store_true", help="the script itself on the CPU, with a tiny shape and "
@@ -618,7 +675,8 @@ def main() -> None:
             "facts": facts, "kernels": lambda: kernels(args.quick), "correct": lambda: correct(tmp),
             "steps": lambda: steps(tmp, args.quick, shapes[-1]),
             "rollout": lambda: rollout(tmp, shapes, args.quick),
-            "weights": lambda: weights(tmp, shapes[-1]), "staged": lambda: staged(tmp, shapes[-1])}
+            "weights": lambda: weights(tmp, shapes[-1]), "staged": lambda: staged(tmp, shapes[-1]),
+            "suite": suite, "demo": lambda: demo(tmp)}
         for part in parts:
             guarded(part, work[part])
     print(f"\n{'part':8} {'what':44} {'figure':70} ok")

@@ -77,6 +77,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="CPU only"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _engines_on_the_device(request: pytest.FixtureRequest):
+    """With `--device cuda`, every engine a test builds without naming a device runs there: the suite's engine
+    tests (those not marked `cpu_only`) run on the GPU as they run on the CPU."""
+    device = str(request.config.getoption("--device"))
+    if device == "cpu":
+        yield
+        return
+    from hotswap.config import EngineConfig
+
+    original = EngineConfig.from_kwargs.__func__  # type: ignore[attr-defined]
+
+    def from_kwargs(cls, model, **kwargs):
+        kwargs.setdefault("device", device)
+        return original(cls, model, **kwargs)
+
+    EngineConfig.from_kwargs = classmethod(from_kwargs)
+    yield
+    EngineConfig.from_kwargs = classmethod(original)
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     """The device of `--device`: device-parametrized tests build their engines and transformers references there."""
@@ -179,8 +200,9 @@ def serves(llm, path, tokens: int = 12) -> bool:
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    device = llm.llm_engine.config.model_config.device  # transformers on the engine's device
     return all(
-        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), tokens)[0]
+        o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), tokens, device=device)[0]
         for p, o in zip(PROMPTS[:2], outs, strict=True)
     )
 

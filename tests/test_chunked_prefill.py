@@ -198,6 +198,7 @@ def test_preemption_and_recomputation_in_chunks(llama_dir):
     assert_exact(llama_dir, outputs, prompts, max_tokens=24)
 
 
+@pytest.mark.cpu_only  # speculative decoding has no CUDA path yet
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_alternates_with_chunked_prefill(llama_dir, draft, method):
     config = {"method": method, "num_speculative_tokens": 3}
@@ -253,6 +254,7 @@ def test_an_update_landing_mid_prefill_restarts_the_prompt_on_the_new_weights(ck
     assert_exact(ckpts["B"], [out], [ids])
 
 
+@pytest.mark.cpu_only
 def test_serve_flags_set_the_step_budget_and_refuse_an_impossible_one(ckpts):
     import httpx
 

@@ -258,6 +258,7 @@ def test_the_trainer_encoder_sends_only_what_changed(ckpts, states):
     assert all(t.dtype == torch.int32 for _, t in named)
 
 
+@pytest.mark.cpu_only
 def test_deltas_over_the_http_routes(ckpts, states, tmp_path):
     """hotswap's session routes (AdminClient with a DeltaEncoder over shm), SGLang's /update_weights_from_disk
     and vLLM's /reload_weights with a folder of deltas; a wrong base version is a 400 naming both versions."""

@@ -383,6 +383,7 @@ def moe7(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "tp"])
+@pytest.mark.cpu_only
 def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
     """TP=2 with expert parallelism (experts 0-3 on rank 0, 4-6 on rank 1) or with every expert split along its
     intermediate size: transformers' tokens, and updates by per-expert and fused names over tensors and
@@ -426,6 +427,7 @@ def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only
 def test_experts_move_between_ranks_on_a_live_engine(moe7):
     """update_config(expert_placement=...) moves experts between the two ranks (in place when a rank keeps its
     count, in new storage when it changes): the tokens stay the same, an invalid placement changes nothing, and

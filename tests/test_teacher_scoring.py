@@ -421,6 +421,7 @@ def test_base64_logprobs_decode_to_exactly_the_json_values(server, ids, model):
         )
 
 
+@pytest.mark.cpu_only
 def test_score_tokens_route_json_base64_and_bad_input(server, ids, model):
     """/v1/score_tokens: JSON lists and base64 arrays of the same bits, equal to transformers at T = 0.7; bad
     input is a 400 naming the problem and the server goes on serving."""

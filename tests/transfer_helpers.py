@@ -60,7 +60,7 @@ class Pusher:
                 )
             )
             thread.start()
-            info.update(master_address="127.0.0.1", master_port=port)
+            info.update(master_address="127.0.0.1", master_port=port, dist_backend="gloo")  # the sender's (CPU)
             self.llm.init_weight_transfer_engine(info)
             thread.join()
             self.dist = box["s"]
