@@ -6,12 +6,14 @@ Staged: the update alone (received in slices between steps, committed between tw
 
     pause      the longest gap between two tokens of a stream that overlaps the update, minus the stream's
                median gap before it (the worst stream)
-    commit gap the gap that spans the end of the update call (the commit), minus that median
+    commit gap the gap that spans the end of the update call (the commit), minus that median; with streams that
+               asked to recompute their KV ("shadow, recompute"), it holds the refill
     wall       how long the update call took (staged: the staging time, spread over the steps)
     tok/s      the streams' tokens per second while the update ran, against before it
 
-Updates: a full reload from a checkpoint folder (alternately B and A) and a sparse delta changing 2 % of every
-tensor (there and back). Modes and kinds are interleaved, `--reps` times.
+Updates: a full reload from a checkpoint folder (alternately B and A), a sparse delta changing 2 % of every
+tensor (there and back), and a LoRA adapter's new version (streams running through it; never paused in either
+mode). Modes and kinds are interleaved, `--reps` times.
 
     python -m benchmarks.staged_updates [--preset 125m] [--streams 4] [--reps 3] [--slice-ms 4]
 
@@ -36,7 +38,8 @@ from safetensors.torch import load_file
 from benchmarks.weight_update import changed, cpu_description
 from hotswap import SamplingParams
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
-from hotswap.testing import make_tiny_model
+from hotswap.lora.request import LoRARequest
+from hotswap.testing import make_tiny_lora, make_tiny_model
 from hotswap.transfer.delta import sparse_delta
 from hotswap.weights.delta import INDICES, VALUES
 
@@ -47,24 +50,25 @@ def sparse(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[t
     return [pair for n in new for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]), strict=True)]
 
 
-async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], streams: int, seed: int
-                ) -> dict[str, float]:
-    """Streams `streams` greedy requests, lands `update` (reload_weights keywords) once each stream has 12
-    tokens, and measures the streams around it."""
+async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], streams: int, seed: int,
+                lora: LoRARequest | None = None, policy: str = "keep") -> dict[str, float]:
+    """Streams `streams` greedy requests (with `lora`, through that adapter), lands `update` (reload_weights
+    keywords) once each stream has 12 tokens, and measures the streams around it. In place, the update is wrapped
+    in pause("keep") / resume, except an adapter's (never paused)."""
     times: list[list[float]] = [[] for _ in range(streams)]
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, on_weight_update=policy)
 
     async def stream(i: int) -> None:
         prompt = {"prompt_token_ids": torch.randint(10, 500, (24,), generator=gen).tolist()}
-        async for _ in engine.generate(prompt, params, f"t{seed}-{i}"):
+        async for _ in engine.generate(prompt, params, f"t{seed}-{i}", lora_request=lora):
             times[i].append(time.perf_counter())
 
     tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
     while min(len(t) for t in times) < 12:
         await asyncio.sleep(0.002)
     t0 = time.perf_counter()
-    if mode == "in_place":
+    if mode == "in_place" and lora is None:
         await engine.pause_generation("keep")
         await engine.reload_weights(**update)
         await engine.resume_generation()
@@ -98,28 +102,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     state_a = load_file(str(a / "model.safetensors"))
     other = changed(state_a, 0.02, seed=2)
     there, back = sparse(state_a, other), sparse(other, state_a)
-    updates = [("full", {"weights_path": str(b)}), ("full", {"weights_path": str(a)}),
-               ("2% delta", {"weights_iterator": there, "encoding": "sparse"}),
-               ("2% delta", {"weights_iterator": back, "encoding": "sparse"})]
+    adapters = [make_tiny_lora(a, root / f"lora{i}", seed=i) for i in range(2)]
+    lora = LoRARequest("a", 1, str(adapters[0]))
+    lora_tensors = [list(load_file(str(f / "adapter_model.safetensors")).items()) for f in adapters]
+    updates: list[tuple[str, dict[str, Any]]] = [
+        ("full", {"weights_path": str(b)}), ("full", {"weights_path": str(a)}),
+        ("2% delta", {"weights_iterator": there, "encoding": "sparse"}),
+        ("2% delta", {"weights_iterator": back, "encoding": "sparse"}),
+        ("LoRA", {"weights_iterator": lora_tensors[1], "target": "lora:a"}),
+        ("LoRA", {"weights_iterator": lora_tensors[0], "target": "lora:a"})]
     engines = {m: AsyncLLMEngine.from_kwargs(str(a), update_staging=m, staging_slice_ms=args.slice_ms,
-                                             max_num_seqs=max(8, args.streams)) for m in MODES}
+                                             max_num_seqs=max(8, args.streams), enable_lora=True,
+                                             max_lora_rank=8) for m in MODES}
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     seed = 0
     for _ in range(args.reps):
         for kind, update in updates:
             for mode in MODES:
                 seed += 1
-                figures = await trial(engines[mode], mode, update, args.streams, seed)
+                figures = await trial(engines[mode], mode, update, args.streams, seed,
+                                      lora if kind == "LoRA" else None)
                 results.setdefault((kind, mode), []).append(figures)
+            if kind == "full":  # the same staged reload, the streams asking to recompute their KV at the commit
+                seed += 1
+                figures = await trial(engines["shadow"], "shadow", update, args.streams, seed, policy="recompute")
+                results.setdefault(("full", "shadow, recompute"), []).append(figures)
     for engine in engines.values():
         await engine.shutdown()
     table: dict[str, Any] = {}
-    print(f"\n{'update':<10} {'mode':<9} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
+    print(f"\n{'update':<10} {'mode':<18} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
           f"{'tok/s before':>13}")
     for (kind, mode), rows in results.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         worst = max(r["pause_ms"] for r in rows)
-        print(f"{kind:<10} {mode:<9} {med['pause_ms']:9.1f} {med['commit_gap_ms']:11.1f} {med['wall_ms']:9.1f} "
+        print(f"{kind:<10} {mode:<18} {med['pause_ms']:9.1f} {med['commit_gap_ms']:11.1f} {med['wall_ms']:9.1f} "
               f"{med['tok_s_during']:13.1f} {med['tok_s_before']:13.1f}   (worst pause {worst:.1f} ms)")
         table[f"{kind} {mode}"] = {k: round(v, 1) for k, v in med.items()} | {"worst_pause_ms": round(worst, 1)}
     return table

@@ -88,3 +88,12 @@ def check_attention_backend(backend: str, device: str, deterministic: bool) -> N
     if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' on the CPU runs only under Triton's interpreter "
                          "(TRITON_INTERPRET=1, for tests); on the CPU use 'auto'")
+
+
+def upload(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` (built on the host) on `device`: to a GPU through page-locked memory (torch's caching host
+    allocator), so the copy is asynchronous on the current stream and the host goes on building the next step;
+    elsewhere as it is (`.to`, a no-op on the CPU)."""
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -14,7 +14,9 @@ Who does what:
   then runs GRPO on the engine's rollouts: group-normalized advantages, a clipped policy-gradient loss whose
   importance ratio uses the engine's logprobs of the sampled tokens, one Adam step per batch. After every optimizer
   step it writes all its parameters into shared memory (`ShmSender`) and sends back the update info and the
-  SHA-256 of every tensor it sent.
+  SHA-256 of every tensor it sent. With `--device cuda` both run on the GPU (deterministic mode off: it is the
+  CPU's for now) and each push is one flat bucket of CUDA IPC handles (`CudaIpcSender`); `--transport cuda_ipc`
+  sends the same handles over shared CPU tensors on the CPU.
 - This process applies each update (`start_weight_update`, `update_weights`, `finish_weight_update`) before it
   samples the next batch, and compares `llm.weight_checksums()` with the trainer's hashes.
 

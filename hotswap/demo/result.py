@@ -31,6 +31,8 @@ class DemoResult:
     greedy_exact_match: float = math.nan  # fraction of fresh prompts copied exactly, greedy, at the end
     max_logprob_gap: float = 0.0  # largest |trainer logprob - engine logprob| of a sampled token
     deterministic: bool = True  # engine in deterministic mode, trainer scoring through hotswap.train
+    device: str = "cpu"  # the engine's and the trainer's ("cpu" or "cuda:N")
+    transport: str = "shm"  # how the trainer pushed: "shm" or "cuda_ipc"
     num_params: int = 0
     total_s: float = 0.0
     plot_path: str | None = None

@@ -85,7 +85,8 @@ def _mean_reward(batch: RolloutBatch) -> float:
 
 
 def _apply_push(llm: LLM, info: dict[str, Any], trainer_sums: dict[str, str]) -> tuple[float, list[str]]:
-    """Applies one shm update as a complete session and compares checksums. Returns (update ms, mismatched)."""
+    """Applies one pushed update (shm or cuda_ipc) as a complete session and compares checksums. Returns (update
+    ms, mismatched)."""
     start = time.perf_counter()
     llm.start_weight_update()
     llm.update_weights(info)
@@ -125,6 +126,38 @@ def _plot(result: DemoResult, path: Path, title: str) -> None:
     fig.savefig(path)
 
 
+TRANSPORTS = ("shm", "cuda_ipc")
+
+
+def demo_settings(
+    device: str = "cpu", transport: str | None = None, deterministic: bool | None = None
+) -> tuple[str, str, bool]:
+    """(device, transport, deterministic) resolved and checked before anything is built: the device normalised
+    ("cpu" or "cuda:N"), the transport defaulting to shm on the CPU and cuda_ipc on a GPU, deterministic mode to on
+    on the CPU and off on a GPU (it runs on the CPU only for now). Raises ValueError with the reason (a forced
+    `deterministic` on a GPU; CUDA where this torch has none or no GPU is visible: `hotswap.device.parse_device`)."""
+    from hotswap.device import parse_device
+
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
+    on_gpu = isinstance(device, str) and device.strip().startswith("cuda")
+    if on_gpu and deterministic:
+        raise ValueError(
+            f"--deterministic runs on the CPU only for now (device {device!r}: the engine's batch-"
+            "invariant kernels, equal to the trainer's forward bit for bit, are CPU kernels); on a GPU "
+            "leave it off (--no-deterministic, the default there), or use --device cpu"
+        )
+    device = parse_device(device)
+    gpu = device != "cpu"
+    return device, transport or ("cuda_ipc" if gpu else "shm"), (not gpu) if deterministic is None else deterministic
+
+
+def _transport_label(transport: str, device: str) -> str:
+    if transport == "shm":
+        return "shm"
+    return "CUDA IPC" if device != "cpu" else "cuda_ipc (shared CPU tensors)"
+
+
 def run_demo(
     out_dir: str = "demo_out",
     steps: int = 250,
@@ -139,7 +172,9 @@ def run_demo(
     entropy_coef: float = 0.02,
     log_every: int = 25,
     quiet: bool = False,
-    deterministic: bool = True,
+    deterministic: bool | None = None,
+    device: str = "cpu",
+    transport: str | None = None,
 ) -> DemoResult:
     """Runs the live-training demo and returns what it measured; writes the checkpoint (`out_dir/model`), the
     reward plot (`out_dir/reward.png`) and the metrics (`out_dir/metrics.json`).
@@ -149,7 +184,12 @@ def run_demo(
     verifies it by checksum; a supervised format warm-up (`warmup_steps` at `warmup_lr`) is pushed first. Progress
     goes to stdout (a line every `log_every` steps, a tqdm bar unless `quiet`). Raises ValueError for invalid
     settings and RuntimeError if the trainer fails; a checksum mismatch stops the run with `checksums_ok` False.
-    The trainer process and its shared memory are gone when this returns or raises."""
+    The trainer process and its shared memory are gone when this returns or raises.
+
+    `device` ("cpu", "cuda", "cuda:N") is the engine's and the trainer's (its model and optimizer on the same GPU,
+    in its own process); `transport` "shm" (the CPU's default) or "cuda_ipc" (a GPU's: one flat bucket of CUDA IPC
+    handles per push; on the CPU, shared CPU tensors); `deterministic` None is on for the CPU, off on a GPU
+    (`demo_settings`)."""
     if steps < 1 or prompts_per_step < 1 or warmup_steps < 0 or log_every < 1:
         raise ValueError("steps, prompts_per_step and log_every must be >= 1, warmup_steps >= 0")
     if group_size < 2:
@@ -158,6 +198,7 @@ def run_demo(
         raise ValueError(f"num_digits must be between 1 and 16, got {num_digits}")
     if not (lr > 0 and warmup_lr > 0 and entropy_coef >= 0):
         raise ValueError("lr and warmup_lr must be positive, entropy_coef non-negative")
+    device, transport, deterministic = demo_settings(device, transport, deterministic)
 
     def say(line: str) -> None:
         tqdm.write(line, file=sys.stdout)
@@ -165,21 +206,44 @@ def run_demo(
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = DemoResult(deterministic=deterministic)
+    result = DemoResult(deterministic=deterministic, device=device, transport=transport)
     say("hotswap demo: live RL training; a trainer process pushes new weights into the running engine every step")
     model_dir, result.num_params = _build_checkpoint(out / "model", seed)
     say(f"model: random-weight llama ('tiny' preset), {result.num_params / 1e3:.0f}k parameters, fp32, at {model_dir}")
 
-    llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=seed, deterministic=deterministic)
+    llm = LLM(
+        str(model_dir),
+        max_model_len=64,
+        kv_cache_memory_bytes=32 << 20,
+        seed=seed,
+        deterministic=deterministic,
+        device=device,
+    )
     task = CopyTask.from_tokenizer(llm.get_tokenizer(), num_digits)
-    settings = TrainerSettings(str(model_dir), task, seed, lr, warmup_steps, warmup_lr, entropy_coef=entropy_coef,
-                               deterministic=deterministic)
+    engine_dtype = str(llm.config.model_config.torch_dtype).removeprefix("torch.")
+    settings = TrainerSettings(
+        str(model_dir),
+        task,
+        seed,
+        lr,
+        warmup_steps,
+        warmup_lr,
+        entropy_coef=entropy_coef,
+        deterministic=deterministic,
+        device=device,
+        transport=transport,
+        engine_dtype=engine_dtype,
+    )
     trainer = _TrainerHandle(settings)  # its start-up (imports, model load) overlaps the engine's work below
     rng = random.Random(seed)
     bar = None
     try:
-        llm.init_weight_transfer_engine({"backend": "shm"})
-        say(f"engine: in-process LLM; trainer: separate process (pid {trainer.process.pid}), pushing weights over shm")
+        llm.init_weight_transfer_engine({"backend": transport})
+        where = "" if device == "cpu" else f" on {device}"
+        say(
+            f"engine: in-process LLM{where}; trainer: separate process (pid {trainer.process.pid}){where}, pushing "
+            f"weights over {_transport_label(transport, device)}"
+        )
         example = task.sample(random.Random(seed + 2))
         batch, _, _ = _sample(llm, task, rng, prompts_per_step, group_size)
         result.random_init_reward = _mean_reward(batch)
@@ -256,7 +320,7 @@ def run_demo(
         if bar is not None:
             bar.close()
         try:
-            llm.shutdown_weight_transfer_engine()  # unmap the trainer's segment before it unlinks it
+            llm.shutdown_weight_transfer_engine()  # let go of the trainer's memory before it frees it
         finally:
             trainer.close()
     result.total_s = time.perf_counter() - start
@@ -302,7 +366,8 @@ def _report(result: DemoResult, out: Path, steps: int, say: Callable[[str], None
     )
     if result.checksums_ok:
         say(
-            f"  {pushes} weight pushes over shm (v1 -> v{result.weight_versions[-1]}), each verified: engine SHA-256 "
+            f"  {pushes} weight pushes over {_transport_label(result.transport, result.device)} "
+            f"(v1 -> v{result.weight_versions[-1]}), each verified: engine SHA-256 "
             f"== trainer SHA-256 for every tensor; {_gap_line(result.max_logprob_gap, result.deterministic)}"
         )
         say(
@@ -339,8 +404,23 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entropy-coef", type=float, default=0.02, help="entropy bonus in the RL loss (default 0.02)")
     parser.add_argument("--log-every", type=int, default=25, help="print a line every N steps (default 25)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                        help="engine in deterministic mode, trainer scoring through hotswap.train (default: on)")
+    parser.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engine in deterministic mode, trainer scoring through hotswap.train (default: on for "
+        "the CPU; off on a GPU, where it is not supported yet)",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default), cuda or cuda:N: the engine's and the trainer's device"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="how the trainer pushes: shm (the CPU's default) or cuda_ipc (a GPU's default: CUDA IPC "
+        "handles of one flat bucket; on the CPU, shared CPU tensors)",
+    )
 
 
 def _gap_line(gap: float, deterministic: bool) -> str:
@@ -367,5 +447,7 @@ def run_demo_from_args(args: argparse.Namespace) -> int:
         log_every=args.log_every,
         quiet=args.quiet,
         deterministic=args.deterministic,
+        device=args.device,
+        transport=args.transport,
     )
     return 0 if result.ok else 1

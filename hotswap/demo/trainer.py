@@ -1,6 +1,6 @@
 """The demo's trainer: a transformers model in a spawned process that warms up on the output format, then runs
-GRPO on the engine's rollouts and pushes all its weights over shared memory after every step; and the engine
-process's handle on it."""
+GRPO on the engine's rollouts and pushes all its weights after every step (over shared memory, or as CUDA IPC
+handles: on a GPU, or shared CPU tensors); and the engine process's handle on it."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ class TrainerSettings:
     num_threads: int = 2  # the model is tiny: more threads do not help
     # the engine runs deterministic=True and the RL steps score with hotswap.train's forward: the same bits
     deterministic: bool = True
+    device: str = "cpu"  # the trainer's model and optimizer: the engine's device ("cpu" or "cuda:N")
+    transport: str = "shm"  # "shm" (ShmSender) or "cuda_ipc" (CudaIpcSender, one flat bucket per push)
+    engine_dtype: str = "float32"  # the engine's weight dtype: checksums and deltas are taken in it
 
 
 @dataclass
@@ -50,25 +53,39 @@ class RolloutBatch:
 
 
 class _Trainer:
-    """The policy as a transformers model, its optimizer and the shm sender. Lives in the trainer process."""
+    """The policy as a transformers model, its optimizer and the sender. Lives in the trainer process."""
 
     def __init__(self, settings: TrainerSettings) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from hotswap.transfer.cuda_ipc import CudaIpcSender
         from hotswap.transfer.shm import ShmSender
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.settings = settings
         self.task = settings.task
+        self.device = torch.device(settings.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = getattr(torch, settings.engine_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+        torch.nn.Module.to(self.model, self.device)  # in place (transformers wraps `to` in a way mypy misreads)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)  # the RL steps'
-        self.sender = ShmSender()
+        self.sender: ShmSender | CudaIpcSender
+        if settings.transport == "cuda_ipc":
+            # keeps each push's bucket alive until the engine's update_weights returned (the next request)
+            self.sender = CudaIpcSender()
+        else:
+            self.sender = ShmSender()
         # pushes are sparse deltas against what the engine committed (the first is full); Adam moves nearly every
         # element each step, so most tensors still travel whole: the report shows how much a push saved
-        self.encoder = DeltaEncoder("sparse", dtype=torch.float32)
+        self.encoder = DeltaEncoder("sparse", dtype=self.dtype)
+
+    def _tensor(self, data: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _completion_log_softmax(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For `sequences` [B, prompt_len + K]: the log-softmax at each completion position [B, K, V] and the
@@ -100,7 +117,7 @@ class _Trainer:
                 task.prompt_ids(task.sample(rng)) + [task.digit_ids[d] for d in task.sample(rng)]
                 for _ in range(s.warmup_batch)
             ]
-            loss = -self._completion_log_softmax(torch.tensor(rows))[1].mean()
+            loss = -self._completion_log_softmax(self._tensor(rows))[1].mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -117,13 +134,13 @@ class _Trainer:
         for prompt, completions, rewards, logprobs in zip(
             batch.prompts, batch.completions, batch.rewards, batch.engine_logprobs, strict=True
         ):
-            r = torch.tensor(rewards, dtype=torch.float32)
+            r = self._tensor(rewards, torch.float32)
             advantages += ((r - r.mean()) / (r.std() + 1e-6)).tolist()
             rows += [prompt + c for c in completions]
             behaviour += logprobs
-        sequences = torch.tensor(rows)
-        old = torch.tensor(behaviour, dtype=torch.float32)
-        adv = torch.tensor(advantages)[:, None]
+        sequences = self._tensor(rows)
+        old = self._tensor(behaviour, torch.float32)
+        adv = self._tensor(advantages)[:, None]
         if self.settings.deterministic:
             log_probs, logp = self._completion_log_softmax_exact(sequences)
         else:
@@ -145,19 +162,31 @@ class _Trainer:
 
     def push(self, committed: int | None) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
         """Writes what changed since the engine's `committed` version (None: nothing committed yet, a full push)
-        into the shared segment; returns (update_info, {name: sha256 of every parameter}, bytes sent / full)."""
+        into the shared segment (shm), or exports it as one flat bucket (cuda_ipc); returns (update_info, {name:
+        sha256 of every parameter in the engine's dtype}, bytes sent / full). Called once the engine's
+        update_weights for the previous push returned (its request came after), so that push's memory is free."""
+        from hotswap.transfer.shm import ShmSender
         from hotswap.weights.checksum import tensor_sha256
 
         if committed is not None:
             self.encoder.committed(committed)
         named = [(name, p.detach()) for name, p in self.model.named_parameters()]  # a tied weight appears once
         delta, extra = self.encoder.encode(named)
-        info = {**self.sender.write(delta), **extra}
+        if isinstance(self.sender, ShmSender):
+            info = {**self.sender.write(delta), **extra}
+        else:
+            self.sender.release()  # the previous push's bucket: the engine has read it and let go
+            info = {**self.sender.update_info(delta, bucket=True), **extra}
         sizes = {"push_bytes": float(self.encoder.last_bytes), "full_bytes": float(self.encoder.last_full_bytes)}
-        return info, {name: tensor_sha256(t) for name, t in named}, sizes
+        return info, {name: tensor_sha256(t, self.dtype) for name, t in named}, sizes
 
     def close(self) -> None:
-        self.sender.close()
+        from hotswap.transfer.shm import ShmSender
+
+        if isinstance(self.sender, ShmSender):
+            self.sender.close()
+        else:
+            self.sender.release()
 
 
 def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> None:
@@ -165,7 +194,7 @@ def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> Non
     the first two is answered ("pushed", update_info, checksums, stats) once the new weights are in shared memory
     (a delta against the version the engine committed from the previous push); any failure is answered ("error",
     traceback) and ends the process. The engine must finish `update_weights` for one push before it sends the
-    next request: the sender rewrites its buffer in place."""
+    next request: the shm sender rewrites its buffer in place, the cuda_ipc sender releases the last bucket."""
     trainer: _Trainer | None = None
     try:
         torch.set_num_threads(settings.num_threads)
@@ -184,7 +213,6 @@ def _trainer_main(settings: TrainerSettings, requests: Any, replies: Any) -> Non
     finally:
         if trainer is not None:
             trainer.close()
-
 
 
 class _TrainerHandle:
@@ -215,14 +243,24 @@ class _TrainerHandle:
             raise RuntimeError(f"expected {expected!r} from the trainer, got {reply[0]!r}")
         return cast("tuple[Any, ...]", reply[1:])
 
+    def _reap(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for the trainer to exit. Polls the process (waitpid) rather than joining:
+        `join` waits for the spawn sentinel pipe to close, and torch's shared-memory manager, which a cuda_ipc
+        trainer starts for its CPU handles, inherits that pipe and outlives the trainer (for as long as this
+        process stays its client)."""
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def close(self) -> None:
-        """Asks the trainer to stop (it unlinks its shared segment), then reaps it; kills it only if it hangs."""
+        """Asks the trainer to stop (it unlinks its shared segment, or releases what it exported), then reaps it;
+        kills it only if it hangs."""
         if self.process.is_alive():
             self.requests.put(("stop",))
-            self.process.join(timeout=30)
+            self._reap(30)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(timeout=10)
+            self._reap(10)
         for q in (self.requests, self.replies):
             q.cancel_join_thread()  # never block on data nobody will read
             q.close()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hotswap.config import EngineConfig
+from hotswap.device import upload
 from hotswap.distributed import current_parallel
 from hotswap.kernels import ops
 from hotswap.kernels import policy as kernel_policy
@@ -128,7 +129,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         if self.device.type != "cpu":  # built on the host, moved once per step
-            meta, ids, pos = meta.to(self.device), ids.to(self.device), pos.to(self.device)
+            meta, ids, pos = meta.to(self.device), upload(ids, self.device), upload(pos, self.device)
         elif self.stack.applies(len(input_ids), pos, meta):
             return self.stack.run(self.stack.embed(ids), pos, meta)
         return cast(torch.Tensor, self.model(ids, pos, meta))

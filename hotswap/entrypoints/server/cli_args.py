@@ -75,6 +75,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shadow: weight updates are received into staging copies while requests keep "
                         "generating, and committed between two steps (one more copy of the weights an update "
                         "changes); in_place (default): updates write the served weights (pause generation first)")
+    parser.add_argument("--on-weight-update", default="keep", choices=["keep", "recompute"],
+                        help="a running request's KV cache at a weight commit, unless the request says: keep it, or "
+                        "recompute it on the new weights")
     parser.add_argument("--staging-slice-ms", type=float, default=4.0,
                         help="with --update-staging shadow: how long an update is received between two steps")
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)
@@ -205,6 +208,7 @@ def serve(args: argparse.Namespace) -> int:
         prefix_cache_policy=args.prefix_cache_policy,
         update_staging=args.update_staging,
         staging_slice_ms=args.staging_slice_ms,
+        on_weight_update=args.on_weight_update,
         session_cache_fraction=args.session_cache_fraction,
         tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs,

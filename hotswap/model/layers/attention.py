@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hotswap.device import upload
 from hotswap.kernels import ops
 from hotswap.model.layers.rotary import RotaryEmbedding
 
@@ -107,13 +108,12 @@ class AttentionMetadata:
     def to(self, device: torch.device) -> AttentionMetadata:
         """This metadata with its tensors on `device` (built on the host, moved once per step)."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else upload(t, device)
 
         parts = None if self.parts is None else [(move(rows), part.to(device)) for rows, part in self.parts]
         return dataclasses.replace(
-            self, slot_mapping=self.slot_mapping.to(device, non_blocking=True),
-            block_tables=self.block_tables.to(device, non_blocking=True),
-            context_lens=self.context_lens.to(device, non_blocking=True), pad_index=move(self.pad_index),
+            self, slot_mapping=upload(self.slot_mapping, device), block_tables=upload(self.block_tables, device),
+            context_lens=upload(self.context_lens, device), pad_index=move(self.pad_index),
             mask=move(self.mask), query_lens=move(self.query_lens), parts=cast(Any, parts),
         )
 
