@@ -195,3 +195,43 @@ def test_staging_that_does_not_fit_is_refused_before_anything_is_allocated(ckpts
     monkeypatch.undo()
     llm.reload_weights(weights_iterator=b_tensors)
     assert serves(llm, ckpts["B"])
+
+
+@pytest.mark.cpu_only  # a server process
+def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensors):
+    """`hotswap serve --update-staging shadow`: a trainer pushes over shm with no pause while a completion streams;
+    the stream runs through the update (its version spans cross it), and the engine then holds B's tensors."""
+    import threading
+
+    import openai
+
+    from hotswap.entrypoints.client import AdminClient
+    from hotswap.testing import running_server
+    from hotswap.weights.checksum import tensor_sha256
+
+    args = ("--admin-key", "k", "--update-staging", "shadow", "--kv-cache-memory-bytes", str(1 << 23))
+    with running_server(str(ckpts["A"]), *args) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        admin = AdminClient(base, admin_key="k")
+        try:
+            model = client.models.list().data[0].id
+            chunks = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=300,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True, "return_weight_versions": True})
+            stream = iter(chunks)
+            first = next(stream)
+            pushed: list[str] = []
+            pusher = threading.Thread(target=lambda: pushed.append(
+                admin.push_weights(b_tensors, backend="shm", pause_mode=None, weight_version="s1")))
+            pusher.start()
+            rest = list(stream)
+            pusher.join(timeout=120)
+            assert pushed == ["s1"]
+            assert not admin.is_paused()
+            spans = rest[-1].choices[0].model_extra["weight_versions"]
+            assert [s["version"] for s in spans] == ["0", "s1"], "the stream ran on through the staged update"
+            assert 0 < spans[0]["end"] < 300
+            assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason == "length"
+            assert admin.checksums() == {n: tensor_sha256(t) for n, t in b_tensors}
+        finally:
+            admin.close()
