@@ -200,7 +200,8 @@ def serves(llm, path, tokens: int = 12) -> bool:
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    device = llm.llm_engine.config.model_config.device  # transformers on the engine's device
+    config = getattr(llm, "config", None)  # an LLM's; a fleet's replicas run on the CPU in these tests
+    device = config.model_config.device if config is not None else "cpu"  # transformers on the engine's device
     return all(
         o.outputs[0].token_ids == hf_greedy(str(path), tuple(tok.encode(p)), tokens, device=device)[0]
         for p, o in zip(PROMPTS[:2], outs, strict=True)

@@ -235,3 +235,28 @@ def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensor
             assert admin.checksums() == {n: tensor_sha256(t) for n, t in b_tensors}
         finally:
             admin.close()
+
+
+@pytest.mark.cpu_only  # Ray
+def test_a_fleet_of_staged_replicas_prepares_beside_serving_and_commits_or_rolls_back(ckpts, b_tensors, tmp_path):
+    """Two staged replicas: a fleet reload prepares into each replica's staging copies and commits on both; a
+    reload with a NaN fails in the prepare phase and changes neither; the fleet serves B throughout."""
+    pytest.importorskip("ray")
+    from hotswap.fleet import Fleet
+
+    fleet = LLM(str(ckpts["A"]), data_parallel_size=2, distributed_executor_backend="ray", num_gpus_per_worker=0,
+                ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20}, update_staging="shadow",
+                kv_cache_memory_bytes=1 << 23)
+    try:
+        assert isinstance(fleet, Fleet)
+        fleet.reload_weights(weights_path=str(ckpts["B"]))
+        sums = fleet.collective_rpc("weight_checksums")
+        assert len(sums) == 2 and sums[0] == sums[1]
+        bad = [(n, t.clone()) for n, t in b_tensors]
+        bad[0][1].view(-1)[1] = float("nan")
+        with pytest.raises(Exception, match="NaN"):
+            fleet.reload_weights(weights_iterator=bad)
+        assert fleet.collective_rpc("weight_checksums") == sums
+        assert serves(fleet, ckpts["B"])
+    finally:
+        fleet.shutdown()
