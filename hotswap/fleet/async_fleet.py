@@ -246,6 +246,8 @@ class AsyncFleet:
     unload_lora_adapter = _in_thread(Fleet.unload_lora_adapter)
     list_loras = _in_thread(Fleet.list_loras)
     collective_rpc = _in_thread(Fleet.collective_rpc)
+    add_replicas = _in_thread(Fleet.add_replicas)
+    remove_replicas = _in_thread(Fleet.remove_replicas)
     shutdown = _in_thread(Fleet.shutdown)
 
     async def is_paused(self) -> bool:

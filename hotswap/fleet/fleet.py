@@ -28,6 +28,11 @@ the fleet in its placement group, brought to the fleet's version (from the check
 came from one, else copied from a live replica and checked against its checksums) and given the fleet's LoRA
 adapters (copied from a live replica) outside any weight change, paused if the fleet is, and only then routed to
 again.
+
+Replicas join and leave a running fleet (`add_replicas`, `remove_replicas`) between weight changes: a new one
+is brought to the fleet's state as a restarted one is (its checksums checked against a live replica's, a folder's
+load included) before it is routable; one that leaves is out of routing at once, drains its requests, and is
+stopped once no update session that included it is open.
 """
 
 from __future__ import annotations
@@ -684,10 +689,10 @@ class Fleet(FleetReplicas):
         return time.monotonic() - start
 
     def _current(self, required: bool = True) -> list[_Member]:
-        """The replicas a weight change runs on: up and holding the fleet's version. With `required`, raises
-        EngineUnavailable when there is none."""
+        """The replicas a weight change runs on: up, holding the fleet's version and not leaving. With `required`,
+        raises EngineUnavailable when there is none."""
         with self._lock:
-            members = [m for m in self.members if m.state == "up" and m.version == self.version]
+            members = [m for m in self.members if self._serves(m)]
         if not members and required:
             raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting); a "
                                     "reload from a checkpoint folder brings the fleet back")

@@ -20,6 +20,7 @@ import torch
 
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import Prepared
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
@@ -175,41 +176,14 @@ class ReplicaServer(AsyncLLMEngine):
         return cast(bool, await self._locked(abort))
 
     async def export_loras(self) -> list[dict[str, Any]]:
-        """Every adapter this replica serves (its current version), whole: name, int id, version, path, pinned,
-        its config and its full tensors by PEFT name (each rank's part put back in place): what `adopt_loras` of a
-        replica with the same config takes."""
-        registry = self.engine.loras
-        if registry is None:
-            return []
-
-        def export() -> list[dict[str, Any]]:
-            out = []
-            for adapter in registry.adapters.values():
-                ranks = self.engine.executor.collective_rpc(_lora_state, (adapter.current.uid,))
-                out.append({"lora_name": adapter.name, "lora_int_id": adapter.int_id,
-                            "version": adapter.current.version, "lora_path": adapter.path, "pinned": adapter.pinned,
-                            "peft_config": _peft_config(adapter.spec), "tensors": _whole(ranks)})
-            return out
-
-        return cast("list[dict[str, Any]]", await self._locked(export))
+        """Every adapter this replica serves, whole (`lora_exports`)."""
+        return cast("list[dict[str, Any]]", await self._locked(lora_exports, self.engine))
 
     async def adopt_loras(self, adapters: list[dict[str, Any]]) -> None:
-        """Loads adapters as `export_loras` describes them (an entry without "tensors" is read from its
-        "lora_path"), each at its "version": a restarted replica takes the fleet's adapters before it is routed
-        to. Raises ValueError for one it cannot load."""
-        registry = self._registry()
-
-        def adopt() -> None:
-            for entry in adapters:
-                tensors = entry.get("tensors")
-                path = entry.get("lora_path")
-                prepared = registry.prepare(entry["lora_name"], None if tensors is not None else path, tensors,
-                                            entry.get("peft_config"), entry["lora_int_id"], False,
-                                            bool(entry.get("pinned", False)))
-                adapter = registry.commit_prepared(dataclasses.replace(prepared, path=path))
-                adapter.current.version = int(entry.get("version", 1))  # its version numbers are the fleet's
-
-        await self._locked(adopt)
+        """Loads adapters as `export_loras` describes them (`adopt_lora_exports`): a restarted replica takes the
+        fleet's adapters before it is routed to. Raises ValueError for one it cannot load."""
+        self._registry()  # raises without LoRA
+        await self._locked(adopt_lora_exports, self.engine, adapters)
 
     async def weight_checksums(self, target: str) -> dict[str, str]:
         return cast("dict[str, str]", (await self.collective_rpc("weight_checksums", (target,)))[0])
@@ -218,6 +192,38 @@ class ReplicaServer(AsyncLLMEngine):
         """Ends the requests in flight, then stops the workers."""
         await super().shutdown()
         self.engine.shutdown()
+
+
+def lora_exports(engine: LLMEngine) -> list[dict[str, Any]]:
+    """Every adapter `engine` serves (its current version), whole: name, int id, version, path, pinned, its config
+    and its full tensors by PEFT name (each rank's part put back in place): what `adopt_lora_exports` on an engine
+    with the same config takes. Runs between steps (under the engine lock of an `AsyncLLMEngine`)."""
+    registry = engine.loras
+    if registry is None:
+        return []
+    out = []
+    for adapter in registry.adapters.values():
+        ranks = engine.executor.collective_rpc(_lora_state, (adapter.current.uid,))
+        out.append({"lora_name": adapter.name, "lora_int_id": adapter.int_id, "version": adapter.current.version,
+                    "lora_path": adapter.path, "pinned": adapter.pinned, "peft_config": _peft_config(adapter.spec),
+                    "tensors": _whole(ranks)})
+    return out
+
+
+def adopt_lora_exports(engine: LLMEngine, adapters: list[dict[str, Any]]) -> None:
+    """Loads adapters as `lora_exports` describes them (an entry without "tensors" is read from its "lora_path"),
+    each at its "version". Runs between steps. Raises ValueError for one it cannot load (or without LoRA)."""
+    registry = engine.loras
+    if registry is None:
+        raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+    for entry in adapters:
+        tensors = entry.get("tensors")
+        path = entry.get("lora_path")
+        prepared = registry.prepare(entry["lora_name"], None if tensors is not None else path, tensors,
+                                    entry.get("peft_config"), entry["lora_int_id"], False,
+                                    bool(entry.get("pinned", False)))
+        adapter = registry.commit_prepared(dataclasses.replace(prepared, path=path))
+        adapter.current.version = int(entry.get("version", 1))  # its version numbers are the source's
 
 
 def _lora_state(worker: Any, uid: int) -> dict[str, tuple[torch.Tensor, list[tuple[int, int, int]], tuple[int, ...]]]:

@@ -1,7 +1,8 @@
 """The fleet's replicas: starting them in their placement groups, calling them with bounded waits, watching their
 health and restarting the dead ones at the fleet's version (from the checkpoint folder that holds it, else copied
 from a live replica and checked against its checksums) and with the fleet's LoRA adapters (copied from a live
-replica, else loaded from where the fleet loaded them). `Fleet` (fleet.py) builds its verbs on this."""
+replica, else loaded from where the fleet loaded them); adding replicas to a running fleet the same way, and
+removing them (out of routing at once, drained, then stopped). `Fleet` (fleet.py) builds its verbs on this."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hotswap.config import EngineConfig
@@ -47,7 +48,8 @@ class _Member:
     index: int
     actor: Any
     placement_group: Any
-    state: str = "starting"  # starting | up | down
+    state: str = "starting"  # starting (a restart) | joining (add_replicas) | up | down | removed
+    leaving: bool = False  # remove_replicas: out of routing and of new changes, draining until it is stopped
     version: int = 0
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     restarts: int = 0
@@ -166,10 +168,11 @@ class FleetReplicas:
         self.pausing = False  # from the start of a pause: new requests are refused ('abort' / 'wait')
         self.pause_mode = "keep"
         self.asleep = False
-        self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0}
+        self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0,
+                         "replicas_added": 0, "replicas_removed": 0}
         self._ids = itertools.count()
         self._stopping = threading.Event()
-        self._check_resources(ray)
+        self._check_resources(ray, num_replicas)
         self.members: list[_Member] = []
         try:
             for i in range(num_replicas):
@@ -186,13 +189,13 @@ class FleetReplicas:
 
     # ---- replicas -----------------------------------------------------------------------------------------
 
-    def _check_resources(self, ray: Any) -> None:
-        """Raises ValueError when the cluster cannot hold every replica's placement group."""
+    def _check_resources(self, ray: Any, replicas: int) -> None:
+        """Raises ValueError when the cluster cannot hold `replicas` placement groups."""
         total = ray.cluster_resources()
         for resource, amount in self._bundle.items():
-            if total.get(resource, 0) + 1e-9 < amount * self.num_replicas:
+            if total.get(resource, 0) + 1e-9 < amount * replicas:
                 raise ValueError(
-                    f"{self.num_replicas} replicas x {amount:g} {resource} (tensor_parallel_size "
+                    f"{replicas} replicas x {amount:g} {resource} (tensor_parallel_size "
                     f"{self.tensor_parallel_size} x the per-worker share) exceed the Ray cluster's "
                     f"{total.get(resource, 0):g} {resource}; lower num_replicas, num_cpus_per_worker or "
                     "num_gpus_per_worker"
@@ -208,6 +211,7 @@ class FleetReplicas:
             try:
                 ray.get(placement_group.ready(), timeout=self._start_timeout)
             except ray.exceptions.GetTimeoutError:
+                _stop(None, placement_group)
                 raise TimeoutError(f"replica {index}'s placement group {self._bundle} could not be placed within "
                                    f"{self._start_timeout:g} s (start_timeout_s)") from None
         actor = (
@@ -224,9 +228,13 @@ class FleetReplicas:
         return _Member(index, actor, placement_group)
 
     def routable(self) -> list[int]:
-        """Replicas that may take requests now: up, and holding the fleet's version."""
+        """Replicas that may take requests now: up, holding the fleet's version, and not leaving."""
         with self._lock:
-            return [m.index for m in self.members if m.state == "up" and m.version == self.version]
+            return [m.index for m in self.members if self._serves(m)]
+
+    def _serves(self, member: _Member) -> bool:
+        """Whether `member` is routable, and a member of the weight changes that start now (hold `_lock`)."""
+        return member.state == "up" and member.version == self.version and not member.leaving
 
     def _up(self) -> list[_Member]:
         with self._lock:
@@ -335,7 +343,7 @@ class FleetReplicas:
             return
         for member in list(self.members):
             with self._lock:
-                due = member.state == "down" and time.monotonic() >= member.retry_at
+                due = member.state == "down" and not member.leaving and time.monotonic() >= member.retry_at
                 if due:
                     member.state, member.ping = "starting", None
                     folder, generation = self._folder, self._folder_generation
@@ -345,41 +353,18 @@ class FleetReplicas:
 
     def _replace(self, member: _Member, folder: str, generation: int) -> None:
         """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
-        outside any session, brings it to the fleet's state: its config changes, its version (the folder's when
-        it alone holds it, else a copy of a live replica's weights), its transport, its pause. Only then is it
-        routed to. A failure leaves it down, retried with a growing delay."""
+        outside any session, brings it to the fleet's state (`_bring_up`). Only then is it routed to. A failure
+        leaves it down, retried with a growing delay."""
         ray = _ray()
         actor = None
         try:
             new = self._spawn(member.index, folder, member.placement_group)
             actor = new.actor
             ray.get(actor.status.remote(), timeout=self._start_timeout)
-            with self._change:
-                while self._session is not None:  # a session holds no lock between its calls: wait for its end
-                    self._change.release()
-                    try:
-                        if self._stopping.wait(0.05):
-                            raise RuntimeError("the fleet is shutting down")
-                    finally:
-                        self._change.acquire()
-                if self.asleep:  # it would hold the memory a sleep released; it comes back once the fleet wakes
-                    raise RuntimeError("the fleet fell asleep while this replica restarted")
-                if self._overrides:
-                    ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
-                if self._folder_current and self._folder_generation == generation:
-                    ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
-                            timeout=60)
-                    restored = "folder"
-                elif self._folder_current:  # a reload from a folder landed while this actor loaded the previous one
-                    raise _FolderChanged("the fleet loaded another folder while this replica started from the last")
-                else:
-                    self._copy_weights(actor)
-                    restored = "copy"
-                self._restore_loras(actor)
-                if self._transport is not None:
-                    ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
-                if self.paused:
-                    ray.get(actor.pause_generation.remote(self.pause_mode, True), timeout=self._rpc_timeout)
+            with self._outside_session():
+                if member.leaving or member.state == "removed":
+                    raise RuntimeError("it was removed from the fleet while it restarted")
+                restored = self._bring_up(actor, generation)
                 status = ray.get(actor.status.remote(), timeout=60)
                 with self._lock:
                     member.actor, member.version, member.error, member.status = actor, self.version, None, status
@@ -389,7 +374,9 @@ class FleetReplicas:
             logger.warning("fleet replica %d is back at version %d (%s)", member.index, self.version, restored)
         except Exception as err:
             with self._lock:
-                member.state, member.error = "down", f"restart failed: {_first_line(err)}"
+                if member.state != "removed":
+                    member.state = "down"
+                member.error = f"restart failed: {_first_line(err)}"
                 if isinstance(err, _FolderChanged):  # no fault of the replica: it starts again, from the new folder
                     member.retry_at = time.monotonic()
                 else:
@@ -400,21 +387,78 @@ class FleetReplicas:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
 
+    @contextlib.contextmanager
+    def _outside_session(self) -> Iterator[None]:
+        """Holds the change lock at a moment no update session is open: a session holds no lock between its calls,
+        so this waits for its end (an update in flight completes first)."""
+        with self._change:
+            while self._session is not None:
+                self._change.release()
+                try:
+                    if self._stopping.wait(0.05):
+                        raise RuntimeError("the fleet is shutting down")
+                finally:
+                    self._change.acquire()
+            yield
+
+    def _bring_up(self, actor: Any, generation: int, verify: bool = False) -> str:
+        """Brings a new actor (started from the folder of `generation`) to the fleet's state, the caller holding
+        the change lock outside any session: it replays the config changes; takes the fleet's version from that
+        folder when it alone holds it, else adopts a copy of a live replica's weights checked against its
+        checksums; gets the fleet's LoRA adapters, its transport (not a group's) and its pause. With `verify`
+        (a replica joining), a folder's weights are checked against a live replica's checksums too, and copied
+        from it where they differ (a trainer rewrote the folder) or where the fleet moved to another folder
+        meanwhile. Returns how its weights were restored: "folder" or "copy"."""
+        ray = _ray()
+        if self.asleep:  # it would hold the memory a sleep released; it comes back once the fleet wakes
+            raise RuntimeError("the fleet fell asleep while this replica started")
+        if self._overrides:
+            ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
+        restored = "copy"
+        if self._folder_current and self._folder_generation == generation:
+            ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
+                    timeout=60)
+            source = self._source() if verify else None
+            if source is None or self._same_weights(actor, source):
+                restored = "folder"
+            else:
+                logger.warning("a joining replica's weights from %s differ from the live replicas': copying theirs",
+                               self._folder)
+        elif self._folder_current and not verify:  # a reload from a folder landed while this actor loaded the last
+            raise _FolderChanged("the fleet loaded another folder while this replica started from the last")
+        if restored == "copy":
+            self._copy_weights(actor)
+        self._restore_loras(actor)
+        if self._transport is not None:
+            ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
+        if self.paused:
+            ray.get(actor.pause_generation.remote(self.pause_mode, True), timeout=self._rpc_timeout)
+        return restored
+
+    def _source(self) -> _Member | None:
+        """A live replica at the fleet's version to copy from (none while the fleet sleeps)."""
+        return None if self.asleep else next(
+            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+
+    def _same_weights(self, actor: Any, source: _Member) -> bool:
+        """Whether `actor`'s weights (the draft's too) have `source`'s checksums."""
+        ray = _ray()
+        which = "all" if self.config.draft_model_config is not None else "model"
+        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
+                               timeout=self._start_timeout)
+        return bool(theirs == mine)
+
     def _copy_weights(self, actor: Any) -> None:
         """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
         ray = _ray()
-        source = None if self.asleep else next(
-            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+        source = self._source()
         if source is None:
             raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
                                "reload the fleet from a folder to bring replicas back")
         states = source.actor.export_weights.remote()
         ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
                 timeout=self._start_timeout)
-        which = "all" if self.config.draft_model_config is not None else "model"
-        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
-                               timeout=self._start_timeout)
-        if theirs != mine:
+        if not self._same_weights(actor, source):
             raise RuntimeError("the copied weights' checksums differ from the source replica's")
 
     def _restore_loras(self, actor: Any) -> None:
@@ -426,8 +470,7 @@ class FleetReplicas:
         if not self.config.lora_config.enable_lora:
             return
         ray = _ray()
-        source = None if self.asleep else next(
-            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+        source = self._source()
         if source is not None:
             exports = source.actor.export_loras.remote()
             ray.get(actor.adopt_loras.remote(exports), timeout=self._start_timeout)
@@ -460,21 +503,115 @@ class FleetReplicas:
                                "again from where the fleet loaded it (%s)", entry["lora_name"],
                                _first_line(_cause(err)))
 
+    # ---- replicas joining and leaving ---------------------------------------------------------------------
+
+    def add_replicas(self, n: int = 1) -> list[int]:
+        """Starts `n` new replicas (each in a placement group of its own, loading the fleet's last folder) and
+        brings them to the fleet's state as a restart does (`_bring_up`): config changes, version and label,
+        LoRA adapters, transport, pause; their weights are checked against a live replica's checksums (a folder's
+        too) before any of them is routable. They join between weight changes: an update session in flight
+        completes first; one started after they joined includes them (a group transport, torch_dist, must be
+        joined again: `init_weight_transfer_engine`). All or nothing: if one fails to start or to catch up,
+        every new one is stopped and the error raised. Returns the new replicas' indices (never reused)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        ray = _ray()
+        self._check_resources(ray, sum(m.state != "removed" for m in self.members) + n)
+        with self._lock:
+            if self.asleep:
+                raise RuntimeError("the fleet is asleep; wake it up before adding replicas")
+            new = [_Member(len(self.members) + k, None, None, state="joining") for k in range(n)]
+            self.members.extend(new)  # listed (joining) from now on, never routed to until up
+            folder, generation = self._folder, self._folder_generation
+        started = time.monotonic()
+        try:
+            for member in new:
+                spawned = self._spawn(member.index, folder)
+                member.actor, member.placement_group = spawned.actor, spawned.placement_group
+            ray.get([m.actor.status.remote() for m in new], timeout=self._start_timeout)
+            with self._outside_session():
+                restored = [self._bring_up(m.actor, generation, verify=True) for m in new]
+                statuses = ray.get([m.actor.status.remote() for m in new], timeout=60)
+                with self._lock:
+                    for member, how, status in zip(new, restored, statuses, strict=True):
+                        member.version, member.status, member.restored_from = self.version, status, how
+                        member.state = "up"
+                    self.num_replicas = self._present()
+                    self.counters["replicas_added"] += n
+        except BaseException as err:
+            for member in new:
+                with self._lock:
+                    member.state, member.error = "removed", f"could not join: {_first_line(err)}"
+                _stop(member.actor, member.placement_group)
+            raise
+        logger.warning("fleet replicas %s joined at version %d in %.1f s (%s)", [m.index for m in new],
+                       self.version, time.monotonic() - started, ", ".join(restored))
+        return [m.index for m in new]
+
+    def remove_replicas(self, n: int | None = None, indices: Sequence[int] | None = None,
+                        drain_timeout_s: float = 120.0) -> list[int]:
+        """Takes replicas out of the fleet: `n` of them (those down or restarting first, then the newest), or the
+        ones `indices` names. They leave routing and new weight changes at once; their requests in flight finish
+        (for up to `drain_timeout_s`, then they are ended); then, once no update session is open (one that
+        included them completes first), their actors are stopped and their placement groups released. Raises
+        ValueError for a removal that would leave the fleet without a replica, or for unknown indices. Returns
+        the removed indices."""
+        if (n is None) == (indices is None):
+            raise ValueError("give n (how many replicas) or indices (which), not both")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be a number >= 0, got {drain_timeout_s!r}")
+        with self._lock:
+            present = [m for m in self.members if m.state not in ("removed", "joining") and not m.leaving]
+            if indices is not None:
+                wanted = list(dict.fromkeys(indices))
+                unknown = [i for i in wanted if i not in {m.index for m in present}]
+                if unknown:
+                    raise ValueError(f"no replica {unknown} to remove (present: {sorted(m.index for m in present)})")
+                chosen = [self.members[i] for i in wanted]
+            else:
+                chosen = sorted(present, key=lambda m: (m.state == "up", -m.index))[:n]
+            if len(chosen) >= len(present):
+                raise ValueError(f"removing {len(chosen)} of the fleet's {len(present)} replicas would leave none; "
+                                 "a fleet keeps at least one (shut it down instead)")
+            for member in chosen:
+                member.leaving = True
+            self.num_replicas = self._present()
+        deadline = time.monotonic() + drain_timeout_s
+        while any(self.router.requests_on(m.index) for m in chosen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cut = {m.index: self.router.requests_on(m.index) for m in chosen}
+        with self._outside_session(), self._lock:  # a session that included them has ended
+            for member in chosen:
+                member.state, member.leaving, member.version = "removed", False, -1
+            self.counters["replicas_removed"] += len(chosen)
+        for member in chosen:
+            _stop(member.actor, member.placement_group)
+        logger.warning("fleet replicas %s removed (requests cut after drain_timeout_s: %s)",
+                       [m.index for m in chosen], {i: c for i, c in cut.items() if c} or "none")
+        return [m.index for m in chosen]
+
+    def _present(self) -> int:
+        """Replicas that belong to the fleet: not removed, not leaving, not still joining (hold `_lock`)."""
+        return sum(m.state not in ("removed", "joining") and not m.leaving for m in self.members)
+
     def health_problem(self) -> str | None:
         """Why the fleet cannot serve (no routable replica), or None; answers at once."""
         if self.routable():
             return None
         with self._lock:
-            reasons = "; ".join(f"replica {m.index} {m.state}" + (f" ({m.error})" if m.error else "")
-                                for m in self.members)
+            reasons = "; ".join(f"replica {m.index} {'leaving' if m.leaving else m.state}"
+                                + (f" ({m.error})" if m.error else "") for m in self.members if m.state != "removed")
         return f"no replica can serve: {reasons}"
 
     def replica_status(self) -> list[dict[str, Any]]:
-        """Per replica: index, state, version, routable, restarts, error, and its last health report."""
+        """Per replica (removed ones included, state "removed"): index, state, whether it is leaving, version,
+        routable, restarts, error, and its last health report."""
         with self._lock:
-            routable = {m.index for m in self.members if m.state == "up" and m.version == self.version}
-            return [{"index": m.index, "state": m.state, "weight_version": self.labels.label(m.version),
-                     "version_id": m.version, "routable": m.index in routable,
+            return [{"index": m.index, "state": m.state, "leaving": m.leaving,
+                     "weight_version": self.labels.label(m.version), "version_id": m.version,
+                     "routable": self._serves(m),
                      "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
                      "routed": self.router.routed.get(m.index, 0),
                      "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
@@ -491,26 +628,19 @@ class FleetReplicas:
             for key, value in (m.status.get("stats") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
                     totals[key] = totals.get(key, 0) + value
-        fleet = {"replicas": len(members), "replicas_up": len(self.routable()), "weight_version": self.version,
+        fleet = {"replicas": self.num_replicas, "replicas_up": len(self.routable()), "weight_version": self.version,
                  **self.counters}
         return {**totals, **{f"fleet_{k}": v for k, v in fleet.items()}}
 
     def shutdown(self) -> None:
         """Stops the monitor and every replica, and releases their placement groups."""
-        ray = _ray()
         self._stopping.set()
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(timeout=5)
-        from ray.util.placement_group import remove_placement_group
-
         for member in getattr(self, "members", []):
-            with contextlib.suppress(Exception):
-                ray.get(member.actor.shutdown.remote(), timeout=10)
-            with contextlib.suppress(Exception):
-                ray.kill(member.actor, no_restart=True)
-            with contextlib.suppress(Exception):
-                remove_placement_group(member.placement_group)
+            if member.state != "removed":
+                _stop(member.actor, member.placement_group)
 
     def __enter__(self) -> FleetReplicas:
         return self
@@ -518,6 +648,20 @@ class FleetReplicas:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+
+
+def _stop(actor: Any, placement_group: Any) -> None:
+    """Ends a replica: its requests still in flight, its actor, its placement group (errors ignored: it may be
+    gone already)."""
+    ray = _ray()
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):
+        ray.get(actor.shutdown.remote(), timeout=10)
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+    with contextlib.suppress(Exception):
+        remove_placement_group(placement_group)
 
 
 def _no_commit(version: int) -> ReplicaDown:

@@ -71,6 +71,11 @@ class Router:
         with self._lock:
             return list(self._requests)
 
+    def requests_on(self, replica: int) -> int:
+        """Requests booked on `replica` and not finished."""
+        with self._lock:
+            return sum(1 for r, _ in self._requests.values() if r == replica)
+
     def outstanding(self, replica: int) -> int:
         with self._lock:
             return self._outstanding.get(replica, 0)

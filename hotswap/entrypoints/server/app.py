@@ -20,6 +20,7 @@ authentication, the error handlers, the request-size guard and the lifespan arou
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import hotswap.entrypoints.server.chat as chat_routes
 import hotswap.entrypoints.server.fleet as fleet
 import hotswap.entrypoints.server.health as health
+import hotswap.entrypoints.server.join as join
 import hotswap.entrypoints.server.openai as openai
 import hotswap.entrypoints.server.scoring as scoring
 import hotswap.entrypoints.server.sglang as sglang
@@ -117,6 +119,14 @@ def require_admin(request: Request) -> None:
         raise ApiError(403, "admin routes are off: start the server with --admin-key (or --admin-auth none on "
                        "a trusted network)", "permission_error")
     _check(state.admin_key, request)
+
+
+def require_ready(request: Request) -> None:
+    """Every route but /health, /liveness and /metrics: 503 with Retry-After until the server serves (`--join`:
+    until it caught up with the live server)."""
+    reason = get_state(request).not_ready
+    if reason is not None:
+        raise ApiError(503, f"not ready: {reason}", "service_unavailable", {"Retry-After": "5"})
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
@@ -205,7 +215,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             logger.error("cannot load LoRA adapter %r from %r (--lora-modules): %s", name, path, err)
             await state.engine.shutdown()  # the start fails: its workers go too
             raise
+    catching_up = None if app.state.join is None else asyncio.create_task(join.catch_up(state, app.state.join))
     yield
+    if catching_up is not None:
+        catching_up.cancel()
     await state.engine.shutdown()  # on server shutdown (SIGTERM): requests still in flight end
 
 
@@ -223,12 +236,14 @@ def create_app(
     limits: RequestLimits = DEFAULT_LIMITS,
     chat: ChatSettings | None = None,
     lora_modules: Sequence[tuple[str, str]] = (),
+    join_source: join.JoinSource | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. `admin_auth` "key" (admin routes need `admin_key`; without one they are
     off) or "none" (no key asked: a trusted network). Admin requests must name one of `allowed_hosts` in their
     Host header (None: any, for a server bound to a public address, where the key is what protects them).
-    `lora_modules`: (name, PEFT folder) adapters loaded at start-up (a failure stops the start). Raises ValueError
-    for empty keys or an unknown `admin_auth`."""
+    `lora_modules`: (name, PEFT folder) adapters loaded at start-up (a failure stops the start). `join_source`: a
+    live server whose committed state this one copies before any route but /health, /liveness and /metrics
+    answers (`join.catch_up`). Raises ValueError for empty keys or an unknown `admin_auth`."""
     check_keys(api_key, admin_key)
     if admin_auth not in ("key", "none"):
         raise ValueError(f"admin_auth must be 'key' or 'none', got {admin_auth!r}")
@@ -245,24 +260,29 @@ def create_app(
         chat=chat or ChatSettings(),
     )
     app.state.lora_modules = list(lora_modules)
+    app.state.join = join_source
+    if join_source is not None:
+        app.state.server.not_ready = f"catching up with {join_source.url} (--join)"
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(RequestValidationError)(_validation)
     app.exception_handler(StarletteHTTPException)(_http)
     app.add_middleware(Guard, limits=limits, metrics=metrics)
 
     # FastAPI takes the first route that matches: the order below is the order routes are tried (and listed)
-    user, admin = [Depends(user_auth)], [Depends(require_admin)]
+    ready = Depends(require_ready)
+    user, admin = [Depends(user_auth), ready], [Depends(require_admin), ready]
     one_engine = isinstance(engine, AsyncLLMEngine)  # SGLang's admin routes reach into one engine's scheduler
     app.include_router(health.router)
     app.include_router(openai.router, dependencies=user)
     app.include_router(chat_routes.router, dependencies=user)
     app.include_router(scoring.router, dependencies=user)
     app.include_router(sglang.generate_router, dependencies=user)
-    app.include_router(sglang.public_router)
+    app.include_router(sglang.public_router, dependencies=[ready])
     if not enable_admin:
         return app
     if one_engine:
         app.include_router(sglang.admin_router, dependencies=admin)
+        app.include_router(join.router, dependencies=admin)
     else:
         app.include_router(fleet.router, dependencies=admin)
     app.include_router(sglang.lora_router, dependencies=admin)

@@ -141,3 +141,18 @@ class UnloadLoRABody(_Body):
 
     lora_name: str = ""
     lora_int_id: int | None = None
+
+
+class AddReplicasBody(_Body):
+    """/fleet/add_replicas: how many replicas join the fleet."""
+
+    n: StrictInt = Field(default=1, ge=1)
+
+
+class RemoveReplicasBody(_Body):
+    """/fleet/remove_replicas: `n` replicas (those down first, then the newest), or the ones `indices` names;
+    their requests in flight get `drain_timeout_s` to finish."""
+
+    n: StrictInt | None = Field(default=None, ge=1)
+    indices: list[StrictInt] | None = None
+    drain_timeout_s: float = Field(default=120.0, ge=0)

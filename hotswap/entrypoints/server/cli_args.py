@@ -11,6 +11,7 @@ from hotswap.config import LoRAConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.chat_output import REASONING_PARSERS
 from hotswap.entrypoints.server.app import LOOPBACK_NAMES, check_keys, create_app, is_loopback
+from hotswap.entrypoints.server.join import JoinSource
 from hotswap.entrypoints.server.state import ChatSettings, RequestLimits
 from hotswap.entrypoints.tools import PARSERS
 from hotswap.fleet.async_fleet import AsyncFleet
@@ -60,6 +61,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPUs each worker of a fleet replica reserves in its placement group")
     parser.add_argument("--num-gpus-per-worker", type=float, default=None,
                         help="GPUs each worker of a fleet replica reserves (default: 1 where CUDA is available)")
+    parser.add_argument("--join", default=None, metavar="URL",
+                        help="a live hotswap server (http://host:port) whose committed version (weights, LoRA "
+                        "adapters, live config, version label) this one copies, checksums checked, before it serves; "
+                        "/health answers 503 until then (SGLang's analogue: --load-format remote_instance)")
+    parser.add_argument("--join-admin-key", default=None,
+                        help="the live server's admin key, for --join (default: --admin-key)")
+    parser.add_argument("--join-timeout-s", type=float, default=600.0,
+                        help="how long --join may take, retries while the live server updates included")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto",
@@ -225,6 +234,13 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     # the port is bound before the engine starts: a port in use fails at once, and the worker processes (Ray's
     # among them) cannot take it while the model loads
+    join_source = None
+    if args.join is not None:
+        if args.data_parallel_size > 1 or args.ray_address is not None or args.lora_modules:
+            raise ValueError("--join starts one engine with the live server's adapters: leave out "
+                             "--data-parallel-size, --ray-address and --lora-modules (a fleet adds replicas with "
+                             "POST /fleet/add_replicas)")
+        join_source = JoinSource(args.join, args.join_admin_key or args.admin_key, args.join_timeout_s)
     sock = bind_socket(args.host, args.port)
     if args.data_parallel_size > 1 or args.ray_address is not None:
         from hotswap.fleet import Fleet
@@ -241,9 +257,10 @@ def serve(args: argparse.Namespace) -> int:
     )
     chat = ChatSettings(args.tool_call_parser, args.reasoning_parser)
     app = create_app(engine, name, args.api_key, args.admin_key, enable_admin, args.admin_auth, allowed, limits,
-                     chat, args.lora_modules)
+                     chat, args.lora_modules, join_source)
     port = sock.getsockname()[1]
-    print(f"serving {name!r} on http://{args.host}:{port} (admin routes {'on' if enable_admin else 'off'})", flush=True)
+    print(f"serving {name!r} on http://{args.host}:{port} (admin routes {'on' if enable_admin else 'off'}"
+          f"{f'; catching up with {args.join} first' if args.join else ''})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
     with sock:

@@ -1,7 +1,8 @@
 """`/health`, `/liveness` and `/metrics`, served without a key; and the metric names the server exports.
 
 `/health` answers 200 `{"status": "ok"}`, or 503 with the reason when the engine cannot serve (a dead worker,
-invalid weights), without calling the workers. `/liveness` makes a round trip through them (see `liveness`).
+invalid weights) or the server is not ready yet (`--join`: catching up with a live server), without calling the
+workers. `/liveness` makes a round trip through them (see `liveness`).
 `/metrics` answers every metric in Prometheus' text format, reading the engine's figures
 (requests running, speculative decoding's counters, a fleet's replicas) when scraped.
 """
@@ -98,6 +99,8 @@ def server_metrics(fleet: bool, weight_version_label: str) -> Metrics:
 
 @router.get("/health")
 async def health(state: StateDep) -> JSONResponse:
+    if state.not_ready is not None:  # --join: catching up with a live server (or it failed to)
+        return JSONResponse({"status": "not_ready", "reason": state.not_ready}, status_code=503)
     problem = state.engine.engine.health_problem()
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)

@@ -94,6 +94,8 @@ class ServerState:
     update_started: float | None = None
     sglang_session: SGLangSession = field(default_factory=SGLangSession)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    # why the server does not serve yet (--join: catching up with a live server); None once it does
+    not_ready: str | None = None
     # held while /generate loads an adapter named by a folder path (two requests naming it load it once)
 
     @staticmethod
