@@ -127,6 +127,12 @@ class AsyncLLMEngine:
         if queue is not None:
             queue.put_nowait(err)
 
+    async def between_steps(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Runs `fn(*args, **kwargs)` (a blocking call on the engine) in a thread, between two steps, with the
+        engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its weights,
+        version and adapters)."""
+        return cast(R, await self._locked(fn, *args, **kwargs))
+
     async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs a blocking engine call in a thread, between steps."""
         self._ensure_loop()

@@ -71,7 +71,7 @@ async def export_state(state: StateDep, weights: bool = Query(False)) -> Streami
     engine = state.engine
     if not isinstance(engine, AsyncLLMEngine):
         raise ApiError(404, "this server runs a fleet: add replicas with /fleet/add_replicas", "not_found")
-    snapshot = await state.guarded(engine._locked(_snapshot, engine.engine, weights))
+    snapshot = await state.guarded(engine.between_steps(_snapshot, engine.engine, weights))
     return StreamingResponse(_frames(snapshot), media_type="application/octet-stream")
 
 
@@ -210,7 +210,7 @@ async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str,
     if config.lora_config.enable_lora:
         for adapter in await engine.list_loras():  # the live server's adapters, and only those
             await engine.unload_lora_adapter(adapter["lora_name"])
-        await engine._locked(adopt_lora_exports, engine.engine, loras)
+        await engine.between_steps(adopt_lora_exports, engine.engine, loras)
         if await engine.list_loras() != meta["loras"]:
             raise RuntimeError(f"the copied LoRA adapters {await engine.list_loras()} differ from the live "
                                f"server's {meta['loras']}")
