@@ -48,7 +48,8 @@ SHAPES = {  # Qwen2.5 shapes (random weights)
             "num_key_value_heads": 2, "vocab_size": 4096, "tie_word_embeddings": True},  # --dry-run
 }
 ROWS: list[dict[str, Any]] = []  # the table
-DEMO_ARGS = ["--steps", "60", "--warmup-steps", "100", "--digits", "1", "--lr", "2e-3", "--log-every", "20"]  # about a minute
+# the demo on the GPU, shortened (about a minute)
+DEMO_ARGS = ["--steps", "60", "--warmup-steps", "100", "--digits", "1", "--lr", "2e-3", "--log-every", "20"]
 
 
 def row(part: str, what: str, figure: str, ok: bool | None = None, **extra: Any) -> None:

@@ -15,7 +15,8 @@ Updates: a full reload from a checkpoint folder (alternately B and A), a sparse 
 tensor (there and back), and a LoRA adapter's new version (streams running through it; never paused in either
 mode). Modes and kinds are interleaved, `--reps` times.
 
-    python -m benchmarks.staged_updates [--preset 125m] [--streams 4] [--reps 3] [--slice-ms 4]
+    python -m benchmarks.staged_updates [--shape 125m|0.5b] [--kinds full,delta,lora] [--streams 4] [--reps 3]
+        [--slice-ms 4]
 
 Prints a table and ends with one JSON line of figures.
 """
@@ -44,6 +45,12 @@ from hotswap.transfer.delta import sparse_delta
 from hotswap.weights.delta import INDICES, VALUES
 
 MODES = ("in_place", "shadow")
+# model shapes: hotswap.testing's "125m" preset, and a Qwen2.5-0.5B shape on top of it (fp32, about 2 GB)
+SHAPES: dict[str, dict[str, Any]] = {
+    "125m": {},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 4096},
+}
 
 
 def sparse(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -97,8 +104,8 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="staged-"))
-    a = make_tiny_model(root / "A", preset=args.preset, seed=0)
-    b = make_tiny_model(root / "B", preset=args.preset, seed=1)
+    a = make_tiny_model(root / "A", preset="125m", seed=0, **SHAPES[args.shape])
+    b = make_tiny_model(root / "B", preset="125m", seed=1, **SHAPES[args.shape])
     state_a = load_file(str(a / "model.safetensors"))
     other = changed(state_a, 0.02, seed=2)
     there, back = sparse(state_a, other), sparse(other, state_a)
@@ -111,9 +118,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ("2% delta", {"weights_iterator": back, "encoding": "sparse"}),
         ("LoRA", {"weights_iterator": lora_tensors[1], "target": "lora:a"}),
         ("LoRA", {"weights_iterator": lora_tensors[0], "target": "lora:a"})]
+    kinds = {"full": "full", "delta": "2% delta", "lora": "LoRA"}
+    chosen = {kinds[k] for k in args.kinds.split(",")}
+    updates = [(kind, update) for kind, update in updates if kind in chosen]
     engines = {m: AsyncLLMEngine.from_kwargs(str(a), update_staging=m, staging_slice_ms=args.slice_ms,
                                              max_num_seqs=max(8, args.streams), enable_lora=True,
-                                             max_lora_rank=8) for m in MODES}
+                                             max_lora_rank=8, max_cpu_loras=4) for m in MODES}
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     seed = 0
     for _ in range(args.reps):
@@ -143,15 +153,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--shape", default="125m", choices=sorted(SHAPES))
+    parser.add_argument("--kinds", default="full,delta,lora", help="updates to time: full, delta, lora")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--slice-ms", type=float, default=4.0)
     args = parser.parse_args()
-    print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; preset {args.preset}, fp32, "
+    print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; shape {args.shape}, fp32, "
           f"{args.streams} streams, slices of {args.slice_ms} ms")
     table = asyncio.run(run(args))
-    print(json.dumps({"benchmark": "staged_updates", "preset": args.preset, "streams": args.streams,
+    print(json.dumps({"benchmark": "staged_updates", "shape": args.shape, "streams": args.streams,
                       "slice_ms": args.slice_ms, "cpu": cpu_description(), "figures": table}))
 
 

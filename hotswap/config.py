@@ -442,8 +442,7 @@ class EngineConfig:
             mc.max_model_len = mc.max_context_len
         check_batch_budget(sc, mc.max_model_len)
         check_expert_placement(self.parallel_config, mc.hf_config)
-        check_engine_on_device(mc.device, mc.deterministic, tp, self.lora_config.enable_lora,
-                               self.speculative_config.enabled)
+        check_engine_on_device(mc.device, mc.deterministic, tp)
         if mc.device != "cpu" and self.cache_config.kv_cache_dtype == "auto":
             # on a GPU, "auto" is the weights' dtype (vLLM's): a bf16 model attends in bf16; float32 weights keep
             # a float32 cache for parity with a float32 trainer
@@ -589,7 +588,8 @@ def current_config_or_none() -> EngineConfig | None:
 
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:
-    """The draft's ModelConfig: its folder, in the target's dtype and context length. Raises ValueError for a
+    """The draft's ModelConfig: its folder, in the target's dtype and context length, on the target's device (with
+    its `enforce_eager`: no decode graphs for the draft where the target has none). Raises ValueError for a
     draft whose vocabulary differs from the target's (its proposals would be other tokens)."""
     spec, target = config.speculative_config, config.model_config
     assert spec.model is not None and target.max_model_len is not None
@@ -599,6 +599,7 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
         seed=target.seed,
         tokenizer=target.tokenizer,
         device=target.device,
+        enforce_eager=target.enforce_eager,
     )
     if draft.hf_config.get("vocab_size") != target.hf_config.get("vocab_size"):
         raise ValueError(

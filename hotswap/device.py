@@ -41,18 +41,14 @@ def parse_device(name: str) -> str:
     return f"cuda:{number}"
 
 
-def check_engine_on_device(device: str, deterministic: bool = False, tensor_parallel_size: int = 1,
-                           enable_lora: bool = False, speculative: bool = False) -> None:
+def check_engine_on_device(device: str, deterministic: bool = False, tensor_parallel_size: int = 1) -> None:
     """Raises ValueError, naming the setting, for what has no path on `device` yet: on CUDA, deterministic mode
-    (batch-invariant GPU kernels are a later step: the CPU stays its reference), tensor parallelism above 1
-    (untested on more than one GPU), LoRA adapters and speculative decoding (their tensors are not placed on the
-    device yet)."""
+    (batch-invariant GPU kernels are a later step: the CPU stays its reference) and tensor parallelism above 1
+    (untested on more than one GPU). LoRA adapters and speculative decoding run on any device: their tensors live
+    on the model's device (adapters loaded from a folder are read on the host and moved once), and speculative
+    sampling runs on the logits' device with only ids and asked logprobs read back."""
     if device == "cpu":
         return
-    for flag, what in ((enable_lora, "enable_lora=True"), (speculative, "speculative decoding")):
-        if flag:
-            raise ValueError(f"{what} is not supported on {device!r} yet (it runs on the CPU only for now); use "
-                             "device='cpu' or leave it off")
     if deterministic:
         raise ValueError(f"deterministic=True runs on the CPU only for now (device={device!r}): its batch-invariant "
                          "kernels, equal to the trainer's forward bit for bit, are CPU kernels; use device='cpu'")

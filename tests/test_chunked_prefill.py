@@ -198,14 +198,13 @@ def test_preemption_and_recomputation_in_chunks(llama_dir):
     assert_exact(llama_dir, outputs, prompts, max_tokens=24)
 
 
-@pytest.mark.cpu_only  # speculative decoding has no CUDA path yet
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_alternates_with_chunked_prefill(llama_dir, draft, method):
+def test_speculative_decoding_alternates_with_chunked_prefill(llama_dir, draft, method, device):
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         config["model"] = str(draft)
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=KV, max_num_batched_tokens=16, max_num_seqs=4,
-              speculative_config=config)
+              speculative_config=config, device=device)
     steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPT_IDS], params, use_tqdm=False)

@@ -41,17 +41,17 @@ def test_cuda_without_a_gpu_is_refused_at_construction_with_the_reason(llama_dir
 
 @pytest.mark.unit
 def test_what_has_no_cuda_path_yet_is_refused_naming_the_setting():
-    check_engine_on_device("cpu", deterministic=True, tensor_parallel_size=2, enable_lora=True, speculative=True)
+    check_engine_on_device("cpu", deterministic=True, tensor_parallel_size=2)
     for kwargs, named in (({"deterministic": True}, "deterministic=True"), ({"tensor_parallel_size": 2},
-                          "tensor_parallel_size=2"), ({"enable_lora": True}, "enable_lora=True"),
-                          ({"speculative": True}, "speculative decoding")):
+                          "tensor_parallel_size=2")):
         with pytest.raises(ValueError, match=named):
             check_engine_on_device("cuda:0", **kwargs)
     check_engine_on_device("cuda:0")
 
 
 def test_a_cuda_config_takes_the_weights_dtype_for_its_kv_and_refuses_deterministic(llama_dir, monkeypatch):
-    """The config's own rules for CUDA, checked without a GPU (the device name is taken as given)."""
+    """The config's own rules for CUDA, checked without a GPU (the device name is taken as given): LoRA and a
+    speculative draft are accepted, the draft on the target's device and with its `enforce_eager`."""
     monkeypatch.setattr(config_module, "parse_device", lambda name: "cuda:0" if name.startswith("cuda") else name)
     path = str(llama_dir)
     assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16").cache_config.kv_cache_dtype == "bfloat16"
@@ -62,10 +62,13 @@ def test_a_cuda_config_takes_the_weights_dtype_for_its_kv_and_refuses_determinis
     with pytest.raises(ValueError, match="deterministic=True runs on the CPU"):
         EngineConfig.from_kwargs(path, device="cuda", deterministic=True)
     speculative = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="speculative decoding"):
-        EngineConfig.from_kwargs(path, device="cuda", speculative_config=speculative)
+    for eager in (False, True):
+        draft = EngineConfig.from_kwargs(path, device="cuda", speculative_config=speculative,
+                                         enforce_eager=eager).draft_model_config
+        assert draft is not None and draft.device == "cuda:0" and draft.enforce_eager is eager
     draft = EngineConfig.from_kwargs(path, speculative_config=speculative).draft_model_config
     assert draft is not None and draft.device == "cpu"
+    assert EngineConfig.from_kwargs(path, device="cuda", enable_lora=True).lora_config.enable_lora
 
 
 @pytest.mark.unit
@@ -109,15 +112,13 @@ ALLOWED = {
     ("hotswap/model/layers/attention.py", "reference"): "deterministic mode's trainer reference: CPU only",
     ("hotswap/model/layers/sampler.py", "uniforms_for"): "uniforms drawn on the host: seeded draws device-free",
     ("hotswap/model/layers/sampler.py", "uniform_for"): "a seeded row's generator, on the host",
-    ("hotswap/model/layers/rejection_sampler.py", "*"): "speculative decoding: refused on CUDA, samples on the host",
-    ("hotswap/worker/speculative.py", "_draft_proposals"): "speculative decoding: refused on CUDA",
+    ("hotswap/worker/speculative.py", "broadcast_ids"): "proposed ids, host values sent over the gloo group",
     ("hotswap/worker/decoder_stack.py", "time_step"): "the native CPU decoder stack",
     ("hotswap/worker/model_runner.py", "hidden_states"): "ids and positions: built on the host, moved once",
     ("hotswap/worker/model_runner.py", "bytes_per_block"): "an element size",
     ("hotswap/worker/model_runner.py", "zeroed"): "its CPU branch (an anonymous mapping)",
     ("hotswap/worker/cuda_graphs.py", "run"): "a step's inputs, built on the host, copied into the graphs' buffers",
     ("hotswap/worker/worker.py", "_move_experts"): "a flag summed over the gloo group",
-    ("hotswap/lora", "*"): "LoRA: refused on CUDA for now",
     ("hotswap/weights/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",
     ("hotswap/transfer", "*"): "wire buffers and shm views live on the host",
     ("hotswap/weights/delta.py", "xor_dtype"): "a dtype's element size",
@@ -243,3 +244,70 @@ def test_rollback_copies_where_the_user_says(ckpts, b_tensors, device, backup_de
         assert llm.weight_checksums() == before
     finally:
         pusher.close()
+
+
+@pytest.mark.cuda
+def test_lora_and_speculative_decoding_on_the_gpu(llama_dir, tmp_path, device):
+    """On a GPU: greedy tokens of rows on a LoRA adapter (beside base rows, in one batch) equal transformers' with
+    PEFT's merged weights on the same GPU, the base rows and a base-only batch afterwards (decode graphs again)
+    transformers' own; the adapter's tensors live on the GPU. Speculative decoding, by prompt lookup, by a draft
+    that always agrees (the target itself) and by one that rarely does, emits exactly the tokens of greedy
+    decoding without it on the GPU."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from conftest import PROMPTS, hf_greedy
+    from hotswap import LoRARequest, SamplingParams
+    from hotswap.testing import make_tiny_lora, make_tiny_model
+
+    tokens = 8
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    adapter = make_tiny_lora(llama_dir, tmp_path / "adapter", rank=8, seed=1)
+    base = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(device).eval()
+
+    def merged_greedy(prompt_ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = merged.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=tokens,
+                                  min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                                  attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device))
+        return list(out[0, len(prompt_ids):].tolist())
+
+    llm = LLM(str(llama_dir), device=device, enable_lora=True, max_loras=1, max_lora_rank=8,
+              kv_cache_memory_bytes=1 << 23)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:4]]
+    request = LoRARequest("a", 1, str(adapter))
+    loras = [request, None, request, request]
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], greedy, lora_request=loras, use_tqdm=False)
+    for prompt_ids, out, lora in zip(ids, outs, loras, strict=True):
+        expected = merged_greedy(prompt_ids) if lora is not None else \
+            hf_greedy(str(llama_dir), tuple(prompt_ids), tokens, device=device)[0]
+        assert out.outputs[0].token_ids == expected
+    assert merged_greedy(ids[0]) != hf_greedy(str(llama_dir), tuple(ids[0]), tokens, device=device)[0]
+    (places,) = llm.collective_rpc(lambda w: {p.device.type for a in w.loras.adapters.values()
+                                              for p in a.parameters()})
+    assert places == {"cuda"}
+    plain = llm.generate([{"prompt_token_ids": i} for i in ids], greedy, use_tqdm=False)
+    for prompt_ids, out in zip(ids, plain, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(prompt_ids), tokens, device=device)[0]
+    llm.shutdown()
+
+    prompts = [*PROMPTS, "a b c d a b c d a b c d a b c d"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def token_ids(engine: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    expected = token_ids(LLM(str(llama_dir), device=device, kv_cache_memory_bytes=1 << 23))
+    draft = make_tiny_model(tmp_path / "draft", seed=11, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    for config in ({"method": "ngram", "num_speculative_tokens": 4},
+                   {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
+                   {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+        spec = LLM(str(llama_dir), device=device, kv_cache_memory_bytes=1 << 23, speculative_config=config)
+        assert token_ids(spec) == expected, config
+        stats = spec.llm_engine.stats()
+        assert stats["spec_draft_tokens"] > 0, config
+        if config.get("model") == str(llama_dir):  # the target as its own draft: (nearly) every proposal taken
+            assert stats["spec_acceptance_rate"] > 0.9
+        spec.shutdown()

@@ -46,27 +46,30 @@ def adapters(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 @functools.cache
-def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], dtype: torch.dtype = torch.float32
-                ) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers (+ PEFT's PeftModel for `adapter`) greedy tokens and per-step log-softmax rows, in `dtype`."""
+def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
+    """transformers (+ PEFT's PeftModel for `adapter`) greedy tokens and per-step log-softmax rows (on the host), in
+    `dtype`, on `device`."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
+    model.to(device).eval()
     with torch.no_grad():
-        mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=mask, max_new_tokens=TOKENS,
+        mask = torch.ones(1, len(prompt_ids), dtype=torch.long, device=device)
+        out = model.generate(torch.tensor([prompt_ids], device=device), attention_mask=mask, max_new_tokens=TOKENS,
                              min_new_tokens=TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt_ids):].tolist(), [s[0].float().log_softmax(-1) for s in out.logits]
+    return out.sequences[0, len(prompt_ids):].tolist(), [s[0].float().log_softmax(-1).cpu() for s in out.logits]
 
 
-def check_matches(base: Path, adapter: Path | None, prompt_ids: list[int], out) -> None:
-    """`out` (a RequestOutput) has PEFT's greedy tokens, and each sampled logprob within 1e-4 of PEFT's."""
-    tokens, rows = peft_greedy(str(base), None if adapter is None else str(adapter), tuple(prompt_ids))
+def check_matches(base: Path, adapter: Path | None, prompt_ids: list[int], out, device: str = "cpu") -> None:
+    """`out` (a RequestOutput) has PEFT's greedy tokens (PEFT on `device`), and each sampled logprob within 1e-4 of
+    PEFT's."""
+    tokens, rows = peft_greedy(str(base), None if adapter is None else str(adapter), tuple(prompt_ids),
+                               device=device)
     completion = out.outputs[0]
     assert completion.token_ids == tokens
     for step, token in enumerate(tokens):
@@ -90,11 +93,12 @@ def llm(bases: dict[str, Path]):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_mixed_batch_matches_peft(bases, adapters, arch):
+def test_mixed_batch_matches_peft(bases, adapters, arch, device):
     """Base rows and two adapters (one rank-8 on every projection, one rank-4 rsLoRA on three) in one batch:
-    each row equals transformers + PEFT on its own adapter (untied and tied heads, q/k/v bias, q/k norms)."""
+    each row equals transformers + PEFT on its own adapter (untied and tied heads, q/k/v bias, q/k norms), the
+    engine and PEFT on `device`."""
     base = bases[arch]
-    engine = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, device=device)
     try:
         a = LoRARequest("a", 1, str(adapters[f"{arch}/a"]))
         b = LoRARequest("b", 2, str(adapters[f"{arch}/b"]))
@@ -102,7 +106,7 @@ def test_mixed_batch_matches_peft(bases, adapters, arch):
         ids = ids_of(engine, PROMPTS[:6])
         outs = run(engine, ids, loras)
         for prompt_ids, out, lora in zip(ids, outs, loras, strict=True):
-            check_matches(base, None if lora is None else Path(lora.lora_path), prompt_ids, out)
+            check_matches(base, None if lora is None else Path(lora.lora_path), prompt_ids, out, device)
             assert out.lora_name == (None if lora is None else lora.lora_name)
             assert out.outputs[0].lora_versions == ([] if lora is None else [(1, 0, TOKENS)])
         # the adapters change the model's distribution (else the comparison above would prove little)
@@ -129,6 +133,32 @@ def test_inplace_update_is_served_on_the_next_request(llm, bases, adapters):
     assert after.outputs[0].lora_versions == [(2, 0, TOKENS)]
     assert next(d for d in llm.list_loras() if d["lora_name"] == "inplace")["version"] == 2
     llm.unload_lora_adapter("inplace")
+
+
+def test_adapter_steps_never_replay_decode_graphs(llm, bases, adapters):
+    """Decode graphs hold no adapter (cuda_graphs.py): a step whose rows use one runs the modules without asking
+    the graphs; a base-only step asks them. Checked with a stand-in that holds nothing."""
+    asked: list[list[int]] = []
+
+    class Graphs:
+        def applies(self, query_lens: list[int], block_tables: list[list[int]]) -> bool:
+            asked.append(query_lens)
+            return False
+
+        def invalidate(self) -> None:
+            pass
+
+    ids = ids_of(llm, PROMPTS[2:3])
+    llm.collective_rpc(lambda w: setattr(w.runner, "graphs", Graphs()))
+    try:
+        out = run(llm, ids, LoRARequest("graphs", 13, str(adapters["llama/a"])))[0]
+        assert asked == []
+        check_matches(bases["llama"], adapters["llama/a"], ids[0], out)
+        run(llm, ids, None)
+        assert len(asked) == TOKENS
+    finally:
+        llm.collective_rpc(lambda w: setattr(w.runner, "graphs", None))
+        llm.unload_lora_adapter("graphs")
 
 
 def test_prefix_cache_is_not_shared_between_base_and_adapter(llm, bases, adapters):

@@ -45,14 +45,14 @@ def token_ids(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> 
     return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
-_reference: dict[tuple[str, int], list[list[int]]] = {}
+_reference: dict[tuple[str, int, str | None], list[list[int]]] = {}
 
 
-def plain_tokens(path, prompts: list[str], tp: int = 1) -> list[list[int]]:
-    """Greedy tokens without speculation (cached per model)."""
-    key = (str(path), len(prompts))
+def plain_tokens(path, prompts: list[str], tp: int = 1, device: str | None = None) -> list[list[int]]:
+    """Greedy tokens without speculation (cached per model and device; None: the engines' default device)."""
+    key = (str(path), len(prompts), device)
     if key not in _reference:
-        llm = LLM(str(path), kv_cache_memory_bytes=KV)
+        llm = LLM(str(path), kv_cache_memory_bytes=KV, **({} if device is None else {"device": device}))
         _reference[key] = token_ids(llm, prompts)
     return _reference[key]
 
@@ -69,15 +69,15 @@ def spec_llm(target, draft=None, k: int = 3, **kwargs) -> LLM:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("which", ["self", "small"])
-def test_greedy_identity_with_a_draft_model(model_dirs, drafts, arch, which):
-    """Greedy outputs equal decoding without speculation, for a draft that always agrees (the target itself:
-    every proposal accepted) and one that rarely does; the shared prompt prefix is served from the prefix cache
-    the second time, for the draft's cache as much as the target's."""
+def test_greedy_identity_with_a_draft_model(model_dirs, drafts, arch, which, device):
+    """Greedy outputs equal decoding without speculation on the same device, for a draft that always agrees (the
+    target itself: every proposal accepted) and one that rarely does; the shared prompt prefix is served from the
+    prefix cache the second time, for the draft's cache as much as the target's."""
     target = model_dirs[arch]
-    llm = spec_llm(target, target if which == "self" else drafts[arch], k=3)
+    llm = spec_llm(target, target if which == "self" else drafts[arch], k=3, device=device)
     prompts = PROMPTS + CACHED_PROMPTS
-    assert token_ids(llm, prompts) == plain_tokens(target, prompts)
-    assert token_ids(llm, CACHED_PROMPTS) == plain_tokens(target, prompts)[len(PROMPTS) :]
+    assert token_ids(llm, prompts) == plain_tokens(target, prompts, device=device)
+    assert token_ids(llm, CACHED_PROMPTS) == plain_tokens(target, prompts, device=device)[len(PROMPTS) :]
     stats = llm.llm_engine.stats()
     assert stats["prefix_hit_tokens"] > 0
     if which == "self":
@@ -105,13 +105,13 @@ def test_greedy_identity_under_tensor_parallelism(model_dirs, drafts, arch, draf
         llm.shutdown()
 
 
-def test_ngram_greedy_identity_and_long_acceptances(llama_dir):
-    """Prompt lookup keeps greedy outputs; on a repetitive prompt (a greedy random model soon loops, too) it
-    accepts more than one token per step on average."""
-    llm = spec_llm(llama_dir, k=4)
+def test_ngram_greedy_identity_and_long_acceptances(llama_dir, device):
+    """Prompt lookup keeps greedy outputs (those of the same device without it); on a repetitive prompt (a greedy
+    random model soon loops, too) it accepts more than one token per step on average."""
+    llm = spec_llm(llama_dir, k=4, device=device)
     prompts = [*PROMPTS, "a b c d a b c d a b c d a b c d"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plain = LLM(str(llama_dir), kv_cache_memory_bytes=KV)
+    plain = LLM(str(llama_dir), kv_cache_memory_bytes=KV, device=device)
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
     out = llm.generate(prompts[-1:], params, use_tqdm=False)[0].outputs[0]
     assert out.spec_stats is not None and out.spec_stats.mean_accepted_length > 1.5

@@ -29,16 +29,18 @@ from hotswap.weights.sharded import Narrowing
 
 class LoRAFactor(nn.Module):
     """One factor (lora_A or lora_B) of one adapted projection: `weight` is this rank's part of the full
-    [rows, cols] checkpoint tensor, cut by `plan`."""
+    [rows, cols] checkpoint tensor, cut by `plan`, on `device` (the model's: a loaded tensor read on the host is
+    copied there once, by `load_weight`)."""
 
-    def __init__(self, full_shape: tuple[int, int], plan: Narrowing, dtype: torch.dtype) -> None:
+    def __init__(self, full_shape: tuple[int, int], plan: Narrowing, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         shape = list(full_shape)
         for dim, _, length in plan:
             shape[dim] = length
         self.full_shape = full_shape
         self.plan = plan
-        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: object = None) -> tuple[int, ...]:
         return self.full_shape
@@ -60,13 +62,15 @@ class LoRAFactor(nn.Module):
 
 class LoRAAdapter(nn.Module):
     """The factors of one adapter version for `base` (a model whose linear layers and experts it adapts), all
-    zero until loaded. Raises ValueError for a module of `spec` that the model lacks or that this engine cannot
-    adapt (embeddings, the LM head), or a rank over `max_rank`."""
+    zero until loaded, on `device` (the model's; so are its packs). Raises ValueError for a module of `spec` that
+    the model lacks or that this engine cannot adapt (embeddings, the LM head), or a rank over `max_rank`."""
 
-    def __init__(self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype, max_rank: int) -> None:
+    def __init__(self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype, max_rank: int,
+                 device: torch.device) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
+        self.device = device
         index = WeightIndex.of(base)
         # base linear module name -> [(shard id, checkpoint module path, lora_A factor, lora_B factor)]
         self.targets: dict[str, list[tuple[object, str, LoRAFactor, LoRAFactor]]] = {}
@@ -91,8 +95,8 @@ class LoRAAdapter(nn.Module):
             elif layer.parallel == "column":
                 spec_rows = layer.shard_specs[target.shard_id]
                 b_plan = [(0, spec_rows.ckpt_start, spec_rows.size)]
-            lora_a = LoRAFactor((rows, in_full), a_plan, dtype)
-            lora_b = LoRAFactor((out_full, rows), b_plan, dtype)
+            lora_a = LoRAFactor((rows, in_full), a_plan, dtype, device)
+            lora_b = LoRAFactor((out_full, rows), b_plan, dtype, device)
             _place(self, f"{PREFIX}{module}.lora_A", lora_a)
             _place(self, f"{PREFIX}{module}.lora_B", lora_b)
             self.targets.setdefault(target.module_name, []).append((target.shard_id, module, lora_a, lora_b))
@@ -126,8 +130,8 @@ class LoRAAdapter(nn.Module):
                              f"neither gate_up_proj ({hidden} -> {2 * inter}) nor down_proj ({inter} -> {hidden})")
         if which in self.expert_targets.get(path, {}):
             raise ValueError(f"LoRA target {wrapper!r}: {path}.{param} is adapted twice")
-        lora_a = LoRAFactor((rows, features[0]), [], self.dtype)  # [experts x rank, in]
-        lora_b = LoRAFactor((features[1], rows), [], self.dtype)
+        lora_a = LoRAFactor((rows, features[0]), [], self.dtype, self.device)  # [experts x rank, in]
+        lora_b = LoRAFactor((features[1], rows), [], self.dtype, self.device)
         _place(self, f"{PREFIX}{wrapper}.lora_A", lora_a)
         _place(self, f"{PREFIX}{wrapper}.lora_B", lora_b)
         self.expert_targets.setdefault(path, {})[which] = (lora_a, lora_b, rank, f"{path}.{param}")
@@ -157,7 +161,7 @@ class LoRAAdapter(nn.Module):
                 layer = self.layers[name]
                 # [R, in] and [out, R], used transposed (views): the products read them in place
                 shrink = torch.cat([a.weight for _, _, a, _ in parts]) if len(parts) > 1 else parts[0][2].weight
-                expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype)
+                expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype, device=self.device)
                 col = 0
                 for shard, module, _, b in parts:
                     rows, rank = b.weight.shape
@@ -176,7 +180,8 @@ class LoRAAdapter(nn.Module):
                      key: str) -> Pack:
         """PEFT's layout for a [experts, out, in] parameter: lora_A rows are expert-major ([experts, rank, in]),
         lora_B columns rank-major ([out, rank, experts]); expert e adds scale * B_e @ A_e."""
-        experts, local = layer.num_experts, torch.tensor(layer.local_experts, dtype=torch.long)
+        experts = layer.num_experts
+        local = torch.tensor(layer.local_experts, dtype=torch.long, device=lora_a.weight.device)
         a = lora_a.weight.reshape(experts, rank, -1)[local]
         b = lora_b.weight.reshape(lora_b.weight.shape[0], rank, experts).permute(2, 0, 1)[local]
         start, width, inter = layer.i_start, layer.i_local, layer.intermediate_size

@@ -20,8 +20,12 @@ from hotswap.weights.update import WeightSource, WeightUpdate
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, dtype: torch.dtype, max_rank: int) -> None:
+    """The adapters of `model` (its dtype `dtype`), each built on `device`, the model's device: factors, packs and
+    a pass's row indices live there."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, max_rank: int, device: torch.device | str) -> None:
         self.model = model
+        self.device = torch.device(device)
         # the factors' dtype: float32 beside a half-precision model (PEFT's default, autocast_adapter_dtype)
         self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
         self.max_rank = max_rank
@@ -37,7 +41,7 @@ class LoRAManager:
     def build(self, spec: dict[str, Any]) -> LoRAAdapter:
         """An all-zero adapter of `spec` (LoRASpec.as_dict) on this model. Raises ValueError for a module the model
         cannot adapt."""
-        return LoRAAdapter(LoRASpec.from_dict(spec), self.model, self.dtype, self.max_rank)
+        return LoRAAdapter(LoRASpec.from_dict(spec), self.model, self.dtype, self.max_rank, self.device)
 
     def add(self, uid: int, spec: dict[str, Any], source: WeightSource, check_finite: bool) -> None:
         """Builds adapter `uid` and loads every one of its tensors from `source` (PEFT names). Raises ValueError
@@ -59,7 +63,8 @@ class LoRAManager:
         if new in self.adapters:
             raise ValueError(f"adapter uid {new} is already loaded")
         self.drop_pending()
-        copy = self.spare.pop(current.spec, None) or LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank)
+        copy = self.spare.pop(current.spec, None) or LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank,
+                                                                 self.device)
         copy.copy_from(current)
         self.pending = (new, copy)
         return copy
@@ -111,6 +116,6 @@ class LoRAManager:
             if all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1)):
                 groups.append(LoRAGroup(packs, (parts[0][0], parts[-1][1] - parts[0][0])))
             else:
-                rows = torch.cat([torch.arange(a, b) for a, b in parts])
+                rows = torch.tensor([r for a, b in parts for r in range(a, b)], dtype=torch.long, device=self.device)
                 groups.append(LoRAGroup(packs, None, rows))
         return LoRABatch(groups)

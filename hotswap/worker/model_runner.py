@@ -21,7 +21,7 @@ from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import prompt_logprobs_of, sample
-from hotswap.model.lora_batch import lora_batch
+from hotswap.model.lora_batch import active_lora, lora_batch
 from hotswap.model.moe import bind_routing
 from hotswap.model.routing import routes_dtype
 from hotswap.wire import ModelInput, PromptLogprobs, PromptLogprobsAsk, Samples
@@ -121,8 +121,10 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]."""
-        if self.graphs is not None and self.graphs.applies(query_lens, block_tables) and \
+        """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]. A pure
+        decode step replays a decode graph, unless adapters or recorded / forced routes are active (the graphs
+        hold neither)."""
+        if self.graphs is not None and active_lora() is None and self.graphs.applies(query_lens, block_tables) and \
                 (self.routing is None or not (self.routing.record or self.routing.forced is not None)):
             return self.graphs.run(input_ids, positions, context_lens, block_tables)
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)

@@ -99,14 +99,13 @@ class SpeculativeStep:
                         list(range(len(active))),
                     )
                 assert logits is not None
-                tokens = torch.zeros(len(active), dtype=torch.long)
+                drawn: list[int] | None = None
                 q = None
                 if self.parallel.rank == 0:
                     drawn, q = propose(logits, [spec.specs[i][j] for i in active])
-                    tokens = torch.tensor(drawn, dtype=torch.long)
-                self.parallel.broadcast(tokens)
+                tokens = broadcast_ids(self.parallel, drawn, len(active))
                 for row, i in enumerate(active):
-                    proposals[i].append(int(tokens[row]))
+                    proposals[i].append(tokens[row])
                     if q is not None:
                         probs[i].append(q[row])
         # a sampled sequence has q at every proposal (each pass it is in draws from q); greedy ones need none
@@ -114,3 +113,10 @@ class SpeculativeStep:
             torch.stack(p) if p and len(p) == len(proposals[i]) else None for i, p in enumerate(probs)
         ]
         return proposals, draft_probs
+
+
+def broadcast_ids(parallel: ParallelContext, ids: list[int] | None, count: int) -> list[int]:
+    """Rank 0's `ids` (`count` token ids; None on the other ranks) on every rank. They travel in a host tensor: the
+    ids are host values already, and the tensor-parallel group is gloo's (host memory); one rank sends nothing."""
+    tokens = torch.zeros(count, dtype=torch.long) if ids is None else torch.tensor(ids, dtype=torch.long)
+    return [int(t) for t in parallel.broadcast(tokens).tolist()]

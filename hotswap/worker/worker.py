@@ -128,7 +128,8 @@ class Worker:
         self.model = model
         self.runner = ModelRunner(self.config, model)
         if self.config.lora_config.enable_lora:
-            self.loras = self.runner.loras = LoRAManager(model, mc.torch_dtype, self.config.lora_config.max_lora_rank)
+            self.loras = self.runner.loras = LoRAManager(model, mc.torch_dtype, self.config.lora_config.max_lora_rank,
+                                                         mc.device)
         if self.config.draft_model_config is not None:
             self._load_draft()
         self.session.weights_valid = True

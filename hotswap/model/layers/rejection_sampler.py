@@ -9,6 +9,10 @@ al., 2023). Greedy rows accept while the proposal is the target's argmax and emi
 mismatch: their tokens are those of decoding without speculation. Seeded rows draw every random number from
 streams keyed by (seed, sample index, output position), so their outputs do not depend on the batch. Logprobs are
 the target's, of its raw distribution, as without speculation.
+
+The arithmetic runs on the logits' device; the uniforms are drawn on the host (`sampler.uniforms_for`,
+`uniform_for`: a seeded row's token is the same on any device), and the host reads back the tokens, the asked
+logprobs and, for unseeded sampled rows, the probabilities of the proposals in one transfer per step.
 """
 
 from __future__ import annotations
@@ -40,13 +44,41 @@ def propose(logits: torch.Tensor, specs: list[SampleSpec]) -> tuple[list[int], t
     if all(s.temperature == 0 for s in specs):
         return banned(adjusted(logits, specs), specs).argmax(dim=-1).tolist(), None
     q = distribution(logits, specs)
-    # a seeded row's uniform is the target's own at this position: the coupling
-    return draw(q, uniforms_for(specs)).tolist(), q
+    # a seeded row's uniform is the target's own at this position: the coupling (drawn on the host)
+    return draw(q, uniforms_for(specs).to(q.device)).tolist(), q
 
 
 def one_draw(probs: torch.Tensor, uniform: float) -> int:
-    """`draw` for one row [V]."""
-    return int(draw(probs[None], torch.tensor([uniform]))[0])
+    """`draw` for one row [V], with `uniform` drawn on the host."""
+    return int(draw(probs[None], torch.tensor([uniform], dtype=torch.float32, device=probs.device))[0])
+
+
+def _chances(p: torch.Tensor, proposals: list[list[int]], draft_probs: list[torch.Tensor | None],
+             specs: list[list[SampleSpec]]) -> dict[tuple[int, int], tuple[float, float]]:
+    """(p_j(d), q_j(d)) by (sequence, j) for each proposal d that an unseeded sampled row accepts by chance, read
+    back to the host in one transfer (q_j(d) is 1 for a point mass): the acceptance test draws on the host."""
+    keys: list[tuple[int, int]] = []
+    rows: list[int] = []
+    tokens: list[int] = []
+    q_values: list[torch.Tensor] = []
+    offset = 0
+    for i, (props, q, seq_specs) in enumerate(zip(proposals, draft_probs, specs, strict=True)):
+        js = [j for j in range(len(props)) if seq_specs[j].temperature > 0 and seq_specs[j].seed is None]
+        if js:
+            keys += [(i, j) for j in js]
+            rows += [offset + j for j in js]
+            tokens += [props[j] for j in js]
+            if q is None:
+                q_values.append(torch.ones(len(js), dtype=p.dtype, device=p.device))
+            else:
+                at = torch.tensor([[j, props[j]] for j in js], dtype=torch.long, device=q.device)
+                q_values.append(q[at[:, 0], at[:, 1]].to(p.dtype))
+        offset += len(props) + 1
+    if not keys:
+        return {}
+    at = torch.tensor([rows, tokens], dtype=torch.long, device=p.device)
+    p_at, q_at = torch.stack([p[at[0], at[1]], torch.cat(q_values)]).tolist()
+    return {key: (pv, qv) for key, pv, qv in zip(keys, p_at, q_at, strict=True)}
 
 
 def verify(
@@ -78,6 +110,7 @@ def verify(
             offset += len(props) + 1
         return out
     p = distribution(logits, flat)
+    chances = _chances(p, proposals, draft_probs, specs)
     argmax = p.argmax(dim=-1).tolist()
     for row, spec in enumerate(flat):  # seeded rows: the token plain sampling draws here (see the module doc)
         if spec.temperature > 0 and spec.seed is not None:
@@ -86,15 +119,15 @@ def verify(
     tokens_out: list[int] = []
     counts: list[int] = []
     offset = 0
-    for props, q, seq_specs in zip(proposals, draft_probs, specs, strict=True):
+    for i, (props, q, seq_specs) in enumerate(zip(proposals, draft_probs, specs, strict=True)):
         emitted = 0
         for j, d in enumerate(props):
             row, spec = offset + j, seq_specs[j]
             if spec.temperature == 0 or spec.seed is not None:
                 token = argmax[row]
             else:
-                qd = 1.0 if q is None else float(q[j, d])
-                if qd > 0 and float(torch.rand(())) * qd < float(p[row, d]):
+                pd, qd = chances[i, j]
+                if qd > 0 and uniform_for(spec) * qd < pd:  # unseeded: the process's generator
                     token = d
                 else:
                     residual = p[row].clone()
@@ -102,8 +135,7 @@ def verify(
                         residual[d] = 0.0
                     else:
                         residual = (residual - q[j]).clamp_min_(0.0)
-                    if not float(residual.sum()) > 0:
-                        residual = p[row]
+                    residual = torch.where(residual.sum() > 0, residual, p[row])  # no mass left: p itself
                     token = one_draw(residual, uniform_for(spec))
             rows.append(row)
             tokens_out.append(token)
@@ -119,15 +151,15 @@ def verify(
             emitted += 1
         counts.append(emitted)
         offset += len(props) + 1
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     emitted_specs = [flat[r] for r in rows]
     values = reported(logits[index], emitted_specs, logprobs_mode())
-    results = results_for(values, torch.tensor(tokens_out), emitted_specs)
+    results = results_for(values, torch.tensor(tokens_out, dtype=torch.long, device=logits.device), emitted_specs)
     masked = [j for j, spec in enumerate(emitted_specs) if spec.return_mask and spec.temperature > 0]
     if masked:  # an emitted token's support is the target's at its position (p_j's), filtered as `distribution`
         sub = [emitted_specs[j] for j in masked]
-        rows_logits = banned(adjusted(logits[index[torch.tensor(masked)]], sub), sub)
-        temps = torch.tensor([s.temperature for s in sub], dtype=rows_logits.dtype)
+        rows_logits = banned(adjusted(logits[index[torch.tensor(masked, device=logits.device)]], sub), sub)
+        temps = torch.tensor([s.temperature for s in sub], dtype=rows_logits.dtype, device=logits.device)
         for j, ids in kept_sets(apply_filters(rows_logits / temps[:, None], sub), sub, masked).items():
             results[j].kept = ids
     out = []
