@@ -215,7 +215,8 @@ def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensor
         admin = AdminClient(base, admin_key="k")
         try:
             model = client.models.list().data[0].id
-            chunks = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=300,
+            # long enough that the push (four HTTP calls, the shm transport's set-up) lands mid-stream under load
+            chunks = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=900,
                                                temperature=0, stream=True,
                                                extra_body={"ignore_eos": True, "return_weight_versions": True})
             stream = iter(chunks)
@@ -230,7 +231,7 @@ def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensor
             assert not admin.is_paused()
             spans = rest[-1].choices[0].model_extra["weight_versions"]
             assert [s["version"] for s in spans] == ["0", "s1"], "the stream ran on through the staged update"
-            assert 0 < spans[0]["end"] < 300
+            assert 0 < spans[0]["end"] < 900
             assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason == "length"
             assert admin.checksums() == {n: tensor_sha256(t) for n, t in b_tensors}
         finally:
@@ -260,3 +261,53 @@ def test_a_fleet_of_staged_replicas_prepares_beside_serving_and_commits_or_rolls
         assert serves(fleet, ckpts["B"])
     finally:
         fleet.shutdown()
+
+
+def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path):
+    """AsyncLLMEngine: an adapter's next version (tensors) is received in slices between the steps of a stream
+    running on that adapter, then served; one with a NaN is dropped, the adapter unchanged."""
+    from hotswap.lora.request import LoRARequest
+    from hotswap.testing import make_tiny_lora
+
+    first = make_tiny_lora(ckpts["A"], tmp_path / "v1", rank=8, seed=1)
+    second = make_tiny_lora(ckpts["A"], tmp_path / "v2", rank=8, seed=2)
+    new = list(load_file(str(second / "adapter_model.safetensors")).items())
+    lora = LoRARequest("a", 1, str(first))
+
+    async def run() -> tuple[int, list[int]]:
+        engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), enable_lora=True, max_lora_rank=8, max_cpu_loras=4,
+                                            staging_slice_ms=0.001, kv_cache_memory_bytes=1 << 23)
+        tok = engine.tokenizer
+        times: list[float] = []
+        loop = asyncio.get_running_loop()
+        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+        async def stream() -> None:
+            async for _ in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[0])}, params, "s",
+                                           lora_request=lora):
+                times.append(loop.time())
+
+        task = asyncio.create_task(stream())
+        while len(times) < 5:
+            await asyncio.sleep(0.001)
+        start = loop.time()
+        await engine.reload_weights(target="lora:a", weights_iterator=new)
+        end = loop.time()
+        await task
+        bad = [(n, t.clone()) for n, t in new]
+        bad[-1][1].view(-1)[0] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            await engine.reload_weights(target="lora:a", weights_iterator=bad)
+        short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = [o async for o in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[1])}, short, "t",
+                                                 lora_request=lora)]
+        await engine.shutdown()
+        return sum(start < t < end for t in times), outs[-1].outputs[0].token_ids
+
+    during, tokens = asyncio.run(run())
+    assert during >= 3, f"only {during} tokens arrived while the adapter was received"
+    reference = LLM(str(ckpts["A"]), enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=1 << 23)
+    expected = reference.generate([{"prompt_token_ids": reference.get_tokenizer().encode(PROMPTS[1])}],
+                                  SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                                  lora_request=LoRARequest("a", 1, str(second)), use_tqdm=False)
+    assert tokens == expected[0].outputs[0].token_ids, "the adapter serves its second version after the NaN"

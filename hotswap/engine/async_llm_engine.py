@@ -19,6 +19,7 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
+from hotswap.engine.lora_updates import lora_target
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
@@ -296,7 +297,8 @@ class AsyncLLMEngine:
 
     async def _in_slices(self, method: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         weights = self.engine.weights
-        if not weights.staged:
+        adapter = lora_target(kwargs.get("target")) is not None and method is WeightsController.reload_weights
+        if not weights.staged and not adapter:  # an adapter's next version is received in slices either way
             await self._locked(method, weights, *args, **kwargs)
             return
         await self._locked(method, weights, *args, sliced=True, **kwargs)

@@ -43,9 +43,10 @@ class LoRAUpdates:
             self.prepare_reload(name, weights_path, weights_iterator, encoding, base_version, checksums))
 
     def prepare_reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
-                       base_version: Any, checksums: dict[str, str] | None) -> Prepared:
+                       base_version: Any, checksums: dict[str, str] | None, sliced: bool = False) -> Prepared:
         """Phase one of `reload` (a fleet's): the next version is on every worker, served once the registry
-        commits it (`commit_prepared`), or dropped (`abort_prepared`)."""
+        commits it (`commit_prepared`), or dropped (`abort_prepared`). `sliced` (tensors only): the workers only
+        open the load; `advance_weight_update` receives it and `finish_sliced` commits it."""
         adapter = self.registry.get(name)
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
@@ -58,7 +59,8 @@ class LoRAUpdates:
             raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
         check_encoding(encoding)
         _, uid = self.registry.begin_update(name)
-        kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums}
+        kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums,
+                  **({"commit": False, "sliced": True} if sliced else {})}
         try:
             self.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
         except BaseException:
@@ -66,6 +68,16 @@ class LoRAUpdates:
             raise
         # its weights are no longer the folder's
         return Prepared(name, uid, adapter.spec, adapter.int_id, None, adapter.pinned)
+
+    def finish_sliced(self, prepared: Prepared) -> None:
+        """After a sliced `prepare_reload` was received: every worker registers the new version, which becomes
+        current. A failure drops it everywhere."""
+        try:
+            self.executor.collective_rpc("finish_weight_update")
+        except BaseException:
+            self.registry.discard(prepared.uid)
+            raise
+        self.registry.commit_prepared(prepared)
 
     def start(self, name: str) -> None:
         """Opens a session whose updates load the next version of adapter `name`."""

@@ -83,7 +83,8 @@ class WeightsController:
         # a prepared (phase-one) change awaiting commit_weight_update(): ("session" | "reload", folder or None)
         self.prepared: tuple[str, str | None] | None = None
         self.connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
-        self.receiving: Literal["update", "reload"] | None = None  # a staged change being received in slices
+        self.receiving: Literal["update", "reload", "lora"] | None = None  # a change being received in slices
+        self.staged_lora: Any = None  # the adapter version a sliced LoRA reload prepares (lora_registry.Prepared)
         self.staged_reload: tuple[str | None, VersionArg] | None = None  # its folder to record, its version
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
 
@@ -272,13 +273,20 @@ class WeightsController:
                 kind, self.receiving = self.receiving, None
                 if kind == "reload":
                     self.staged_reload = None
-                self._end()
+                if kind == "lora":
+                    self._lora().registry.discard(self.staged_lora.uid)
+                    self.staged_lora = None
+                else:
+                    self._end()
             raise
         if not done:
             return False
         kind, self.receiving = self.receiving, None
         if kind == "reload":
             self._commit_staged_reload()
+        elif kind == "lora":
+            prepared, self.staged_lora = self.staged_lora, None
+            self._lora().finish_sliced(prepared)
         return True
 
     def _abort_open_session(self) -> None:
@@ -375,11 +383,16 @@ class WeightsController:
         opened; `advance_staged` receives and commits it."""
         name = lora_target(target)
         if name is not None:  # an adapter's next version (see hotswap/engine/lora_updates.py): nothing pauses
-            if self.token is not None or self.prepared is not None:
+            if self.token is not None or self.prepared is not None or self.receiving is not None:
                 raise RuntimeError("a weight-update session is open; finish or abort it before reloading a LoRA "
                                    "adapter")
             if weight_version is not None:
                 raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
+            if sliced and weights_iterator is not None:  # received between steps, then committed
+                self.staged_lora = self._lora().prepare_reload(name, None, weights_iterator, encoding, base_version,
+                                                               checksums, sliced=True)
+                self.receiving = "lora"
+                return
             self._lora().reload(name, weights_path, weights_iterator, encoding, base_version, checksums)
             return
         self.check_can_change("reload_weights")

@@ -438,8 +438,11 @@ class Worker:
         """Receives the staged update opened with `sliced` for about `budget_s` seconds (None: to its end).
         Returns the tensors loaded once it ended, None while more remain. A failure ends the session (the served
         weights were never written) and re-raises."""
-        with torch.no_grad():
-            return self.session.advance(budget_s)
+        try:
+            with torch.no_grad():
+                return self.session.advance(budget_s)
+        finally:
+            self._drop_lora_unless_open()  # an adapter's next version that failed is dropped
 
     @in_config_scope
     def view_staged(self, on: bool) -> None:
@@ -524,11 +527,12 @@ class Worker:
     @in_config_scope
     def reload_lora(self, old: int, new: int, weights_iterator: Iterable[tuple[str, torch.Tensor]],
                     commit: bool = True, encoding: str | None = None,
-                    checksums: dict[str, str] | None = None) -> int:
+                    checksums: dict[str, str] | None = None, sliced: bool = False) -> int:
         """Version `new` of an adapter := version `old` updated by (name, tensor) pairs (PEFT names, possibly a
         subset, possibly a delta `encoding` with the trainer's `checksums` of the results). `commit` False keeps
-        it pending for `finish_weight_update()` / `abort_weight_update()`. Returns the tensors loaded. Refused
-        (RuntimeError, nothing changed) while a weight-update session is open."""
+        it pending for `finish_weight_update()` / `abort_weight_update()`; `sliced` (with `commit` False) only
+        opens the load, which `advance_weight_update` runs. Returns the tensors loaded. Refused (RuntimeError,
+        nothing changed) while a weight-update session is open."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         adapter = self._loras().begin(old, new)
         wt = self.config.weight_transfer_config
@@ -536,7 +540,7 @@ class Worker:
         try:
             update = self.session.load(adapter.weight_index(), pairs_source(weights_iterator), True, wt.check_finite,
                                        commit=commit, encoding={"encoding": encoding, "checksums": checksums},
-                                       rename=canonical_name)
+                                       rename=canonical_name, sliced=sliced)
             if commit:
                 self._loras().commit_pending()
         finally:
