@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.weight_update import changed, cpu_description
+from benchmarks.weight_update import changed, cpu_description, scatter_floor
 from hotswap import SamplingParams
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.lora.request import LoRARequest
@@ -140,6 +140,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for engine in engines.values():
         await engine.shutdown()
     table: dict[str, Any] = {}
+    if "2% delta" in chosen:  # the floor under a 2 % delta's pause: its elements written alone
+        print("\nthe 2 % delta's elements written by themselves (nothing else; 'of the full reload' is of 1 s):")
+        table["floor"] = scatter_floor(state_a, other, 1.0, args.reps)
     print(f"\n{'update':<10} {'mode':<18} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
           f"{'tok/s before':>13}")
     for (kind, mode), rows in results.items():

@@ -2,12 +2,16 @@
 
 All engine state is touched only under one asyncio lock: the step loop holds it while a step runs in a worker
 thread, and every other operation (adding or aborting a request, pausing, weight updates, sleep) takes it
-between steps. Blocking calls (a step, a weight transfer) run in a thread so the event loop stays responsive.
+between steps. Blocking calls (a step, a weight transfer) run in a thread so the event loop stays responsive:
+always the same thread (the engine's), so that one OpenMP team runs torch's CPU work; with one team per calling
+thread, a team left spinning after a weight update's slice took the cores from the next step (docs/log.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import itertools
 import time
@@ -55,6 +59,9 @@ class AsyncLLMEngine:
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # the one thread that runs steps and every call under the lock (see the module doc)
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hotswap-engine")
+        self._thread_closed = False
         self._loop_task: asyncio.Task[None] | None = None
         self._holder: tuple[str, float] | None = None  # what holds the engine lock now ("step" or a call), since
         self._ids = itertools.count()
@@ -102,7 +109,7 @@ class AsyncLLMEngine:
                     continue
                 try:
                     self._holder = ("step", time.monotonic())
-                    outputs = await asyncio.to_thread(engine.step)
+                    outputs = await self._on_engine_thread(engine.step)
                 except Exception as err:  # a worker failure ends the requests in flight, not the loop
                     for request_id in list(engine.requests):
                         engine.abort_request(request_id)
@@ -134,6 +141,13 @@ class AsyncLLMEngine:
         version and adapters)."""
         return cast(R, await self._locked(fn, *args, **kwargs))
 
+    async def _on_engine_thread(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """`fn(*args, **kwargs)` on the engine's thread, in the caller's context (as `asyncio.to_thread`)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        if self._thread_closed:  # after shutdown (a late call): any thread
+            return await asyncio.to_thread(call)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
     async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs a blocking engine call in a thread, between steps."""
         self._ensure_loop()
@@ -142,7 +156,7 @@ class AsyncLLMEngine:
             async with self._lock:
                 self._holder = (getattr(fn, "__name__", "call"), time.monotonic())
                 try:
-                    return await asyncio.to_thread(fn, *args, **kwargs)
+                    return await self._on_engine_thread(fn, *args, **kwargs)
                 finally:
                     self._holder = None
         finally:
@@ -428,3 +442,5 @@ class AsyncLLMEngine:
             self._wake.set()
         if self._loop_task is not None:
             await self._loop_task
+        self._thread_closed = True
+        self._thread.shutdown(wait=False)
