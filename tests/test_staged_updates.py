@@ -90,10 +90,15 @@ def test_failure_and_abort_drop_the_staging_copy_and_leave_the_served_weights_bi
     llm.abort_weight_update()
     assert identical(params_of(llm), before)
     assert serves(llm, ckpts["A"])
-    llm.start_weight_update()  # the pool's buffers are reused by the next update
+    (held,) = llm.collective_rpc(lambda worker: len(worker.session.shadows))
+    assert held == 0, "a failed or aborted update's staging copies are freed, not kept"
+    llm.start_weight_update()
     llm.update_weights(tensors_update_info(b_tensors))
     llm.finish_weight_update()
     assert serves(llm, ckpts["B"])
+    (held, weights) = llm.collective_rpc(lambda worker: (sum(t.numel() for t in worker.session.shadows.values()),
+                                                         sum(p.numel() for p in worker.model.parameters())))[0]
+    assert held == weights, "after a full commit the pool holds the previous weights, to stage the next update"
 
 
 def test_reloads_deltas_checksums_and_the_canary_are_staged(ckpts, b_tensors, tmp_path):
