@@ -64,7 +64,8 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
     in pause("keep") / resume, except an adapter's (never paused)."""
     times: list[list[float]] = [[] for _ in range(streams)]
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, on_weight_update=policy)
+    # long enough to outlast a staged update of a large model (the streams are cancelled once measured)
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True, on_weight_update=policy)
 
     async def stream(i: int) -> None:
         prompt = {"prompt_token_ids": torch.randint(10, 500, (24,), generator=gen).tolist()}
@@ -83,8 +84,10 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
         await engine.reload_weights(**update)
     t1 = time.perf_counter()
     counts = [len(t) for t in times]
-    while any(len(t) < c + 8 for t, c in zip(times, counts, strict=True)):
+    while any(len(t) < c + 8 and not task.done() for t, c, task in zip(times, counts, tasks, strict=True)):
         await asyncio.sleep(0.002)
+    if any(task.done() for task in tasks):
+        raise RuntimeError("a stream ended before the update landed: raise max_tokens")
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
