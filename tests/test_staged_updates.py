@@ -27,6 +27,12 @@ def staged_llm(path, **kw) -> LLM:
     return LLM(str(path), update_staging="shadow", kv_cache_memory_bytes=1 << 23, **kw)
 
 
+def pool_and_weights(worker) -> tuple[int, int]:
+    """Elements held by the staging pool, and the model's (each tied weight once)."""
+    return (sum(t.numel() for t in worker.session.shadows.values()),
+            sum(p.numel() for p in worker.model.parameters()))
+
+
 def params_of(llm: LLM) -> dict[str, torch.Tensor]:
     (state,) = llm.collective_rpc("export_state")
     return state
@@ -90,14 +96,13 @@ def test_failure_and_abort_drop_the_staging_copy_and_leave_the_served_weights_bi
     llm.abort_weight_update()
     assert identical(params_of(llm), before)
     assert serves(llm, ckpts["A"])
-    (held,) = llm.collective_rpc(lambda worker: len(worker.session.shadows))
-    assert held == 0, "a failed or aborted update's staging copies are freed, not kept"
+    (held, weights) = llm.collective_rpc(pool_and_weights)[0]
+    assert held == weights, "after a failure or an abort, the reservation (one copy of the weights) and no more"
     llm.start_weight_update()
     llm.update_weights(tensors_update_info(b_tensors))
     llm.finish_weight_update()
     assert serves(llm, ckpts["B"])
-    (held, weights) = llm.collective_rpc(lambda worker: (sum(t.numel() for t in worker.session.shadows.values()),
-                                                         sum(p.numel() for p in worker.model.parameters())))[0]
+    (held, weights) = llm.collective_rpc(pool_and_weights)[0]
     assert held == weights, "after a full commit the pool holds the previous weights, to stage the next update"
 
 
@@ -189,7 +194,17 @@ def test_every_transport_is_staged_and_a_bad_push_changes_nothing(ckpts, b_tenso
 
 
 def test_staging_that_does_not_fit_is_refused_before_anything_is_allocated(ckpts, b_tensors, monkeypatch):
+    """The staging copies are reserved when the model loads (refused there with the reason when they do not
+    fit); after sleep released them, an update that cannot stage is refused before anything moves."""
+    monkeypatch.setattr("hotswap.weights.shadow._free_bytes", lambda device: 1000)
+    with pytest.raises(MemoryError, match=r"needs .* MiB more for the staging copies"):
+        staged_llm(ckpts["A"])
+    monkeypatch.undo()
     llm = staged_llm(ckpts["A"])
+    (held, weights) = llm.collective_rpc(pool_and_weights)[0]
+    assert held == weights, "one copy of the weights reserved at start"
+    llm.sleep(1)
+    llm.wake_up()
     before = params_of(llm)
     monkeypatch.setattr("hotswap.weights.shadow._free_bytes", lambda device: 1000)
     with pytest.raises(RuntimeError, match=r"needs .* MiB more for the staging copies"):

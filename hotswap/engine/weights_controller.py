@@ -85,6 +85,8 @@ class WeightsController:
         self.connect_deadline = 0.0  # monotonic time by which a transport being connected must be ready
         self.receiving: Literal["update", "reload", "lora"] | None = None  # a change being received in slices
         self.staged_lora: Any = None  # the adapter version a sliced LoRA reload prepares (lora_registry.Prepared)
+        self.received = False  # the change being received has all arrived; its commit is next
+        self.staged_lora_packed = False  # the adapter version being received has its packs (its commit is next)
         self.staged_reload: tuple[str | None, VersionArg] | None = None  # its folder to record, its version
         self._salts = itertools.count(1)  # prefix-cache salts: private, never reused (unlike user versions)
 
@@ -261,11 +263,37 @@ class WeightsController:
     def advance_staged(self, budget_s: float | None) -> bool:
         """Receives the staged update or reload being received for about `budget_s` seconds on every worker (None:
         to its end). Returns True once it ended; a reload is then committed (served from the next step, a new
-        version). A failure ends the change on every rank (the served weights were never written) and raises."""
+        version): with a budget, in a call of its own, so that no slice holds both the last chunks and the commit.
+        A failure ends the change on every rank (the served weights were never written) and raises."""
         if self.receiving is None:
             return True
+        if not self.received:
+            if not self._receive(budget_s):
+                return False
+            self.received = True
+            if budget_s is not None and self.receiving in ("reload", "lora"):
+                return False  # the commit comes next, between two other steps
+        if self.receiving == "lora" and self.staged_lora is not None and not self.staged_lora_packed:
+            self.staged_lora_packed = True  # its packs built on every worker, between two other steps
+            try:
+                self.executor.collective_rpc("finish_weight_update", (), {"commit": False})
+            except BaseException:
+                self.abort_weight_update()
+                raise
+            if budget_s is not None:
+                return False
+        kind, self.receiving, self.received, self.staged_lora_packed = self.receiving, None, False, False
+        if kind == "reload":
+            self._commit_staged_reload()
+        elif kind == "lora":
+            prepared, self.staged_lora = self.staged_lora, None
+            self._lora().finish_sliced(prepared)
+        return True
+
+    def _receive(self, budget_s: float | None) -> bool:
+        """One slice of `advance_staged` on every worker: whether every worker received all of it."""
         try:
-            done = all(n is not None for n in self.executor.collective_rpc("advance_weight_update", (budget_s,)))
+            return all(n is not None for n in self.executor.collective_rpc("advance_weight_update", (budget_s,)))
         except BaseException:
             try:
                 self._abort_on_every_rank()
@@ -279,15 +307,6 @@ class WeightsController:
                 else:
                     self._end()
             raise
-        if not done:
-            return False
-        kind, self.receiving = self.receiving, None
-        if kind == "reload":
-            self._commit_staged_reload()
-        elif kind == "lora":
-            prepared, self.staged_lora = self.staged_lora, None
-            self._lora().finish_sliced(prepared)
-        return True
 
     def _abort_open_session(self) -> None:
         """Ends the open session, a model's or an adapter's (rolled back / dropped)."""
@@ -301,6 +320,12 @@ class WeightsController:
         """Ends the open session (rolled back); with no session open, nothing happens whatever the token."""
         self.check_session(session_token, ending=True)
         self.receiving = self.staged_reload = None  # a staged change being received is dropped with it
+        self.received = self.staged_lora_packed = False
+        if self.staged_lora is not None:  # an adapter's next version being received in slices
+            uid, self.staged_lora = self.staged_lora.uid, None
+            self.executor.collective_rpc("abort_weight_update")
+            self._lora().registry.discard(uid)
+            return
         if self._lora_open():
             self.token = None
             self._lora().abort()
@@ -310,6 +335,7 @@ class WeightsController:
     def shutdown_weight_transfer_engine(self) -> None:
         """Drops every worker's transport (ending an open session, rolled back)."""
         self.receiving = self.staged_reload = None
+        self.received = False
         if self._lora_open():
             self.token = None
             self._lora().abort()

@@ -31,6 +31,7 @@ class LoRAManager:
         self.max_rank = max_rank
         self.adapters: dict[int, LoRAAdapter] = {}
         self.pending: tuple[int, LoRAAdapter] | None = None  # a version being loaded by an open update
+        self.pending_packed = False  # its packs were built after its last write (prepare_pending)
         # a dropped version's module per spec, reused by the next update of that shape: building one (a module
         # and an index entry per factor) costs more than copying its values
         self.spare: dict[LoRASpec, LoRAAdapter] = {}
@@ -67,17 +68,27 @@ class LoRAManager:
                                                                  self.device)
         copy.copy_from(current)
         self.pending = (new, copy)
+        self.pending_packed = False
         return copy
+
+    def prepare_pending(self) -> None:
+        """Builds the pending version's packs now (its tensors have all arrived), so that `commit_pending` only
+        registers it: a serving engine runs the two between different steps."""
+        if self.pending is not None:
+            self.pending[1].invalidate_packs()
+            self.pending[1].packs()
+            self.pending_packed = True
 
     def commit_pending(self) -> int | None:
         """Registers the pending version (its packs rebuilt on first use); returns its uid (None: none pending)."""
         if self.pending is None:
             return None
         uid, adapter = self.pending
-        adapter.invalidate_packs()
-        adapter.packs()  # built now, not by the first request that uses it
+        if not self.pending_packed:
+            adapter.invalidate_packs()
+            adapter.packs()  # built now, not by the first request that uses it
         self.adapters[uid] = adapter
-        self.pending = None
+        self.pending, self.pending_packed = None, False
         return uid
 
     def drop_pending(self) -> None:

@@ -12,12 +12,13 @@ steps, on the thread that steps.
                (a pointer swap per parameter, whatever the update's size) and the buffers they had return to the
                pool, to stage the next update; on a GPU the staging buffers are copied into the served storage
                (a device copy at HBM rate), so captured CUDA graphs, which hold the served pointers, stay valid
-    drop()     the rollback: the staging buffers are freed, the served weights were never touched
+    drop()     the rollback: the staging buffers return to the pool, the served weights were never touched
 
 Parameter objects are never replaced (layers, the weight index and the decoder stack hold them); on the CPU their
-storage changes at the commit, as after `wake_up`. Memory: one more copy of every parameter of the modules an
-update writes, kept in the pool between updates (`pool_bytes`); `check_room` refuses an update whose staging
-copies do not fit before anything is allocated.
+storage changes at the commit, as after `wake_up`. Memory: one more copy of the weights, reserved when the model
+loads (`Worker._reserve_staging`: its pages touched, in huge pages as the weights are) and kept in the pool
+between updates; `check_room` refuses what does not fit before anything is allocated (the reservation at
+construction; after `sleep()` released the pool, the next update).
 """
 
 from __future__ import annotations
@@ -150,10 +151,12 @@ class Shadow:
         self.modules.clear()
 
     def drop(self) -> None:
-        """Forgets the staged weights (the served ones were never written) and frees their buffers: nothing a
-        failed or aborted update staged is held after it (the pool keeps only what earlier commits left)."""
+        """Forgets the staged weights (the served ones were never written); their buffers go back to the pool,
+        the reservation a staged engine holds anyway (one copy of the weights), and nothing more is kept."""
         if self.inside:
             self.swap_out()
+        for key, _, staged in self.params.values():
+            self.pool[key] = staged
         self.params.clear()
         self.modules.clear()
 

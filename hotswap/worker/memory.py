@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -43,18 +44,28 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     params = list(module.parameters())  # shared (tied) parameters once
     if not sys.platform.startswith("linux") or not params or any(p.device.type != "cpu" for p in params):
         return 0
-    sizes = [(p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for p in params]
+    for param, placed in zip(params, huge_page_tensors(params), strict=True):
+        param.data = placed
+    return sum((p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for p in params)
+
+
+def huge_page_tensors(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors of `like`'s shapes and dtypes (contents zero), views of one anonymous mapping advised for
+    transparent huge pages (Linux; elsewhere, or where THP is off, ordinary pages of the same mapping)."""
+    sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in like]
     total = sum(sizes)
     buffer = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buffer, dtype=torch.uint8)  # the views below keep the mapping alive
     offset = -raw.data_ptr() % _HUGE_PAGE
-    # THP may be off or absent (the call fails): the weights then sit in ordinary pages of the same mapping
-    _madvise(raw.data_ptr() + offset, total, _MADV_HUGEPAGE)
-    for param, size in zip(params, sizes, strict=True):
-        nbytes = param.numel() * param.element_size()
-        param.data = raw[offset : offset + nbytes].view(param.dtype).view(param.shape)
+    # THP may be off or absent (the call fails): the tensors then sit in ordinary pages of the same mapping
+    if sys.platform.startswith("linux"):
+        _madvise(raw.data_ptr() + offset, total, _MADV_HUGEPAGE)
+    out = []
+    for tensor, size in zip(like, sizes, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        out.append(raw[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
         offset += size
-    return total
+    return out
 
 
 def _madvise(address: int, length: int, advice: int) -> int:

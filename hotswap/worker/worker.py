@@ -35,6 +35,7 @@ from hotswap.config import (
 )
 from hotswap.device import cuda_kv_budget
 from hotswap.distributed import SINGLE, ParallelContext, use_parallel
+from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
@@ -44,6 +45,7 @@ from hotswap.model.registry import build_model
 from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import is_delta
 from hotswap.weights.index import WeightIndex
+from hotswap.weights.shadow import check_room
 from hotswap.weights.target import check_target
 from hotswap.weights.update import (
     RankSelection,
@@ -54,7 +56,7 @@ from hotswap.weights.update import (
     random_source,
 )
 from hotswap.wire import ModelInput, ModelOutput
-from hotswap.worker.memory import discard_pages, place_in_huge_pages
+from hotswap.worker.memory import discard_pages, huge_page_tensors, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.offload import Offloaded, offload, restore
 from hotswap.worker.session import SessionState, WeightSession
@@ -126,6 +128,8 @@ class Worker:
         with torch.no_grad():
             self.session.load(index, source, atomic=False, check_finite=check)
         self.model = model
+        if self.config.weight_transfer_config.update_staging == "shadow":
+            self._reserve_staging(index)
         self.runner = ModelRunner(self.config, model)
         if self.config.lora_config.enable_lora:
             self.loras = self.runner.loras = LoRAManager(model, mc.torch_dtype, self.config.lora_config.max_lora_rank,
@@ -133,6 +137,27 @@ class Worker:
         if self.config.draft_model_config is not None:
             self._load_draft()
         self.session.weights_valid = True
+
+    def _reserve_staging(self, index: WeightIndex) -> None:
+        """Staged updates: the staging copies of every weight, allocated now and filled with the weights (their
+        pages touched, in huge pages as the weights are), so that no update faults them in between two steps, and
+        the commit's swap keeps the served weights in huge pages. Raises MemoryError where they do not fit."""
+        named, seen = [], set()
+        for module_name, module in index.modules.items():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:  # a tied weight is staged once
+                    seen.add(id(param))
+                    named.append((f"{module_name}.{name}", param))
+        check_room(index, set(index.modules), self.session.shadows)
+        on_cpu = all(p.device.type == "cpu" for _, p in named)
+        if on_cpu and self.config.load_config.huge_pages:
+            buffers = huge_page_tensors([p.data for _, p in named])
+        else:
+            buffers = [torch.empty_like(p, requires_grad=False) for _, p in named]
+        with torch.no_grad():
+            for (key, param), buffer in zip(named, buffers, strict=True):
+                ops.copy_(buffer, param.data)
+                self.session.shadows[key] = buffer
 
     def _load_draft(self) -> None:
         """Builds the draft model in its own scope and loads its folder in full."""
@@ -466,6 +491,8 @@ class Worker:
             update = self.session.finish(commit)
             if lora and commit:
                 self._loras().commit_pending()
+            elif lora:
+                self._loras().prepare_pending()  # the commit then only registers it
         finally:
             self._drop_lora_unless_open()
         if lora:
