@@ -8,6 +8,8 @@ Staged: the update alone (received in slices between steps, committed between tw
                median gap before it (the worst stream)
     commit gap the gap that spans the end of the update call (the commit), minus that median; with streams that
                asked to recompute their KV ("shadow, recompute"), it holds the refill
+    control    the same measure with no update, over a window as long as the staged update took: the host's
+               own jitter, which the pause includes
     wall       how long the update call took (staged: the staging time, spread over the steps)
     tok/s      the streams' tokens per second while the update ran, against before it
 
@@ -76,11 +78,13 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
     while min(len(t) for t in times) < 12:
         await asyncio.sleep(0.002)
     t0 = time.perf_counter()
-    if mode == "in_place" and lora is None:
+    if mode == "control":  # no update: the same measure over a window as long as `update["seconds"]`
+        await asyncio.sleep(update["seconds"])
+    elif mode == "in_place" and lora is None:
         await engine.pause_generation("keep")
         await engine.reload_weights(**update)
         await engine.resume_generation()
-    else:
+    elif mode != "control":
         await engine.reload_weights(**update)
     t1 = time.perf_counter()
     counts = [len(t) for t in times]
@@ -136,6 +140,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 figures = await trial(engines[mode], mode, update, args.streams, seed,
                                       lora if kind == "LoRA" else None)
                 results.setdefault((kind, mode), []).append(figures)
+                if mode == "shadow":  # the host's own jitter over a window as long as the staging took
+                    seed += 1
+                    window = {"seconds": figures["wall_ms"] / 1e3}
+                    control = await trial(engines[mode], "control", window, args.streams, seed,
+                                          lora if kind == "LoRA" else None)
+                    results.setdefault((kind, "no update (control)"), []).append(control)
             if kind == "full":  # the same staged reload, the streams asking to recompute their KV at the commit
                 seed += 1
                 figures = await trial(engines["shadow"], "shadow", update, args.streams, seed, policy="recompute")

@@ -58,18 +58,26 @@ class LoRAManager:
         adapter.packs()  # built now, not by the first request that uses it
         self.adapters[uid] = adapter
 
-    def begin(self, old: int, new: int) -> LoRAAdapter:
-        """Starts version `new` as a copy of `old`, pending until `commit_pending` (or `drop_pending`)."""
+    def begin(self, old: int, new: int, fill: bool = True) -> LoRAAdapter:
+        """Starts version `new` as a copy of `old`, pending until `commit_pending` (or `drop_pending`). `fill`
+        False: the copy's factors are left for the caller to copy (`fill_pairs`), e.g. in slices."""
         current = self.get(old)
         if new in self.adapters:
             raise ValueError(f"adapter uid {new} is already loaded")
         self.drop_pending()
         copy = self.spare.pop(current.spec, None) or LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank,
                                                                  self.device)
-        copy.copy_from(current)
+        if fill:
+            copy.copy_from(current)
         self.pending = (new, copy)
         self.pending_packed = False
         return copy
+
+    def fill_pairs(self, old: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the pending version's factor, version `old`'s) pairs: what `begin(..., fill=False)` left to copy."""
+        assert self.pending is not None, "no pending version"
+        return [(mine.data, theirs.data) for mine, theirs in
+                zip(self.pending[1].parameters(), self.get(old).parameters(), strict=True)]
 
     def prepare_pending(self) -> None:
         """Builds the pending version's packs now (its tensors have all arrived), so that `commit_pending` only

@@ -497,7 +497,7 @@ class WeightUpdate:
                 target = self.index.targets.get(name)
                 assert target is not None, f"the {kind} delivered {name!r}, which it did not declare"
                 sliced = name in pre_sliced
-                yield from _chunked_copies(self.shadow.stage(target.module_name, target.module_name not in whole))
+                yield from chunked_copies(self.shadow.stage(target.module_name, target.module_name not in whole))
                 if isinstance(tensor, Patch):
                     if not self._finite(name, tensor):
                         non_finite.append(name)
@@ -555,7 +555,7 @@ class WeightUpdate:
         """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
         their old values for rollback when `backup`."""
         if self.shadow is not None:
-            drive_all(_chunked_copies(self.shadow.stage(target.module_name, True)))
+            drive_all(chunked_copies(self.shadow.stage(target.module_name, True)))
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
         if backup and self.atomic and target.module_name not in self.saved:
             self.undo.append(("patch", view, patch.indices, view.index_select(0, patch.indices)))
@@ -682,7 +682,7 @@ def _row_chunks(t: torch.Tensor) -> Iterator[slice | tuple[()]]:
         yield slice(start, start + step)
 
 
-def _chunked_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Generator[None, None, None]:
+def chunked_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Generator[None, None, None]:
     """Copies each (dst, src) pair in `_row_chunks`, yielding after each chunk."""
     for dst, src in pairs:
         for rows in _row_chunks(dst):

@@ -171,6 +171,17 @@ class WeightSession:
         except BaseException as err:
             self._receive_failed(engine, update, err)
 
+    def prefix_job(self, first: Generator[None, None, None]) -> None:
+        """Runs `first` (e.g. copies the update's writes depend on) before the rest of the sliced job."""
+        assert self.job is not None, "no sliced job"
+        steps, engine = self.job
+
+        def chained() -> Generator[None, None, int]:
+            yield from first
+            return (yield from steps)
+
+        self.job = (chained(), engine)
+
     def advance(self, budget_s: float | None) -> int | None:
         """Receives the staged update of `load(sliced=True)` / `receive(sliced=True)` for about `budget_s` seconds
         (None: to its end; at least one tensor), its writes swapped in meanwhile. Returns the tensors it loaded

@@ -49,6 +49,7 @@ from hotswap.weights.shadow import check_room
 from hotswap.weights.target import check_target
 from hotswap.weights.update import (
     RankSelection,
+    chunked_copies,
     folder_source,
     pairs_source,
     prefixed_source,
@@ -561,13 +562,15 @@ class Worker:
         opens the load, which `advance_weight_update` runs. Returns the tensors loaded. Refused (RuntimeError,
         nothing changed) while a weight-update session is open."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        adapter = self._loras().begin(old, new)
+        adapter = self._loras().begin(old, new, fill=not sliced)  # sliced: the copy of `old` is the first slices
         wt = self.config.weight_transfer_config
         self._session_target = "lora"
         try:
             update = self.session.load(adapter.weight_index(), pairs_source(weights_iterator), True, wt.check_finite,
                                        commit=commit, encoding={"encoding": encoding, "checksums": checksums},
                                        rename=canonical_name, sliced=sliced)
+            if sliced:
+                self.session.prefix_job(chunked_copies(self._loras().fill_pairs(old)))
             if commit:
                 self._loras().commit_pending()
         finally:
