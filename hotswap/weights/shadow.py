@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.config import available_memory_bytes
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.weights.index import WeightIndex
@@ -82,11 +83,6 @@ class Shadow:
         if self.inside:
             self.served_packed[module_name] = packing.take(module)
         return copies
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the staging copies of this update."""
-        return sum(t.numel() * t.element_size() for _, _, t in self.params.values())
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -161,11 +157,6 @@ class Shadow:
         self.modules.clear()
 
 
-def pool_bytes(pool: dict[str, torch.Tensor]) -> int:
-    """Bytes the staging pool holds between updates."""
-    return sum(t.numel() * t.element_size() for t in pool.values())
-
-
 def check_room(index: WeightIndex, module_names: set[str], pool: dict[str, torch.Tensor]) -> None:
     """Raises MemoryError (nothing allocated) when staging copies of `module_names`' parameters, beyond what the
     pool already holds for them, do not fit in the memory free on their device (host: MemAvailable; a GPU:
@@ -184,7 +175,7 @@ def check_room(index: WeightIndex, module_names: set[str], pool: dict[str, torch
             need[where] = need.get(where, 0) + param.numel() * param.element_size()
     for where, nbytes in need.items():
         free = _free_bytes(torch.device(where))
-        if free is not None and nbytes > 0.95 * free:
+        if nbytes > 0.95 * free:
             raise MemoryError(
                 f"update_staging='shadow' needs {nbytes / 2**20:.0f} MiB more for the staging copies on {where}, "
                 f"but {free / 2**20:.0f} MiB are free; update fewer tensors at a time, free memory, or use "
@@ -192,14 +183,7 @@ def check_room(index: WeightIndex, module_names: set[str], pool: dict[str, torch
             )
 
 
-def _free_bytes(device: torch.device) -> int | None:
+def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return available_memory_bytes()

@@ -468,14 +468,7 @@ class WeightUpdate:
                     self._save(target.module_name)
                 target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
             count += 1
-            self.loaded_names.add(name)
-            self.loaded_keys.update(target.keys)
-            arrived = self.arrived.setdefault(target.module_name, set())
-            arrived.update(target.keys)
-            self.pending.add(target.module_name)
-            if arrived >= self.index.module_keys[target.module_name]:
-                self._post_process(target.module_name)
-                arrived.clear()
+            self._loaded(name, target)
             yield
         if non_finite:
             raise _non_finite_error(non_finite)
@@ -511,18 +504,22 @@ class WeightUpdate:
                         non_finite.append(name)
                         continue
                 count += 1
-                self.loaded_names.add(name)
-                self.loaded_keys.update(target.keys)
-                arrived = self.arrived.setdefault(target.module_name, set())
-                arrived.update(target.keys)
-                self.pending.add(target.module_name)
-                if arrived >= self.index.module_keys[target.module_name]:
-                    self._post_process(target.module_name)
-                    arrived.clear()
+                self._loaded(name, target)
                 yield
         if non_finite:
             raise _non_finite_error(non_finite)
         return count
+
+    def _loaded(self, name: str, target: Any) -> None:
+        """Records that `name` landed in `target`; post-processes its module once all the module's targets did."""
+        self.loaded_names.add(name)
+        self.loaded_keys.update(target.keys)
+        arrived = self.arrived.setdefault(target.module_name, set())
+        arrived.update(target.keys)
+        self.pending.add(target.module_name)
+        if arrived >= self.index.module_keys[target.module_name]:
+            self._post_process(target.module_name)
+            arrived.clear()
 
     def _write_staged(self, name: str, target: Any, tensor: torch.Tensor, sliced: bool
                       ) -> Generator[None, None, bool]:
@@ -554,8 +551,6 @@ class WeightUpdate:
     def _patch(self, target: Any, patch: Patch, backup: bool) -> None:
         """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
         their old values for rollback when `backup`."""
-        if self.shadow is not None:
-            drive_all(chunked_copies(self.shadow.stage(target.module_name, True)))
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise
         if backup and self.atomic and target.module_name not in self.saved:
             self.undo.append(("patch", view, patch.indices, view.index_select(0, patch.indices)))
@@ -660,12 +655,6 @@ def drive(steps: Generator[None, None, int]) -> int:
             next(steps)
         except StopIteration as stop:
             return cast(int, stop.value)
-
-
-def drive_all(steps: Generator[None, None, None]) -> None:
-    """Runs `steps` to its end."""
-    for _ in steps:
-        pass
 
 
 CHUNK_BYTES = 2 << 20  # what a staged update copies or checks between two yields
