@@ -33,17 +33,39 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORDS = ("alpha beta gamma delta river stone cloud paper seven green north light table window garden music "
-         "number winter silver orange market bridge forest letter planet engine mirror candle").split()
+WORDS = (
+    "alpha beta gamma delta river stone cloud paper seven green north light table window garden music "
+    "number winter silver orange market bridge forest letter planet engine mirror candle"
+).split()
 TOOLS = [
-    {"type": "function", "function": {"name": "search", "description": "Searches the web", "parameters": {
-        "type": "object", "properties": {"query": {"enum": WORDS[:8]}, "top_k": {"type": "integer", "minimum": 1,
-                                                                                 "maximum": 9}},
-        "required": ["query", "top_k"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Searches the web",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"enum": WORDS[:8]}, "top_k": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["query", "top_k"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 
 # A Hermes-style template (tools in the system turn, calls in <tool_call> blocks, results in <tool_response>), so
@@ -52,14 +74,14 @@ TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
     "\n\n# Tools\n\nYou may call one or more functions. Their signatures:\n<tools>"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\nFor each call, answer with:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
     "{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'system' and tools %}"
     "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls | default([]) %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    '{%- for c in m.tool_calls | default([]) %}\n<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n'
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -77,10 +99,20 @@ async def conversation(client: Any, base: str, index: int, turns: int, exact: bo
     figures = []
     for turn in range(turns):
         last = turn == turns - 1
-        body = {"model": "m", "messages": messages, "tools": TOOLS, "tool_choice": "none" if last else "required",
-                "max_tokens": 96, "temperature": 1.0, "chat_template": TEMPLATE, "seed": index * 1000 + turn,
-                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-                "parallel_tool_calls": False}
+        body = {
+            "model": "m",
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": "none" if last else "required",
+            "max_tokens": 96,
+            "temperature": 1.0,
+            "chat_template": TEMPLATE,
+            "seed": index * 1000 + turn,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "parallel_tool_calls": False,
+        }
         start = time.perf_counter()
         first: float | None = None
         ids: list[int] = []
@@ -100,9 +132,16 @@ async def conversation(client: Any, base: str, index: int, turns: int, exact: bo
                     ids += choice.get("token_ids") or []
                     content += choice["delta"].get("content") or ""
                     calls += choice["delta"].get("tool_calls") or []
-        figures.append({"turn": turn, "prompt": usage["prompt_tokens"],
-                        "cached": usage["prompt_tokens_details"]["cached_tokens"], "generated": len(ids),
-                        "ttft": first or 0.0, "seconds": time.perf_counter() - start})
+        figures.append(
+            {
+                "turn": turn,
+                "prompt": usage["prompt_tokens"],
+                "cached": usage["prompt_tokens_details"]["cached_tokens"],
+                "generated": len(ids),
+                "ttft": first or 0.0,
+                "seconds": time.perf_counter() - start,
+            }
+        )
         assistant: dict[str, Any] = {"role": "assistant", "content": content}
         if exact:
             assistant["token_ids"] = ids
@@ -142,8 +181,15 @@ def sessions_part(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for mode in ("exact", "retokenized"):
-        with running_server(model, "--served-model-name", "m", "--tool-call-parser", "hermes",
-                            "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)) as (base, _):
+        with running_server(
+            model,
+            "--served-model-name",
+            "m",
+            "--tool-call-parser",
+            "hermes",
+            "--kv-cache-memory-bytes",
+            str(args.kv_cache_memory_bytes),
+        ) as (base, _):
             import httpx
 
             figures = asyncio.run(run_sessions(base, args.sessions, args.turns, mode == "exact"))
@@ -166,8 +212,13 @@ def grammar_part(model: str, args: argparse.Namespace) -> dict[str, Any]:
     constrained = {"regex": "[a-z ,.]{1,4000}"}  # stays open: every row runs its tokens
 
     def params(i: int, grammar: bool) -> SamplingParams:
-        return SamplingParams(temperature=1.0, seed=i, max_tokens=args.tokens, ignore_eos=True,
-                              structured_outputs=constrained if grammar else None)
+        return SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=args.tokens,
+            ignore_eos=True,
+            structured_outputs=constrained if grammar else None,
+        )
 
     modes = {"off": [False] * args.rows, "half": [i % 2 == 1 for i in range(args.rows)], "all": [True] * args.rows}
     best: dict[str, float] = {}
@@ -209,8 +260,14 @@ def main() -> None:
     print(f"cpu: {build['cpu']}; kernels: {build['build']}; torch: {build['torch_isa']}")
     figures: dict[str, Any] = {"isa": args.isa, "preset": args.preset, "vocab": args.vocab, **build}
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_tiny_model(Path(tmp) / "model", preset=args.preset, vocab_size=args.vocab,
-                                    max_position_embeddings=args.max_model_len))
+        model = str(
+            make_tiny_model(
+                Path(tmp) / "model",
+                preset=args.preset,
+                vocab_size=args.vocab,
+                max_position_embeddings=args.max_model_len,
+            )
+        )
         if "sessions" in args.parts:
             print(f"sessions: {args.sessions} x {args.turns} turns")
             figures["sessions"] = sessions_part(model, args)

@@ -146,8 +146,14 @@ def main() -> None:
             total = time.perf_counter() - start
     decode = [(seconds, kinds) for tokens, seconds, kinds in timer.steps if tokens <= count]
     prefill = [(tokens, seconds, kinds) for tokens, seconds, kinds in timer.steps if tokens > count]
-    figures: dict = {"workload": args.workload, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-                     "seqs": count, "total_s": round(total, 3), "tok_s": round(count * max_tokens / total)}
+    figures: dict = {
+        "workload": args.workload,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "seqs": count,
+        "total_s": round(total, 3),
+        "tok_s": round(count * max_tokens / total),
+    }
     print(f"[{args.workload}] {count} prompts x {max_tokens} tokens: {total:.2f} s ({figures['tok_s']} tok/s)")
     for tokens, seconds, kinds in prefill:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(kinds.items()))
@@ -156,8 +162,10 @@ def main() -> None:
     steps = [s for s, _ in decode]
     figures["decode_step_ms"] = summary(steps)
     figures["decode_steps_ms"] = [round(s * 1e3, 1) for s in steps]
-    print(f"{len(steps)} decode steps (ms): min {figures['decode_step_ms']['min']}, median "
-          f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}")
+    print(
+        f"{len(steps)} decode steps (ms): min {figures['decode_step_ms']['min']}, median "
+        f"{figures['decode_step_ms']['median']}, max {figures['decode_step_ms']['max']}"
+    )
     kinds = ["layers", "linear", "attention", "norm", "sampling"]
     per_kind = {k: [kinds_.get(k, 0.0) for _, kinds_ in decode] for k in kinds}
     per_kind["rest"] = [s - sum(k.get(x, 0.0) for x in kinds) for s, k in decode]

@@ -58,11 +58,13 @@ def session_seconds(engine, backend: str, checkpoints: list[list], reps: int, wo
         shm.close()
     else:
         port, box = free_port(), {}
-        joiner = threading.Thread(target=lambda: box.setdefault("s", TorchDistSender("127.0.0.1", port,
-                                                                                     num_workers=workers)))
+        joiner = threading.Thread(
+            target=lambda: box.setdefault("s", TorchDistSender("127.0.0.1", port, num_workers=workers))
+        )
         joiner.start()
-        engine.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1",
-                                            "master_port": port})
+        engine.init_weight_transfer_engine(
+            {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port}
+        )
         joiner.join()
         sender = box["s"]
         for i in range(reps):
@@ -97,8 +99,10 @@ def main() -> None:
     print(f"CPU: {build['cpu']}; kernels: {build['build']}")
     figures: dict = {"cpu": build["cpu"], "build": build["build"], "preset": args.preset}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [str(make_tiny_model(Path(tmp) / k, arch="llama", preset=args.preset, seed=s))
-                 for k, s in (("A", 0), ("B", 1))]
+        paths = [
+            str(make_tiny_model(Path(tmp) / k, arch="llama", preset=args.preset, seed=s))
+            for k, s in (("A", 0), ("B", 1))
+        ]
         checkpoints = [list(load_file(f"{p}/model.safetensors").items()) for p in reversed(paths)]  # B, then A
         megabytes = sum(t.numel() * t.element_size() for _, t in checkpoints[0]) / 1e6
         figures["update_megabytes"] = round(megabytes, 1)
@@ -110,16 +114,21 @@ def main() -> None:
             ready = time.perf_counter() - start
             prompts = make_prompts(fleet.get_tokenizer(), args.prompts)
             tps = max(tokens_per_second(fleet, prompts, args.max_tokens) for _ in range(2))
-            ups = {b: session_seconds(fleet, b, checkpoints, args.reps, fleet.get_world_size())
-                   for b in ("shm", "torch_dist")}
+            ups = {
+                b: session_seconds(fleet, b, checkpoints, args.reps, fleet.get_world_size())
+                for b in ("shm", "torch_dist")
+            }
             fleet.shutdown()
             base = base or {"tokens_per_s": tps, **ups}
-            print(f"fleet N={n}: ready in {ready:.1f} s; {tps:.0f} tok/s ({tps / base['tokens_per_s']:.2f}x N=1); "
-                  f"update of {megabytes:.0f} MB: shm {ups['shm'] * 1e3:.1f} ms ({ups['shm'] / base['shm']:.2f}x N=1), "
-                  f"torch_dist {ups['torch_dist'] * 1e3:.1f} ms "
-                  f"({ups['torch_dist'] / base['torch_dist']:.2f}x)")
+            print(
+                f"fleet N={n}: ready in {ready:.1f} s; {tps:.0f} tok/s ({tps / base['tokens_per_s']:.2f}x N=1); "
+                f"update of {megabytes:.0f} MB: shm {ups['shm'] * 1e3:.1f} ms ({ups['shm'] / base['shm']:.2f}x N=1), "
+                f"torch_dist {ups['torch_dist'] * 1e3:.1f} ms "
+                f"({ups['torch_dist'] / base['torch_dist']:.2f}x)"
+            )
             figures[f"fleet_{n}"] = {
-                "ready_s": round(ready, 2), "tokens_per_s": round(tps, 1),
+                "ready_s": round(ready, 2),
+                "tokens_per_s": round(tps, 1),
                 "tokens_vs_1": round(tps / base["tokens_per_s"], 3),
                 **{f"update_{b}_ms": round(s * 1e3, 2) for b, s in ups.items()},
                 **{f"update_{b}_vs_1": round(s / base[b], 3) for b, s in ups.items()},

@@ -40,12 +40,33 @@ import torch
 HBM_BYTES_PER_S = 4.8e12  # H200
 DEVICE = "cuda"  # --dry-run: "cpu", to check the script itself on a machine without a GPU
 SHAPES = {  # Qwen2.5 shapes (random weights)
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-    "dry": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "vocab_size": 4096, "tie_word_embeddings": True},  # --dry-run
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "dry": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "tie_word_embeddings": True,
+    },  # --dry-run
 }
 ROWS: list[dict[str, Any]] = []  # the table
 # the demo on the GPU, shortened (about a minute)
@@ -82,13 +103,20 @@ def facts() -> None:
     import transformers
     import triton
 
-    row("facts", "versions", f"torch {torch.__version__}, triton {triton.__version__}, transformers "
-        f"{transformers.__version__}")
+    row(
+        "facts",
+        "versions",
+        f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}",
+    )
     if DEVICE == "cpu":
         return
     free, total = torch.cuda.mem_get_info()
-    row("facts", "gpu", f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count}"
-        f" SMs), {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    row(
+        "facts",
+        "gpu",
+        f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count}"
+        f" SMs), {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+    )
     try:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -100,8 +128,15 @@ def facts() -> None:
 # ---- kernels -------------------------------------------------------------------------------------------------
 
 
-def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                        context: list[int], query: list[int], scale: float) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context: list[int],
+    query: list[int],
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of each sequence's last query[b] tokens over its context[b] cached keys, in float64."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     block = k_cache.shape[1]
@@ -119,8 +154,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return torch.cat(out)
 
 
-def kernel_case(name: str, heads: int, kv_heads: int, dim: int, block: int, context: list[int], query: list[int],
-                dtype: torch.dtype) -> None:
+def kernel_case(
+    name: str, heads: int, kv_heads: int, dim: int, block: int, context: list[int], query: list[int], dtype: torch.dtype
+) -> None:
     from hotswap.kernels import triton_attention as ta
 
     gen = torch.Generator(device=DEVICE).manual_seed(hash(name) % 2**31)
@@ -135,7 +171,7 @@ def kernel_case(name: str, heads: int, kv_heads: int, dim: int, block: int, cont
     k_cache = torch.randn(total_blocks, block, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
     v_cache = torch.randn(total_blocks, block, kv_heads, dim, generator=gen, device=DEVICE).to(dtype)
     q = torch.randn(sum(query), heads, dim, generator=gen, device=DEVICE).to(dtype)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     lens = torch.tensor(context, dtype=torch.long, device=DEVICE)
     qlens = None if all(n == 1 for n in query) else torch.tensor(query, dtype=torch.long, device=DEVICE)
     got = ta.paged_attention(q, k_cache, v_cache, tables, lens, qlens, None, scale)
@@ -151,8 +187,16 @@ def kernels(quick: bool) -> None:
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
         for heads, kv_heads in ((8, 8), (16, 4), (32, 4)):  # GQA 1, 4, 8
             for dim in (64, 128):
-                kernel_case(f"decode {tag} GQA {heads // kv_heads} d{dim}", heads, kv_heads, dim, 16,
-                            [1, 15, 16, 17, 31, 32, 33, 700], [1] * 8, dtype)
+                kernel_case(
+                    f"decode {tag} GQA {heads // kv_heads} d{dim}",
+                    heads,
+                    kv_heads,
+                    dim,
+                    16,
+                    [1, 15, 16, 17, 31, 32, 33, 700],
+                    [1] * 8,
+                    dtype,
+                )
         kernel_case(f"extend {tag} d128", 16, 2, 128, 16, [5, 64, 129, 300], [5, 17, 1, 64], dtype)
         if not quick:
             kernel_case(f"decode {tag} 32k", 32, 8, 128, 16, [32768, 1, 4097], [1, 1, 1], dtype)
@@ -194,8 +238,13 @@ def correct(tmp: Path) -> None:
                     compared += 1
             total = 24 * len(prompts)
             ok = wrong == 0 and worst < limit and compared > total // 4  # bf16: random tiny models tie often
-            row("correct", f"{arch} {tag}", f"greedy = transformers at {compared - wrong}/{compared} compared steps "
-                f"(of {total}), max |dlogprob| {worst:.1e}", ok)
+            row(
+                "correct",
+                f"{arch} {tag}",
+                f"greedy = transformers at {compared - wrong}/{compared} compared steps "
+                f"(of {total}), max |dlogprob| {worst:.1e}",
+                ok,
+            )
             del llm, hf
             torch.cuda.empty_cache()
 
@@ -212,8 +261,9 @@ def model_folder(tmp: Path, shape: str) -> Path:
     folder = tmp / f"qwen2-{shape}"
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, dtype="bfloat16",
-                    architectures=["Qwen2ForCausalLM"]).save_pretrained(str(folder))
+        Qwen2Config(
+            **SHAPES[shape], max_position_embeddings=4096, dtype="bfloat16", architectures=["Qwen2ForCausalLM"]
+        ).save_pretrained(str(folder))
         make_tokenizer(folder, 4096)
     return folder
 
@@ -252,8 +302,13 @@ def reference_stack_ms(shape: str, rows: int, graph: bool) -> float:
     one CUDA graph replay (median of 20)."""
     s = SHAPES[shape]
     h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
-    layers = [(torch.randn(2 * i, h, device=DEVICE, dtype=torch.bfloat16) * 0.02,
-               torch.randn(h, i, device=DEVICE, dtype=torch.bfloat16) * 0.02) for _ in range(s["num_hidden_layers"])]
+    layers = [
+        (
+            torch.randn(2 * i, h, device=DEVICE, dtype=torch.bfloat16) * 0.02,
+            torch.randn(h, i, device=DEVICE, dtype=torch.bfloat16) * 0.02,
+        )
+        for _ in range(s["num_hidden_layers"])
+    ]
     head = torch.randn(v, h, device=DEVICE, dtype=torch.bfloat16) * 0.02
     x = torch.randn(rows, h, device=DEVICE, dtype=torch.bfloat16)
 
@@ -289,13 +344,18 @@ def steps(tmp: Path, quick: bool, shape: str) -> None:
     all_rows = (1, 8) if DEVICE == "cpu" else (1, 8, 32, 128) if quick else (1, 8, 32, 128, 512)
     figures: dict[tuple[bool, int], float] = {}
     for eager in (True, False):
-        llm = engine(folder, max_num_seqs=512, max_num_batched_tokens=8192, enforce_eager=eager,
-                     gpu_memory_utilization=0.4)
+        llm = engine(
+            folder, max_num_seqs=512, max_num_batched_tokens=8192, enforce_eager=eager, gpu_memory_utilization=0.4
+        )
         for rows in all_rows:
             figures[eager, rows] = decode_step_ms(llm, rows)
         replays = llm.collective_rpc(lambda w: None if w.runner.graphs is None else w.runner.graphs.replays)
-        row("steps", f"{shape} engine {'eager' if eager else 'graphs'}", f"graph replays {replays}",
-            None if eager or DEVICE == "cpu" else bool(replays[0]))
+        row(
+            "steps",
+            f"{shape} engine {'eager' if eager else 'graphs'}",
+            f"graph replays {replays}",
+            None if eager or DEVICE == "cpu" else bool(replays[0]),
+        )
         del llm
         torch.cuda.empty_cache()
     floor_ms = weight_bytes(shape) / HBM_BYTES_PER_S * 1e3
@@ -303,10 +363,19 @@ def steps(tmp: Path, quick: bool, shape: str) -> None:
         eager_ms, graph_ms = figures[True, rows], figures[False, rows]
         ref_eager, ref_graph = reference_stack_ms(shape, rows, False), reference_stack_ms(shape, rows, True)
         target = rows == 128 and DEVICE != "cpu"
-        row("steps", f"{shape} bf16 decode step, {rows} rows", f"eager {eager_ms:.2f} / graphs {graph_ms:.2f} ms; "
+        row(
+            "steps",
+            f"{shape} bf16 decode step, {rows} rows",
+            f"eager {eager_ms:.2f} / graphs {graph_ms:.2f} ms; "
             f"torch MLPs+head eager {ref_eager:.2f} / graph {ref_graph:.2f}; floor {floor_ms:.2f}",
-            graph_ms <= 1.5 * ref_graph if target else None, rows=rows, eager_ms=eager_ms, graph_ms=graph_ms,
-            reference_eager_ms=ref_eager, reference_graph_ms=ref_graph, floor_ms=floor_ms)
+            graph_ms <= 1.5 * ref_graph if target else None,
+            rows=rows,
+            eager_ms=eager_ms,
+            graph_ms=graph_ms,
+            reference_eager_ms=ref_eager,
+            reference_graph_ms=ref_graph,
+            floor_ms=floor_ms,
+        )
     torch.cuda.empty_cache()
 
 
@@ -329,14 +398,15 @@ def rollout(tmp: Path, shapes: list[str], quick: bool) -> None:
         folder = model_folder(tmp, shape)
         llm = engine(folder, max_num_seqs=1024, max_num_batched_tokens=16384)
         dry = DEVICE == "cpu"
-        workloads = {"grpo 64x16": grpo_requests(2 if dry else 16 if quick else 64, 4 if dry else 16),
-                     "fixed 128x256": [([random.randrange(3, 4000) for _ in range(128)], 16 if dry else 256)]
-                     * (8 if dry else 128)}
+        workloads = {
+            "grpo 64x16": grpo_requests(2 if dry else 16 if quick else 64, 4 if dry else 16),
+            "fixed 128x256": [([random.randrange(3, 4000) for _ in range(128)], 16 if dry else 256)]
+            * (8 if dry else 128),
+        }
         figures: dict[str, float] = {}
         for name, requests in workloads.items():
             prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
-            params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-                      for _, n in requests]
+            params = [SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True) for _, n in requests]
             llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
             sync()
             start = time.perf_counter()
@@ -344,8 +414,13 @@ def rollout(tmp: Path, shapes: list[str], quick: bool) -> None:
             wall = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             figures[name] = tokens / wall
-            row("rollout", f"{shape} hotswap {name}", f"{tokens / wall:,.0f} tok/s ({tokens:,} tokens, {wall:.1f} s)",
-                None, tok_s=tokens / wall)
+            row(
+                "rollout",
+                f"{shape} hotswap {name}",
+                f"{tokens / wall:,.0f} tok/s ({tokens:,} tokens, {wall:.1f} s)",
+                None,
+                tok_s=tokens / wall,
+            )
         del llm
         torch.cuda.empty_cache()
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.bfloat16)
@@ -356,15 +431,27 @@ def rollout(tmp: Path, shapes: list[str], quick: bool) -> None:
             hf.generate(ids[:8], max_new_tokens=8, min_new_tokens=8, do_sample=True, pad_token_id=0)
             sync()
             start = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                        do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                pad_token_id=0,
+            )
             sync()
         hf_tok_s = rows * new / (time.perf_counter() - start)
         row("rollout", f"{shape} transformers generate 128x256", f"{hf_tok_s:,.0f} tok/s", None, tok_s=hf_tok_s)
         for name, tok_s in figures.items():
             target = name.startswith("grpo") and shape == "1.5b"
-            row("rollout", f"{shape} {name} / transformers", f"{tok_s / hf_tok_s:.1f}x",
-                (tok_s >= 16000 and tok_s / hf_tok_s >= 10) if target else None)
+            row(
+                "rollout",
+                f"{shape} {name} / transformers",
+                f"{tok_s / hf_tok_s:.1f}x",
+                (tok_s >= 16000 and tok_s / hf_tok_s >= 10) if target else None,
+            )
         del hf
         torch.cuda.empty_cache()
 
@@ -396,8 +483,11 @@ def checkpoint(tmp: Path, shape: str) -> tuple[Path, list[tuple[str, torch.Tenso
     config = AutoConfig.from_pretrained(str(source))
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    named = [(n, t.detach()) for n, t in model.state_dict().items()
-             if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    named = [
+        (n, t.detach())
+        for n, t in model.state_dict().items()
+        if not (config.tie_word_embeddings and n == "lm_head.weight")
+    ]
     if not folder.exists():
         shutil.copytree(source, folder)
         save_file({n: t.contiguous().cpu() for n, t in named}, str(folder / "model.safetensors"))
@@ -432,8 +522,10 @@ def weights(tmp: Path, shape: str) -> None:
 
 def floors(nbytes: int) -> tuple[float, float]:
     """ms of a device-to-device copy and of a pinned host-to-device copy of `nbytes`."""
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE), torch.empty(nbytes, dtype=torch.uint8,
-                                                                                  device=DEVICE)
+    src, dst = (
+        torch.empty(nbytes, dtype=torch.uint8, device=DEVICE),
+        torch.empty(nbytes, dtype=torch.uint8, device=DEVICE),
+    )
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE != "cpu")
     return median_ms(lambda: dst.copy_(src)), median_ms(lambda: dst.copy_(host, non_blocking=True))
 
@@ -450,20 +542,34 @@ def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d:
     from hotswap.weights.checksum import tensor_sha256
 
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    row("weights", f"{folder.name}: {len(named)} tensors, {nbytes / 1e9:.2f} GB", f"floors: device copy {d2d:.2f} ms "
+    row(
+        "weights",
+        f"{folder.name}: {len(named)} tensors, {nbytes / 1e9:.2f} GB",
+        f"floors: device copy {d2d:.2f} ms "
         f"({nbytes / d2d / 1e6:.0f} GB/s), pinned host->device {h2d:.1f} ms ({nbytes / h2d / 1e6:.0f} GB/s)",
-        None, d2d_ms=d2d, h2d_ms=h2d)
+        None,
+        d2d_ms=d2d,
+        h2d_ms=h2d,
+    )
     llm = LLM(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.25)
     expected = {n: tensor_sha256(t) for n, t in named}
 
     def push_row(what: str, ms: float, floor: float) -> None:
         row("weights", what, f"{ms:.1f} ms ({ms / floor:.1f}x the floor)", None, ms=ms)
 
-    push_row("in-process reload_weights(iterator on the device)",
-             median_ms(lambda: llm.reload_weights(weights_iterator=named)), d2d)
+    push_row(
+        "in-process reload_weights(iterator on the device)",
+        median_ms(lambda: llm.reload_weights(weights_iterator=named)),
+        d2d,
+    )
     ms = median_ms(lambda: llm.weight_checksums(), 1)
-    row("weights", "checksums after a push (SHA-256 over a device->host copy)",
-        f"{ms:.0f} ms; equal to the trainer's", llm.weight_checksums() == expected, ms=ms)
+    row(
+        "weights",
+        "checksums after a push (SHA-256 over a device->host copy)",
+        f"{ms:.0f} ms; equal to the trainer's",
+        llm.weight_checksums() == expected,
+        ms=ms,
+    )
     ctx = mp.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     trainer = ctx.Process(target=ipc_trainer, args=(str(folder), DEVICE, commands, replies), daemon=True)
@@ -471,6 +577,7 @@ def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d:
     try:
         llm.init_weight_transfer_engine({"backend": "cuda_ipc"})
         for form in ("tensors", "bucket"):
+
             def push(form: str = form) -> None:
                 commands.put(form)
                 info = replies.get(timeout=120)
@@ -479,8 +586,11 @@ def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d:
                 llm.finish_weight_update()
 
             push()  # the first open pays the CUDA context and the handle cache
-            push_row(f"cuda_ipc from a trainer process ({'one flat bucket' if form == 'bucket' else 'per tensor'})",
-                     median_ms(push), d2d)
+            push_row(
+                f"cuda_ipc from a trainer process ({'one flat bucket' if form == 'bucket' else 'per tensor'})",
+                median_ms(push),
+                d2d,
+            )
         llm.shutdown_weight_transfer_engine()
     finally:
         commands.put("stop")
@@ -499,11 +609,13 @@ def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d:
     sender.close()
     port = free_port()
     box: dict[str, Any] = {}
-    joining = threading.Thread(target=lambda: box.setdefault("s", TorchDistSender(
-        "127.0.0.1", port, device=DEVICE, dist_backend="gloo")))
+    joining = threading.Thread(
+        target=lambda: box.setdefault("s", TorchDistSender("127.0.0.1", port, device=DEVICE, dist_backend="gloo"))
+    )
     joining.start()
-    llm.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port,
-                                     "dist_backend": "gloo"})
+    llm.init_weight_transfer_engine(
+        {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port, "dist_backend": "gloo"}
+    )
     joining.join()
     dist = box["s"]
 
@@ -519,8 +631,11 @@ def pushes(folder: Path, named: list[tuple[str, torch.Tensor]], d2d: float, h2d:
     push_row("torch_dist over gloo, device buckets (NCCL needs 2 GPUs)", median_ms(dist_push), d2d)
     llm.shutdown_weight_transfer_engine()
     dist.close()
-    push_row("reload from the checkpoint folder (page cache -> pinned -> device)",
-             median_ms(lambda: llm.reload_weights(weights_path=str(folder))), h2d)
+    push_row(
+        "reload from the checkpoint folder (page cache -> pinned -> device)",
+        median_ms(lambda: llm.reload_weights(weights_path=str(folder))),
+        h2d,
+    )
     row("weights", "after every path", "checksums equal to the trainer's", llm.weight_checksums() == expected)
     return expected
 
@@ -532,8 +647,14 @@ def rollback(folder: Path, named: list[tuple[str, torch.Tensor]], expected: dict
     from hotswap.transfer.tensors import tensors_update_info
 
     for where in ("cpu", "device"):
-        llm = LLM(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.25,
-                  backup_device=where)
+        llm = LLM(
+            str(folder),
+            device=DEVICE,
+            dtype="bfloat16",
+            max_model_len=2048,
+            gpu_memory_utilization=0.25,
+            backup_device=where,
+        )
         bad = named[-1][1].clone()
         bad.view(-1)[0] = float("nan")
         llm.init_weight_transfer_engine({"backend": "tensors"})
@@ -547,8 +668,13 @@ def rollback(folder: Path, named: list[tuple[str, torch.Tensor]], expected: dict
             pass
         sync()
         ms = (time.perf_counter() - start) * 1e3
-        row("weights", f"rollback of a failed session, copies {'on the host (pinned)' if where == 'cpu' else 'in HBM'}",
-            f"{ms:.1f} ms", llm.weight_checksums() == expected, ms=ms)
+        row(
+            "weights",
+            f"rollback of a failed session, copies {'on the host (pinned)' if where == 'cpu' else 'in HBM'}",
+            f"{ms:.1f} ms",
+            llm.weight_checksums() == expected,
+            ms=ms,
+        )
 
 
 def sleep_wake(folder: Path, expected: dict[str, str]) -> None:
@@ -563,13 +689,23 @@ def sleep_wake(folder: Path, expected: dict[str, str]) -> None:
     released = (torch.cuda.mem_get_info()[0] - free) / 1e9 if DEVICE != "cpu" else 0.0
     wake_ms = median_ms(lambda: llm.wake_up(), 1)
     after = decode_step_ms(llm, 8)
-    row("weights", "sleep(1) / wake_up()", f"{sleep_ms:.0f} / {wake_ms:.0f} ms, {released:.1f} GB freed; decode step "
-        f"{before:.2f} -> {after:.2f} ms", llm.weight_checksums() == expected, sleep_ms=sleep_ms, wake_ms=wake_ms)
+    row(
+        "weights",
+        "sleep(1) / wake_up()",
+        f"{sleep_ms:.0f} / {wake_ms:.0f} ms, {released:.1f} GB freed; decode step {before:.2f} -> {after:.2f} ms",
+        llm.weight_checksums() == expected,
+        sleep_ms=sleep_ms,
+        wake_ms=wake_ms,
+    )
     llm.sleep(2)
     llm.wake_up()
     ms = median_ms(lambda: llm.reload_weights(weights_path=str(folder)), 1)
-    row("weights", "sleep(2), wake_up(), reload from the folder", f"reload {ms:.0f} ms",
-        llm.weight_checksums() == expected)
+    row(
+        "weights",
+        "sleep(2), wake_up(), reload from the folder",
+        f"reload {ms:.0f} ms",
+        llm.weight_checksums() == expected,
+    )
 
 
 def staged(tmp: Path, shape: str) -> None:
@@ -584,14 +720,26 @@ def staged(tmp: Path, shape: str) -> None:
 
     async def run() -> None:
         for mode in ("in_place", "shadow"):
-            engine = AsyncLLMEngine.from_kwargs(str(folder), device=DEVICE, dtype="bfloat16", max_model_len=2048,
-                                                gpu_memory_utilization=0.25, update_staging=mode)
+            engine = AsyncLLMEngine.from_kwargs(
+                str(folder),
+                device=DEVICE,
+                dtype="bfloat16",
+                max_model_len=2048,
+                gpu_memory_utilization=0.25,
+                update_staging=mode,
+            )
             figures = [await trial(engine, mode, {"weights_path": str(folder)}, 8, seed) for seed in range(3)]
             await engine.shutdown()
             med = {k: sorted(f[k] for f in figures)[1] for k in figures[0]}
-            row("staged", f"{shape} full reload, 8 streams, {mode}", f"pause {med['pause_ms']:.1f} ms (commit gap "
+            row(
+                "staged",
+                f"{shape} full reload, 8 streams, {mode}",
+                f"pause {med['pause_ms']:.1f} ms (commit gap "
                 f"{med['commit_gap_ms']:.1f}), wall {med['wall_ms']:.0f} ms, {med['tok_s_during']:.0f} tok/s during "
-                f"/ {med['tok_s_before']:.0f} before", (med["pause_ms"] <= 10) if mode == "shadow" else None, **med)
+                f"/ {med['tok_s_before']:.0f} before",
+                (med["pause_ms"] <= 10) if mode == "shadow" else None,
+                **med,
+            )
             torch.cuda.empty_cache() if DEVICE != "cpu" else None
 
     asyncio.run(run())
@@ -599,12 +747,25 @@ def staged(tmp: Path, shape: str) -> None:
 
 # ---- the test suite's device tests ----------------------------------------------------------------------------
 
-DEVICE_TESTS = ["tests/test_device.py", "tests/test_correctness.py", "tests/test_sampling.py",
-                "tests/test_weight_update.py", "tests/test_weight_writes.py", "tests/test_cuda_ipc.py",
-                "tests/test_host_staging.py", "tests/test_offload.py", "tests/test_triton_attention.py",
-                "tests/test_triton_engine.py", "tests/test_chunked_prefill.py", "tests/test_delta.py",
-                "tests/test_bad_updates.py", "tests/test_moe.py", "tests/test_staged_updates.py",
-                "tests/test_kv_policy.py", "tests/test_teacher_scoring.py"]
+DEVICE_TESTS = [
+    "tests/test_device.py",
+    "tests/test_correctness.py",
+    "tests/test_sampling.py",
+    "tests/test_weight_update.py",
+    "tests/test_weight_writes.py",
+    "tests/test_cuda_ipc.py",
+    "tests/test_host_staging.py",
+    "tests/test_offload.py",
+    "tests/test_triton_attention.py",
+    "tests/test_triton_engine.py",
+    "tests/test_chunked_prefill.py",
+    "tests/test_delta.py",
+    "tests/test_bad_updates.py",
+    "tests/test_moe.py",
+    "tests/test_staged_updates.py",
+    "tests/test_kv_policy.py",
+    "tests/test_teacher_scoring.py",
+]
 
 
 def suite(timeout_s: int = 360) -> None:
@@ -615,10 +776,23 @@ def suite(timeout_s: int = 360) -> None:
     import sys
 
     device = "cpu" if DEVICE == "cpu" else "cuda"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               "-o", "timeout=0", f"--device={device}", "-rfE", *DEVICE_TESTS]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-o",
+        "timeout=0",
+        f"--device={device}",
+        "-rfE",
+        *DEVICE_TESTS,
+    ]
     if DEVICE == "cpu":
-        command[-len(DEVICE_TESTS):] = ["tests/test_device.py"]  # --dry-run: the script's own plumbing
+        command[-len(DEVICE_TESTS) :] = ["tests/test_device.py"]  # --dry-run: the script's own plumbing
     env = {**os.environ, "PYTHONPATH": "."}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -640,8 +814,18 @@ def demo(tmp: Path, timeout_s: int = 300) -> None:
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "hotswap", "demo", "--device", DEVICE, "--out-dir", str(tmp / "demo"),
-               "--quiet", *DEMO_ARGS]
+    command = [
+        sys.executable,
+        "-m",
+        "hotswap",
+        "demo",
+        "--device",
+        DEVICE,
+        "--out-dir",
+        str(tmp / "demo"),
+        "--quiet",
+        *DEMO_ARGS,
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -649,8 +833,12 @@ def demo(tmp: Path, timeout_s: int = 300) -> None:
         return
     tail = [line for line in done.stdout.splitlines() if line.strip()][-6:]
     print("\n".join(tail), flush=True)
-    row("demo", f"hotswap demo --device {DEVICE}", (tail[-1] if tail else done.stderr[-200:])[:200],
-        done.returncode == 0)
+    row(
+        "demo",
+        f"hotswap demo --device {DEVICE}",
+        (tail[-1] if tail else done.stderr[-200:])[:200],
+        done.returncode == 0,
+    )
 
 
 def main() -> None:
@@ -658,26 +846,37 @@ def main() -> None:
     parser.add_argument("--parts", default="facts,kernels,correct,steps,rollout,weights,staged,suite,demo")
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--quick", action="store_true", help="smaller kernel cases and rollouts")
-    parser.add_argument("--dry-run", action="store_true", help="the script itself on the CPU, with a tiny shape and "
-                        "the kernels under TRITON_INTERPRET=1 (set it in the environment)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the script itself on the CPU, with a tiny shape and "
+        "the kernels under TRITON_INTERPRET=1 (set it in the environment)",
+    )
     args = parser.parse_args()
     global DEVICE
     shapes = args.shapes.split(",")
     if args.dry_run:
         DEVICE, shapes, args.quick = "cpu", ["dry"], True
     elif not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run checks "
-                         "the script on the CPU")
+        raise SystemExit(
+            "benchmarks.gpu needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run checks "
+            "the script on the CPU"
+        )
     parts = args.parts.split(",")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         work: dict[str, Callable[[], None]] = {
-            "facts": facts, "kernels": lambda: kernels(args.quick), "correct": lambda: correct(tmp),
+            "facts": facts,
+            "kernels": lambda: kernels(args.quick),
+            "correct": lambda: correct(tmp),
             "steps": lambda: steps(tmp, args.quick, shapes[-1]),
             "rollout": lambda: rollout(tmp, shapes, args.quick),
-            "weights": lambda: weights(tmp, shapes[-1]), "staged": lambda: staged(tmp, shapes[-1]),
-            "suite": suite, "demo": lambda: demo(tmp)}
+            "weights": lambda: weights(tmp, shapes[-1]),
+            "staged": lambda: staged(tmp, shapes[-1]),
+            "suite": suite,
+            "demo": lambda: demo(tmp),
+        }
         for part in parts:
             guarded(part, work[part])
     print(f"\n{'part':8} {'what':44} {'figure':70} ok")

@@ -81,8 +81,11 @@ def prepare_files(args: argparse.Namespace) -> tuple[Path, list[Path]]:
     adapters = []
     for seed in range(args.adapters):
         folder = root / f"r{args.rank}-seed{seed}"
-        adapters.append(cached(folder, lambda p, seed=seed: make_tiny_lora(model, p, rank=args.rank,
-                                                                           alpha=2 * args.rank, seed=seed)))
+        adapters.append(
+            cached(
+                folder, lambda p, seed=seed: make_tiny_lora(model, p, rank=args.rank, alpha=2 * args.rank, seed=seed)
+            )
+        )
     print(f"checkpoint and {args.adapters} adapters ready in {root} ({time.perf_counter() - begin:.1f} s)")
     return model, adapters
 
@@ -107,10 +110,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank (max_lora_rank)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions; the median of each is kept")
     parser.add_argument("--update-reps", type=int, default=10, help="repetitions of each adapter update")
-    parser.add_argument("--cache-dir", default=str(default_cache_dir()), help="where the checkpoint and the "
-                        "adapters are made once")
-    parser.add_argument("--isa", choices=emulation.ISAS, default="native",
-                        help="emulate a narrower host (see benchmarks/throughput.py)")
+    parser.add_argument(
+        "--cache-dir", default=str(default_cache_dir()), help="where the checkpoint and the adapters are made once"
+    )
+    parser.add_argument(
+        "--isa", choices=emulation.ISAS, default="native", help="emulate a narrower host (see benchmarks/throughput.py)"
+    )
     args = parser.parse_args()
     if args.adapters < max(args.active, 2):
         parser.error("--adapters must be at least --active and at least 2")
@@ -127,20 +132,37 @@ def main() -> None:
     from hotswap.transfer.shm import ShmSender
 
     build = kernel_build()
-    print(f"cpu: {build['cpu']}; kernels: {build['build']}; torch: {build['torch_isa']}, "
-          f"{torch.get_num_threads()} threads; dtype {args.dtype}")
+    print(
+        f"cpu: {build['cpu']}; kernels: {build['build']}; torch: {build['torch_isa']}, "
+        f"{torch.get_num_threads()} threads; dtype {args.dtype}"
+    )
     model, folders = prepare_files(args)
-    figures: dict[str, Any] = {"isa": args.isa, "preset": args.preset, "dtype": args.dtype, **build,
-                               "prompts": args.prompts, "tokens": args.tokens, "temperature": args.temperature,
-                               "adapters": args.adapters, "active": args.active, "rank": args.rank}
+    figures: dict[str, Any] = {
+        "isa": args.isa,
+        "preset": args.preset,
+        "dtype": args.dtype,
+        **build,
+        "prompts": args.prompts,
+        "tokens": args.tokens,
+        "temperature": args.temperature,
+        "adapters": args.adapters,
+        "active": args.active,
+        "rank": args.rank,
+    }
     kv = kv_bytes(model, args.prompts, 48 + args.tokens)
     common = {"dtype": args.dtype, "seed": 0, "kv_cache_memory_bytes": kv}
     begin = time.perf_counter()
     plain = LLM(str(model), **common)
     plain_ready = time.perf_counter() - begin
     begin = time.perf_counter()
-    llm = LLM(str(model), enable_lora=True, max_loras=args.active, max_lora_rank=args.rank,
-              max_cpu_loras=args.adapters, **common)
+    llm = LLM(
+        str(model),
+        enable_lora=True,
+        max_loras=args.active,
+        max_lora_rank=args.rank,
+        max_cpu_loras=args.adapters,
+        **common,
+    )
     lora_ready = time.perf_counter() - begin
     registered = folders
     requests: list[LoRARequest] = []
@@ -149,19 +171,26 @@ def main() -> None:
         loaded = llm.load_lora_adapter(f"a{i}", str(folder))
         requests.append(LoRARequest(f"a{i}", loaded["lora_int_id"]))
     load_all = time.perf_counter() - begin
-    print(f"engines ready: plain {plain_ready:.2f} s, LoRA {lora_ready:.2f} s; {len(registered)} adapters "
-          f"registered in {load_all:.2f} s")
+    print(
+        f"engines ready: plain {plain_ready:.2f} s, LoRA {lora_ready:.2f} s; {len(registered)} adapters "
+        f"registered in {load_all:.2f} s"
+    )
 
     prompts = [{"prompt_token_ids": p} for p in make_prompts(llm.get_tokenizer(), args.prompts)]
     mixed = f"{args.active} adapters"
-    per_row: dict[str, Any] = {"plain engine": None, "no adapter": None, "1 adapter": requests[0],
-                               mixed: [requests[i % args.active] for i in range(args.prompts)]}
+    per_row: dict[str, Any] = {
+        "plain engine": None,
+        "no adapter": None,
+        "1 adapter": requests[0],
+        mixed: [requests[i % args.active] for i in range(args.prompts)],
+    }
     variants = tuple(per_row)
     engine_of = {v: plain if v == "plain engine" else llm for v in variants}
 
     def params(tokens: int) -> Any:
-        return SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=tokens, min_tokens=tokens,
-                              ignore_eos=True)
+        return SamplingParams(
+            temperature=args.temperature, top_p=1.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True
+        )
 
     def run(variant: str) -> float:
         engine = engine_of[variant]
@@ -174,11 +203,13 @@ def main() -> None:
 
     for variant in variants:  # warm-up: every adapter of the mixed batch used once (its fused factors built)
         engine_of[variant].generate(prompts, params(2), lora_request=per_row[variant], use_tqdm=False)
-    print(f"throughput: {args.prompts} prompts x {args.tokens} tokens, temperature {args.temperature}, "
-          f"{args.reps} interleaved repetitions")
+    print(
+        f"throughput: {args.prompts} prompts x {args.tokens} tokens, temperature {args.temperature}, "
+        f"{args.reps} interleaved repetitions"
+    )
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.reps):
-        order = list(variants[rep % len(variants):] + variants[: rep % len(variants)])
+        order = list(variants[rep % len(variants) :] + variants[: rep % len(variants)])
         for variant in order:
             rates[variant].append(run(variant))
         print(f"  rep {rep}: " + ", ".join(f"{v} {rates[v][-1]:.0f}" for v in variants) + " tok/s")
@@ -189,17 +220,25 @@ def main() -> None:
         per_rep = [r / p for r, p in zip(rates[variant], rates["plain engine"], strict=True)]
         over_plain = med / statistics.median(rates["plain engine"])
         over_none = med / statistics.median(rates["no adapter"])
-        print(f"  {variant:<14} {med:8.0f} {over_plain:8.3f} {over_none:13.3f}   "
-              + ", ".join(f"{r:.3f}" for r in per_rep))
-        throughput[variant] = {"tok_s": round(med, 1), "tok_s_per_rep": [round(r, 1) for r in rates[variant]],
-                               "over_plain": round(over_plain, 3), "over_no_adapter": round(over_none, 3),
-                               "over_plain_per_rep": [round(r, 3) for r in per_rep]}
+        print(
+            f"  {variant:<14} {med:8.0f} {over_plain:8.3f} {over_none:13.3f}   "
+            + ", ".join(f"{r:.3f}" for r in per_rep)
+        )
+        throughput[variant] = {
+            "tok_s": round(med, 1),
+            "tok_s_per_rep": [round(r, 1) for r in rates[variant]],
+            "over_plain": round(over_plain, 3),
+            "over_no_adapter": round(over_none, 3),
+            "over_plain_per_rep": [round(r, 3) for r in per_rep],
+        }
     figures["throughput"] = throughput
     for variant in ("1 adapter", mixed):
         ratio = throughput[variant]["over_plain"]
         verdict = "met" if ratio >= TARGET else "NOT met"
-        print(f"  target (every row on a rank-{args.rank} adapter within 15 % of the base model), {variant}: "
-              f"{ratio:.3f} of the plain engine: {verdict}")
+        print(
+            f"  target (every row on a rank-{args.rank} adapter within 15 % of the base model), {variant}: "
+            f"{ratio:.3f} of the plain engine: {verdict}"
+        )
     figures["target_met"] = {v: throughput[v]["over_plain"] >= TARGET for v in ("1 adapter", mixed)}
 
     # ---- updates of adapter a0 (in the mixed batch) ----------------------------------------------------------
@@ -220,8 +259,10 @@ def main() -> None:
         print(f"  {label:<36} {seconds * 1e3:8.1f} ms")
         updates[label.strip()] = round(seconds * 1e3, 2)
 
-    report("reload_weights(iterator)",
-           median_seconds(lambda: llm.reload_weights(target="lora:a0", weights_iterator=payload()), args.update_reps))
+    report(
+        "reload_weights(iterator)",
+        median_seconds(lambda: llm.reload_weights(target="lora:a0", weights_iterator=payload()), args.update_reps),
+    )
 
     llm.init_weight_transfer_engine({"backend": "shm"})
     sender = ShmSender()
@@ -271,8 +312,11 @@ def main() -> None:
     print(f"    first use of a new version: +{first_use * 1e3:.1f} ms (its fused factors built)")
     updates["first_use_extra"] = round(first_use * 1e3, 2)
     figures["updates_ms"] = updates
-    figures["engine_ready_s"] = {"plain": round(plain_ready, 2), "lora": round(lora_ready, 2),
-                                 "register_adapters": round(load_all, 2)}
+    figures["engine_ready_s"] = {
+        "plain": round(plain_ready, 2),
+        "lora": round(lora_ready, 2),
+        "register_adapters": round(load_all, 2),
+    }
     print(json.dumps(figures))
 
 

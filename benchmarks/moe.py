@@ -45,11 +45,21 @@ def main() -> None:
     print(f"CPU: {build['cpu']}; kernels: {build['build']}; torch threads: {torch.get_num_threads()}")
     results: dict[str, object] = {"cpu": build["cpu"], "build": build["build"]}
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_tiny_model(
-            f"{tmp}/moe", "qwen3_moe", preset="9m", hidden_size=512, num_hidden_layers=args.layers,
-            num_attention_heads=8, num_key_value_heads=4, num_experts=args.experts,
-            num_experts_per_tok=args.top_k, moe_intermediate_size=256, vocab_size=8192,
-        ))
+        path = str(
+            make_tiny_model(
+                f"{tmp}/moe",
+                "qwen3_moe",
+                preset="9m",
+                hidden_size=512,
+                num_hidden_layers=args.layers,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                num_experts=args.experts,
+                num_experts_per_tok=args.top_k,
+                moe_intermediate_size=256,
+                vocab_size=8192,
+            )
+        )
         weights = load_file(f"{path}/model.safetensors")
         params = sum(t.numel() for t in weights.values())
         print(f"model: {params / 1e6:.0f}M parameters, {args.experts} experts, top-{args.top_k}, {args.layers} layers")
@@ -66,18 +76,33 @@ def main() -> None:
             for name in order:
                 best[name] = max(best[name], runners[name].run(prompts, args.tokens))
         ratio = best["hotswap"] / best["transformers"]
-        print(f"decode, TP=1: hotswap {best['hotswap']:.0f} tok/s, transformers {best['transformers']:.0f} tok/s "
-              f"({ratio:.2f}x)")
-        results.update(hotswap_tok_s=round(best["hotswap"], 1), transformers_tok_s=round(best["transformers"], 1),
-                       ratio=round(ratio, 2))
+        print(
+            f"decode, TP=1: hotswap {best['hotswap']:.0f} tok/s, transformers {best['transformers']:.0f} tok/s "
+            f"({ratio:.2f}x)"
+        )
+        results.update(
+            hotswap_tok_s=round(best["hotswap"], 1),
+            transformers_tok_s=round(best["transformers"], 1),
+            ratio=round(ratio, 2),
+        )
         del hf, runners
         results.update(routes_cost(hotswap, prompts, args.tokens, args.route_reps))
 
         # a full update from in-memory tensors (checkpoint B of the same shape), against copying its bytes once
-        other = make_tiny_model(f"{tmp}/moe_b", "qwen3_moe", preset="9m", seed=1, hidden_size=512,
-                                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                                num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=256,
-                                vocab_size=8192)
+        other = make_tiny_model(
+            f"{tmp}/moe_b",
+            "qwen3_moe",
+            preset="9m",
+            seed=1,
+            hidden_size=512,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=256,
+            vocab_size=8192,
+        )
         new = list(load_file(f"{other}/model.safetensors").items())
         nbytes = sum(t.numel() * t.element_size() for _, t in new)
         llm: LLM = hotswap.llm
@@ -87,8 +112,10 @@ def main() -> None:
 
         update = median_seconds(update_once, 3)
         floor = memcpy_seconds(nbytes, 3)
-        print(f"full update ({nbytes / 1e9:.2f} GB, reload_weights from tensors): {update:.3f} s; memcpy floor "
-              f"{floor:.3f} s ({update / floor:.1f}x)")
+        print(
+            f"full update ({nbytes / 1e9:.2f} GB, reload_weights from tensors): {update:.3f} s; memcpy floor "
+            f"{floor:.3f} s ({update / floor:.1f}x)"
+        )
         results.update(update_s=round(update, 3), memcpy_s=round(floor, 3), update_over_memcpy=round(update / floor, 2))
         llm.llm_engine.shutdown()
 
@@ -100,8 +127,10 @@ def main() -> None:
             runner.llm, runner.ready = ep, ready
             runner.warm_up(prompts, args.tokens)
             ep_best = max(runner.run(prompts, args.tokens) for _ in range(args.reps))
-            print(f"decode, TP=2 expert-parallel: {ep_best:.0f} tok/s ({ep_best / best['transformers']:.2f}x "
-                  "transformers; both ranks share this machine's cores)")
+            print(
+                f"decode, TP=2 expert-parallel: {ep_best:.0f} tok/s ({ep_best / best['transformers']:.2f}x "
+                "transformers; both ranks share this machine's cores)"
+            )
             results.update(ep2_tok_s=round(ep_best, 1), ep2_ratio=round(ep_best / best["transformers"], 2))
             ep.llm_engine.shutdown()
     print(json.dumps(results))
@@ -123,13 +152,22 @@ def routes_cost(runner: HotswapRunner, prompts: list[list[int]], tokens: int, re
     npy = sum(len(npy_base64(r)) for r in routes) / rows
     sglang = sum(len(int32_base64(r)) for r in routes) / rows
     off, on_ = statistics.median(speeds[False]), statistics.median(speeds[True])
-    print(f"routes returned: {on_:.0f} tok/s against {off:.0f} tok/s without ({on_ / off:.3f}x; runs on "
-          f"{[round(v) for v in speeds[True]]}, off {[round(v) for v in speeds[False]]}); payload per token: "
-          f"{routes[0].nbytes / len(routes[0]):.0f} B in memory ({routes[0].dtype}), {npy:.0f} B as vLLM's base64 "
-          f".npy, {sglang:.0f} B as SGLang's base64 int32")
-    return {"routes_on_tok_s": round(on_, 1), "routes_off_tok_s": round(off, 1), "routes_ratio": round(on_ / off, 3),
-            "routes_bytes_per_token": {"memory": routes[0].nbytes // len(routes[0]), "vllm_npy_base64": round(npy),
-                                       "sglang_int32_base64": round(sglang)}}
+    print(
+        f"routes returned: {on_:.0f} tok/s against {off:.0f} tok/s without ({on_ / off:.3f}x; runs on "
+        f"{[round(v) for v in speeds[True]]}, off {[round(v) for v in speeds[False]]}); payload per token: "
+        f"{routes[0].nbytes / len(routes[0]):.0f} B in memory ({routes[0].dtype}), {npy:.0f} B as vLLM's base64 "
+        f".npy, {sglang:.0f} B as SGLang's base64 int32"
+    )
+    return {
+        "routes_on_tok_s": round(on_, 1),
+        "routes_off_tok_s": round(off, 1),
+        "routes_ratio": round(on_ / off, 3),
+        "routes_bytes_per_token": {
+            "memory": routes[0].nbytes // len(routes[0]),
+            "vllm_npy_base64": round(npy),
+            "sglang_int32_base64": round(sglang),
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -62,14 +62,33 @@ def measure(ops: object, m: int, reps: int) -> list[tuple[str, int, float, float
     for label, (n, k) in {"linear qkv": (QKV, HIDDEN), "linear down": (HIDDEN, INTERMEDIATE)}.items():
         weights = rotating(lambda n=n, k=k: torch.randn(n, k))
         xk = torch.randn(m, k)
-        rows.append((label, m, *pair_us(lambda xk=xk, w=weights: kernels.small_batch_linear(xk, w(), None),
-                                        lambda xk=xk, w=weights: F.linear(xk, w()), reps)))
+        rows.append(
+            (
+                label,
+                m,
+                *pair_us(
+                    lambda xk=xk, w=weights: kernels.small_batch_linear(xk, w(), None),
+                    lambda xk=xk, w=weights: F.linear(xk, w()),
+                    reps,
+                ),
+            )
+        )
     gate_up = rotating(lambda: torch.randn(2 * INTERMEDIATE, HIDDEN))
-    rows.append(("gated linear", m, *pair_us(lambda: kernels.small_batch_gated_linear(x, gate_up(), None),
-                                             lambda: kernels.silu_and_mul(F.linear(x, gate_up())), reps)))
+    rows.append(
+        (
+            "gated linear",
+            m,
+            *pair_us(
+                lambda: kernels.small_batch_gated_linear(x, gate_up(), None),
+                lambda: kernels.silu_and_mul(F.linear(x, gate_up())),
+                reps,
+            ),
+        )
+    )
     w = torch.randn(HIDDEN)
-    rows.append(("rms_norm", m, *pair_us(lambda: kernels.rms_norm(x, w, 1e-5), lambda: rms_norm_torch(x, w, 1e-5),
-                                         reps)))
+    rows.append(
+        ("rms_norm", m, *pair_us(lambda: kernels.rms_norm(x, w, 1e-5), lambda: rms_norm_torch(x, w, 1e-5), reps))
+    )
     h = torch.randn(m, 2 * INTERMEDIATE)
     gate, up = h[:, :INTERMEDIATE], h[:, INTERMEDIATE:]
     rows.append(("silu_and_mul", m, *pair_us(lambda: kernels.silu_and_mul(h), lambda: F.silu(gate) * up, reps)))
@@ -113,10 +132,22 @@ def main() -> None:
     build = f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit vectors)"
     print(f"build: {build}; torch: {emulation.torch_isa()}, {torch.get_num_threads()} threads")
     figures: dict = {"build": build, "isa": args.isa, "torch_isa": emulation.torch_isa(), "ops": {}}
-    chosen = policy.prepare({"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": 9,
-                             "num_key_value_heads": 3, "vocab_size": VOCAB, "num_hidden_layers": 30})
-    op_of = {"linear qkv": "linear", "linear down": "linear", "gated linear": "gated_linear",
-             "attention": "paged_attention"}
+    chosen = policy.prepare(
+        {
+            "hidden_size": HIDDEN,
+            "intermediate_size": INTERMEDIATE,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "vocab_size": VOCAB,
+            "num_hidden_layers": 30,
+        }
+    )
+    op_of = {
+        "linear qkv": "linear",
+        "linear down": "linear",
+        "gated linear": "gated_linear",
+        "attention": "paged_attention",
+    }
     torch.manual_seed(0)
     rows = [row for m in (4, 16, 64) for row in measure(ops, m, args.reps)]
     print(f"{'op':<14} {'M':>3} {'native us':>10} {'torch us':>10} {'ratio':>6}  calibration's choice")
@@ -126,7 +157,9 @@ def main() -> None:
         choice = f"{'native' if decision.native[m] else 'torch'}{ratio}"
         print(f"{label:<14} {m:>3} {native_us:>10.1f} {torch_us:>10.1f} {native_us / torch_us:>6.2f}  {choice}")
         figures["ops"].setdefault(label, {})[str(m)] = {
-            "native_us": round(native_us, 1), "torch_us": round(torch_us, 1), "ratio": round(native_us / torch_us, 3),
+            "native_us": round(native_us, 1),
+            "torch_us": round(torch_us, 1),
+            "ratio": round(native_us / torch_us, 3),
             "chosen": "native" if decision.native[m] else "torch",
         }
     print("(the calibration's own ratios, in brackets, rotate through the model's layers' weights, up to 64 MB)")

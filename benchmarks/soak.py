@@ -55,8 +55,16 @@ Named = list[tuple[str, torch.Tensor]]
 def serving(model: Path, log: Path, replicas: int = 1, admin_key: str = "k") -> Iterator[tuple[str, int]]:
     """`hotswap serve` of `model` (a fleet of `replicas` on a local Ray when above 1), its output in `log`;
     yields (base URL, pid)."""
-    args = ["--admin-key", admin_key, "--served-model-name", "m", "--kv-cache-memory-bytes", str(1 << 23),
-            "--log-level", "info"]
+    args = [
+        "--admin-key",
+        admin_key,
+        "--served-model-name",
+        "m",
+        "--kv-cache-memory-bytes",
+        str(1 << 23),
+        "--log-level",
+        "info",
+    ]
     if replicas > 1:
         args += ["--data-parallel-size", str(replicas), "--num-gpus-per-worker", "0"]
     with running_server(model, *args, log=log) as (base, proc):
@@ -146,8 +154,15 @@ def completion(http: httpx.Client, rng: random.Random, stream: bool) -> tuple[st
     """One OpenAI completion; returns (kind, status, detail)."""
     n = rng.choice([1, 1, 2, 4, 8])
     max_tokens = rng.randint(4, 48)
-    body = {"model": "m", "prompt": f"count {rng.randint(0, 999)} and {rng.randint(0, 99)}", "n": n,
-            "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": "m",
+        "prompt": f"count {rng.randint(0, 999)} and {rng.randint(0, 99)}",
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     leave = rng.random() < 0.2
     if not stream:
         timeout = httpx.Timeout(120, read=rng.uniform(0.05, 0.6)) if leave else 120
@@ -192,8 +207,12 @@ def sglang_generate(http: httpx.Client, rng: random.Random) -> tuple[str, int | 
 
         def problem() -> str:
             finishes = [(r["meta_info"]["finish_reason"] or {}).get("type") for r in response.json()]
-            return "" if all(f in ("length", "stop") for f in finishes) else (
-                "abort" if "abort" in finishes else f"finish {finishes}")
+            return (
+                ""
+                if all(f in ("length", "stop") for f in finishes)
+                else ("abort" if "abort" in finishes else f"finish {finishes}")
+            )
+
         return classify(response, problem)
     finish = None
     with http.stream("POST", "/generate", json=body, timeout=120) as response:
@@ -280,8 +299,20 @@ class Trainer:
     update_seconds: list[float] = field(default_factory=list)
     rng: random.Random = field(default_factory=lambda: random.Random(7))
 
-    ROTATION = ("full_shm", "partial_shm", "bad_shape", "full_dist", "pause_abort", "partial_dist", "nan",
-                "pause_wait", "killed_trainer", "pause_keep", "sleep", "reset_cache")
+    ROTATION = (
+        "full_shm",
+        "partial_shm",
+        "bad_shape",
+        "full_dist",
+        "pause_abort",
+        "partial_dist",
+        "nan",
+        "pause_wait",
+        "killed_trainer",
+        "pause_keep",
+        "sleep",
+        "reset_cache",
+    )
 
     def __post_init__(self) -> None:
         self.named = {k: list(load_file(str(p / "model.safetensors")).items()) for k, p in self.checkpoints.items()}
@@ -366,6 +397,7 @@ class Trainer:
                     time.sleep(self.rng.uniform(0.2, 1.0))
                 finally:
                     admin.resume()
+
             self.hold(mode, pause)
             self.count(action)
         elif action == "sleep":
@@ -381,6 +413,7 @@ class Trainer:
                         admin.push_weights(list(self.expected.items()), backend="shm", pause_mode=None)
                 finally:
                     admin.resume()
+
             self.hold("sleep", sleep)
             self.count(action)
             self.verify(f"sleep level {level}")
@@ -403,8 +436,19 @@ class Trainer:
         how = "anywhere" if self.counts.get("killed_trainer", 0) % 2 else "mid-stream"
         self.count("killed_trainer")
         proc = subprocess.Popen(
-            [sys.executable, "-c", KILLED_TRAINER, self.base, str(self.checkpoints[source] / "model.safetensors"),
-             str(free_port()), how], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                sys.executable,
+                "-c",
+                KILLED_TRAINER,
+                self.base,
+                str(self.checkpoints[source] / "model.safetensors"),
+                str(free_port()),
+                how,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout is not None
         proc.stdout.readline()  # imported and loaded: the push starts now
         start = time.monotonic()
@@ -451,9 +495,16 @@ def explained(outcome: Outcome, windows: list[tuple[float, float, str]], kinds: 
     return any(s - 1.0 <= outcome.end and outcome.start <= e + 1.0 for s, e, k in windows if k in kinds)
 
 
-def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, clients: int = 6,
-         update_every_s: float = 3.0, sample_every_s: float = 10.0, log: Path | None = None,
-         progress: bool = True) -> dict[str, Any]:
+def soak(
+    checkpoints: dict[str, Path],
+    minutes: float,
+    replicas: int = 1,
+    clients: int = 6,
+    update_every_s: float = 3.0,
+    sample_every_s: float = 10.0,
+    log: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Runs the soak for `minutes` against a server of checkpoint A (pushing A and B); returns the figures."""
     log = log or Path(tempfile.mkdtemp()) / "server.log"
     seconds = minutes * 60
@@ -462,12 +513,22 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
 
         def warm(route: str, body: dict[str, Any]) -> None:
             httpx.post(f"{base}{route}", json=body, timeout=120).raise_for_status()
+
         # as many requests at once as there will be clients, on both routes: the connection pools (the fleet
         # router's to its replicas, Ray's between processes) reach their working size before the first sample
         with ThreadPoolExecutor(2 * clients) as pool:
-            list(pool.map(lambda i: warm(*(("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4})
-                                           if i % 2 else ("/generate", {"text": "hi", "sampling_params": {
-                                               "max_new_tokens": 4}}))), range(2 * clients)))
+            list(
+                pool.map(
+                    lambda i: warm(
+                        *(
+                            ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 4})
+                            if i % 2
+                            else ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+                        )
+                    ),
+                    range(2 * clients),
+                )
+            )
         trainer.act("full_dist")  # the torch_dist group exists before the first sample
         trainer.act("full_shm")
         samples: list[tuple[float, int, int]] = []
@@ -476,8 +537,10 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         samples.append((0.0, *totals(at_start)))
         by_process: dict[int, tuple[str, int, int]] = {}  # after warm-up (the first sample at 1 minute or later)
         stop, lock, outcomes = threading.Event(), threading.Lock(), []
-        threads = [threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
-                   for i in range(clients)]
+        threads = [
+            threading.Thread(target=client_loop, args=(base, i, stop, outcomes, lock), daemon=True)
+            for i in range(clients)
+        ]
         threads.append(threading.Thread(target=trainer.run, args=(stop, update_every_s), daemon=True))
         for thread in threads:
             thread.start()
@@ -490,8 +553,11 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
             if progress:
                 with lock:
                     done = len(outcomes)
-                print(f"{samples[-1][0]:7.0f} s  requests {done:6d}  rss {samples[-1][1] / 2**20:7.1f} MiB  "
-                      f"fds {samples[-1][2]:4d}  trainer {dict(sorted(trainer.counts.items()))}", flush=True)
+                print(
+                    f"{samples[-1][0]:7.0f} s  requests {done:6d}  rss {samples[-1][1] / 2**20:7.1f} MiB  "
+                    f"fds {samples[-1][2]:4d}  trainer {dict(sorted(trainer.counts.items()))}",
+                    flush=True,
+                )
         stop.set()
         for thread in threads:
             thread.join(timeout=300)
@@ -504,40 +570,68 @@ def soak(checkpoints: dict[str, Path], minutes: float, replicas: int = 1, client
         trainer.admin.close()
     text = log.read_text(errors="replace")
     exceptions = [line for line in text.splitlines() if re.search(r"Traceback|^ERROR|\bERROR:", line)]
-    lost = [o for o in outcomes if o.kind == "error" or (
-        o.kind == "abort" and not explained(o, trainer.windows, ("abort",))) or (
-        o.kind == "refused" and not explained(o, trainer.windows, ("abort", "wait", "sleep")))]
+    lost = [
+        o
+        for o in outcomes
+        if o.kind == "error"
+        or (o.kind == "abort" and not explained(o, trainer.windows, ("abort",)))
+        or (o.kind == "refused" and not explained(o, trainer.windows, ("abort", "wait", "sleep")))
+    ]
     latencies = [o.end - o.start for o in outcomes if o.kind == "served"]
     five = min(samples, key=lambda s: abs(s[0] - 300))
     return {
-        "minutes": minutes, "replicas": replicas, "clients": clients,
-        "requests": len(outcomes), "served": sum(o.kind == "served" for o in outcomes),
+        "minutes": minutes,
+        "replicas": replicas,
+        "clients": clients,
+        "requests": len(outcomes),
+        "served": sum(o.kind == "served" for o in outcomes),
         "disconnected_on_purpose": sum(o.kind == "disconnected" for o in outcomes),
         "aborted_by_abort_pause": sum(o.kind == "abort" for o in outcomes) - sum(o.kind == "abort" for o in lost),
         "refused_while_held": sum(o.kind == "refused" for o in outcomes) - sum(o.kind == "refused" for o in lost),
-        "lost": len(lost), "lost_examples": [o.__dict__ for o in lost[:5]],
+        "lost": len(lost),
+        "lost_examples": [o.__dict__ for o in lost[:5]],
         "unexpected_5xx": sum(o in lost and (o.status or 0) >= 500 for o in outcomes),
-        "exceptions_logged": len(exceptions), "exception_examples": exceptions[:5],
+        "exceptions_logged": len(exceptions),
+        "exception_examples": exceptions[:5],
         "hung_threads": hung,
-        "p50_s": round(percentile(latencies, 0.5), 3), "p99_s": round(percentile(latencies, 0.99), 3),
-        "trainer": dict(sorted(trainer.counts.items())), "checksum_mismatches": trainer.mismatches,
+        "p50_s": round(percentile(latencies, 0.5), 3),
+        "p99_s": round(percentile(latencies, 0.99), 3),
+        "trainer": dict(sorted(trainer.counts.items())),
+        "checksum_mismatches": trainer.mismatches,
         "update_p50_s": round(statistics.median(trainer.update_seconds), 3) if trainer.update_seconds else None,
         "rss_mib": [[round(t), round(r / 2**20, 1)] for t, r, _ in samples],
         "fds": [[round(t), f] for t, _, f in samples],
-        "rss_mib_at_5_min": round(five[1] / 2**20, 1), "rss_mib_at_end": round(end_rss / 2**20, 1),
-        "fds_at_start": samples[0][2], "fds_at_end": end_fds,
+        "rss_mib_at_5_min": round(five[1] / 2**20, 1),
+        "rss_mib_at_end": round(end_rss / 2**20, 1),
+        "fds_at_start": samples[0][2],
+        "fds_at_end": end_fds,
         # Descriptors gained by each process alive at the start (a leak per request shows here) and the processes
         # started since (Ray starts and retires workers of its own; a process per request would show as many).
-        "fds_growth_by_process": dict(sorted(
-            ((f"{pid} {name}", fds - at_start[pid][2]) for pid, (name, _, fds) in end_by_process.items()
-             if pid in at_start), key=lambda item: -item[1])[:6]),
-        "processes_started_since": sorted(f"{pid} {name} ({fds} fds)" for pid, (name, _, fds) in end_by_process.items()
-                                          if pid not in at_start),
-        "processes_ended_since": sorted(f"{pid} {name}" for pid, (name, _, _) in at_start.items()
-                                        if pid not in end_by_process),
-        "rss_growth_mib_by_process": dict(sorted(  # since warm-up; a process started since: all of its RSS
-            ((f"{pid} {name}", round((rss - by_process.get(pid, ("", 0, 0))[1]) / 2**20, 1))
-             for pid, (name, rss, _) in end_by_process.items()), key=lambda item: -item[1])[:6]),
+        "fds_growth_by_process": dict(
+            sorted(
+                (
+                    (f"{pid} {name}", fds - at_start[pid][2])
+                    for pid, (name, _, fds) in end_by_process.items()
+                    if pid in at_start
+                ),
+                key=lambda item: -item[1],
+            )[:6]
+        ),
+        "processes_started_since": sorted(
+            f"{pid} {name} ({fds} fds)" for pid, (name, _, fds) in end_by_process.items() if pid not in at_start
+        ),
+        "processes_ended_since": sorted(
+            f"{pid} {name}" for pid, (name, _, _) in at_start.items() if pid not in end_by_process
+        ),
+        "rss_growth_mib_by_process": dict(
+            sorted(  # since warm-up; a process started since: all of its RSS
+                (
+                    (f"{pid} {name}", round((rss - by_process.get(pid, ("", 0, 0))[1]) / 2**20, 1))
+                    for pid, (name, rss, _) in end_by_process.items()
+                ),
+                key=lambda item: -item[1],
+            )[:6]
+        ),
     }
 
 
@@ -552,18 +646,27 @@ def main() -> None:
     parser.add_argument("--log", type=Path, default=None, help="where the server's output goes")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
-    checkpoints = {"A": make_tiny_model(root / "A", preset=args.preset, seed=0),
-                   "B": make_tiny_model(root / "B", preset=args.preset, seed=1)}
-    figures = soak(checkpoints, args.minutes, args.replicas, args.clients, args.update_every, args.sample_every,
-                   args.log)
-    print(f"requests {figures['requests']}: served {figures['served']}, disconnected on purpose "
-          f"{figures['disconnected_on_purpose']}, aborted by abort pauses {figures['aborted_by_abort_pause']}, "
-          f"503 while held {figures['refused_while_held']}, lost {figures['lost']}, unexpected 5xx "
-          f"{figures['unexpected_5xx']}, exceptions logged {figures['exceptions_logged']}")
-    print(f"latency p50 {figures['p50_s']} s p99 {figures['p99_s']} s; trainer {figures['trainer']}; checksum "
-          f"mismatches {len(figures['checksum_mismatches'])}")
-    print(f"RSS {figures['rss_mib_at_5_min']} MiB at 5 min, {figures['rss_mib_at_end']} MiB at the end; fds "
-          f"{figures['fds_at_start']} at start, {figures['fds_at_end']} at the end")
+    checkpoints = {
+        "A": make_tiny_model(root / "A", preset=args.preset, seed=0),
+        "B": make_tiny_model(root / "B", preset=args.preset, seed=1),
+    }
+    figures = soak(
+        checkpoints, args.minutes, args.replicas, args.clients, args.update_every, args.sample_every, args.log
+    )
+    print(
+        f"requests {figures['requests']}: served {figures['served']}, disconnected on purpose "
+        f"{figures['disconnected_on_purpose']}, aborted by abort pauses {figures['aborted_by_abort_pause']}, "
+        f"503 while held {figures['refused_while_held']}, lost {figures['lost']}, unexpected 5xx "
+        f"{figures['unexpected_5xx']}, exceptions logged {figures['exceptions_logged']}"
+    )
+    print(
+        f"latency p50 {figures['p50_s']} s p99 {figures['p99_s']} s; trainer {figures['trainer']}; checksum "
+        f"mismatches {len(figures['checksum_mismatches'])}"
+    )
+    print(
+        f"RSS {figures['rss_mib_at_5_min']} MiB at 5 min, {figures['rss_mib_at_end']} MiB at the end; fds "
+        f"{figures['fds_at_start']} at start, {figures['fds_at_end']} at the end"
+    )
     print(json.dumps(figures))
 
 

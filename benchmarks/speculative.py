@@ -99,13 +99,21 @@ def main() -> None:
         draft = str(make_tiny_model(f"{tmp}/9m", "llama", preset="9m", vocab_size=16384))
         engines = {
             "plain": LLM(target, dtype="float32"),
-            "draft=target": LLM(target, dtype="float32",
-                                speculative_config={"method": "draft_model", "model": target,
-                                                    "num_speculative_tokens": 3}),
-            "draft=9m": LLM(target, dtype="float32",
-                            speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}),
-            "ngram": LLM(target, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                                      "prompt_lookup_max": 4}),
+            "draft=target": LLM(
+                target,
+                dtype="float32",
+                speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3},
+            ),
+            "draft=9m": LLM(
+                target,
+                dtype="float32",
+                speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+            ),
+            "ngram": LLM(
+                target,
+                dtype="float32",
+                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+            ),
         }
         for batch in batches:
             prompts = [PHRASES[i % len(PHRASES)] * 2 for i in range(batch)]
@@ -130,9 +138,11 @@ def main() -> None:
                 }
             k = 3
             costs = step_costs(engines["draft=9m"], batch, k)
-            print(f"batch {batch:>2} step costs: target {costs['target'] * 1e3:.1f} ms, verification of {k + 1} "
-                  f"tokens each {costs['verify'] * 1e3:.1f} ms ({costs['verify'] / costs['target']:.2f}x), 9M draft "
-                  f"pass {costs['draft'] * 1e3:.2f} ms")
+            print(
+                f"batch {batch:>2} step costs: target {costs['target'] * 1e3:.1f} ms, verification of {k + 1} "
+                f"tokens each {costs['verify'] * 1e3:.1f} ms ({costs['verify'] / costs['target']:.2f}x), 9M draft "
+                f"pass {costs['draft'] * 1e3:.2f} ms"
+            )
             projected = {}
             for a in (0.5, 0.7, 0.9):
                 tokens = (1 - a ** (k + 1)) / (1 - a)

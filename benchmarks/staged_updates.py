@@ -50,8 +50,15 @@ MODES = ("in_place", "shadow")
 # model shapes: hotswap.testing's "125m" preset, and a Qwen2.5-0.5B shape on top of it (fp32, about 2 GB)
 SHAPES: dict[str, dict[str, Any]] = {
     "125m": {},
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 4096},
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 4096,
+    },
 }
 
 
@@ -59,8 +66,15 @@ def sparse(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[t
     return [pair for n in new for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]), strict=True)]
 
 
-async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], streams: int, seed: int,
-                lora: LoRARequest | None = None, policy: str = "keep") -> dict[str, float]:
+async def trial(
+    engine: AsyncLLMEngine,
+    mode: str,
+    update: dict[str, Any],
+    streams: int,
+    seed: int,
+    lora: LoRARequest | None = None,
+    policy: str = "keep",
+) -> dict[str, float]:
     """Streams `streams` greedy requests (with `lora`, through that adapter), lands `update` (reload_weights
     keywords) once each stream has 12 tokens, and measures the streams around it. In place, the update is wrapped
     in pause("keep") / resume, except an adapter's (never paused)."""
@@ -105,8 +119,13 @@ async def trial(engine: AsyncLLMEngine, mode: str, update: dict[str, Any], strea
         during += sum(t0 < x <= t1 for x in t)
         before.append(1 / base)
     wall = t1 - t0
-    return {"pause_ms": max(pauses) * 1e3, "commit_gap_ms": max(commits) * 1e3, "wall_ms": wall * 1e3,
-            "tok_s_during": during / wall if wall > 0 else 0.0, "tok_s_before": sum(before)}
+    return {
+        "pause_ms": max(pauses) * 1e3,
+        "commit_gap_ms": max(commits) * 1e3,
+        "wall_ms": wall * 1e3,
+        "tok_s_during": during / wall if wall > 0 else 0.0,
+        "tok_s_before": sum(before),
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,31 +139,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     lora = LoRARequest("a", 1, str(adapters[0]))
     lora_tensors = [list(load_file(str(f / "adapter_model.safetensors")).items()) for f in adapters]
     updates: list[tuple[str, dict[str, Any]]] = [
-        ("full", {"weights_path": str(b)}), ("full", {"weights_path": str(a)}),
+        ("full", {"weights_path": str(b)}),
+        ("full", {"weights_path": str(a)}),
         ("2% delta", {"weights_iterator": there, "encoding": "sparse"}),
         ("2% delta", {"weights_iterator": back, "encoding": "sparse"}),
         ("LoRA", {"weights_iterator": lora_tensors[1], "target": "lora:a"}),
-        ("LoRA", {"weights_iterator": lora_tensors[0], "target": "lora:a"})]
+        ("LoRA", {"weights_iterator": lora_tensors[0], "target": "lora:a"}),
+    ]
     kinds = {"full": "full", "delta": "2% delta", "lora": "LoRA"}
     chosen = {kinds[k] for k in args.kinds.split(",")}
     updates = [(kind, update) for kind, update in updates if kind in chosen]
-    engines = {m: AsyncLLMEngine.from_kwargs(str(a), update_staging=m, staging_slice_ms=args.slice_ms,
-                                             max_num_seqs=max(8, args.streams), enable_lora=True,
-                                             max_lora_rank=8, max_cpu_loras=4) for m in MODES}
+    engines = {
+        m: AsyncLLMEngine.from_kwargs(
+            str(a),
+            update_staging=m,
+            staging_slice_ms=args.slice_ms,
+            max_num_seqs=max(8, args.streams),
+            enable_lora=True,
+            max_lora_rank=8,
+            max_cpu_loras=4,
+        )
+        for m in MODES
+    }
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     seed = 0
     for _ in range(args.reps):
         for kind, update in updates:
             for mode in MODES:
                 seed += 1
-                figures = await trial(engines[mode], mode, update, args.streams, seed,
-                                      lora if kind == "LoRA" else None)
+                figures = await trial(engines[mode], mode, update, args.streams, seed, lora if kind == "LoRA" else None)
                 results.setdefault((kind, mode), []).append(figures)
                 if mode == "shadow":  # the host's own jitter over a window as long as the staging took
                     seed += 1
                     window = {"seconds": figures["wall_ms"] / 1e3}
-                    control = await trial(engines[mode], "control", window, args.streams, seed,
-                                          lora if kind == "LoRA" else None)
+                    control = await trial(
+                        engines[mode], "control", window, args.streams, seed, lora if kind == "LoRA" else None
+                    )
                     results.setdefault((kind, "no update (control)"), []).append(control)
             if kind == "full":  # the same staged reload, the streams asking to recompute their KV at the commit
                 seed += 1
@@ -156,13 +186,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if "2% delta" in chosen:  # the floor under a 2 % delta's pause: its elements written alone
         print("\nthe 2 % delta's elements written by themselves (nothing else; 'of the full reload' is of 1 s):")
         table["floor"] = scatter_floor(state_a, other, 1.0, args.reps)
-    print(f"\n{'update':<10} {'mode':<18} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
-          f"{'tok/s before':>13}")
+    print(
+        f"\n{'update':<10} {'mode':<18} {'pause ms':>9} {'commit gap':>11} {'wall ms':>9} {'tok/s during':>13} "
+        f"{'tok/s before':>13}"
+    )
     for (kind, mode), rows in results.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         worst = max(r["pause_ms"] for r in rows)
-        print(f"{kind:<10} {mode:<18} {med['pause_ms']:9.1f} {med['commit_gap_ms']:11.1f} {med['wall_ms']:9.1f} "
-              f"{med['tok_s_during']:13.1f} {med['tok_s_before']:13.1f}   (worst pause {worst:.1f} ms)")
+        print(
+            f"{kind:<10} {mode:<18} {med['pause_ms']:9.1f} {med['commit_gap_ms']:11.1f} {med['wall_ms']:9.1f} "
+            f"{med['tok_s_during']:13.1f} {med['tok_s_before']:13.1f}   (worst pause {worst:.1f} ms)"
+        )
         table[f"{kind} {mode}"] = {k: round(v, 1) for k, v in med.items()} | {"worst_pause_ms": round(worst, 1)}
     return table
 
@@ -175,11 +209,23 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--slice-ms", type=float, default=4.0)
     args = parser.parse_args()
-    print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; shape {args.shape}, fp32, "
-          f"{args.streams} streams, slices of {args.slice_ms} ms")
+    print(
+        f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; shape {args.shape}, fp32, "
+        f"{args.streams} streams, slices of {args.slice_ms} ms"
+    )
     table = asyncio.run(run(args))
-    print(json.dumps({"benchmark": "staged_updates", "shape": args.shape, "streams": args.streams,
-                      "slice_ms": args.slice_ms, "cpu": cpu_description(), "figures": table}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "staged_updates",
+                "shape": args.shape,
+                "streams": args.streams,
+                "slice_ms": args.slice_ms,
+                "cpu": cpu_description(),
+                "figures": table,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

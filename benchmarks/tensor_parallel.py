@@ -26,8 +26,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randint(16, 48))]}
-               for _ in range(args.prompts)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randint(16, 48))]} for _ in range(args.prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     figures: dict = {}
     outputs = {}

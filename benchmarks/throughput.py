@@ -175,8 +175,11 @@ def kernel_build() -> dict[str, str]:
         return {**base, "build": "off (HOTSWAP_NATIVE_KERNELS=0, pure-torch path)"}
     if native.ops() is None:
         return {**base, "build": "unavailable (pure-torch path)"}
-    return {**base, "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
-                             f"vectors, kernel mode {policy.mode()})"}
+    return {
+        **base,
+        "build": f"{native.build_name()} (-march={native.MARCH}, {native.vector_bits()}-bit "
+        f"vectors, kernel mode {policy.mode()})",
+    }
 
 
 def main() -> None:

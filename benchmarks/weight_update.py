@@ -99,12 +99,17 @@ def deltas(llm: LLM, start: dict[str, torch.Tensor], full_s: float, floor_s: flo
     for fraction in (0.01, 0.02, 0.03, 0.10):
         other = changed(start, fraction, seed=int(fraction * 1000))
         for encoding in ("sparse", "xor"):
-            def encode(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-                       encoding: str = encoding) -> list[tuple[str, torch.Tensor]]:
+
+            def encode(
+                old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], encoding: str = encoding
+            ) -> list[tuple[str, torch.Tensor]]:
                 if encoding == "xor":
                     return [(n, xor_delta(old[n], new[n])) for n in new]
-                return [pair for n in new for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]),
-                                                          strict=True)]
+                return [
+                    pair
+                    for n in new
+                    for pair in zip((n + INDICES, n + VALUES), sparse_delta(old[n], new[n]), strict=True)
+                ]
 
             there, back = encode(start, other), encode(other, start)
             sent = sum(t.numel() * t.element_size() for _, t in there)
@@ -116,17 +121,23 @@ def deltas(llm: LLM, start: dict[str, torch.Tensor], full_s: float, floor_s: flo
                 times.append(time.perf_counter() - t0)
             seconds = statistics.median(times)
             label = f"{encoding} delta, {fraction:.0%} changed"
-            print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / full_s:5.1%} of the full reload, "
-                  f"{seconds / floor_s:4.2f}x the floor; {sent / 1e6:.0f} MB sent")
-            out[label] = {"ms": round(seconds * 1e3, 1), "of_full": round(seconds / full_s, 3),
-                          "mb_sent": round(sent / 1e6, 1)}
+            print(
+                f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / full_s:5.1%} of the full reload, "
+                f"{seconds / floor_s:4.2f}x the floor; {sent / 1e6:.0f} MB sent"
+            )
+            out[label] = {
+                "ms": round(seconds * 1e3, 1),
+                "of_full": round(seconds / full_s, 3),
+                "mb_sent": round(sent / 1e6, 1),
+            }
         if fraction == 0.02:
             out.update(scatter_floor(start, other, full_s, reps))
     return out
 
 
-def scatter_floor(start: dict[str, torch.Tensor], other: dict[str, torch.Tensor], full_s: float, reps: int
-                  ) -> dict[str, object]:
+def scatter_floor(
+    start: dict[str, torch.Tensor], other: dict[str, torch.Tensor], full_s: float, reps: int
+) -> dict[str, object]:
     """What writing a delta's elements costs by itself, outside the engine: the changed elements of `other` written
     into a scratch copy of `start` (as large as the weights, so it comes from memory as they do) by torch's
     `index_copy_` and by hotswap's native scatter; nothing else (no decoding, no checks)."""
@@ -170,13 +181,22 @@ def main() -> None:
         named = list(load_file(b_file).items())
         total = sum(t.numel() * t.element_size() for _, t in named)
         floor = memcpy_seconds(total, args.reps)
-        writes = {"stream_copy": policy.stream_copy_faster(), "native_scatter": policy.scatter_faster(),
-                  "one_pass_check": policy.finite_check_faster()}
+        writes = {
+            "stream_copy": policy.stream_copy_faster(),
+            "native_scatter": policy.scatter_faster(),
+            "one_pass_check": policy.finite_check_faster(),
+        }
         print(f"cpu: {cpu_description()}; kernels: {build['build']}; torch: {build['torch_isa']}")
         print(f"weight writes taken here (measured gates): {writes}")
         print(f"model: {args.preset}, {total / 1e6:.0f} MB of weights; memory-copy floor {floor * 1e3:.1f} ms")
-        figures: dict = {"cpu": cpu_description(), "isa": args.isa, "build": build["build"], "writes": writes,
-                         "weights_mb": round(total / 1e6, 1), "memcpy_floor_ms": round(floor * 1e3, 1)}
+        figures: dict = {
+            "cpu": cpu_description(),
+            "isa": args.isa,
+            "build": build["build"],
+            "writes": writes,
+            "weights_mb": round(total / 1e6, 1),
+            "memcpy_floor_ms": round(floor * 1e3, 1),
+        }
 
         def report(label: str, seconds: float) -> None:
             print(f"  {label:<28} {seconds * 1e3:8.1f} ms   {seconds / floor:5.1f}x the floor")

@@ -55,9 +55,11 @@ def _parity(args: argparse.Namespace) -> int:
         sequences = [[rng.randrange(3, vocab) for _ in range(args.length)] for _ in range(args.num_sequences)]
     reports = parity(args.model, sequences, modes=tuple(args.modes.split(",")))
     for r in reports:
-        print(f"{r.mode:>13}: {r.positions} positions, max |d logprob| {r.max_abs_logprob_diff:.3g}, KL mean "
-              f"{r.mean_kl:.3g} max {r.max_kl:.3g}, TV mean {r.mean_tv:.3g} max {r.max_tv:.3g}"
-              f"{', bitwise equal' if r.bitwise_equal else ''}")
+        print(
+            f"{r.mode:>13}: {r.positions} positions, max |d logprob| {r.max_abs_logprob_diff:.3g}, KL mean "
+            f"{r.mean_kl:.3g} max {r.max_kl:.3g}, TV mean {r.mean_tv:.3g} max {r.max_tv:.3g}"
+            f"{', bitwise equal' if r.bitwise_equal else ''}"
+        )
     print(json.dumps([r.as_dict() for r in reports]))
     return 0
 

@@ -163,8 +163,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
-                             f"{self.kv_cache_dtype!r} (quantized KV caches are not supported)")
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r} (quantized KV caches are not supported)"
+            )
         if self.prefix_cache_policy not in ("reset", "salt"):
             raise ValueError(f"prefix_cache_policy must be 'reset' or 'salt', got {self.prefix_cache_policy!r}")
         if self.block_size <= 0:
@@ -218,11 +220,14 @@ class SchedulerConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be a non-negative integer (0: no cap), got "
-                             f"{self.long_prefill_token_threshold!r}")
+            raise ValueError(
+                "long_prefill_token_threshold must be a non-negative integer (0: no cap), got "
+                f"{self.long_prefill_token_threshold!r}"
+            )
         if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
             raise ValueError(
-                f"max_num_partial_prefills must be a positive integer, got {self.max_num_partial_prefills!r}")
+                f"max_num_partial_prefills must be a positive integer, got {self.max_num_partial_prefills!r}"
+            )
 
     @property
     def chunk_cap(self) -> int:
@@ -358,11 +363,13 @@ class LoRAConfig:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got "
-                             f"{self.max_cpu_loras!r}")
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}"
+            )
         if self.lora_version_policy not in ("finish_on_old", "switch"):
-            raise ValueError(f"lora_version_policy must be 'finish_on_old' or 'switch', got "
-                             f"{self.lora_version_policy!r}")
+            raise ValueError(
+                f"lora_version_policy must be 'finish_on_old' or 'switch', got {self.lora_version_policy!r}"
+            )
 
 
 @dataclass
@@ -530,18 +537,46 @@ SECTIONS: dict[str, type] = {
 LIVE_FIELDS = {
     "model_config": {"model"},
     "load_config": {"load_format"},
-    "weight_transfer_config": {"atomic", "check_finite", "timeout_s", "bucket_size_bytes", "staging_slice_ms",
-                               "backup_device"},
+    "weight_transfer_config": {
+        "atomic",
+        "check_finite",
+        "timeout_s",
+        "bucket_size_bytes",
+        "staging_slice_ms",
+        "backup_device",
+    },
     "parallel_config": {"expert_placement"},
     "speculative_config": {"draft_staleness"},
 }
 # config.json keys that fix the model's shapes or forward pass: a new checkpoint folder must agree on all.
 MODEL_KEYS = (
-    "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
-    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "max_position_embeddings", "sliding_window",
-    "use_sliding_window", "hidden_act", "eos_token_id", "num_experts", "num_local_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "hidden_act",
+    "eos_token_id",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
     "mlp_only_layers",
 )
 
@@ -557,27 +592,37 @@ def check_deterministic(config: EngineConfig) -> None:
             f"dtype {str(dtype).removeprefix('torch.')}: pass dtype='float32' (fp8 quantization is allowed)"
         )
     if config.cache_config.kv_torch_dtype != torch.float32:
-        raise ValueError("deterministic=True keeps the KV cache in float32 (the trainer's forward, "
-                         "hotswap.train.token_logprobs, attends in float32); leave kv_cache_dtype at auto or float32")
+        raise ValueError(
+            "deterministic=True keeps the KV cache in float32 (the trainer's forward, "
+            "hotswap.train.token_logprobs, attends in float32); leave kv_cache_dtype at auto or float32"
+        )
     tp = config.parallel_config.tensor_parallel_size
     if tp > 2:
         raise ValueError(f"deterministic=True supports tensor_parallel_size 1 or 2, got {tp}")
     quant, hf = config.quant_config, config.model_config.hf_config
-    if quant.quantization == "fp8" and quant.weight_block_size is None and (
-            hf.get("num_experts") or hf.get("num_local_experts")):
-        raise ValueError("deterministic=True with fp8 experts needs weight_block_size: an expert's per-row scale "
-                         "spans the whole intermediate size on one rank and half of it on each of two, so one rank "
-                         "would not equal two")
+    if (
+        quant.quantization == "fp8"
+        and quant.weight_block_size is None
+        and (hf.get("num_experts") or hf.get("num_local_experts"))
+    ):
+        raise ValueError(
+            "deterministic=True with fp8 experts needs weight_block_size: an expert's per-row scale "
+            "spans the whole intermediate size on one rank and half of it on each of two, so one rank "
+            "would not equal two"
+        )
     if config.parallel_config.enable_expert_parallel:
-        raise ValueError("deterministic=True does not support enable_expert_parallel (experts placed whole sum in "
-                         "another order on each rank count); leave it off to split the experts along their width")
+        raise ValueError(
+            "deterministic=True does not support enable_expert_parallel (experts placed whole sum in "
+            "another order on each rank count); leave it off to split the experts along their width"
+        )
 
 
 def check_lora(config: EngineConfig) -> None:
     """Raises ValueError for what LoRA adapters cannot be combined with (yet), naming it."""
     if config.model_config.deterministic:
-        raise ValueError("enable_lora cannot be combined with deterministic=True: the adapters' products are not "
-                         "batch-invariant")
+        raise ValueError(
+            "enable_lora cannot be combined with deterministic=True: the adapters' products are not batch-invariant"
+        )
     if config.speculative_config.enabled:
         raise ValueError("enable_lora cannot be combined with speculative decoding (the draft has no adapter)")
 
@@ -641,8 +686,9 @@ def check_expert_placement(parallel: ParallelConfig, hf_config: dict[str, Any]) 
         return
     experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if not experts or not (parallel.enable_expert_parallel and parallel.tensor_parallel_size > 1):
-        raise ValueError("expert_placement needs a mixture-of-experts model with enable_expert_parallel and "
-                         "tensor_parallel_size > 1")
+        raise ValueError(
+            "expert_placement needs a mixture-of-experts model with enable_expert_parallel and tensor_parallel_size > 1"
+        )
     ranks = parallel.tensor_parallel_size
     if not (isinstance(placement, list) and len(placement) == ranks and all(isinstance(p, list) for p in placement)):
         raise ValueError(f"expert_placement must list the experts of each of the {ranks} ranks, got {placement!r}")

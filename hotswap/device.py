@@ -29,11 +29,15 @@ def parse_device(name: str) -> str:
             raise ValueError(f"device {name!r}: the CPU takes no index; use 'cpu'")
         return "cpu"
     if not torch.backends.cuda.is_built():
-        raise ValueError(f"device={name!r}, but this torch build ({torch.__version__}) has no CUDA support: install "
-                         "a CUDA build of torch, or use device='cpu'")
+        raise ValueError(
+            f"device={name!r}, but this torch build ({torch.__version__}) has no CUDA support: install "
+            "a CUDA build of torch, or use device='cpu'"
+        )
     if not torch.cuda.is_available():
-        raise ValueError(f"device={name!r}, but no CUDA GPU is visible to this process (torch.cuda.is_available() is "
-                         "False; check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'")
+        raise ValueError(
+            f"device={name!r}, but no CUDA GPU is visible to this process (torch.cuda.is_available() is "
+            "False; check CUDA_VISIBLE_DEVICES and the driver), or use device='cpu'"
+        )
     count = torch.cuda.device_count()
     number = torch.cuda.current_device() if index is None else int(index)
     if number >= count:
@@ -50,11 +54,15 @@ def check_engine_on_device(device: str, deterministic: bool = False, tensor_para
     if device == "cpu":
         return
     if deterministic:
-        raise ValueError(f"deterministic=True runs on the CPU only for now (device={device!r}): its batch-invariant "
-                         "kernels, equal to the trainer's forward bit for bit, are CPU kernels; use device='cpu'")
+        raise ValueError(
+            f"deterministic=True runs on the CPU only for now (device={device!r}): its batch-invariant "
+            "kernels, equal to the trainer's forward bit for bit, are CPU kernels; use device='cpu'"
+        )
     if tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported on "
-                         f"{device!r} yet (one GPU per engine; NCCL groups are untested); use 1")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} is not supported on "
+            f"{device!r} yet (one GPU per engine; NCCL groups are untested); use 1"
+        )
 
 
 def cuda_kv_budget(total: int, utilization: float, used_by_engine: int) -> int:
@@ -63,10 +71,12 @@ def cuda_kv_budget(total: int, utilization: float, used_by_engine: int) -> int:
     ValueError, with the figures, when nothing is left."""
     budget = int(total * utilization) - used_by_engine
     if budget <= 0:
-        raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} of "
-                         f"{total / 2**30:.1f} GiB is {total * utilization / 2**30:.1f} GiB, and the model with a "
-                         f"profiling forward already takes {used_by_engine / 2**30:.1f} GiB; raise "
-                         "gpu_memory_utilization or lower max_num_batched_tokens")
+        raise ValueError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} of "
+            f"{total / 2**30:.1f} GiB is {total * utilization / 2**30:.1f} GiB, and the model with a "
+            f"profiling forward already takes {used_by_engine / 2**30:.1f} GiB; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     return budget
 
 
@@ -79,11 +89,15 @@ def check_attention_backend(backend: str, device: str, deterministic: bool) -> N
     if backend == "native" and device != "cpu":
         raise ValueError(f"attention_backend='native' runs on the CPU only, not {device!r}; use 'auto' or 'triton'")
     if deterministic and backend not in ("auto", "native"):
-        raise ValueError(f"deterministic=True attends in its native kernel only; attention_backend={backend!r} "
-                         "cannot be combined with it")
+        raise ValueError(
+            f"deterministic=True attends in its native kernel only; attention_backend={backend!r} "
+            "cannot be combined with it"
+        )
     if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend='triton' on the CPU runs only under Triton's interpreter "
-                         "(TRITON_INTERPRET=1, for tests); on the CPU use 'auto'")
+        raise ValueError(
+            "attention_backend='triton' on the CPU runs only under Triton's interpreter "
+            "(TRITON_INTERPRET=1, for tests); on the CPU use 'auto'"
+        )
 
 
 def upload(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -68,13 +68,15 @@ def per_prompt(
         return prompts, [sampling_params or SamplingParams()] * len(prompts)
     params_list = list(sampling_params)
     if len(params_list) != len(prompts):
-        raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per "
-                         "prompt")
+        raise ValueError(
+            f"got {len(params_list)} sampling_params for {len(prompts)} prompts; give one or one per prompt"
+        )
     return prompts, params_list
 
 
-def per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
-                    ) -> list[LoRARequest | None]:
+def per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
     """One LoRARequest (or None) per prompt. Raises ValueError when a list's length differs from the prompts'."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count
@@ -93,8 +95,16 @@ def chat_prompts(
     """One conversation or a list of them, through the tokenizer's chat template, as token-id prompts."""
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
     return [
-        {"prompt_token_ids": list(tokenizer.apply_chat_template(
-            c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
-            return_dict=False))}
+        {
+            "prompt_token_ids": list(
+                tokenizer.apply_chat_template(
+                    c,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+        }
         for c in conversations
     ]

@@ -175,8 +175,9 @@ def forced_routes_array(value: Any) -> np.ndarray:
     except (TypeError, ValueError) as err:
         raise ValueError(f"forced_routed_experts must be an integer array [tokens, layers, top_k]: {err}") from None
     if array.ndim != 3 or 0 in array.shape:
-        raise ValueError(f"forced_routed_experts must be an integer array [tokens, layers, top_k], got shape "
-                         f"{list(array.shape)}")
+        raise ValueError(
+            f"forced_routed_experts must be an integer array [tokens, layers, top_k], got shape {list(array.shape)}"
+        )
     if array.dtype.kind not in "iu":
         raise ValueError(f"forced_routed_experts must hold integer expert ids, got {array.dtype}")
     return array.astype(np.int64)

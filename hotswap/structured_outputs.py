@@ -30,17 +30,20 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(given) or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (object or text), got "
-                             f"{type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (object or text), got {type(self.json).__name__}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None and (
-            not isinstance(self.choice, (list, tuple)) or not self.choice
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
             or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
@@ -54,8 +57,14 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
-        known = {*KINDS, "disable_any_whitespace", "disable_additional_properties", "backend", "disable_fallback",
-                 "whitespace_pattern"}
+        known = {
+            *KINDS,
+            "disable_any_whitespace",
+            "disable_additional_properties",
+            "backend",
+            "disable_fallback",
+            "whitespace_pattern",
+        }
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"structured_outputs has unknown field(s) {unknown}; known: {sorted(known)}")

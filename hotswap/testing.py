@@ -36,11 +36,23 @@ SUPPORTED_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3
 
 #: Mixture-of-experts defaults per arch (8 experts, top-2, every layer sparse), before the preset's overrides.
 _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                  "shared_expert_intermediate_size": 96, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                  "mlp_only_layers": []},
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "qwen2_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
@@ -236,8 +248,15 @@ def _config_and_class(arch: str, preset: str, dtype: str, overrides: dict[str, A
     kw.update(overrides)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     kw.update(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, dtype=dtype)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-              "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[arch]
+    prefix = {
+        "llama": "Llama",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "mistral": "Mistral",
+        "qwen3_moe": "Qwen3Moe",
+        "qwen2_moe": "Qwen2Moe",
+        "mixtral": "Mixtral",
+    }[arch]
     config = getattr(transformers, f"{prefix}Config")(**kw)
     return config, getattr(transformers, f"{prefix}ForCausalLM")
 
@@ -346,7 +365,10 @@ def running_server(
         out = stack.enter_context(open(log, "w"))
         proc = subprocess.Popen(
             [sys.executable, "-m", "hotswap", "serve", str(model_dir), "--port", "0", *args],
-            stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
         try:
             deadline = time.monotonic() + start_timeout_s
@@ -374,7 +396,6 @@ def running_server(
                 proc.wait()
 
 
-
 def make_tiny_lora(
     base: str | pathlib.Path,
     path: str | pathlib.Path,
@@ -398,8 +419,15 @@ def make_tiny_lora(
 
     targets = target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=target_parameters,
-                        use_rslora=use_rslora, lora_dropout=0.0, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets,
+        target_parameters=target_parameters,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

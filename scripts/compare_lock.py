@@ -44,8 +44,13 @@ def changes(lock: Path) -> dict[str, dict[str, str | list[str] | None]]:
         if pins.get(name) != dist.version:
             tops = (dist.read_text("top_level.txt") or "").split()
             if not tops:
-                tops = sorted({Path(str(f)).parts[0] for f in dist.files or [] if "/" in str(f)
-                               and not str(f).startswith(("..", "bin/")) and ".dist-info" not in str(f)})
+                tops = sorted(
+                    {
+                        Path(str(f)).parts[0]
+                        for f in dist.files or []
+                        if "/" in str(f) and not str(f).startswith(("..", "bin/")) and ".dist-info" not in str(f)
+                    }
+                )
             out[name] = {"locked": pins.get(name), "installed": dist.version, "paths": tops}
     return out
 
@@ -57,12 +62,17 @@ def attribute(junit: Path, upgrades: dict[str, dict[str, str | list[str] | None]
         for kind in ("failure", "error"):
             for problem in case.findall(kind):
                 text = (problem.get("message") or "") + "\n" + (problem.text or "")
-                suspects = [f"{name} {info['locked']} -> {info['installed']}" for name, info in sorted(upgrades.items())
-                            if any(re.search(rf"site-packages/{re.escape(p)}[/.]", text) for p in info["paths"] or [])]
+                suspects = [
+                    f"{name} {info['locked']} -> {info['installed']}"
+                    for name, info in sorted(upgrades.items())
+                    if any(re.search(rf"site-packages/{re.escape(p)}[/.]", text) for p in info["paths"] or [])
+                ]
                 test = f"{case.get('classname')}::{case.get('name')}"
                 first = (problem.get("message") or "").splitlines()[:1]
-                lines.append(f"{kind.upper()} {test}\n    {first[0] if first else ''}\n    traceback passes through: "
-                             f"{', '.join(suspects) or 'no upgraded package'}")
+                lines.append(
+                    f"{kind.upper()} {test}\n    {first[0] if first else ''}\n    traceback passes through: "
+                    f"{', '.join(suspects) or 'no upgraded package'}"
+                )
     return lines
 
 
@@ -75,8 +85,11 @@ def main() -> None:
     upgrades = changes(args.lock)
     if args.failures is not None:
         lines = attribute(args.failures, upgrades)
-        print(f"\n{len(lines)} failing test(s) with the newest versions:" if lines else
-              "\nthe suite passes with the newest versions: ./scripts/lock --upgrade can take them")
+        print(
+            f"\n{len(lines)} failing test(s) with the newest versions:"
+            if lines
+            else "\nthe suite passes with the newest versions: ./scripts/lock --upgrade can take them"
+        )
         print("\n".join(lines))
         return
     print(f"{'distribution':32} {'locked':>14} {'newest allowed':>16}")

@@ -62,8 +62,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--device", default="cpu", help="the device the device-parametrized tests run their engines "
-                     "and transformers on: cpu (default; CI) or cuda[:N] (a GPU machine)")
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="the device the device-parametrized tests run their engines "
+        "and transformers on: cpu (default; CI) or cuda[:N] (a GPU machine)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -165,8 +169,9 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu")
 
 
 @functools.cache
-def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype = torch.float32,
-              device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(
+    path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[list[int], list[torch.Tensor]]:
     """Transformers' greedy continuation of `prompt_ids` (EOS ignored) on `device`, and its per-step log-softmax
     rows (of its logits in `dtype`, the model's, cast to float32, on the CPU)."""
     model = hf_model(path, dtype, device)

@@ -217,8 +217,9 @@ def test_torch_dist_trainer_killed_mid_stream_is_rolled_back(ckpts, b_tensors):
     bucket = 1 << 14
     trainer = ctx.Process(target=torch_dist_trainer_dies_mid_stream, args=(queue, go, port, b_tensors, bucket, 2))
     trainer.start()
-    llm.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port,
-                                     "dist_backend": "gloo"})
+    llm.init_weight_transfer_engine(
+        {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port, "dist_backend": "gloo"}
+    )
     llm.start_weight_update()
     info = queue.get(timeout=60)
     threading.Timer(0.2, lambda: go.put("send")).start()  # the trainer sends two buckets, then exits

@@ -66,8 +66,9 @@ def test_a_correct_update_passes_its_canary(ckpts, b_state, canary):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     session(llm, b_state, canary, "step-1")
     assert llm.llm_engine.weight_version_label == "step-1"
-    scored = llm.generate([{"prompt_token_ids": PROBES[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)[0].prompt_logprobs
+    scored = llm.generate(
+        [{"prompt_token_ids": PROBES[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0].prompt_logprobs
     assert abs(scored[1][PROBES[0][1]].logprob - canary["logprobs"][0][0]) < 1e-3
 
 
@@ -92,13 +93,16 @@ def test_a_bound_the_user_sets_holds(ckpts, b_state):
     assert llm.get_weight_version() == 1
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"token_ids": PROBES}, "needs 'logprobs'"),
-    ({"token_ids": [[1]], "max_nll": 3.0}, "at least 2 token ids"),
-    ({"token_ids": PROBES, "logprobs": [[0.0]], "atol": 1e-3}, "one finite logprob for each token"),
-    ({"token_ids": PROBES, "max_nll": 3.0, "tolerance": 1}, r"unknown field\(s\) \['tolerance'\]"),
-    ({"token_ids": [[1, 10**9]], "max_nll": 3.0}, "token ids in"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"token_ids": PROBES}, "needs 'logprobs'"),
+        ({"token_ids": [[1]], "max_nll": 3.0}, "at least 2 token ids"),
+        ({"token_ids": PROBES, "logprobs": [[0.0]], "atol": 1e-3}, "one finite logprob for each token"),
+        ({"token_ids": PROBES, "max_nll": 3.0, "tolerance": 1}, r"unknown field\(s\) \['tolerance'\]"),
+        ({"token_ids": [[1, 10**9]], "max_nll": 3.0}, "token ids in"),
+    ],
+)
 def test_a_malformed_canary_is_refused_and_rolls_the_session_back(ckpts, b_state, bad, message):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     before = sums(llm)

@@ -24,8 +24,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 # chunk sizes down to one token: through the step budget alone, or a per-prompt cap with several prompts in flight
 CHUNKINGS = {
     "budget-1": {"max_num_batched_tokens": 1, "max_num_seqs": 1},
-    "cap-1": {"long_prefill_token_threshold": 1, "max_num_partial_prefills": 4, "max_num_batched_tokens": 64,
-              "max_num_seqs": 8},
+    "cap-1": {
+        "long_prefill_token_threshold": 1,
+        "max_num_partial_prefills": 4,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 8,
+    },
     "budget-7": {"max_num_batched_tokens": 7, "max_num_seqs": 4, "block_size": 4},
     "budget-16": {"max_num_batched_tokens": 16, "max_num_seqs": 8, "block_size": 4},
     "budget-4096": {"max_num_batched_tokens": 4096},
@@ -48,13 +52,21 @@ def models(tmp_path_factory, model_dirs) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("chunked_draft") / "draft", seed=11, num_hidden_layers=1,
-                           hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("chunked_draft") / "draft",
+        seed=11,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
 
 
-def assert_exact(path: Path, outputs, prompts: list[list[int]], prompt_logprobs: bool = True,
-                 max_tokens: int = MAX_TOKENS) -> None:
+def assert_exact(
+    path: Path, outputs, prompts: list[list[int]], prompt_logprobs: bool = True, max_tokens: int = MAX_TOKENS
+) -> None:
     """Greedy tokens equal transformers'; sampled and prompt logprobs within 1e-4 of its log-softmax."""
     for ids, out in zip(prompts, outputs, strict=True):
         tokens, rows = hf_greedy(str(path), tuple(ids), max_tokens)
@@ -93,8 +105,15 @@ def record_steps(llm: LLM) -> list[Step]:
     def recording(*args, **kwargs):
         out = schedule(*args, **kwargs)
         if out is not None:
-            steps.append(Step([(seq.request.request_id, n, is_decoding(seq))
-                               for seq, n in zip(out.seqs, out.num_tokens, strict=True)], out.is_prefill))
+            steps.append(
+                Step(
+                    [
+                        (seq.request.request_id, n, is_decoding(seq))
+                        for seq, n in zip(out.seqs, out.num_tokens, strict=True)
+                    ],
+                    out.is_prefill,
+                )
+            )
         return out
 
     scheduler.schedule = recording
@@ -189,8 +208,14 @@ def test_chunks_extend_a_cached_prompt_across_block_boundaries(llama_dir):
 
 def test_preemption_and_recomputation_in_chunks(llama_dir):
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
-    llm = LLM(str(llama_dir), block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block,
-              max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(
+        str(llama_dir),
+        block_size=8,
+        max_model_len=96,
+        kv_cache_memory_bytes=12 * per_block,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     prompts = [prompt_ids(n, 600 + n) for n in (30, 12, 25, 40, 9, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, prompt_logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -203,8 +228,14 @@ def test_speculative_decoding_alternates_with_chunked_prefill(llama_dir, draft, 
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         config["model"] = str(draft)
-    llm = LLM(str(llama_dir), kv_cache_memory_bytes=KV, max_num_batched_tokens=16, max_num_seqs=4,
-              speculative_config=config, device=device)
+    llm = LLM(
+        str(llama_dir),
+        kv_cache_memory_bytes=KV,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        speculative_config=config,
+        device=device,
+    )
     steps = record_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPT_IDS], params, use_tqdm=False)
@@ -220,8 +251,9 @@ def test_n_samples_with_a_seed_are_the_same_chunked_or_not(llama_dir):
     prompts = [{"prompt_token_ids": ids} for ids in PROMPT_IDS]
     whole = LLM(str(llama_dir), kv_cache_memory_bytes=KV, enable_chunked_prefill=False)
     chunked = LLM(str(llama_dir), kv_cache_memory_bytes=KV, max_num_batched_tokens=16, max_num_seqs=16)
-    for a, b in zip(whole.generate(prompts, params, use_tqdm=False), chunked.generate(prompts, params, use_tqdm=False),
-                    strict=True):
+    for a, b in zip(
+        whole.generate(prompts, params, use_tqdm=False), chunked.generate(prompts, params, use_tqdm=False), strict=True
+    ):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs, strict=True):
             assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-4)
@@ -260,10 +292,18 @@ def test_serve_flags_set_the_step_budget_and_refuse_an_impossible_one(ckpts):
     from server_helpers import running_server
 
     ids = prompt_ids(61, 800)
-    with running_server(str(ckpts["A"]), "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-                        "--long-prefill-token-threshold", "8", "--kv-cache-memory-bytes", str(1 << 22)) as base:
-        body = {"model": "A", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
+    with running_server(
+        str(ckpts["A"]),
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "4",
+        "--long-prefill-token-threshold",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(1 << 22),
+    ) as base:
+        body = {"model": "A", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     out = reply.json()
@@ -300,8 +340,16 @@ def test_a_wait_pause_drains_when_a_preempted_prompt_without_output_is_queued_fi
     last two, which queue as [prompt without output, sequence with output]: draining admits the second (it has
     output) past the first, finishes it, and the engine becomes PAUSED; on resume the prompt runs."""
     per_block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
-    llm = LLM(str(llama_dir), block_size=4, max_num_seqs=4, max_num_batched_tokens=8, long_prefill_token_threshold=4,
-              enable_prefix_caching=False, max_model_len=36, kv_cache_memory_bytes=9 * per_block)
+    llm = LLM(
+        str(llama_dir),
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        long_prefill_token_threshold=4,
+        enable_prefix_caching=False,
+        max_model_len=36,
+        kv_cache_memory_bytes=9 * per_block,
+    )
     engine = llm.llm_engine
     assert llm.config.cache_config.num_kv_blocks == 9
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -328,8 +376,13 @@ def test_a_wait_pause_drains_when_a_preempted_prompt_without_output_is_queued_fi
 def test_a_request_with_n_samples_counts_n_sequences_while_its_prompt_runs(llama_dir):
     """max_num_seqs=4: a request with n=3 whose prompt is part-way holds three of the four places, so only one
     more request starts beside it (counted as one, all three others would start, and the fork would make six)."""
-    llm = LLM(str(llama_dir), kv_cache_memory_bytes=KV, max_num_seqs=4, max_num_batched_tokens=8,
-              long_prefill_token_threshold=4)
+    llm = LLM(
+        str(llama_dir),
+        kv_cache_memory_bytes=KV,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        long_prefill_token_threshold=4,
+    )
     engine = llm.llm_engine
     engine.add_request("wide", None, prompt_ids(30, 5), SamplingParams(n=3, max_tokens=4, ignore_eos=True))
     for i in range(3):

@@ -105,8 +105,9 @@ class Trainer:
     """A trainer process that exports checkpoint tensors on request (JSON lines over its stdin / stdout)."""
 
     def __init__(self, device: str = "cpu") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TRAINER, device], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, device], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def ask(self, op: str, **command) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -217,8 +218,9 @@ def test_the_unpickler_refuses_every_other_global_and_runs_nothing(tmp_path):
     # allowlisted functions with arguments no real handle has: a segment that is not torch's, a tensor past its storage
     manager = b"/tmp/torch-shm-dir-x/manager.sock"
     with pytest.raises(ValueError, match="not a torch shared-memory segment"):
-        safe_pickle.loads(pickle.dumps(Reduces(rebuild_storage_filename, torch.UntypedStorage, manager, b"/hotswap_1_x",
-                                               8)))
+        safe_pickle.loads(
+            pickle.dumps(Reduces(rebuild_storage_filename, torch.UntypedStorage, manager, b"/hotswap_1_x", 8))
+        )
     storage = torch.zeros(6)._typed_storage()
     with pytest.raises(ValueError, match="reaches 400 bytes, past its storage's 24"):
         safe_pickle.loads(dumps(Reduces(rebuild_tensor, torch.Tensor, storage, (0, torch.Size([100]), (1,), False))))
@@ -233,26 +235,57 @@ def test_the_unpickler_reads_the_payloads_torch_vllm_and_sglang_make(monkeypatch
     tensors = [torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.bfloat16)[1:], torch.empty(0)]
     data = dumps(tensors)
     assert globals_of(data, monkeypatch) == {
-        "torch.multiprocessing.reductions.rebuild_tensor", "torch.multiprocessing.reductions.rebuild_typed_storage",
+        "torch.multiprocessing.reductions.rebuild_tensor",
+        "torch.multiprocessing.reductions.rebuild_typed_storage",
         "torch.multiprocessing.reductions.rebuild_storage_filename",
-        "torch.multiprocessing.reductions.rebuild_storage_empty", "torch.Tensor", "torch.storage.UntypedStorage",
-        "torch.float32", "torch.bfloat16", "torch.Size",
+        "torch.multiprocessing.reductions.rebuild_storage_empty",
+        "torch.Tensor",
+        "torch.storage.UntypedStorage",
+        "torch.float32",
+        "torch.bfloat16",
+        "torch.Size",
     }
     handles = safe_pickle.loads(data)
     assert [(h.dtype, h.size, h.stride, h.offset) for h in handles] == [
-        (torch.float32, (2, 3), (3, 1), 0), (torch.bfloat16, (3,), (1,), 1), (torch.float32, (0,), (1,), 0)]
+        (torch.float32, (2, 3), (3, 1), 0),
+        (torch.bfloat16, (3,), (1,), 1),
+        (torch.float32, (0,), (1,), 0),
+    ]
     assert handles[2].storage is None and handles[0].storage.name.startswith(b"/torch_")
     # what reduce_tensor returns for a CUDA tensor: rebuild_cuda_tensor and its 15 arguments
-    args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 0, torch.storage.TypedStorage, torch.float16, 3, b"h" * 64, 12,
-            512, False, b"/torch_1_2_3", 8, b"e" * 64, True)
+    args = (
+        torch.Tensor,
+        torch.Size([2, 3]),
+        (3, 1),
+        0,
+        torch.storage.TypedStorage,
+        torch.float16,
+        3,
+        b"h" * 64,
+        12,
+        512,
+        False,
+        b"/torch_1_2_3",
+        8,
+        b"e" * 64,
+        True,
+    )
     for payload in ([{"GPU-a": (rebuild_cuda_tensor, args)}], [{"GPU-a": args}]):
         data = pickle.dumps(payload)
-        assert globals_of(data, monkeypatch) <= {"torch.multiprocessing.reductions.rebuild_cuda_tensor",
-                                                 "torch.Tensor", "torch.Size", "torch.storage.TypedStorage",
-                                                 "torch.float16"}
+        assert globals_of(data, monkeypatch) <= {
+            "torch.multiprocessing.reductions.rebuild_cuda_tensor",
+            "torch.Tensor",
+            "torch.Size",
+            "torch.storage.TypedStorage",
+            "torch.float16",
+        }
         handle = safe_pickle.as_handle(safe_pickle.loads(data)[0]["GPU-a"])
-        assert (handle.size, handle.dtype, handle.device, handle.storage_offset_bytes) == ((2, 3), torch.float16, 3,
-                                                                                             512)
+        assert (handle.size, handle.dtype, handle.device, handle.storage_offset_bytes) == (
+            (2, 3),
+            torch.float16,
+            3,
+            512,
+        )
     with pytest.raises(ValueError, match="reaches 14 bytes, past its storage's 12"):
         safe_pickle.as_handle(safe_pickle.loads(pickle.dumps((torch.Tensor, (2, 3), (3, 1), 1, *args[4:]))))
     # SGLang's reductions and dataclasses, from a module of theirs
@@ -272,10 +305,12 @@ def test_the_unpickler_reads_the_payloads_torch_vllm_and_sglang_make(monkeypatch
         setattr(module, obj.__name__, obj)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     uuid_args = (*args[:6], "GPU-1234", *args[7:])
-    meta = FlattenedTensorMetadata(name="w", shape=torch.Size([3]), dtype=torch.float32, start_idx=0, end_idx=12,
-                                   numel=3)
-    loaded = safe_pickle.loads(pickle.dumps({"flattened_tensor": (_rebuild_cuda_tensor_modified, uuid_args),
-                                             "metadata": [meta]}))
+    meta = FlattenedTensorMetadata(
+        name="w", shape=torch.Size([3]), dtype=torch.float32, start_idx=0, end_idx=12, numel=3
+    )
+    loaded = safe_pickle.loads(
+        pickle.dumps({"flattened_tensor": (_rebuild_cuda_tensor_modified, uuid_args), "metadata": [meta]})
+    )
     assert safe_pickle.as_handle(loaded["flattened_tensor"]).device == "GPU-1234"
     assert [loaded["metadata"][0].field(k) for k in ("name", "end_idx")] == ["w", 12]
 
@@ -321,7 +356,9 @@ def test_the_declaration_is_checked_before_anything_is_opened(ckpts, trainer, tm
         "no handles for this engine's device 'cpu'": {**good, "handles": {"GPU-0": good["handles"]["cpu"]}},
         r"global posix\.system.*allowlist": {**good, "handles": {"cpu": evil_payload(marker)}},
         r"model\.norm\.weight: bytes \d+\.\.\d+ lie past the bucket": {
-            **bucket, "offsets": [*bucket["offsets"][:norm], 1 << 30, *bucket["offsets"][norm + 1:]]},
+            **bucket,
+            "offsets": [*bucket["offsets"][:norm], 1 << 30, *bucket["offsets"][norm + 1 :]],
+        },
         "one of 'handles' or 'bucket'": {**good, "bucket": bucket["bucket"]},
     }
     for message, info in cases.items():
@@ -382,8 +419,23 @@ def test_vllms_python_object_handles_take_the_same_checks():
     info = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
     with pytest.raises(ValueError, match="pickled by value"):
         open_update({**info, "ipc_handles": [{"cpu": reduce_tensor(torch.zeros(2))}]}, declared, torch.device("cpu"))
-    args = (torch.Tensor, torch.Size([2]), (1,), 0, torch.storage.TypedStorage, torch.float32, 0, b"h" * 64, 8, 0,
-            False, b"/torch_1_2_3", 0, None, False)
+    args = (
+        torch.Tensor,
+        torch.Size([2]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.float32,
+        0,
+        b"h" * 64,
+        8,
+        0,
+        False,
+        b"/torch_1_2_3",
+        0,
+        None,
+        False,
+    )
     with pytest.raises(ValueError, match="reached an engine on cpu"):
         open_update({**info, "ipc_handles": [{"cpu": (rebuild_cuda_tensor, args)}]}, declared, torch.device("cpu"))
 
@@ -402,12 +454,44 @@ def test_a_cuda_handle_is_rebuilt_with_the_engines_device_index(monkeypatch):
     assert len(parameters) == 15 and parameters[6] == "storage_device" and parameters[10] == "requires_grad"
     calls = []
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args) or "opened")
-    args = (torch.nn.Parameter, torch.Size([2, 3]), (3, 1), 4, torch.storage.TypedStorage, torch.bfloat16, 5,
-            b"h" * 64, 64, 512, True, b"/torch_1_2_3", 8, b"e" * 64, True)
+    args = (
+        torch.nn.Parameter,
+        torch.Size([2, 3]),
+        (3, 1),
+        4,
+        torch.storage.TypedStorage,
+        torch.bfloat16,
+        5,
+        b"h" * 64,
+        64,
+        512,
+        True,
+        b"/torch_1_2_3",
+        8,
+        b"e" * 64,
+        True,
+    )
     handle = safe_pickle.as_handle(safe_pickle.loads(pickle.dumps(args)))
     assert open_handle(handle, torch.device("cuda", 1)) == "opened"
-    assert calls == [(torch.Tensor, torch.Size([2, 3]), (3, 1), 4, torch.storage.TypedStorage, torch.bfloat16, 1,
-                      b"h" * 64, 64, 512, False, b"/torch_1_2_3", 8, b"e" * 64, True)]
+    assert calls == [
+        (
+            torch.Tensor,
+            torch.Size([2, 3]),
+            (3, 1),
+            4,
+            torch.storage.TypedStorage,
+            torch.bfloat16,
+            1,
+            b"h" * 64,
+            64,
+            512,
+            False,
+            b"/torch_1_2_3",
+            8,
+            b"e" * 64,
+            True,
+        )
+    ]
 
 
 def test_the_sender_keeps_exports_alive_until_release():
@@ -451,8 +535,14 @@ def test_sglang_update_weights_from_tensor_route(ckpts, trainer, tokenizer, tmp_
         for form, path, version in (("sglang_bucket", ckpts["B"], "7"), ("sglang_pairs", ckpts["A"], "8")):
             info, sums = trainer.export(path, form)
             fmt = "flattened_bucket" if form == "sglang_bucket" else None
-            r = post(base, "/update_weights_from_tensor", serialized_named_tensors=[info["payload"]], load_format=fmt,
-                     weight_version=version, flush_cache=True)
+            r = post(
+                base,
+                "/update_weights_from_tensor",
+                serialized_named_tensors=[info["payload"]],
+                load_format=fmt,
+                weight_version=version,
+                flush_cache=True,
+            )
             assert r.status_code == 200 and r.json()["success"], r.text
             trainer.ask("scribble")
             held = httpx.get(f"{base}/weight_checksums").json()["checksums"]

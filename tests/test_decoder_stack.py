@@ -54,8 +54,11 @@ def _run(path: str, monkeypatch: pytest.MonkeyPatch, native_stack: bool) -> tupl
     try:
         outs = [llm.generate(PROMPTS, PARAMS, use_tqdm=False) for _ in range(2)]
         caches = llm.apply_model(
-            lambda model: [t.clone() for layer in model.model.layers for t in (layer.self_attn.attn.k_cache,
-                                                                                 layer.self_attn.attn.v_cache)]
+            lambda model: [
+                t.clone()
+                for layer in model.model.layers
+                for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
+            ]
         )[0]
     finally:
         llm.shutdown()
@@ -87,22 +90,26 @@ def test_native_stack_gives_the_module_paths_bits(ops, model_dirs, biased_llama,
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("name", "lora", "dtype", "kv", "rows"), [
-    ("qwen2", False, "float32", "auto", 8),
-    ("biased", False, "float32", "auto", 8),
-    ("qwen2", True, "float32", "auto", 8),
-    ("biased", True, "float32", "auto", 8),
-    ("qwen2", False, "bfloat16", "auto", 8),
-    ("biased", False, "bfloat16", "auto", 8),
-    ("llama", False, "bfloat16", "bfloat16", 8),
-    ("biased", False, "float32", "auto", 2),
-    ("biased", False, "float32", "onednn", 1),
-    ("biased", False, "bfloat16", "auto", 3),
-    ("biased", False, "bfloat16", "packed", 8),
-    ("qwen2", False, "bfloat16", "packed", 2),
-])
-def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, biased_llama, name, lora, dtype, kv,
-                                                                rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("name", "lora", "dtype", "kv", "rows"),
+    [
+        ("qwen2", False, "float32", "auto", 8),
+        ("biased", False, "float32", "auto", 8),
+        ("qwen2", True, "float32", "auto", 8),
+        ("biased", True, "float32", "auto", 8),
+        ("qwen2", False, "bfloat16", "auto", 8),
+        ("biased", False, "bfloat16", "auto", 8),
+        ("llama", False, "bfloat16", "bfloat16", 8),
+        ("biased", False, "float32", "auto", 2),
+        ("biased", False, "float32", "onednn", 1),
+        ("biased", False, "bfloat16", "auto", 3),
+        ("biased", False, "bfloat16", "packed", 8),
+        ("qwen2", False, "bfloat16", "packed", 2),
+    ],
+)
+def test_native_stack_forward_is_the_module_forward_to_the_bit(
+    ops, model_dirs, biased_llama, name, lora, dtype, kv, rows, tmp_path, monkeypatch
+):
     """One decode step of `rows` sequences (contexts of 5 to 40 tokens over scattered blocks) from the same inputs
     and caches, through the native stack and through the modules: the same hidden states and caches, bit for bit.
     `lora`: rows 0-3 run with one LoRA adapter (every projection) and rows 4-7 with another (q/v/down only).
@@ -166,13 +173,26 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, 
         flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]
         return torch.equal(native_hidden, module_hidden) and all(torch.equal(a, b) for a, b in zip(*flat, strict=True))
 
-    llm = LLM(path, kv_cache_memory_bytes=1 << 22, enable_lora=lora, max_loras=2, max_lora_rank=8, dtype=dtype,
-              kv_cache_dtype=kv)
+    llm = LLM(
+        path,
+        kv_cache_memory_bytes=1 << 22,
+        enable_lora=lora,
+        max_loras=2,
+        max_lora_rank=8,
+        dtype=dtype,
+        kv_cache_dtype=kv,
+    )
     try:
         if lora:
             llm.load_lora_adapter("a", str(make_tiny_lora(path, tmp_path / "a", rank=8, seed=1)))
-            llm.load_lora_adapter("b", str(make_tiny_lora(path, tmp_path / "b", rank=4, seed=2,
-                                                          target_modules=["q_proj", "v_proj", "down_proj"])))
+            llm.load_lora_adapter(
+                "b",
+                str(
+                    make_tiny_lora(
+                        path, tmp_path / "b", rank=4, seed=2, target_modules=["q_proj", "v_proj", "down_proj"]
+                    )
+                ),
+            )
         assert llm.collective_rpc(compare) == [True]
     finally:
         llm.shutdown()
@@ -228,17 +248,86 @@ def test_native_stack_is_skipped_for_a_patched_module(ops, model_dirs):
 def test_decoder_layers_rejects_bad_input(ops):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="entries per layer"):
-        ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [None] * 5, [], [], torch.zeros(4, dtype=torch.long),
-                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [], [])
+        ops.decoder_layers(
+            x,
+            torch.zeros(4, dtype=torch.long),
+            [None] * 5,
+            [],
+            [],
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(4, 1, dtype=torch.long),
+            torch.ones(4, dtype=torch.long),
+            None,
+            None,
+            1,
+            1,
+            8,
+            1.0,
+            1e-6,
+            torch.ones(8),
+            True,
+            True,
+            True,
+            0,
+            0,
+            [],
+            [],
+            [],
+        )
     with pytest.raises(RuntimeError, match="segment of lora_rows"):
-        ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
-                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [None] * 3, [0, 4], [])
+        ops.decoder_layers(
+            x,
+            torch.zeros(4, dtype=torch.long),
+            [],
+            [],
+            [],
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(4, 1, dtype=torch.long),
+            torch.ones(4, dtype=torch.long),
+            None,
+            None,
+            1,
+            1,
+            8,
+            1.0,
+            1e-6,
+            torch.ones(8),
+            True,
+            True,
+            True,
+            0,
+            0,
+            [None] * 3,
+            [0, 4],
+            [],
+        )
     with pytest.raises(RuntimeError, match="onednn must be empty or hold 4"):
-        ops.decoder_layers(x, torch.zeros(4, dtype=torch.long), [], [], [], torch.zeros(4, dtype=torch.long),
-                           torch.zeros(4, 1, dtype=torch.long), torch.ones(4, dtype=torch.long), None, None, 1, 1, 8,
-                           1.0, 1e-6, torch.ones(8), True, True, True, 0, 0, [], [], [True])
+        ops.decoder_layers(
+            x,
+            torch.zeros(4, dtype=torch.long),
+            [],
+            [],
+            [],
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(4, 1, dtype=torch.long),
+            torch.ones(4, dtype=torch.long),
+            None,
+            None,
+            1,
+            1,
+            8,
+            1.0,
+            1e-6,
+            torch.ones(8),
+            True,
+            True,
+            True,
+            0,
+            0,
+            [],
+            [],
+            [True],
+        )
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch, tmp_path):
@@ -253,8 +342,9 @@ def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkey
     monkeypatch.setattr(facade, "policy", lambda: mixed)
     monkeypatch.setattr(policy, "prepare", lambda hf_config, dtype=None: mixed)
     monkeypatch.setattr(policy, "calibrate_stack", lambda measure: mixed)
-    test_native_stack_forward_is_the_module_forward_to_the_bit(ops, model_dirs, None, "qwen2", True, "float32", "auto",
-                                                               8, tmp_path, monkeypatch)
+    test_native_stack_forward_is_the_module_forward_to_the_bit(
+        ops, model_dirs, None, "qwen2", True, "float32", "auto", 8, tmp_path, monkeypatch
+    )
     fast, _, native_steps = _run(str(model_dirs["llama"]), monkeypatch, native_stack=True)
     slow, _, _ = _run(str(model_dirs["llama"]), monkeypatch, native_stack=False)
     assert native_steps > 0
@@ -272,7 +362,7 @@ def test_the_step_timing_runs_each_variant_of_the_products(ops, model_dirs):
         args = (r.block_size, r.attention_kernel, r.num_blocks, variants)
         return r.stack.time_step(4, *args), r.stack.time_step(r.num_blocks + 1, *args)
 
-    (timed, declined), = llm.collective_rpc(timing)
+    ((timed, declined),) = llm.collective_rpc(timing)
     stack_s, modules_s = timed
     assert len(stack_s) == 2 and all(s > 0 for s in stack_s) and modules_s > 0
     assert declined is None

@@ -25,8 +25,9 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
     return dict(load_file(str(path / "model.safetensors")))
 
 
-def perturbed(base: dict[str, torch.Tensor], fraction: float, seed: int, skip_every: int = 3
-              ) -> dict[str, torch.Tensor]:
+def perturbed(
+    base: dict[str, torch.Tensor], fraction: float, seed: int, skip_every: int = 3
+) -> dict[str, torch.Tensor]:
     """`base` with `fraction` of the elements of two in three tensors changed (the others identical)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -39,8 +40,9 @@ def perturbed(base: dict[str, torch.Tensor], fraction: float, seed: int, skip_ev
     return out
 
 
-def delta_of(encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
-             ) -> list[tuple[str, torch.Tensor]]:
+def delta_of(
+    encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
     """The tensors a sender sends for `encoding` (unchanged tensors left out)."""
     out: list[tuple[str, torch.Tensor]] = []
     for name in sorted(new):
@@ -87,9 +89,12 @@ def test_a_delta_over_each_transport_equals_the_full_update(ckpts, states, backe
 @pytest.mark.parametrize("encoding", ["xor", "sparse"])
 def test_reload_weights_takes_a_delta_and_generates_as_a_fresh_engine(ckpts, states, tmp_path, encoding):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
-    llm.reload_weights(weights_iterator=delta_of(encoding, states["A"], states["B"]), encoding=encoding,
-                       base_version=0, checksums={n: tensor_sha256(t) for n, t in states["B"].items()
-                                                  if not torch.equal(t, states["A"][n])})
+    llm.reload_weights(
+        weights_iterator=delta_of(encoding, states["A"], states["B"]),
+        encoding=encoding,
+        base_version=0,
+        checksums={n: tensor_sha256(t) for n, t in states["B"].items() if not torch.equal(t, states["A"][n])},
+    )
     assert sums(llm) == expected_sums(states["B"], llm)
     folder = tmp_path / "B"
     folder.mkdir()
@@ -100,15 +105,17 @@ def test_reload_weights_takes_a_delta_and_generates_as_a_fresh_engine(ckpts, sta
     fresh = LLM(str(folder), kv_cache_memory_bytes=KV)
     prompts = ["the quick brown fox", "hello world"]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [
-        o.outputs[0].token_ids for o in fresh.generate(prompts, GREEDY, use_tqdm=False)]
+        o.outputs[0].token_ids for o in fresh.generate(prompts, GREEDY, use_tqdm=False)
+    ]
 
 
 def test_a_folder_of_deltas_reloads_by_path(ckpts, states, tmp_path):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     folder = tmp_path / "delta"
     folder.mkdir()
-    save_file({n: t.contiguous() for n, t in delta_of("xor", states["A"], states["B"])},
-              str(folder / "model.safetensors"))
+    save_file(
+        {n: t.contiguous() for n, t in delta_of("xor", states["A"], states["B"])}, str(folder / "model.safetensors")
+    )
     llm.reload_weights(weights_path=str(folder), encoding="xor", base_version="0")
     assert sums(llm) == expected_sums(states["B"], llm)
 
@@ -126,8 +133,7 @@ def test_a_delta_on_another_base_version_is_refused_before_anything_moves(ckpts,
         assert sums(llm) == before and llm.get_weight_version() == 0
         pusher.push(named, weight_version="step-1", extra={"encoding": "xor", "base_version": 0})
         second = perturbed(states["B"], 0.01, seed=5)
-        pusher.push(delta_of("sparse", states["B"], second), extra={"encoding": "sparse",
-                                                                   "base_version": "step-1"})
+        pusher.push(delta_of("sparse", states["B"], second), extra={"encoding": "sparse", "base_version": "step-1"})
     finally:
         pusher.close()
     assert sums(llm) == expected_sums(second, llm)
@@ -173,14 +179,17 @@ def test_a_streamed_sparse_delta_failing_midway_restores_the_patched_elements(ck
     assert sums(llm) == before
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("dtype", "an xor delta of torch.float32 weights is torch.int32"),
-    ("shape", "wrong shape"),
-    ("twice", "sent twice in one delta update"),
-    ("values_alone", "partner never arrived"),
-    ("index_range", "sparse indices outside"),
-    ("encoding", "unknown encoding 'zstd'"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("dtype", "an xor delta of torch.float32 weights is torch.int32"),
+        ("shape", "wrong shape"),
+        ("twice", "sent twice in one delta update"),
+        ("values_alone", "partner never arrived"),
+        ("index_range", "sparse indices outside"),
+        ("encoding", "unknown encoding 'zstd'"),
+    ],
+)
 def test_malformed_deltas_are_refused_and_change_nothing(ckpts, states, bad, message):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
     before = sums(llm)
@@ -217,8 +226,7 @@ def test_fp8_layers_take_whole_tensors_and_requantize_only_what_was_written(ckpt
     before = sums(llm)
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(ValueError, match=r"fp8.*encoding .overwrite."):
-        llm.reload_weights(weights_iterator=[(name, xor_delta(states["A"][name], states["B"][name]))],
-                           encoding="xor")
+        llm.reload_weights(weights_iterator=[(name, xor_delta(states["A"][name], states["B"][name]))], encoding="xor")
     assert sums(llm) == before
     new = tensors_of(ckpts["B"])[name]  # other weights altogether: every fp8 value of it changes
     llm.reload_weights(weights_iterator=[(name, new)], encoding="overwrite", base_version=0)
@@ -292,13 +300,17 @@ def test_deltas_over_the_http_routes(ckpts, states, tmp_path):
             refused = httpx.post(f"{base}/update_weights_from_disk", json=body, headers=headers, timeout=60)
             assert refused.status_code == 400 and "'nope'" in refused.text and f"'{served}'" in refused.text
             assert client.verify(list(c.items())) == []
-            ok = httpx.post(f"{base}/update_weights_from_disk", json={**body, "base_version": served},
-                            headers=headers, timeout=60)
+            ok = httpx.post(
+                f"{base}/update_weights_from_disk", json={**body, "base_version": served}, headers=headers, timeout=60
+            )
             assert ok.status_code == 200 and ok.json()["success"], ok.text
             assert client.verify(list(d.items())) == []
             # vLLM-style /reload_weights with a sparse folder back to B
-            body = {"weights_path": folder("db", delta_of("sparse", d, states["B"])), "encoding": "sparse",
-                    "base_version": client.get_weight_version()}
+            body = {
+                "weights_path": folder("db", delta_of("sparse", d, states["B"])),
+                "encoding": "sparse",
+                "base_version": client.get_weight_version(),
+            }
             assert httpx.post(f"{base}/reload_weights", json=body, headers=headers, timeout=60).status_code == 200
             assert client.verify(list(states["B"].items())) == []
         finally:

@@ -23,8 +23,9 @@ def test_dense_linear_equals_f_linear_and_is_taken_only_where_it_wins(monkeypatc
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     for rows in (1, 3, 100, 300):
         x = torch.randn(rows, 64, generator=gen)
-        torch.testing.assert_close(packed.dense_linear(x, weight, bias), F.linear(x, weight, bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            packed.dense_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5
+        )
     calls: list[str] = []
     real = packed.dense_linear
     monkeypatch.setattr(packed, "dense_linear", lambda *a: calls.append("dnn") or real(*a))

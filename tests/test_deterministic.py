@@ -24,8 +24,9 @@ KV = 1 << 24
 NEEDLE = "the quick brown fox jumps over the lazy dog and then"
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5, prompt_logprobs=5),
-    "seeded": SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=5,
-                             prompt_logprobs=5),
+    "seeded": SamplingParams(
+        temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    ),
 }
 KINDS = ["dense", "moe", "fp8", "moe_fp8"]
 
@@ -94,14 +95,19 @@ def others(n: int, seed: int) -> list[tuple[dict[str, Any], SamplingParams]]:
     out = []
     for _ in range(n):
         prompt = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 41))]}
-        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 17),
-                                ignore_eos=True, logprobs=rng.choice([None, 2]))
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]),
+            max_tokens=rng.randrange(1, 17),
+            ignore_eos=True,
+            logprobs=rng.choice([None, 2]),
+        )
         out.append((prompt, params))
     return out
 
 
-def needle_in(llm: LLM, mode: str, crowd: list[tuple[dict[str, Any], SamplingParams]], at: int
-              ) -> dict[str, torch.Tensor]:
+def needle_in(
+    llm: LLM, mode: str, crowd: list[tuple[dict[str, Any], SamplingParams]], at: int
+) -> dict[str, torch.Tensor]:
     prompts: list[Any] = [p for p, _ in crowd]
     params = [s for _, s in crowd]
     prompts.insert(at, NEEDLE)
@@ -137,12 +143,18 @@ def test_chunking_caching_preemption_and_speculation_change_no_bit(models, kind)
         assert_same(signature(hit, prompt=False), expected, f"{kind} {mode} on a cache hit")
     variants = {
         "chunked prefill of 4 tokens a step": {"max_num_batched_tokens": 4, "max_num_seqs": 4, "block_size": 4},
-        "ngram speculation": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                                     "prompt_lookup_min": 1}},
+        "ngram speculation": {
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+        },
     }
     if kind == "dense":
-        variants["draft speculation"] = {"speculative_config": {
-            "method": "draft_model", "model": str(models["dense_B"]), "num_speculative_tokens": 3}}
+        variants["draft speculation"] = {
+            "speculative_config": {
+                "method": "draft_model",
+                "model": str(models["dense_B"]),
+                "num_speculative_tokens": 3,
+            }
+        }
     for what, kwargs in variants.items():
         other = det_llm(models, kind, **kwargs)
         try:
@@ -152,11 +164,23 @@ def test_chunking_caching_preemption_and_speculation_change_no_bit(models, kind)
             other.shutdown()
     # preemption: a cache of 12 blocks of 8 that the crowd outgrows; the needle is recomputed at least once
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, layers, block, kv heads, head dim, fp32
-    crowded = det_llm(models, kind, block_size=8, max_model_len=96, kv_cache_memory_bytes=12 * per_block,
-                      max_num_batched_tokens=16, max_num_seqs=8)
+    crowded = det_llm(
+        models,
+        kind,
+        block_size=8,
+        max_model_len=96,
+        kv_cache_memory_bytes=12 * per_block,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     try:
-        crowd = [({"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30)]},
-                  SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for i in range(6)]
+        crowd = [
+            (
+                {"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30)]},
+                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            )
+            for i in range(6)
+        ]
         for mode in PARAMS:
             assert_same(needle_in(crowded, mode, crowd, 0), want[mode], f"{kind} {mode} with preemption")
         assert crowded.llm_engine.stats()["num_preemptions"] > 0
@@ -208,8 +232,15 @@ def rollouts(llm: LLM, routes: bool = False) -> tuple[list[list[int]], list[torc
     """Three prompts of unequal lengths, one sampled continuation each: the token ids, and the engine's logprob
     of every token after the first (prompt logprobs, then the sampled tokens'); with `routes`, also the experts
     each token but the last went through ([tokens - 1, sparse layers, top_k], a mixture-of-experts model)."""
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=0, prompt_logprobs=0,
-                            return_routed_experts=routes)
+    params = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=0,
+        prompt_logprobs=0,
+        return_routed_experts=routes,
+    )
     outs = llm.generate(["hello world", NEEDLE, "a b c d e f g"], params, use_tqdm=False)
     seqs, logprobs = [], []
     for o in outs:
@@ -331,8 +362,9 @@ def test_bad_settings_are_refused_with_the_reason(models):
     with pytest.raises(ValueError, match="fp8 experts needs weight_block_size"):
         EngineConfig.from_kwargs(str(models["moe"]), deterministic=True, quantization="fp8")
     with pytest.raises(ValueError, match="enable_expert_parallel"):
-        EngineConfig.from_kwargs(str(models["moe"]), deterministic=True, tensor_parallel_size=2,
-                                 enable_expert_parallel=True)
+        EngineConfig.from_kwargs(
+            str(models["moe"]), deterministic=True, tensor_parallel_size=2, enable_expert_parallel=True
+        )
     trainer = hf(models["dense"])
     with pytest.raises(ValueError, match="contiguous"):
         token_logprobs(trainer, torch.tensor([[5, 6, 7]]), torch.tensor([[1, 0, 1]]))
@@ -367,14 +399,25 @@ def test_serve_deterministic_returns_the_same_logprobs_alone_and_in_a_crowd(mode
     from server_helpers import running_server
 
     model = models["dense"].name  # the served name: the folder's
-    needle = {"model": model, "prompt": NEEDLE, "max_tokens": 10, "temperature": 0.8, "seed": 3, "logprobs": 3,
-              "ignore_eos": True}
+    needle = {
+        "model": model,
+        "prompt": NEEDLE,
+        "max_tokens": 10,
+        "temperature": 0.8,
+        "seed": 3,
+        "logprobs": 3,
+        "ignore_eos": True,
+    }
 
     async def crowd(base: str) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            others = [client.post("/v1/completions", json={"model": model, "prompt": [5 + i] * (3 + i),
-                                                            "max_tokens": 3 + i % 7,
-                                                            "temperature": 1.0}) for i in range(16)]
+            others = [
+                client.post(
+                    "/v1/completions",
+                    json={"model": model, "prompt": [5 + i] * (3 + i), "max_tokens": 3 + i % 7, "temperature": 1.0},
+                )
+                for i in range(16)
+            ]
             replies = await asyncio.gather(*others[:8], client.post("/v1/completions", json=needle), *others[8:])
             return dict(replies[8].json()["choices"][0]["logprobs"])
 
@@ -394,13 +437,16 @@ def test_processed_logprobs_equal_token_logprobs_at_the_sampling_temperature(mod
     try:
         params = SamplingParams(temperature=0.7, seed=11, max_tokens=8, ignore_eos=True, logprobs=2)
         out = llm.generate([NEEDLE], params, use_tqdm=False)[0]
-        filtered = llm.generate([NEEDLE], SamplingParams(temperature=0.7, top_k=3, seed=11, max_tokens=8,
-                                                         ignore_eos=True, logprobs=5), use_tqdm=False)[0]
+        filtered = llm.generate(
+            [NEEDLE],
+            SamplingParams(temperature=0.7, top_k=3, seed=11, max_tokens=8, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )[0]
     finally:
         llm.shutdown()
     c = out.outputs[0]
     seq = list(out.prompt_token_ids) + list(c.token_ids)
-    got = token_logprobs(hf(models["dense"]), torch.tensor([seq]), temperature=0.7)[0, -len(c.token_ids):]
+    got = token_logprobs(hf(models["dense"]), torch.tensor([seq]), temperature=0.7)[0, -len(c.token_ids) :]
     want = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)], dtype=torch.float32)
     assert torch.equal(got, want)
     raw = alone(base(models, "dense"), "greedy")  # raw logprobs differ from processed ones at t = 0.7

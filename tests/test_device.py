@@ -42,8 +42,10 @@ def test_cuda_without_a_gpu_is_refused_at_construction_with_the_reason(llama_dir
 @pytest.mark.unit
 def test_what_has_no_cuda_path_yet_is_refused_naming_the_setting():
     check_engine_on_device("cpu", deterministic=True, tensor_parallel_size=2)
-    for kwargs, named in (({"deterministic": True}, "deterministic=True"), ({"tensor_parallel_size": 2},
-                          "tensor_parallel_size=2")):
+    for kwargs, named in (
+        ({"deterministic": True}, "deterministic=True"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ):
         with pytest.raises(ValueError, match=named):
             check_engine_on_device("cuda:0", **kwargs)
     check_engine_on_device("cuda:0")
@@ -56,15 +58,20 @@ def test_a_cuda_config_takes_the_weights_dtype_for_its_kv_and_refuses_determinis
     path = str(llama_dir)
     assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16").cache_config.kv_cache_dtype == "bfloat16"
     assert EngineConfig.from_kwargs(path, device="cuda", dtype="float32").cache_config.kv_cache_dtype == "float32"
-    assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16",
-                                    kv_cache_dtype="float32").cache_config.kv_cache_dtype == "float32"
+    assert (
+        EngineConfig.from_kwargs(
+            path, device="cuda", dtype="bfloat16", kv_cache_dtype="float32"
+        ).cache_config.kv_cache_dtype
+        == "float32"
+    )
     assert EngineConfig.from_kwargs(path, dtype="bfloat16").cache_config.kv_cache_dtype == "auto"  # CPU: float32
     with pytest.raises(ValueError, match="deterministic=True runs on the CPU"):
         EngineConfig.from_kwargs(path, device="cuda", deterministic=True)
     speculative = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
     for eager in (False, True):
-        draft = EngineConfig.from_kwargs(path, device="cuda", speculative_config=speculative,
-                                         enforce_eager=eager).draft_model_config
+        draft = EngineConfig.from_kwargs(
+            path, device="cuda", speculative_config=speculative, enforce_eager=eager
+        ).draft_model_config
         assert draft is not None and draft.device == "cuda:0" and draft.enforce_eager is eager
     draft = EngineConfig.from_kwargs(path, speculative_config=speculative).draft_model_config
     assert draft is not None and draft.device == "cpu"
@@ -137,26 +144,33 @@ def implicit_device_tensors(root: Path) -> list[tuple[str, str, int]]:
                 if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
                     continue
                 for node in ast.walk(fn):
-                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                            node.func.attr in CONSTRUCTORS and ast.unparse(node.func.value) == "torch" and \
-                            not any(k.arg == "device" for k in node.keywords):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in CONSTRUCTORS
+                        and ast.unparse(node.func.value) == "torch"
+                        and not any(k.arg == "device" for k in node.keywords)
+                    ):
                         found.append((file.relative_to(root).as_posix(), fn.name, node.lineno))
     return sorted(set(found))
 
 
 def allowed(file: str, function: str) -> bool:
-    return any((file == place or file.startswith(place + "/")) and name in (function, "*")
-               for place, name in ALLOWED)
+    return any((file == place or file.startswith(place + "/")) and name in (function, "*") for place, name in ALLOWED)
 
 
 @pytest.mark.unit
 def test_no_runtime_tensor_lands_on_the_implicit_device():
     found = implicit_device_tensors(ROOT)
     unreviewed = [f"{f}:{line} in {fn}()" for f, fn, line in found if not allowed(f, fn)]
-    assert unreviewed == [], "tensors created without device= (pass the device, or add a reviewed reason):\n" + \
-        "\n".join(unreviewed)
-    stale = [key for key in ALLOWED if not any((f == key[0] or f.startswith(key[0] + "/")) and key[1] in (fn, "*")
-                                               for f, fn, _ in found)]
+    assert unreviewed == [], (
+        "tensors created without device= (pass the device, or add a reviewed reason):\n" + "\n".join(unreviewed)
+    )
+    stale = [
+        key
+        for key in ALLOWED
+        if not any((f == key[0] or f.startswith(key[0] + "/")) and key[1] in (fn, "*") for f, fn, _ in found)
+    ]
     assert stale == [], f"allowlist entries that match nothing any more: {stale}"
 
 
@@ -164,8 +178,10 @@ def test_no_runtime_tensor_lands_on_the_implicit_device():
 def test_the_device_guard_finds_a_planted_tensor(tmp_path):
     planted = tmp_path / "hotswap" / "worker" / "runner.py"
     planted.parent.mkdir(parents=True)
-    planted.write_text("import torch\n\ndef step(x):\n    return torch.arange(4) + x\n\n"
-                       "def fine(x):\n    return torch.arange(4, device=x.device)\n")
+    planted.write_text(
+        "import torch\n\ndef step(x):\n    return torch.arange(4) + x\n\n"
+        "def fine(x):\n    return torch.arange(4, device=x.device)\n"
+    )
     assert implicit_device_tensors(tmp_path) == [("hotswap/worker/runner.py", "step", 4)]
 
 
@@ -268,24 +284,32 @@ def test_lora_and_speculative_decoding_on_the_gpu(llama_dir, tmp_path, device):
 
     def merged_greedy(prompt_ids: list[int]) -> list[int]:
         with torch.no_grad():
-            out = merged.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=tokens,
-                                  min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                                  attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device))
-        return list(out[0, len(prompt_ids):].tolist())
+            out = merged.generate(
+                torch.tensor([prompt_ids], device=device),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
+            )
+        return list(out[0, len(prompt_ids) :].tolist())
 
-    llm = LLM(str(llama_dir), device=device, enable_lora=True, max_loras=1, max_lora_rank=8,
-              kv_cache_memory_bytes=1 << 23)
+    llm = LLM(
+        str(llama_dir), device=device, enable_lora=True, max_loras=1, max_lora_rank=8, kv_cache_memory_bytes=1 << 23
+    )
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:4]]
     request = LoRARequest("a", 1, str(adapter))
     loras = [request, None, request, request]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], greedy, lora_request=loras, use_tqdm=False)
     for prompt_ids, out, lora in zip(ids, outs, loras, strict=True):
-        expected = merged_greedy(prompt_ids) if lora is not None else \
-            hf_greedy(str(llama_dir), tuple(prompt_ids), tokens, device=device)[0]
+        expected = (
+            merged_greedy(prompt_ids)
+            if lora is not None
+            else hf_greedy(str(llama_dir), tuple(prompt_ids), tokens, device=device)[0]
+        )
         assert out.outputs[0].token_ids == expected
     assert merged_greedy(ids[0]) != hf_greedy(str(llama_dir), tuple(ids[0]), tokens, device=device)[0]
-    (places,) = llm.collective_rpc(lambda w: {p.device.type for a in w.loras.adapters.values()
-                                              for p in a.parameters()})
+    (places,) = llm.collective_rpc(lambda w: {p.device.type for a in w.loras.adapters.values() for p in a.parameters()})
     assert places == {"cuda"}
     plain = llm.generate([{"prompt_token_ids": i} for i in ids], greedy, use_tqdm=False)
     for prompt_ids, out in zip(ids, plain, strict=True):
@@ -299,11 +323,21 @@ def test_lora_and_speculative_decoding_on_the_gpu(llama_dir, tmp_path, device):
         return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
     expected = token_ids(LLM(str(llama_dir), device=device, kv_cache_memory_bytes=1 << 23))
-    draft = make_tiny_model(tmp_path / "draft", seed=11, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    for config in ({"method": "ngram", "num_speculative_tokens": 4},
-                   {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
-                   {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+    draft = make_tiny_model(
+        tmp_path / "draft",
+        seed=11,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3},
+        {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+    ):
         spec = LLM(str(llama_dir), device=device, kv_cache_memory_bytes=1 << 23, speculative_config=config)
         assert token_ids(spec) == expected, config
         stats = spec.llm_engine.stats()

@@ -17,8 +17,9 @@ from server_helpers import running_server
 @pytest.fixture(scope="module")
 def served(ckpts, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 24),
-                        log=log) as base:
+    with running_server(
+        str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 24), log=log
+    ) as base:
         yield base, log
 
 
@@ -57,8 +58,15 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(served):
 
 def test_a_streaming_request_whose_client_left_is_aborted(served):
     base, _ = served
-    body = {"model": "A", "prompt": "hello", "max_tokens": 1000, "n": 2, "temperature": 1.0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "A",
+        "prompt": "hello",
+        "max_tokens": 1000,
+        "n": 2,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
@@ -70,8 +78,11 @@ def test_an_sglang_batch_whose_client_left_is_aborted(served):
     params = {"max_new_tokens": 1000, "temperature": 1.0, "ignore_eos": True}
     before = metric(base, "hotswap_requests", route="/generate", status="499")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/generate", json={"text": ["hello", "world", "a b c"], "sampling_params": params},
-                   timeout=httpx.Timeout(30.0, read=0.3))
+        httpx.post(
+            f"{base}/generate",
+            json={"text": ["hello", "world", "a b c"], "sampling_params": params},
+            timeout=httpx.Timeout(30.0, read=0.3),
+        )
     assert wait_idle(base, within=1.0) < 1.0
     assert metric(base, "hotswap_requests", route="/generate", status="499") == before + 1
 
@@ -79,8 +90,10 @@ def test_an_sglang_batch_whose_client_left_is_aborted(served):
 def _raw_request(base: str, body: dict) -> bytes:
     payload = json.dumps(body).encode()
     host = base.removeprefix("http://")
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
 
 
 def _connect(base: str) -> socket.socket:
@@ -103,8 +116,10 @@ def test_pipelined_requests_on_one_connection_are_answered_in_order(served):
     base, _ = served
     body = {"model": "A", "prompt": "hello", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
     with _connect(base) as sock:
-        sock.sendall(_raw_request(base, body) * 2 + _raw_request(base, body).replace(
-            b"Content-Type", b"Connection: close\r\nContent-Type", 1))
+        sock.sendall(
+            _raw_request(base, body) * 2
+            + _raw_request(base, body).replace(b"Content-Type", b"Connection: close\r\nContent-Type", 1)
+        )
         data = _read_until_closed(sock)
     assert data.count(b"HTTP/1.1 200 OK") == 3 and data.count(b'"finish_reason":"length"') == 3, data[:2000]
 
@@ -113,8 +128,15 @@ def test_a_slow_reader_gets_its_whole_stream(served):
     """A streaming client that reads 512 bytes every 20 ms through a small socket buffer (the server's writes
     block on it): the stream arrives whole and the server stays idle afterwards."""
     base, _ = served
-    body = {"model": "A", "prompt": "hello", "max_tokens": 120, "n": 2, "temperature": 1.0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "A",
+        "prompt": "hello",
+        "max_tokens": 120,
+        "n": 2,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with _connect(base) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(_raw_request(base, body).replace(b"Content-Type", b"Connection: close\r\nContent-Type", 1))
@@ -167,8 +189,9 @@ def test_an_error_that_comes_as_the_client_leaves_is_not_logged_as_never_retriev
             await asyncio.sleep(0.01)  # the failure has arrived by now
             return True
 
-    state = SimpleNamespace(limits=RequestLimits(),
-                            engine=SimpleNamespace(engine=SimpleNamespace(is_paused=lambda: False)))
+    state = SimpleNamespace(
+        limits=RequestLimits(), engine=SimpleNamespace(engine=SimpleNamespace(is_paused=lambda: False))
+    )
     reported: list[dict] = []
 
     async def status() -> int:

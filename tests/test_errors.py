@@ -68,8 +68,10 @@ def test_chat_uses_the_template(llm):
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"memory_fraction": 0.0}, "memory_fraction"),
         ({"kv_cache_memory_bytes": 1024}, "KV cache holds"),
-        ({"max_num_batched_tokens": 16, "max_model_len": 64, "enable_chunked_prefill": False},
-         "max_num_batched_tokens=16 is smaller than max_model_len=64 with enable_chunked_prefill=False"),
+        (
+            {"max_num_batched_tokens": 16, "max_model_len": 64, "enable_chunked_prefill": False},
+            "max_num_batched_tokens=16 is smaller than max_model_len=64 with enable_chunked_prefill=False",
+        ),
         ({"max_num_batched_tokens": 16}, "max_num_batched_tokens=16 cannot hold one step of max_num_seqs=256"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
         ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),

@@ -207,12 +207,12 @@ def test_a_trainer_dying_mid_broadcast_rolls_the_whole_fleet_back(fleet, ckpts, 
     before, version = same_weights(fleet), fleet.get_weight_version()
     ctx = multiprocessing.get_context("spawn")
     queue, go, port = ctx.Queue(), ctx.Queue(), free_port()
-    trainer = ctx.Process(target=torch_dist_trainer_dies_mid_stream,
-                          args=(queue, go, port, b_tensors, 1 << 16, 2, fleet.get_world_size()))
+    trainer = ctx.Process(
+        target=torch_dist_trainer_dies_mid_stream, args=(queue, go, port, b_tensors, 1 << 16, 2, fleet.get_world_size())
+    )
     trainer.start()
     try:
-        fleet.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1",
-                                           "master_port": port})
+        fleet.init_weight_transfer_engine({"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port})
         info = queue.get(timeout=60)
         fleet.start_weight_update()
         go.put(True)
@@ -328,8 +328,10 @@ def test_an_abort_pause_ends_requests_on_every_replica_and_resume_serves_again(f
     worker = threading.Thread(target=lambda: box.setdefault("outs", fleet.generate(PROMPTS[:4], long)))
     worker.start()
     deadline = time.monotonic() + 60
-    while sum(m.status.get("requests", 0) for m in fleet.members) < 4 or min(
-            m.status.get("requests", 0) for m in fleet.members) == 0:
+    while (
+        sum(m.status.get("requests", 0) for m in fleet.members) < 4
+        or min(m.status.get("requests", 0) for m in fleet.members) == 0
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     fleet.pause_generation("abort")
@@ -415,8 +417,9 @@ def test_restarted_replicas_get_the_fleets_config_and_transport_and_a_folder_bri
         ray.kill(old)
         wait_replaced(fleet, 0, old)
         assert fleet.members[0].restored_from == "copy" and fleet.members[0].version == version
-        timeouts = ray.get(fleet.members[0].actor.collective_rpc.remote(
-            lambda w: w.config.weight_transfer_config.timeout_s, (), None))
+        timeouts = ray.get(
+            fleet.members[0].actor.collective_rpc.remote(lambda w: w.config.weight_transfer_config.timeout_s, (), None)
+        )
         assert timeouts == [17.0]
         pusher.push(b_tensors)  # the restarted replica received it over its re-created transport
         assert [m.version for m in fleet.members] == [version + 1] * 2

@@ -32,9 +32,15 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cann
 
 @pytest.fixture(scope="module")
 def fleet(ckpts):
-    f = Fleet(str(ckpts["A"]), num_replicas=1, num_gpus_per_worker=0, health_check_interval_s=0.2,
-              health_check_timeout_s=10, ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
-              weight_transfer_config={"timeout_s": 20})
+    f = Fleet(
+        str(ckpts["A"]),
+        num_replicas=1,
+        num_gpus_per_worker=0,
+        health_check_interval_s=0.2,
+        health_check_timeout_s=10,
+        ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
+        weight_transfer_config={"timeout_s": 20},
+    )
     yield f
     f.shutdown()
     ray.shutdown()
@@ -65,13 +71,13 @@ class Traffic:
         self.stop.set()
         self.thread.join(timeout=120)
         assert not self.thread.is_alive() and not self.errors, self.errors
-        assert self.outs and all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) ==
-                                 self.params.max_tokens for o in self.outs)
+        assert self.outs and all(
+            o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == self.params.max_tokens
+            for o in self.outs
+        )
 
 
-def test_a_replica_added_after_a_run_of_pushes_serves_the_fleets_version_with_equal_checksums(
-    fleet, ckpts, b_tensors
-):
+def test_a_replica_added_after_a_run_of_pushes_serves_the_fleets_version_with_equal_checksums(fleet, ckpts, b_tensors):
     from safetensors.torch import load_file
 
     a_tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
@@ -96,8 +102,9 @@ def test_a_replica_added_after_a_run_of_pushes_serves_the_fleets_version_with_eq
         assert sums[0] == sums[1] and len(sums[1]) > 0
         assert [r["weight_version"] for r in fleet.replica_status()] == ["step-3", "step-3"]
         assert replica_serves(fleet, 1, ckpts["B"])
-        timeouts = ray.get(new.actor.collective_rpc.remote(lambda w: w.config.weight_transfer_config.timeout_s,
-                                                           (), None))
+        timeouts = ray.get(
+            new.actor.collective_rpc.remote(lambda w: w.config.weight_transfer_config.timeout_s, (), None)
+        )
         assert timeouts == [17.0]
         assert fleet.num_replicas == 2 and fleet.counters["replicas_added"] == 1
         pusher.push(a_tensors, weight_version="step-4")  # an update after the join includes the new replica
@@ -201,15 +208,24 @@ def test_the_state_stream_carries_every_dtype_and_shape_bit_for_bit():
 
     from hotswap.entrypoints.server import join
 
-    tensors = {"w": torch.randn(3, 4), "bf": torch.randn(5).to(torch.bfloat16), "scalar": torch.tensor(7),
-               "empty": torch.empty(0, 2), "strided": torch.randn(4, 3).t(), "mask": torch.tensor([True, False])}
-    snapshot = {"meta": {"kind": "state"}, "states": [tensors],
-                "loras": [{"lora_name": "x", "tensors": {"lora_A.weight": torch.ones(2, 3)}}]}
+    tensors = {
+        "w": torch.randn(3, 4),
+        "bf": torch.randn(5).to(torch.bfloat16),
+        "scalar": torch.tensor(7),
+        "empty": torch.empty(0, 2),
+        "strided": torch.randn(4, 3).t(),
+        "mask": torch.tensor([True, False]),
+    }
+    snapshot = {
+        "meta": {"kind": "state"},
+        "states": [tensors],
+        "loras": [{"lora_name": "x", "tensors": {"lora_A.weight": torch.ones(2, 3)}}],
+    }
     data = b"".join(join._frames(snapshot))
 
     async def chunks():  # boundaries that cut headers and tensors anywhere
         for i in range(0, len(data), 7):
-            yield data[i:i + 7]
+            yield data[i : i + 7]
 
     async def read():
         reader = join._Reader(chunks())
@@ -247,8 +263,25 @@ def test_a_server_joining_a_live_one_mid_run_copies_its_version_and_answers_503_
             log = tmp_path / "joiner.log"
             with open(log, "w") as out:
                 joiner = subprocess.Popen(
-                    [sys.executable, "-m", "hotswap", "serve", str(ckpts["A"]), "--port", "0", "--admin-key", "k",
-                     "--served-model-name", "A", "--join", live, *lora], stdout=out, stderr=subprocess.STDOUT)
+                    [
+                        sys.executable,
+                        "-m",
+                        "hotswap",
+                        "serve",
+                        str(ckpts["A"]),
+                        "--port",
+                        "0",
+                        "--admin-key",
+                        "k",
+                        "--served-model-name",
+                        "A",
+                        "--join",
+                        live,
+                        *lora,
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             try:
                 deadline = time.monotonic() + 120
                 base = None
@@ -287,10 +320,18 @@ def test_a_server_joining_a_live_one_mid_run_copies_its_version_and_answers_503_
                     assert mine == theirs and len(mine) > 0
                     assert "weights from copy" in log.read_text()
                     for model in ("A", "a"):  # the base model and the copied adapter answer alike
-                        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                                "ignore_eos": True, "return_token_ids": True}
-                        outs = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-                                for url in (live, base)]
+                        body = {
+                            "model": model,
+                            "prompt": PROMPTS[0],
+                            "max_tokens": 8,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "return_token_ids": True,
+                        }
+                        outs = [
+                            httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+                            for url in (live, base)
+                        ]
                         assert outs[0]["token_ids"] == outs[1]["token_ids"]
                         assert outs[1]["weight_versions"][0][0] == "step-3"
                     loras = [httpx.get(f"{url}/v1/models", timeout=30).json()["data"] for url in (live, base)]
@@ -304,8 +345,9 @@ def test_a_server_joining_a_live_one_mid_run_copies_its_version_and_answers_503_
             # a version a folder holds: a second joiner reloads the folder, checked against the live checksums
             admin.reload_weights(str(ckpts["B"]), weight_version="step-4")
             log2 = tmp_path / "joiner2.log"
-            with running_server(str(ckpts["A"]), "--admin-key", "k", "--served-model-name", "A", "--join", live,
-                                *lora, log=log2) as second:
+            with running_server(
+                str(ckpts["A"]), "--admin-key", "k", "--served-model-name", "A", "--join", live, *lora, log=log2
+            ) as second:
                 joined = AdminClient(second, admin_key="k")
                 try:
                     assert joined.get_weight_version() == "step-4"

@@ -35,9 +35,11 @@ def adapters(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     """For checkpoint A: "a" and "c" (rank 8, two draws of one shape: "c" is an update of "a"), "big" (rank 16,
     over the fleet's max_lora_rank)."""
     root = tmp_path_factory.mktemp("fleet_lora")
-    return {"a": make_tiny_lora(ckpts["A"], root / "a", rank=8, seed=1),
-            "c": make_tiny_lora(ckpts["A"], root / "c", rank=8, seed=3),
-            "big": make_tiny_lora(ckpts["A"], root / "big", rank=16, seed=2)}
+    return {
+        "a": make_tiny_lora(ckpts["A"], root / "a", rank=8, seed=1),
+        "c": make_tiny_lora(ckpts["A"], root / "c", rank=8, seed=3),
+        "big": make_tiny_lora(ckpts["A"], root / "big", rank=16, seed=2),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,10 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas cann
 def served(fleet: Fleet, index: int, prompts: list[dict], lora: LoRARequest | None) -> list:
     """Replica `index`'s own outputs for the prompts (not routed)."""
     ids = [f"probe-{index}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    return ray.get(fleet.members[index].actor.generate_batch.remote(
-        prompts, [GREEDY] * len(prompts), ids, [lora] * len(prompts)), timeout=120)
+    return ray.get(
+        fleet.members[index].actor.generate_batch.remote(prompts, [GREEDY] * len(prompts), ids, [lora] * len(prompts)),
+        timeout=120,
+    )
 
 
 def tokens(outs: list) -> list[list[int]]:
@@ -144,7 +148,8 @@ def test_an_adapter_a_request_names_is_loaded_on_every_replica_and_serves_as_one
     # the first use loaded it on both replicas, with its id, before the requests were routed
     lists = replica_loras(fleet)
     assert lists[0] == lists[1] and [(d["lora_name"], d["lora_int_id"], d["version"]) for d in lists[0]] == [
-        ("a", 1, 1)]
+        ("a", 1, 1)
+    ]
     assert fleet.list_loras() == lists[0]
     by_name = LoRARequest("a", 1)  # no path: served from what is loaded
     for index in (0, 1):
@@ -231,8 +236,7 @@ def test_lora_sessions_and_reloads_go_two_phase_over_the_fleet(fleet, adapters, 
     assert tokens(fleet.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1))) == expected["c"]
     fleet.reload_weights(weights_iterator=list(a_tensors.items()), target="lora:a")
     with pytest.raises(ValueError, match="version 1"):  # a delta against another version: refused on both
-        fleet.reload_weights(weights_iterator=list(c_tensors.items()), target="lora:a", encoding="xor",
-                             base_version=1)
+        fleet.reload_weights(weights_iterator=list(c_tensors.items()), target="lora:a", encoding="xor", base_version=1)
     with pytest.raises(ValueError, match="no LoRA adapter named"):
         fleet.reload_weights(weights_iterator=list(c_tensors.items()), target="lora:nobody")
     lists = replica_loras(fleet)
@@ -293,7 +297,8 @@ def test_with_no_live_replica_adapters_come_back_from_where_the_fleet_loaded_the
         wait_replaced(fleet, index, actor)
     lists = replica_loras(fleet)
     assert lists[0] == lists[1] and [(d["lora_name"], d["lora_int_id"], d["version"]) for d in lists[0]] == [
-        ("b", 7, 1)]
+        ("b", 7, 1)
+    ]
     assert set(fleet._loras) == {"b"}
     for index in (0, 1):
         assert tokens(served(fleet, index, prompts, LoRARequest("b", 7))) == expected["c"]

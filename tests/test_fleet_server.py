@@ -20,9 +20,19 @@ ADMIN = {"Authorization": "Bearer k"}
 
 @pytest.fixture(scope="module")
 def fleet_server(ckpts):
-    with running_server(str(ckpts["A"]), "--data-parallel-size", "2", "--num-gpus-per-worker", "0",
-                        "--admin-key", "k", "--served-model-name", "A", "--kv-cache-memory-bytes", str(1 << 23)
-                        ) as base:
+    with running_server(
+        str(ckpts["A"]),
+        "--data-parallel-size",
+        "2",
+        "--num-gpus-per-worker",
+        "0",
+        "--admin-key",
+        "k",
+        "--served-model-name",
+        "A",
+        "--kv-cache-memory-bytes",
+        str(1 << 23),
+    ) as base:
         yield base
 
 
@@ -34,8 +44,14 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     base = fleet_server
     routed = [r["routed"] for r in replicas(base)]
     for prompt in PROMPTS:
-        body = {"model": "A", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}
+        body = {
+            "model": "A",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]
         assert out["token_ids"] == hf_greedy(str(ckpts["A"]), tuple(tokenizer.encode(prompt)), 8)[0]
     spread = [r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)]
@@ -44,9 +60,12 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     routed = [r["routed"] for r in replicas(base)]
     prompt = list(range(3, 60))
     for _ in range(4):
-        out = httpx.post(f"{base}/v1/completions", json={"model": "A", "prompt": prompt, "max_tokens": 2,
-                                                          "return_token_ids": True},
-                         headers={"X-Session-ID": "conversation-7"}, timeout=120).json()["choices"][0]
+        out = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "A", "prompt": prompt, "max_tokens": 2, "return_token_ids": True},
+            headers={"X-Session-ID": "conversation-7"},
+            timeout=120,
+        ).json()["choices"][0]
         prompt = prompt + out["token_ids"] + [5, 6, 7]
     assert sorted(r["routed"] - before for r, before in zip(replicas(base), routed, strict=True)) == [0, 4]
     stats = httpx.get(f"{base}/v1/sessions/conversation-7", timeout=60).json()
@@ -68,7 +87,8 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
         httpx.post(f"{base}/pause?mode=keep", headers=ADMIN, timeout=60).raise_for_status()
         deadline = time.monotonic() + 60
         while not all(r["status"]["paused"] for r in replicas(base)) or not any(
-                r["status"]["requests"] for r in replicas(base)):
+            r["status"]["requests"] for r in replicas(base)
+        ):
             assert time.monotonic() < deadline, replicas(base)  # its replica reports it held, paused
             time.sleep(0.2)
     try:
@@ -85,8 +105,11 @@ def test_one_endpoint_serves_the_fleet(fleet_server, tokenizer, ckpts):
     assert [r["meta_info"]["finish_reason"]["type"] for r in out.json()] == ["length", "length"]
     params = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/generate", json={"text": ["hello", "world", "a b c"], "sampling_params": params},
-                   timeout=httpx.Timeout(30.0, read=1.0))
+        httpx.post(
+            f"{base}/generate",
+            json={"text": ["hello", "world", "a b c"], "sampling_params": params},
+            timeout=httpx.Timeout(30.0, read=1.0),
+        )
     deadline = time.monotonic() + 5
     while any(r["status"]["requests"] for r in replicas(base)):
         assert time.monotonic() < deadline, replicas(base)

@@ -17,8 +17,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 def test_tensor_parallel_replicas_generate_and_take_one_broadcast(ckpts, b_tensors):
-    fleet = Fleet(str(ckpts["A"]), num_replicas=2, tensor_parallel_size=2, num_cpus_per_worker=0.5,
-                  num_gpus_per_worker=0, ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20})
+    fleet = Fleet(
+        str(ckpts["A"]),
+        num_replicas=2,
+        tensor_parallel_size=2,
+        num_cpus_per_worker=0.5,
+        num_gpus_per_worker=0,
+        ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
+    )
     try:
         tok = fleet.get_tokenizer()
         assert fleet.get_world_size() == 4

@@ -25,9 +25,17 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 # The environment the lock is made for (scripts/lock: CPython 3.11, x86_64 manylinux).
-LOCK_ENV = {**default_environment(), "python_version": "3.11", "python_full_version": "3.11.0",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
+LOCK_ENV = {
+    **default_environment(),
+    "python_version": "3.11",
+    "python_full_version": "3.11.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+}
 
 
 def _compare_lock() -> ModuleType:
@@ -55,8 +63,11 @@ def lock_disagreements(pyproject: Path, lock: Path, torch: Version) -> list[str]
     """What pyproject.toml asks for (dependencies, the `test` extra, the build system) that the lock does not hold at
     a version the bound accepts: each as a line a maintainer can act on (run ./scripts/lock). Empty when they agree."""
     project = tomllib.loads(pyproject.read_text())
-    wanted = [*project["project"]["dependencies"], *project["project"]["optional-dependencies"]["test"],
-              *project["build-system"]["requires"]]
+    wanted = [
+        *project["project"]["dependencies"],
+        *project["project"]["optional-dependencies"]["test"],
+        *project["build-system"]["requires"],
+    ]
     pins = read_lock(lock)
     pins.setdefault(canonicalize_name("torch"), torch)
     problems = []
@@ -91,15 +102,19 @@ def path_edits(root: Path) -> list[str]:
             hit = False
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 owner = ast.unparse(node.func.value)
-                hit = (owner == "sys.path" and node.func.attr in ("insert", "append", "extend", "remove", "pop",
-                                                                  "clear")) or \
-                      (owner == "site" and node.func.attr == "addsitedir")
+                hit = (
+                    owner == "sys.path" and node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear")
+                ) or (owner == "site" and node.func.attr == "addsitedir")
             elif isinstance(node, (ast.Assign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for t in targets:
                     text = ast.unparse(t)
-                    hit = hit or text == "sys.path" or text.startswith("sys.path[") or \
-                        re.fullmatch(r"os\.environ\[['\"]PYTHONPATH['\"]\]", text) is not None
+                    hit = (
+                        hit
+                        or text == "sys.path"
+                        or text.startswith("sys.path[")
+                        or re.fullmatch(r"os\.environ\[['\"]PYTHONPATH['\"]\]", text) is not None
+                    )
             if hit:
                 found.append(f"{file.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:80]}")
     return found
@@ -140,8 +155,9 @@ def installed_import_names() -> dict[str, list[str]]:
 
 
 def test_the_lock_holds_what_pyproject_asks_for():
-    problems = lock_disagreements(ROOT / "pyproject.toml", ROOT / "requirements.lock", torch_pin(ROOT / "scripts" /
-                                                                                                  "_venv.sh"))
+    problems = lock_disagreements(
+        ROOT / "pyproject.toml", ROOT / "requirements.lock", torch_pin(ROOT / "scripts" / "_venv.sh")
+    )
     assert problems == [], "pyproject.toml and requirements.lock disagree (run ./scripts/lock):\n" + "\n".join(problems)
 
 
@@ -154,9 +170,11 @@ def test_the_lock_check_fails_on_a_bound_the_lock_breaks(tmp_path):
     added.write_text(text.replace('"tqdm', '"left-pad-nowhere>=1", "tqdm'))
     torch = torch_pin(ROOT / "scripts" / "_venv.sh")
     assert lock_disagreements(beyond, ROOT / "requirements.lock", torch) == [
-        f"transformers: pyproject.toml asks >{locked}, the lock has {locked}"]
+        f"transformers: pyproject.toml asks >{locked}, the lock has {locked}"
+    ]
     assert lock_disagreements(added, ROOT / "requirements.lock", torch) == [
-        "left-pad-nowhere: in pyproject.toml, not in the lock"]
+        "left-pad-nowhere: in pyproject.toml, not in the lock"
+    ]
 
 
 def test_the_torch_pin_is_pyprojects():
@@ -198,13 +216,19 @@ def test_the_guards_find_a_planted_shadow_and_a_path_edit(tmp_path):
     (tmp_path / "benchmarks" / "kernels.py").write_text("x = 1\n")
     (tmp_path / "benchmarks" / "json.py").write_text("x = 1\n")
     (tmp_path / "tests" / "test_soak.py").write_text(
-        "import sys\nfrom pathlib import Path\nsys.path.insert(0, str(Path(__file__).parent))\n")
+        "import sys\nfrom pathlib import Path\nsys.path.insert(0, str(Path(__file__).parent))\n"
+    )
     (tmp_path / "tests" / "helper.py").write_text(
-        "import os, sys\nsys.path[:] = []\nsys.path += ['x']\nos.environ['PYTHONPATH'] = 'x'\n")
+        "import os, sys\nsys.path[:] = []\nsys.path += ['x']\nos.environ['PYTHONPATH'] = 'x'\n"
+    )
     taken = {**installed_import_names(), "kernels": ["kernels"]}  # Hugging Face's, whether installed here or not
     clashes = shadowing(tmp_path, taken)
     assert any(c.startswith("benchmarks/kernels.py is named like 'kernels'") for c in clashes), clashes
     assert any(c.startswith("benchmarks/json.py is named like the standard library's") for c in clashes), clashes
     edits = path_edits(tmp_path)
-    assert [e.split(":")[0:2] for e in edits] == [["tests/helper.py", "2"], ["tests/helper.py", "3"],
-                                                  ["tests/helper.py", "4"], ["tests/test_soak.py", "3"]], edits
+    assert [e.split(":")[0:2] for e in edits] == [
+        ["tests/helper.py", "2"],
+        ["tests/helper.py", "3"],
+        ["tests/helper.py", "4"],
+        ["tests/test_soak.py", "3"],
+    ], edits

@@ -87,8 +87,9 @@ def test_a_request_failing_alone_in_its_prefill_does_not_end_the_decoding_ones(l
                 last = out
             return last.outputs[0].token_ids
 
-        results = await asyncio.gather(one(PROMPTS[0], good), one(PROMPTS[1], good), one(PROMPTS[2], bad, 0.05),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            one(PROMPTS[0], good), one(PROMPTS[1], good), one(PROMPTS[2], bad, 0.05), return_exceptions=True
+        )
         await engine.shutdown()
         return results
 

@@ -103,8 +103,14 @@ def test_calibration_runs_on_the_models_shapes_once_and_is_cached_beside_the_bui
     calls = []
     real = policy.calibrate
     monkeypatch.setattr(policy, "calibrate", lambda kernels, shapes: calls.append(shapes) or real(kernels, shapes))
-    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-           "vocab_size": 512, "num_hidden_layers": 2}
+    cfg = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 512,
+        "num_hidden_layers": 2,
+    }
     first = policy._resolve("auto", Shapes.of(cfg))
     cache = json.loads(measurements.cache_file().read_text())
     assert calls == [Shapes.of(cfg)] and Shapes.of(cfg).key() in cache
@@ -154,10 +160,20 @@ def test_native_ops_equal_their_torch_paths_on_the_avx2_build(built):
         env = {**os.environ, **emulation.ISA_ENV[isa]}
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
         assert out.stdout.split() == ["avx2", "256"], (isa, out.stderr[-2000:])
-    tests = ["tests/test_kernels.py", "tests/test_decoder_stack.py", "tests/test_weight_writes.py", "-k",
-             "not stale_build and not failed_build"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                         capture_output=True, text=True, timeout=900)
+    tests = [
+        "tests/test_kernels.py",
+        "tests/test_decoder_stack.py",
+        "tests/test_weight_writes.py",
+        "-k",
+        "not stale_build and not failed_build",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:]
 
 
@@ -188,8 +204,14 @@ def test_the_avx2_emulation_caps_torchs_kernels_in_a_fresh_process():
 def test_the_calibration_times_the_models_dtype(built, monkeypatch, tmp_path):
     """bfloat16 models get their own calibration (the norms, SwiGLU gate and rotary timed in bfloat16)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-           "vocab_size": 512, "num_hidden_layers": 2}
+    cfg = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 512,
+        "num_hidden_layers": 2,
+    }
     import torch
 
     bf16, fp32 = Shapes.of(cfg, torch.bfloat16), Shapes.of(cfg)

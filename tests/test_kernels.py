@@ -315,11 +315,14 @@ def test_a_row_of_the_small_batch_kernels_is_the_same_bits_at_any_row_count(ops,
         for kwargs in ({}, {"split": split}):
             got = ops.small_batch_linear(part, w, b, **kwargs)[-1]
             assert torch.equal(got, ops.small_batch_linear(x[-1:], w, b, **kwargs)[0]), (rows, kwargs)
-        assert torch.equal(ops.small_batch_gated_linear(part, w.contiguous(), b)[-1],
-                           ops.small_batch_gated_linear(x[-1:], w.contiguous(), b)[0]), rows
+        assert torch.equal(
+            ops.small_batch_gated_linear(part, w.contiguous(), b)[-1],
+            ops.small_batch_gated_linear(x[-1:], w.contiguous(), b)[0],
+        ), rows
     # the split sums two chains: the bits of two products over the halves, added
     halves = ops.small_batch_linear(x[:5, :split], w[:, :split], None) + ops.small_batch_linear(
-        x[:5, split:], w[:, split:], None)
+        x[:5, split:], w[:, split:], None
+    )
     assert torch.equal(ops.small_batch_linear(x[:5], w, None, split), halves)
     torch.testing.assert_close(ops.small_batch_linear(x[:5], w, b, split), x[:5] @ w.T + b, atol=1e-3, rtol=1e-4)
 
@@ -371,8 +374,9 @@ def test_bf16_small_batch_kernels_match_the_reference(ops, m, n, k):
         torch.testing.assert_close(got.double(), full, **tol)
         gated = ops.small_batch_gated_linear(x, w.contiguous(), bias)
         assert torch.equal(gated, ops.silu_and_mul(got))  # the unfused calls' bits
-        torch.testing.assert_close(gated.double(), torch.nn.functional.silu(full[:, :n]) * full[:, n:],
-                                   rtol=2**-5, atol=tol["atol"])  # four roundings to bf16 on the way
+        torch.testing.assert_close(
+            gated.double(), torch.nn.functional.silu(full[:, :n]) * full[:, n:], rtol=2**-5, atol=tol["atol"]
+        )  # four roundings to bf16 on the way
         for row in range(m):  # alone, the same bits
             assert torch.equal(ops.small_batch_linear(x[row : row + 1], w, bias)[0], got[row])
             assert torch.equal(ops.small_batch_gated_linear(x[row : row + 1], w.contiguous(), bias)[0], gated[row])
@@ -427,8 +431,13 @@ def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, lla
     monkeypatch.setattr(linear_module, "dequantize", lambda *a: dequantized.append(1) or real_dequantize(*a))
     spy = Spy()
     monkeypatch.setattr(facade, "_ops", lambda: spy)
-    cases = [(4, torch.float32, True), (40, torch.float32, True), (64, torch.float32, True),
-             (3, torch.float32, False), (65, torch.float32, False)]
+    cases = [
+        (4, torch.float32, True),
+        (40, torch.float32, True),
+        (64, torch.float32, True),
+        (3, torch.float32, False),
+        (65, torch.float32, False),
+    ]
     if quantization is None:
         cases += [(8, torch.bfloat16, True), (1, torch.bfloat16, True), (65, torch.bfloat16, False)]
     for rows, dtype, fused in cases:

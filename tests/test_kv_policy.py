@@ -18,8 +18,9 @@ def run_across_a_commit(llm: LLM, b_tensors, policies: dict[str, str | None], st
     engine = llm.llm_engine
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     for rid, policy in policies.items():
-        engine.add_request(rid, None, ids, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                                                          on_weight_update=policy))
+        engine.add_request(
+            rid, None, ids, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, on_weight_update=policy)
+        )
     for _ in range(before):
         engine.step()
     preempted = engine.scheduler.num_preemptions
@@ -57,8 +58,10 @@ def test_the_engine_default_applies_where_a_request_says_nothing(ckpts, b_tensor
     ids, outs, recomputed = run_across_a_commit(llm, b_tensors, {"d": None, "k": "keep"}, True)
     assert recomputed == 1
     switch = outs["d"].weight_versions[0].end_token
-    assert outs["d"].token_ids[switch:] == hf_greedy(str(ckpts["B"]), tuple(ids + outs["d"].token_ids[:switch]),
-                                                       30 - switch)[0]
+    assert (
+        outs["d"].token_ids[switch:]
+        == hf_greedy(str(ckpts["B"]), tuple(ids + outs["d"].token_ids[:switch]), 30 - switch)[0]
+    )
     with pytest.raises(ValueError, match="on_weight_update"):
         SamplingParams(on_weight_update="refill")
     with pytest.raises(ValueError, match="on_weight_update"):

@@ -151,10 +151,13 @@ def test_the_layer_rules_fail_on_planted_violations(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "model" / "layer.py").write_text(
         "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-        "    from hotswap.engine.loop import Loop\n")
+        "    from hotswap.engine.loop import Loop\n"
+    )
     (package / "engine" / "loop.py").write_text("from hotswap.model import layer\n")
     (package / "kernels" / "a.py").write_text("def f():\n    from hotswap.kernels import b\n")
     (package / "kernels" / "b.py").write_text("from . import a\n")
     assert upward_imports(tmp_path) == ["hotswap/model/layer.py:5: hotswap.model.layer -> hotswap.engine.loop"]
-    assert module_cycles(tmp_path) == [["hotswap.engine.loop", "hotswap.model.layer"],
-                                       ["hotswap.kernels.a", "hotswap.kernels.b"]]
+    assert module_cycles(tmp_path) == [
+        ["hotswap.engine.loop", "hotswap.model.layer"],
+        ["hotswap.kernels.a", "hotswap.kernels.b"],
+    ]

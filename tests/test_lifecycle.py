@@ -280,8 +280,11 @@ class _SilentTrainer:
 
             port = free_port()
             self.init_info = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": port}
-            self._joined = threading.Thread(target=lambda: setattr(self, "sender", TorchDistSender(
-                "127.0.0.1", port, timeout_s=120, num_workers=tensor_parallel_size)))
+            self._joined = threading.Thread(
+                target=lambda: setattr(
+                    self, "sender", TorchDistSender("127.0.0.1", port, timeout_s=120, num_workers=tensor_parallel_size)
+                )
+            )
             self._joined.start()
             self.info = {**declare(named), "bucket_size_bytes": 1 << 16}
 
@@ -297,9 +300,12 @@ class _SilentTrainer:
 def test_abort_interrupts_an_update_waiting_for_its_trainer(ckpts, b_tensors, backend, tensor_parallel_size):
     """A trainer that connected but never sends: an abort ends the wait at once (the update rolls back) instead
     of waiting for the transport's timeout, and the engine serves the old weights."""
-    config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
-                                      tensor_parallel_size=tensor_parallel_size,
-                                      weight_transfer_config={"timeout_s": 120})
+    config = EngineConfig.from_kwargs(
+        str(ckpts["A"]),
+        kv_cache_memory_bytes=1 << 22,
+        tensor_parallel_size=tensor_parallel_size,
+        weight_transfer_config={"timeout_s": 120},
+    )
     trainer = _SilentTrainer(backend, b_tensors, tensor_parallel_size)
 
     async def main() -> tuple[float, BaseException | None, list[int]]:
@@ -336,8 +342,9 @@ def test_torch_dist_init_to_a_dead_port_does_not_stop_generation(ckpts, b_tensor
     """Nobody listens on the master port: while the engine tries to join (up to timeout_s), requests keep being
     generated; then the init fails with an error naming the address, and a later init with a trainer works."""
     timeout_s = 3.0
-    config = EngineConfig.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22,
-                                      weight_transfer_config={"timeout_s": timeout_s})
+    config = EngineConfig.from_kwargs(
+        str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"timeout_s": timeout_s}
+    )
     held = socket.socket()  # bound and never listening: a join is refused, and no other process can take the port
     held.bind(("127.0.0.1", 0))
     dead = {"backend": "torch_dist", "master_address": "127.0.0.1", "master_port": held.getsockname()[1]}

@@ -34,8 +34,9 @@ def test_check_liveness_round_trips_between_generations(ckpts):
 
 @pytest.mark.slow
 def test_a_stopped_worker_answers_503_within_the_timeout(ckpts):
-    with running_server(str(ckpts["A"]), "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 22),
-                        start_timeout_s=180) as (base, proc):
+    with running_server(
+        str(ckpts["A"]), "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 22), start_timeout_s=180
+    ) as (base, proc):
         ok = httpx.get(f"{base}/liveness", timeout=30)
         assert ok.status_code == 200 and ok.json()["status"] == "ok" and ok.json()["round_trip_ms"] >= 0
         assert httpx.get(f"{base}/liveness", params={"timeout_s": 0}, timeout=30).status_code == 400

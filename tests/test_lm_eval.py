@@ -52,11 +52,18 @@ def test_lm_eval_local_completions_and_chat(ckpts, tmp_path):
     write_tasks(tmp_path)
     path = str(ckpts["A"])
     with running_server(path, "--served-model-name", "A", "--kv-cache-memory-bytes", str(1 << 23)) as base:
-        args = (f"model=A,base_url={base}/v1/completions,tokenizer={path},tokenized_requests=True,"
-                "max_length=256,num_concurrent=1,max_retries=1,batch_size=2")
+        args = (
+            f"model=A,base_url={base}/v1/completions,tokenizer={path},tokenized_requests=True,"
+            "max_length=256,num_concurrent=1,max_retries=1,batch_size=2"
+        )
         tasks = TaskManager(include_path=str(tmp_path))
-        out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["hs_ll", "hs_mc", "hs_gen"],
-                                      task_manager=tasks, log_samples=True)
+        out = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=args,
+            tasks=["hs_ll", "hs_mc", "hs_gen"],
+            task_manager=tasks,
+            log_samples=True,
+        )
         lm = get_model("local-completions").create_from_arg_string(args)
         model = hf_model(path)
 
@@ -84,8 +91,14 @@ def test_lm_eval_local_completions_and_chat(ckpts, tmp_path):
             assert text == expected
 
         chat_args = f"model=A,base_url={base}/v1/chat/completions,tokenizer={path},num_concurrent=1,max_retries=1"
-        chat = lm_eval.simple_evaluate(model="local-chat-completions", model_args=chat_args, tasks=["hs_gen"],
-                                       apply_chat_template=True, task_manager=tasks, log_samples=True)
+        chat = lm_eval.simple_evaluate(
+            model="local-chat-completions",
+            model_args=chat_args,
+            tasks=["hs_gen"],
+            apply_chat_template=True,
+            task_manager=tasks,
+            log_samples=True,
+        )
         replies = [s["filtered_resps"][0] for s in chat["samples"]["hs_gen"]]
         assert len(replies) == len(DOCS) and all(isinstance(r, str) for r in replies)
         assert "exact_match,none" in chat["results"]["hs_gen"]

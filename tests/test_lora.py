@@ -39,15 +39,23 @@ def adapters(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     out = {}
     for name, base in bases.items():
         out[f"{name}/a"] = make_tiny_lora(base, root / name / "a", rank=8, seed=1)
-        out[f"{name}/b"] = make_tiny_lora(base, root / name / "b", rank=4, alpha=8, use_rslora=True, seed=2,
-                                          target_modules=["q_proj", "v_proj", "down_proj"])
+        out[f"{name}/b"] = make_tiny_lora(
+            base,
+            root / name / "b",
+            rank=4,
+            alpha=8,
+            use_rslora=True,
+            seed=2,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        )
         out[f"{name}/c"] = make_tiny_lora(base, root / name / "c", rank=8, seed=3)
     return out
 
 
 @functools.cache
-def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
+def peft_greedy(
+    base: str, adapter: str | None, prompt_ids: tuple[int, ...], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[list[int], list[torch.Tensor]]:
     """transformers (+ PEFT's PeftModel for `adapter`) greedy tokens and per-step log-softmax rows (on the host), in
     `dtype`, on `device`."""
     from peft import PeftModel
@@ -59,17 +67,23 @@ def peft_greedy(base: str, adapter: str | None, prompt_ids: tuple[int, ...], dty
     model.to(device).eval()
     with torch.no_grad():
         mask = torch.ones(1, len(prompt_ids), dtype=torch.long, device=device)
-        out = model.generate(torch.tensor([prompt_ids], device=device), attention_mask=mask, max_new_tokens=TOKENS,
-                             min_new_tokens=TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt_ids):].tolist(), [s[0].float().log_softmax(-1).cpu() for s in out.logits]
+        out = model.generate(
+            torch.tensor([prompt_ids], device=device),
+            attention_mask=mask,
+            max_new_tokens=TOKENS,
+            min_new_tokens=TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt_ids) :].tolist(), [s[0].float().log_softmax(-1).cpu() for s in out.logits]
 
 
 def check_matches(base: Path, adapter: Path | None, prompt_ids: list[int], out, device: str = "cpu") -> None:
     """`out` (a RequestOutput) has PEFT's greedy tokens (PEFT on `device`), and each sampled logprob within 1e-4 of
     PEFT's."""
-    tokens, rows = peft_greedy(str(base), None if adapter is None else str(adapter), tuple(prompt_ids),
-                               device=device)
+    tokens, rows = peft_greedy(str(base), None if adapter is None else str(adapter), tuple(prompt_ids), device=device)
     completion = out.outputs[0]
     assert completion.token_ids == tokens
     for step, token in enumerate(tokens):
@@ -266,8 +280,9 @@ def test_request_started_on_a_version_finishes_on_it(bases, adapters):
 def _config(base: Path, policy: str):
     from hotswap.config import EngineConfig
 
-    return EngineConfig.from_kwargs(str(base), enable_lora=True, max_loras=2, max_cpu_loras=2,
-                                    lora_version_policy=policy)
+    return EngineConfig.from_kwargs(
+        str(base), enable_lora=True, max_loras=2, max_cpu_loras=2, lora_version_policy=policy
+    )
 
 
 def test_more_adapters_than_max_loras_in_one_generate(bases, adapters, tmp_path):
@@ -312,15 +327,21 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, bases, adapters, tmp_p
     cases = [
         (lambda: llm.load_lora_adapter("x", str(tmp_path / "missing")), "not a folder"),
         (lambda: llm.load_lora_adapter("x", str(wide)), "exceeds max_lora_rank=8"),
-        (lambda: llm.load_lora_adapter("x", tensors=unknown, peft_config={"r": 8, "lora_alpha": 16}),
-         "nonexistent_proj"),
+        (
+            lambda: llm.load_lora_adapter("x", tensors=unknown, peft_config={"r": 8, "lora_alpha": 16}),
+            "nonexistent_proj",
+        ),
         (lambda: llm.load_lora_adapter("x", tensors=nan, peft_config={"r": 8, "lora_alpha": 16}), "NaN"),
         (lambda: llm.load_lora_adapter("kept", str(adapters["llama/c"])), "already loaded"),
-        (lambda: llm.load_lora_adapter("x", str(adapters["llama/a"]), lora_int_id=before[0]["lora_int_id"]),
-         "already used"),
+        (
+            lambda: llm.load_lora_adapter("x", str(adapters["llama/a"]), lora_int_id=before[0]["lora_int_id"]),
+            "already used",
+        ),
         (lambda: llm.generate("hi", GREEDY, lora_request=LoRARequest("absent", 99), use_tqdm=False), "not loaded"),
-        (lambda: llm.reload_weights(weights_iterator=[(n, t[:1]) for n, t in tensors.items()], target="lora:kept"),
-         "shape"),
+        (
+            lambda: llm.reload_weights(weights_iterator=[(n, t[:1]) for n, t in tensors.items()], target="lora:kept"),
+            "shape",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -386,15 +407,18 @@ def test_mixture_of_experts_adapters_match_peft(arch, tmp_path):
         for prompt_ids, out, lora in zip(ids, run(engine, ids, loras), loras, strict=True):
             check_matches(base, None if lora is None else first, prompt_ids, out)
         _, new = read_folder(str(second))
-        engine.reload_weights(weights_iterator=[(n, t) for n, t in new.items() if ".experts." in n],
-                              target="lora:moe")  # the experts' factors only
+        engine.reload_weights(
+            weights_iterator=[(n, t) for n, t in new.items() if ".experts." in n], target="lora:moe"
+        )  # the experts' factors only
         mixed = tmp_path / "mixed"
         mixed.mkdir()
         (mixed / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
         from safetensors.torch import save_file
 
-        save_file({n: (new[n] if ".experts." in n else t).contiguous() for n, t in tensors.items()},
-                  str(mixed / "adapter_model.safetensors"))
+        save_file(
+            {n: (new[n] if ".experts." in n else t).contiguous() for n, t in tensors.items()},
+            str(mixed / "adapter_model.safetensors"),
+        )
         check_matches(base, mixed, ids[0], run(engine, ids[:1], request)[0])
     finally:
         engine.shutdown()
@@ -416,15 +440,21 @@ def test_bfloat16_adapters_match_peft_in_bfloat16(bases, adapters):
         for prompt_ids, lora in zip(ids, loras, strict=True):
             adapter = None if lora is None else lora.lora_path
             tokens, rows = peft_greedy(str(base), adapter, tuple(prompt_ids), torch.bfloat16)
-            out = engine.generate([{"prompt_token_ids": prompt_ids + tokens}], scoring, lora_request=lora,
-                                  use_tqdm=False)[0]
-            scored = out.prompt_logprobs[len(prompt_ids):]
+            out = engine.generate(
+                [{"prompt_token_ids": prompt_ids + tokens}], scoring, lora_request=lora, use_tqdm=False
+            )[0]
+            scored = out.prompt_logprobs[len(prompt_ids) :]
             for step, token in enumerate(tokens):
                 worst = max(worst, abs(scored[step][token].logprob - rows[step][token].item()))
             if lora is not None:  # the same continuation scored by the base model
                 plain = engine.generate([{"prompt_token_ids": prompt_ids + tokens}], scoring, use_tqdm=False)[0]
-                moved = max(moved, *(abs(plain.prompt_logprobs[len(prompt_ids) + j][t].logprob
-                                         - scored[j][t].logprob) for j, t in enumerate(tokens)))
+                moved = max(
+                    moved,
+                    *(
+                        abs(plain.prompt_logprobs[len(prompt_ids) + j][t].logprob - scored[j][t].logprob)
+                        for j, t in enumerate(tokens)
+                    ),
+                )
         assert worst < 0.2
         assert moved > 0.5
     finally:

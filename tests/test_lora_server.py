@@ -46,13 +46,17 @@ def adapters(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("lora_server")
-    out = {name: make_tiny_lora(ckpts["A"], root / name, rank=8, seed=seed) for name, seed in (("a", 1), ("b", 2),
-                                                                                                  ("c", 3))}
+    out = {
+        name: make_tiny_lora(ckpts["A"], root / name, rank=8, seed=seed)
+        for name, seed in (("a", 1), ("b", 2), ("c", 3))
+    }
     out["big"] = make_tiny_lora(ckpts["A"], root / "big", rank=32, seed=4)
     shutil.copytree(out["a"], root / "badmod")
     tensors = load_file(str(out["a"] / "adapter_model.safetensors"))
-    save_file({k.replace("q_proj", "nope_proj"): v for k, v in tensors.items()},
-              str(root / "badmod" / "adapter_model.safetensors"))
+    save_file(
+        {k.replace("q_proj", "nope_proj"): v for k, v in tensors.items()},
+        str(root / "badmod" / "adapter_model.safetensors"),
+    )
     out["badmod"] = root / "badmod"
     (root / "plain").mkdir()
     out["plain"] = root / "plain"
@@ -67,8 +71,9 @@ def adapters(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 def greedy(ckpts, adapters) -> Iterator[Greedy]:
     """greedy(prompt_ids, folder): an in-process LLM's greedy tokens (8, EOS ignored) with the adapter of that PEFT
     folder (None: the base model), each folder loaded fresh under its own name."""
-    llm = LLM(str(ckpts["A"]), enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16,
-              kv_cache_memory_bytes=1 << 22)
+    llm = LLM(
+        str(ckpts["A"]), enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16, kv_cache_memory_bytes=1 << 22
+    )
     requests: dict[Path, LoRARequest] = {}
     cache: dict[tuple[tuple[int, ...], Path | None], list[int]] = {}
 
@@ -87,9 +92,22 @@ def greedy(ckpts, adapters) -> Iterator[Greedy]:
 
 @pytest.fixture(scope="module")
 def server(ckpts, adapters) -> Iterator[str]:
-    with running_server(str(ckpts["A"]), "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4",
-                        "--max-lora-rank", "16", "--admin-key", KEY, "--lora-modules", f"boot={adapters['a']}",
-                        "--kv-cache-memory-bytes", str(1 << 23)) as base:
+    with running_server(
+        str(ckpts["A"]),
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+        "--max-lora-rank",
+        "16",
+        "--admin-key",
+        KEY,
+        "--lora-modules",
+        f"boot={adapters['a']}",
+        "--kv-cache-memory-bytes",
+        str(1 << 23),
+    ) as base:
         yield base
 
 
@@ -117,8 +135,17 @@ def cards(base: str) -> dict[str, dict]:
 
 
 def complete(base: str, model: str, ids: list[int], **extra) -> httpx.Response:
-    return post(base, "/v1/completions", model=model, prompt=ids, max_tokens=TOKENS, temperature=0, ignore_eos=True,
-                return_token_ids=True, **extra)
+    return post(
+        base,
+        "/v1/completions",
+        model=model,
+        prompt=ids,
+        max_tokens=TOKENS,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+        **extra,
+    )
 
 
 def tokens_of(response: httpx.Response) -> list[int]:
@@ -127,8 +154,13 @@ def tokens_of(response: httpx.Response) -> list[int]:
 
 
 def sglang_greedy(base: str, ids: list[int] | list[list[int]], lora_path) -> httpx.Response:
-    return post(base, "/generate", input_ids=ids, lora_path=lora_path,
-                sampling_params={"temperature": 0, "max_new_tokens": TOKENS, "ignore_eos": True})
+    return post(
+        base,
+        "/generate",
+        input_ids=ids,
+        lora_path=lora_path,
+        sampling_params={"temperature": 0, "max_new_tokens": TOKENS, "ignore_eos": True},
+    )
 
 
 def safetensors_b64(folder: Path) -> str:
@@ -141,14 +173,26 @@ def test_start_up_adapter_models_listing_and_server_info(server, adapters, greed
     """--lora-modules loads "boot" before the server answers: /v1/models lists it as vLLM does, /server_info has
     the lora_config TRL reads, and model="boot" runs it (the in-process LLM's tokens, not the base's)."""
     listed = cards(server)
-    assert listed["boot"] == {"id": "boot", "object": "model", "owned_by": "hotswap", "root": str(adapters["a"]),
-                              "parent": "A", "max_model_len": listed["A"]["max_model_len"], "lora_int_id": 1,
-                              "version": 1}
+    assert listed["boot"] == {
+        "id": "boot",
+        "object": "model",
+        "owned_by": "hotswap",
+        "root": str(adapters["a"]),
+        "parent": "A",
+        "max_model_len": listed["A"]["max_model_len"],
+        "lora_int_id": 1,
+        "version": 1,
+    }
     assert listed["A"]["parent"] is None and listed["A"]["root"] == str(ckpts["A"])
     info = httpx.get(f"{server}/server_info", headers=AUTH).json()["vllm_config"]
-    assert info["lora_config"] == {"max_lora_rank": 16, "max_loras": 2, "max_cpu_loras": 4,
-                                   "fully_sharded_loras": False, "lora_dtype": "auto",
-                                   "lora_version_policy": "finish_on_old"}
+    assert info["lora_config"] == {
+        "max_lora_rank": 16,
+        "max_loras": 2,
+        "max_cpu_loras": 4,
+        "fully_sharded_loras": False,
+        "lora_dtype": "auto",
+        "lora_version_policy": "finish_on_old",
+    }
     ids = tokenizer.encode(PROMPT)
     with_boot = complete(server, "boot", ids)
     assert tokens_of(with_boot) == greedy(ids, adapters["a"]) != greedy(ids, None)
@@ -173,9 +217,20 @@ def test_vllm_load_then_completions_and_chat_run_the_adapter(server, adapters, g
     assert spans["lora_versions"] == [{"version": 1, "start": 0, "end": 8}]
     assert spans["weight_versions"] == [{"version": "0", "start": 0, "end": 8, "version_id": 0}]
     streamed: list[int] = []
-    with httpx.stream("POST", f"{server}/v1/completions", timeout=60, json=dict(
-            model="sql", prompt=ids, max_tokens=TOKENS, temperature=0, ignore_eos=True, return_token_ids=True,
-            stream=True)) as stream:
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/completions",
+        timeout=60,
+        json=dict(
+            model="sql",
+            prompt=ids,
+            max_tokens=TOKENS,
+            temperature=0,
+            ignore_eos=True,
+            return_token_ids=True,
+            stream=True,
+        ),
+    ) as stream:
         for line in stream.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -184,8 +239,16 @@ def test_vllm_load_then_completions_and_chat_run_the_adapter(server, adapters, g
     assert streamed == expected
     messages = [{"role": "user", "content": PROMPT}]
     rendered = post(server, "/v1/chat/completions/render", model="sql", messages=messages).json()["prompt_token_ids"]
-    chat = post(server, "/v1/chat/completions", model="sql", messages=messages, max_tokens=TOKENS, temperature=0,
-                ignore_eos=True, return_token_ids=True).json()
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        model="sql",
+        messages=messages,
+        max_tokens=TOKENS,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+    ).json()
     assert chat["model"] == "sql" and chat["choices"][0]["token_ids"] == greedy(rendered, adapters["b"])
     assert chat["choices"][0]["lora_versions"] == [[1, 0, 8]]
 
@@ -201,8 +264,7 @@ def test_inplace_reload_changes_the_very_next_request(server, adapters, greedy, 
     assert tokens_of(first) == greedy(ids, adapters["a"])
     repeat = complete(server, "policy", ids).json()
     assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32  # the cache is on for this adapter
-    reload = admin(server, "/v1/load_lora_adapter", lora_name="policy", lora_path=str(adapters["c"]),
-                   load_inplace=True)
+    reload = admin(server, "/v1/load_lora_adapter", lora_name="policy", lora_path=str(adapters["c"]), load_inplace=True)
     assert reload.status_code == 200 and reload.text == "Success: LoRA adapter 'policy' added successfully."
     after = complete(server, "policy", ids)
     assert tokens_of(after) == greedy(ids, adapters["c"]) != greedy(ids, adapters["a"])
@@ -220,8 +282,12 @@ def test_unload_then_the_name_is_404(server, adapters, tokenizer):
     assert response.status_code == 200 and response.text == "Success: LoRA adapter 'gone' removed successfully."
     missing = complete(server, "gone", ids)
     assert missing.status_code == 404
-    assert missing.json()["error"] == {"message": "The model `gone` does not exist.", "type": "NotFoundError",
-                                       "param": None, "code": 404}
+    assert missing.json()["error"] == {
+        "message": "The model `gone` does not exist.",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
     chat = post(server, "/v1/chat/completions", model="gone", messages=[{"role": "user", "content": "hi"}])
     assert chat.status_code == 404
     again = admin(server, "/v1/unload_lora_adapter", lora_name="gone")
@@ -237,16 +303,23 @@ def test_sglang_load_generate_with_lora_path_tensors_and_unload(server, adapters
     (safetensors or torch.save bytes; a pickle is refused); upsert replaces an adapter's weights."""
     loaded = admin(server, "/load_lora_adapter", lora_name="tenant", lora_path=str(adapters["b"]), pinned=True)
     assert loaded.status_code == 200
-    assert loaded.json() == {"success": True, "error_message": "", "message": "LoRA adapter 'tenant' loaded.",
-                             "loaded_adapters": {"boot": str(adapters["a"]), "tenant": str(adapters["b"])}}
+    assert loaded.json() == {
+        "success": True,
+        "error_message": "",
+        "message": "LoRA adapter 'tenant' loaded.",
+        "loaded_adapters": {"boot": str(adapters["a"]), "tenant": str(adapters["b"])},
+    }
     ids = tokenizer.encode(PROMPT)
     one = sglang_greedy(server, ids, "tenant").json()
     assert one["output_ids"] == greedy(ids, adapters["b"])
     assert one["meta_info"]["lora_name"] == "tenant"
     assert one["meta_info"]["lora_versions"] == [{"version": 1, "start": 0, "end": 8}]
     batch = sglang_greedy(server, [ids, ids, ids], ["tenant", None, "boot"]).json()
-    assert [r["output_ids"] for r in batch] == [greedy(ids, adapters["b"]), greedy(ids, None),
-                                                greedy(ids, adapters["a"])]
+    assert [r["output_ids"] for r in batch] == [
+        greedy(ids, adapters["b"]),
+        greedy(ids, None),
+        greedy(ids, adapters["a"]),
+    ]
     assert "lora_name" not in batch[1]["meta_info"]
     before = cards(server)
     by_folder = sglang_greedy(server, ids, str(adapters["c"]))  # not loaded: refused, nothing read
@@ -254,8 +327,14 @@ def test_sglang_load_generate_with_lora_path_tensors_and_unload(server, adapters
     assert cards(server) == before
 
     config = json.loads((adapters["b"] / "adapter_config.json").read_text())
-    from_tensors = admin(server, "/load_lora_adapter_from_tensors", lora_name="pushed", config_dict=config,
-                         serialized_named_tensors=[safetensors_b64(adapters["b"])], load_format=None)
+    from_tensors = admin(
+        server,
+        "/load_lora_adapter_from_tensors",
+        lora_name="pushed",
+        config_dict=config,
+        serialized_named_tensors=[safetensors_b64(adapters["b"])],
+        load_format=None,
+    )
     assert from_tensors.status_code == 200 and from_tensors.json()["success"] is True
     assert from_tensors.json()["loaded_adapters"]["pushed"] == "__tensor__"
     assert sglang_greedy(server, ids, "pushed").json()["output_ids"] == greedy(ids, adapters["b"])
@@ -266,14 +345,25 @@ def test_sglang_load_generate_with_lora_path_tensors_and_unload(server, adapters
 
     buffer = io.BytesIO()
     torch.save(load_file(str(adapters["c"] / "adapter_model.safetensors")), buffer)
-    upsert = admin(server, "/load_lora_adapter_from_tensors", lora_name="pushed", config_dict=config, upsert=True,
-                   serialized_tensors=base64.b64encode(buffer.getvalue()).decode())  # SGLang's older field
+    upsert = admin(
+        server,
+        "/load_lora_adapter_from_tensors",
+        lora_name="pushed",
+        config_dict=config,
+        upsert=True,
+        serialized_tensors=base64.b64encode(buffer.getvalue()).decode(),
+    )  # SGLang's older field
     assert upsert.status_code == 200, upsert.text
     assert sglang_greedy(server, ids, "pushed").json()["output_ids"] == greedy(ids, adapters["c"])
     assert cards(server)["pushed"]["version"] == 2
     before = cards(server)
-    pickled = admin(server, "/load_lora_adapter_from_tensors", lora_name="evil", config_dict=config,
-                    serialized_named_tensors=[base64.b64encode(pickle.dumps({"x": 1})).decode()])
+    pickled = admin(
+        server,
+        "/load_lora_adapter_from_tensors",
+        lora_name="evil",
+        config_dict=config,
+        serialized_named_tensors=[base64.b64encode(pickle.dumps({"x": 1})).decode()],
+    )
     assert pickled.status_code == 400 and pickled.json()["success"] is False
     assert "pickle" in pickled.json()["error_message"] and cards(server) == before
 
@@ -286,8 +376,7 @@ def test_sglang_load_generate_with_lora_path_tensors_and_unload(server, adapters
     assert set(cards(server)) == {"A", "boot"}
 
 
-def test_admin_client_pushes_adapters_from_memory_and_through_the_weight_session(server, adapters, greedy,
-                                                                                tokenizer):
+def test_admin_client_pushes_adapters_from_memory_and_through_the_weight_session(server, adapters, greedy, tokenizer):
     """hotswap's AdminClient: an adapter's tensors from this process (no folder), then its next version over
     shared memory through the weight session (target "lora:<name>"), each served on the next request."""
     from safetensors.torch import load_file
@@ -312,8 +401,11 @@ def test_admin_client_pushes_adapters_from_memory_and_through_the_weight_session
         with pytest.raises(AdminError, match="cannot be found"):
             client.unload_lora_adapter("disk")
         with pytest.raises(AdminError, match="max_lora_rank"):
-            client.push_lora_adapter("big", load_file(str(adapters["big"] / "adapter_model.safetensors")).items(),
-                                     json.loads((adapters["big"] / "adapter_config.json").read_text()))
+            client.push_lora_adapter(
+                "big",
+                load_file(str(adapters["big"] / "adapter_model.safetensors")).items(),
+                json.loads((adapters["big"] / "adapter_config.json").read_text()),
+            )
     finally:
         client.close()
 
@@ -349,8 +441,13 @@ def test_refused_loads_are_4xx_naming_the_problem_and_change_nothing(server, ada
         assert re.search(words, response.json()["error_message"]), (body, response.text)
         assert cards(server) == before, body
     config = json.loads((adapters["big"] / "adapter_config.json").read_text())
-    tensors = admin(server, "/load_lora_adapter_from_tensors", lora_name="x", config_dict=config,
-                    serialized_named_tensors=[safetensors_b64(adapters["big"])])
+    tensors = admin(
+        server,
+        "/load_lora_adapter_from_tensors",
+        lora_name="x",
+        config_dict=config,
+        serialized_named_tensors=[safetensors_b64(adapters["big"])],
+    )
     assert tensors.status_code == 400 and "max_lora_rank" in tensors.json()["error_message"]
     unknown = sglang_greedy(server, tokenizer.encode(PROMPT), "no-such-adapter")
     assert unknown.status_code == 400 and "no-such-adapter" in unknown.json()["error"]["message"]
@@ -358,8 +455,10 @@ def test_refused_loads_are_4xx_naming_the_problem_and_change_nothing(server, ada
 
     # too many: --max-cpu-loras 4 holds "boot" and three more; the fifth is refused, nothing evicted
     for i, folder in enumerate(("a", "b", "c")):
-        assert admin(server, "/v1/load_lora_adapter", lora_name=f"t{i}", lora_path=str(adapters[folder])
-                     ).status_code == 200
+        assert (
+            admin(server, "/v1/load_lora_adapter", lora_name=f"t{i}", lora_path=str(adapters[folder])).status_code
+            == 200
+        )
     full = cards(server)
     refused = admin(server, "/v1/load_lora_adapter", lora_name="t3", lora_path=str(adapters["a"]))
     assert refused.status_code == 400 and "max_cpu_loras" in refused.json()["error"]["message"]
@@ -370,12 +469,13 @@ def test_refused_loads_are_4xx_naming_the_problem_and_change_nothing(server, ada
 
 def test_the_admin_key_guards_the_lora_routes(server, adapters):
     before = cards(server)
-    routes = [("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
-              ("/v1/unload_lora_adapter", {"lora_name": "boot"}),
-              ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
-              ("/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {},
-                                                   "serialized_named_tensors": []}),
-              ("/unload_lora_adapter", {"lora_name": "boot"})]
+    routes = [
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
+        ("/v1/unload_lora_adapter", {"lora_name": "boot"}),
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
+        ("/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {}, "serialized_named_tensors": []}),
+        ("/unload_lora_adapter", {"lora_name": "boot"}),
+    ]
     for route, body in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             response = httpx.post(f"{server}{route}", json=body, headers=headers)
@@ -385,8 +485,7 @@ def test_the_admin_key_guards_the_lora_routes(server, adapters):
     assert cards(server) == before
 
 
-def test_trl_async_grpo_client_publishes_versioned_adapters(server, adapters, greedy, tokenizer, ckpts,
-                                                            monkeypatch):
+def test_trl_async_grpo_client_publishes_versioned_adapters(server, adapters, greedy, tokenizer, ckpts, monkeypatch):
     """TRL's AsyncGRPO: its capability probe accepts the server's /server_info (adapter-only syncs), then its
     `VLLMClient` publishes "<name>-v1" and "<name>-v2" between pause (mode keep) and resume, its rollouts name each
     version as their model, and the version that fell out of max_staleness=0 is unloaded (then 404)."""
@@ -407,16 +506,31 @@ def test_trl_async_grpo_client_publishes_versioned_adapters(server, adapters, gr
     PartialState()  # the trainer's process state, which TRL's logging expects (CPU here)
     client = VLLMClient(server, server_timeout=30)
     client.wait_for_server_ready(poll_interval_s=0.1)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(ckpts["A"])),
-                                LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(ckpts["A"])),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
     assert select_adapter_sync(client.get_server_info(), peft_model, types.SimpleNamespace(max_staleness=0)) is True
 
     ids = tokenizer.encode(PROMPT)
 
     def rollout(version: int) -> httpx.Response:  # the rollout worker's /v1/completions payload
-        return post(server, "/v1/completions", model=f"trl-policy-v{version}", prompt=ids, max_tokens=TOKENS,
-                    temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0, n=1, return_token_ids=True,
-                    logprobs=0, seed=12345, ignore_eos=True)
+        return post(
+            server,
+            "/v1/completions",
+            model=f"trl-policy-v{version}",
+            prompt=ids,
+            max_tokens=TOKENS,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            repetition_penalty=1.0,
+            n=1,
+            return_token_ids=True,
+            logprobs=0,
+            seed=12345,
+            ignore_eos=True,
+        )
 
     max_staleness = 0
     for version, folder in ((1, adapters["a"]), (2, adapters["b"])):
@@ -471,17 +585,43 @@ def test_lora_routes_without_enable_lora_are_refused(ckpts, adapters):
 def test_serve_flags_parse_vllm_and_sglang_adapter_forms():
     from hotswap.cli import build_parser
 
-    args = build_parser().parse_args([
-        "serve", "ckpt", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "6",
-        "--lora-version-policy", "switch", "--lora-modules", "a=/p/a", '{"name": "b", "path": "/p/b"}',
-        "--lora-paths", "/p/c", "d=/p/d", '{"lora_name": "e", "lora_path": "/p/e", "pinned": true}',
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "ckpt",
+            "--enable-lora",
+            "--max-loras",
+            "3",
+            "--max-lora-rank",
+            "32",
+            "--max-cpu-loras",
+            "6",
+            "--lora-version-policy",
+            "switch",
+            "--lora-modules",
+            "a=/p/a",
+            '{"name": "b", "path": "/p/b"}',
+            "--lora-paths",
+            "/p/c",
+            "d=/p/d",
+            '{"lora_name": "e", "lora_path": "/p/e", "pinned": true}',
+        ]
+    )
     assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_version_policy) == (
-        True, 3, 32, 6, "switch")
+        True,
+        3,
+        32,
+        6,
+        "switch",
+    )
     assert args.lora_modules == [("a", "/p/a"), ("b", "/p/b"), ("/p/c", "/p/c"), ("d", "/p/d"), ("e", "/p/e")]
     defaults = build_parser().parse_args(["serve", "ckpt", "--max-loras-per-batch", "4"])
     assert (defaults.enable_lora, defaults.max_loras, defaults.max_cpu_loras, defaults.lora_modules) == (
-        False, 4, None, [])
+        False,
+        4,
+        None,
+        [],
+    )
     for bad in (["--lora-modules", "/no/name"], ["--lora-modules", '{"name": "x"}'], ["--lora-version-policy", "x"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "ckpt", *bad])

@@ -45,8 +45,9 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def fused(named: dict[str, torch.Tensor], num_experts: int, names=("gate_proj", "up_proj", "down_proj"),
-          block: str = "mlp") -> list[tuple[str, torch.Tensor]]:
+def fused(
+    named: dict[str, torch.Tensor], num_experts: int, names=("gate_proj", "up_proj", "down_proj"), block: str = "mlp"
+) -> list[tuple[str, torch.Tensor]]:
     """The tensors as a transformers 5 model names them: each layer's experts stacked into gate_up_proj
     [E, 2I, H] and down_proj [E, H, I] under `mlp.experts`; every other tensor as it is."""
     gate, up, down = names
@@ -61,8 +62,12 @@ def fused(named: dict[str, torch.Tensor], num_experts: int, names=("gate_proj", 
         def get(e: int, proj: str, prefix: str = prefix) -> torch.Tensor:
             return named[f"{prefix}.{block}.experts.{e}.{proj}.weight"]
 
-        out.append((f"{prefix}.mlp.experts.gate_up_proj",
-                    torch.stack([torch.cat([get(e, gate), get(e, up)]) for e in range(num_experts)])))
+        out.append(
+            (
+                f"{prefix}.mlp.experts.gate_up_proj",
+                torch.stack([torch.cat([get(e, gate), get(e, up)]) for e in range(num_experts)]),
+            )
+        )
         out.append((f"{prefix}.mlp.experts.down_proj", torch.stack([get(e, down) for e in range(num_experts)])))
     return out
 
@@ -88,8 +93,14 @@ def hf_tokens(path: Path, llm: LLM, prompts=PROMPTS[:4], model: nn.Module | None
     with torch.no_grad():
         for p in prompts:
             ids = tok.encode(p)
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+            gen = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )
             out.append(gen[0, len(ids) :].tolist())
     return out
 
@@ -160,8 +171,13 @@ def test_partial_updates_of_one_expert_and_of_one_fused_layer(moe, tmp_path):
     assert after_one != before  # the expert is used: the update is visible
     # layer 0's experts as one fused update (gate_up only), on top
     layer0 = {n: t for n, t in b.items() if ".layers.0.mlp.experts." in n and "down_proj" not in n}
-    gate_up = [(n, t) for n, t in fused(layer0 | {n: t for n, t in a.items() if ".layers.0.mlp.experts." in n
-                                                   and "down_proj" in n}, 8) if n.endswith("gate_up_proj")]
+    gate_up = [
+        (n, t)
+        for n, t in fused(
+            layer0 | {n: t for n, t in a.items() if ".layers.0.mlp.experts." in n and "down_proj" in n}, 8
+        )
+        if n.endswith("gate_up_proj")
+    ]
     llm.init_weight_transfer_engine({"backend": "tensors"})
     llm.start_weight_update()
     llm.update_weights(tensors_update_info(gate_up))
@@ -208,8 +224,9 @@ def test_fp8_experts_equal_dequantized_transformers_and_updates_requantize(moe, 
     got, want = llm.apply_model(experts)[0], fresh.apply_model(experts)[0]
     assert [n for n, _ in got] == [n for n, _ in want]
     for (name, g), (_, w) in zip(got, want, strict=True):
-        assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
-                           w.view(torch.uint8) if w.element_size() == 1 else w), name
+        assert torch.equal(
+            g.view(torch.uint8) if g.element_size() == 1 else g, w.view(torch.uint8) if w.element_size() == 1 else w
+        ), name
     # a full push of B
     pusher = Pusher(llm, "tensors")
     pusher.push(list(b.items()))
@@ -246,8 +263,11 @@ def test_fp8_checkpoints_already_quantized_load_as_they_are(moe, tmp_path, block
     loaded = LLM(str(folder), kv_cache_memory_bytes=KV, **kwargs)
 
     def experts(m):
-        return [(n, p.detach().view(torch.uint8) if p.element_size() == 1 else p.detach().clone())
-                for n, p in m.named_parameters() if ".experts." in n]
+        return [
+            (n, p.detach().view(torch.uint8) if p.element_size() == 1 else p.detach().clone())
+            for n, p in m.named_parameters()
+            if ".experts." in n
+        ]
 
     for (name, a), (_, b) in zip(high.apply_model(experts)[0], loaded.apply_model(experts)[0], strict=True):
         assert torch.equal(a, b), name
@@ -297,8 +317,9 @@ def test_bad_moe_updates_name_the_tensor_and_change_nothing(moe, bad, message, q
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         llm.update_weights(tensors_update_info(list(bad.items())))
     assert llm.collective_rpc("weight_checksums") == before
-    assert greedy(llm, PROMPTS[:2]) == greedy(LLM(str(moe["qwen3_moe_A"]), kv_cache_memory_bytes=KV,
-                                                  quantization=quantization), PROMPTS[:2])
+    assert greedy(llm, PROMPTS[:2]) == greedy(
+        LLM(str(moe["qwen3_moe_A"]), kv_cache_memory_bytes=KV, quantization=quantization), PROMPTS[:2]
+    )
 
 
 def test_expert_post_processing_runs_in_the_config_scope_of_every_entry_point(moe):
@@ -377,8 +398,10 @@ def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
 def moe7(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Qwen3-MoE with 7 experts (not divisible by 2 ranks), A and B."""
     root = tmp_path_factory.mktemp("moe7")
-    return {label: make_tiny_model(root / label, "qwen3_moe", seed=seed, num_experts=7)
-            for label, seed in (("A", 0), ("B", 1))}
+    return {
+        label: make_tiny_model(root / label, "qwen3_moe", seed=seed, num_experts=7)
+        for label, seed in (("A", 0), ("B", 1))
+    }
 
 
 @pytest.mark.slow
@@ -388,8 +411,7 @@ def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
     """TP=2 with expert parallelism (experts 0-3 on rank 0, 4-6 on rank 1) or with every expert split along its
     intermediate size: transformers' tokens, and updates by per-expert and fused names over tensors and
     torch_dist keep the storage and give the new weights' tokens."""
-    llm = LLM(str(moe7["A"]), kv_cache_memory_bytes=KV, tensor_parallel_size=2,
-              enable_expert_parallel=expert_parallel)
+    llm = LLM(str(moe7["A"]), kv_cache_memory_bytes=KV, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     local = llm.collective_rpc(lambda w: len(w.model.model.layers[0].mlp.experts.local_experts))
     assert local == ([4, 3] if expert_parallel else [7, 7])
 
@@ -414,8 +436,9 @@ def test_two_ranks_match_transformers_and_take_updates(moe7, expert_parallel):
     pusher.push(fused(tensors(moe7["A"]), 7))
     assert greedy(llm) == hf_tokens(moe7["A"], llm)
     pusher.close()
-    assert llm.collective_rpc(lambda w: [p.data_ptr() for n, p in w.model.named_parameters()
-                                         if ".experts." in n]) == ptrs
+    assert (
+        llm.collective_rpc(lambda w: [p.data_ptr() for n, p in w.model.named_parameters() if ".experts." in n]) == ptrs
+    )
     if expert_parallel:  # each rank given only its experts' tensors (tp_ranks), the rest whole to both
         named = list(tensors(moe7["B"]).items())
         owner = [None if ".experts." not in n else int(n.split(".experts.")[1].split(".")[0]) // 4 for n, _ in named]

@@ -26,8 +26,10 @@ def always_packed(monkeypatch):
 
 def outputs(llm: LLM) -> list[tuple[list[int], list[float]]]:
     results = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
-            for o in results]
+    return [
+        (list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+        for o in results
+    ]
 
 
 def scores(llm: LLM, runs: list[tuple[list[int], list[float]]]) -> list[list[float]]:

@@ -41,10 +41,12 @@ PROMPTS = [prompt_ids(n, seed) for seed, n in enumerate((37, 9, 23, 50))]
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("replay")
-    return {"qwen3_moe": make_tiny_model(root / "q", "qwen3_moe", seed=0),
-            "qwen3_moe_B": make_tiny_model(root / "qB", "qwen3_moe", seed=1),
-            "mixtral": make_tiny_model(root / "m", "mixtral", seed=0),
-            "llama": make_tiny_model(root / "l", "llama", seed=0)}
+    return {
+        "qwen3_moe": make_tiny_model(root / "q", "qwen3_moe", seed=0),
+        "qwen3_moe_B": make_tiny_model(root / "qB", "qwen3_moe", seed=1),
+        "mixtral": make_tiny_model(root / "m", "mixtral", seed=0),
+        "llama": make_tiny_model(root / "l", "llama", seed=0),
+    }
 
 
 _hf: dict[str, torch.nn.Module] = {}
@@ -74,7 +76,7 @@ def assert_routes_match(path: Path, prompt: list[int], completion, rows_from=Non
     sequence (near ties aside). `rows_from(p)`: the checkpoint that computed row p (default `path`)."""
     routes = completion.routed_experts
     ids = list(prompt) + list(completion.token_ids)
-    assert routes is not None and routes.shape[0] == len(ids) - 1, (None if routes is None else routes.shape)
+    assert routes is not None and routes.shape[0] == len(ids) - 1, None if routes is None else routes.shape
     assert routes.dtype == np.uint8
     mine = torch.from_numpy(routes.astype(np.int64)).sort(dim=-1).values
     sources = {rows_from(p) if rows_from else path for p in range(len(ids) - 1)}
@@ -132,8 +134,9 @@ def test_routes_hold_through_scheduling(moe, scenario, arch):
     elif scenario == "ngram":
         kwargs.update(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     else:
-        params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12, return_routed_experts=True,
-                                ignore_eos=True)
+        params = SamplingParams(
+            n=2, temperature=1.0, seed=7, max_tokens=12, return_routed_experts=True, ignore_eos=True
+        )
     llm = LLM(str(path), **kwargs)
     prompts = PROMPTS if scenario != "ngram" else [p[:8] * 4 for p in PROMPTS]  # repeats to propose from
     outs = generate(llm, prompts, params)
@@ -192,15 +195,18 @@ def test_forced_routes_change_prompt_logprobs_as_transformers_replay_does(moe):
         layers, top_k, experts = llm.llm_engine.routing_shape
         ids = PROMPTS[0]
         rng = np.random.default_rng(0)
-        forced = np.stack([np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
-                           for _ in range(len(ids) - 1)])
+        forced = np.stack(
+            [np.stack([rng.choice(experts, top_k, replace=False) for _ in range(layers)]) for _ in range(len(ids) - 1)]
+        )
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, forced_routed_experts=forced)
         forced_out = generate(llm, [ids], params)[0]
         natural_out = generate(llm, [ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
-        mine = torch.tensor([entry[t].logprob for entry, t in zip(forced_out.prompt_logprobs[1:], ids[1:],
-                                                                  strict=True)])
-        natural = torch.tensor([entry[t].logprob for entry, t in zip(natural_out.prompt_logprobs[1:], ids[1:],
-                                                                     strict=True)])
+        mine = torch.tensor(
+            [entry[t].logprob for entry, t in zip(forced_out.prompt_logprobs[1:], ids[1:], strict=True)]
+        )
+        natural = torch.tensor(
+            [entry[t].logprob for entry, t in zip(natural_out.prompt_logprobs[1:], ids[1:], strict=True)]
+        )
         x = torch.tensor([ids])
         with torch.no_grad(), replay_routes(hf(path), [forced], (1, len(ids))):
             reference = hf(path)(x).logits[0, :-1].float().log_softmax(-1).gather(1, x[0, 1:, None]).squeeze(1)
@@ -216,8 +222,11 @@ def test_recorded_routes_replayed_in_the_trainer_give_its_own_forward(moe):
     choices): what R3 relies on."""
     path = moe["qwen3_moe"]
     llm = LLM(str(path), kv_cache_memory_bytes=KV)
-    out = generate(llm, PROMPTS[:2], SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
-                                                    return_routed_experts=True))
+    out = generate(
+        llm,
+        PROMPTS[:2],
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, return_routed_experts=True),
+    )
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS[:2], out, strict=True)]
     width = max(map(len, seqs))
     x = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
@@ -231,13 +240,16 @@ def test_recorded_routes_replayed_in_the_trainer_give_its_own_forward(moe):
         torch.testing.assert_close(replayed[i, : len(s) - 1], natural[i, : len(s) - 1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (np.zeros((3, 2, 3), dtype=np.int64), r"this model needs \[tokens, 2, 2\]"),
-    (np.full((3, 2, 2), 9), r"outside \[0, 8\)"),
-    (np.zeros((100, 2, 2), dtype=np.int64), "at most one row per prompt token"),
-    (np.zeros((3, 2, 2), dtype=np.int64), "names an expert twice"),
-    ([[[0.5, 1.0]]], "integer expert ids"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (np.zeros((3, 2, 3), dtype=np.int64), r"this model needs \[tokens, 2, 2\]"),
+        (np.full((3, 2, 2), 9), r"outside \[0, 8\)"),
+        (np.zeros((100, 2, 2), dtype=np.int64), "at most one row per prompt token"),
+        (np.zeros((3, 2, 2), dtype=np.int64), "names an expert twice"),
+        ([[[0.5, 1.0]]], "integer expert ids"),
+    ],
+)
 def test_bad_forced_routes_are_refused_naming_the_problem(moe, bad, message):
     llm = LLM(str(moe["qwen3_moe"]), kv_cache_memory_bytes=KV)
     with pytest.raises(ValueError, match=message):
@@ -248,8 +260,9 @@ def test_bad_forced_routes_are_refused_naming_the_problem(moe, bad, message):
     assert generate(llm, PROMPTS[:1], ROUTES)[0].outputs[0].routed_experts is not None  # still serving
 
 
-def kept_from_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
-                     ) -> tuple[set[int], set[int]]:
+def kept_from_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> tuple[set[int], set[int]]:
     """The kept set by the definitions (vLLM's order: min-p, then top-k, then top-p over what is left), and the
     tokens at a boundary (within TIE of a threshold) that may fall either way."""
     probs = (logits / temperature).softmax(-1).double()
@@ -275,13 +288,25 @@ def kept_from_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return set(keep.nonzero().flatten().tolist()), ambiguous
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(20, 1.0, 0.0), (-1, 0.6, 0.0), (-1, 1.0, 0.3), (50, 0.8, 0.05)],
-                         ids=["top_k", "top_p", "min_p", "all_three"])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(20, 1.0, 0.0), (-1, 0.6, 0.0), (-1, 1.0, 0.3), (50, 0.8, 0.05)],
+    ids=["top_k", "top_p", "min_p", "all_three"],
+)
 def test_sampling_masks_equal_the_kept_set_from_transformers_logits(moe, top_k, top_p, min_p):
     path = moe["qwen3_moe"]
     llm = LLM(str(path), kv_cache_memory_bytes=KV)
-    params = SamplingParams(n=2, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=11, max_tokens=6,
-                            ignore_eos=True, return_sampling_mask=True)
+    params = SamplingParams(
+        n=2,
+        temperature=0.8,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=11,
+        max_tokens=6,
+        ignore_eos=True,
+        return_sampling_mask=True,
+    )
     for prompt, out in zip(PROMPTS[:2], generate(llm, PROMPTS[:2], params), strict=True):
         for c in out.outputs:
             mask = c.sampling_mask
@@ -297,17 +322,25 @@ def test_sampling_masks_equal_the_kept_set_from_transformers_logits(moe, top_k, 
 
 
 def test_full_vocabulary_and_greedy_tokens_are_marked_whole(moe):
-    llm = LLM(str(moe["qwen3_moe"]), kv_cache_memory_bytes=KV,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    for params in (SamplingParams(temperature=0.0, max_tokens=4, return_sampling_mask=True),
-                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, return_sampling_mask=True),
-                   # min_tokens bans EOS, but no filter is on: still the whole-vocabulary marker, not V-1 ids
-                   SamplingParams(temperature=1.0, seed=1, max_tokens=4, min_tokens=4, return_sampling_mask=True)):
+    llm = LLM(
+        str(moe["qwen3_moe"]),
+        kv_cache_memory_bytes=KV,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=4, return_sampling_mask=True),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=4, return_sampling_mask=True),
+        # min_tokens bans EOS, but no filter is on: still the whole-vocabulary marker, not V-1 ids
+        SamplingParams(temperature=1.0, seed=1, max_tokens=4, min_tokens=4, return_sampling_mask=True),
+    ):
         c = generate(llm, PROMPTS[:1], params)[0].outputs[0]
         assert c.sampling_mask.full == [True] * 4 and c.sampling_mask.token_ids == []
         assert [c.sampling_mask.row(i) for i in range(4)] == [None] * 4
-    c = generate(llm, [PROMPTS[0][:6] * 4], SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=8,
-                                                           ignore_eos=True, return_sampling_mask=True))[0].outputs[0]
+    c = generate(
+        llm,
+        [PROMPTS[0][:6] * 4],
+        SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=8, ignore_eos=True, return_sampling_mask=True),
+    )[0].outputs[0]
     assert all(len(c.sampling_mask.row(i)) == 5 and t in c.sampling_mask.row(i) for i, t in enumerate(c.token_ids))
 
 
@@ -332,15 +365,25 @@ def test_http_shapes_decode_as_slime_and_verl_decode_them(moe):
     layers, top_k = reference.routed_experts.shape[1:]
     with running_server(str(path), "--kv-cache-memory-bytes", str(KV)) as base:
         # vLLM's completions: a base64 .npy per choice (decoded as prime-rl / SkyRL do)
-        body = {"model": Path(path).name, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True, "return_routed_experts": True, "return_token_ids": True}
+        body = {
+            "model": Path(path).name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_routed_experts": True,
+            "return_token_ids": True,
+        }
         choice = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
         routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"], validate=True)), allow_pickle=False)
         assert np.array_equal(routes, reference.routed_experts)
         # SGLang's /generate: flat int32 from routed_experts_start_len on (decoded as slime does)
-        gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                            "ignore_eos": True},
-               "return_routed_experts": True, "routed_experts_start_len": 5}
+        gen = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": True,
+            "routed_experts_start_len": 5,
+        }
         meta = httpx.post(f"{base}/generate", json=gen, timeout=60).json()["meta_info"]
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
         assert meta["routed_experts_start_len"] == 5
@@ -356,21 +399,40 @@ def test_http_shapes_decode_as_slime_and_verl_decode_them(moe):
         streamed = np.load(io.BytesIO(base64.b64decode(chunks[-1]["routed_experts"])), allow_pickle=False)
         assert np.array_equal(streamed, reference.routed_experts)
         # sampling masks: vLLM's per-token lists and SGLang's CSR (slime's custom_params key)
-        body = {**body, "temperature": 1.0, "top_k": 7, "seed": 2, "return_sampling_mask": True,
-                "return_routed_experts": False}
+        body = {
+            **body,
+            "temperature": 1.0,
+            "top_k": 7,
+            "seed": 2,
+            "return_sampling_mask": True,
+            "return_routed_experts": False,
+        }
         choice = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert "routed_experts" not in choice
-        assert all(len(row) == 7 and t in row for row, t in zip(choice["sampling_mask"], choice["token_ids"],
-                                                                 strict=True))
-        gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.5,
-                                                            "custom_params": {"return_top_p_token_ids": True}}}
+        assert all(
+            len(row) == 7 and t in row for row, t in zip(choice["sampling_mask"], choice["token_ids"], strict=True)
+        )
+        gen = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "temperature": 1.0,
+                "top_p": 0.5,
+                "custom_params": {"return_top_p_token_ids": True},
+            },
+        }
         result = httpx.post(f"{base}/generate", json=gen, timeout=60).json()
         ids, offsets = result["meta_info"]["top_p_token_ids"], result["meta_info"]["top_p_token_offsets"]
         assert len(offsets) == len(result["output_ids"]) + 1
         assert all(t in ids[offsets[i] : offsets[i + 1]] for i, t in enumerate(result["output_ids"]))
         # forced routes over HTTP: vLLM's own base64 .npy shape; a bad one is a 400 naming the problem
-        forced = {"model": Path(path).name, "prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 0,
-                  "forced_routed_experts": choice_npy(reference.routed_experts[: len(PROMPTS[0])])}
+        forced = {
+            "model": Path(path).name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "forced_routed_experts": choice_npy(reference.routed_experts[: len(PROMPTS[0])]),
+        }
         assert httpx.post(f"{base}/v1/completions", json=forced, timeout=60).status_code == 200
         bad = {**forced, "forced_routed_experts": [[[0, 0]] * layers]}
         refused = httpx.post(f"{base}/v1/completions", json=bad, timeout=60)

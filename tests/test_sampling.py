@@ -288,8 +288,13 @@ def test_penalties_and_logit_bias_equal_their_definitions(llm, llama_dir):
         (dict(presence_penalty=0.6, frequency_penalty=0.9), presence_frequency),
         (dict(logit_bias={"7": 25.0, 9: -100}), bias),
     ]
-    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        llm.generate(
+            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     for fields, adjust in cases:
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **fields)
         got = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -302,8 +307,9 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(llm, llama
 
     ids = llm.get_tokenizer().encode(PROMPTS[7] + " " + PROMPTS[3])
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, n=2, prompt_logprobs=3),
-                       use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, n=2, prompt_logprobs=3), use_tqdm=False)[
+        0
+    ]
     assert out.num_cached_tokens == 0
     with torch.no_grad():
         ref = hf_model(str(llama_dir))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -323,8 +329,11 @@ def test_include_stop_str_in_output_and_validation(llm):
     text = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
     stop = text[5:8]
     cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop), use_tqdm=False)
-    kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=stop,
-                                                   include_stop_str_in_output=True), use_tqdm=False)
+    kept = llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=40, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
     assert kept[0].outputs[0].text == cut[0].outputs[0].text + stop
     for bad, match in [
         (dict(repetition_penalty=0), "repetition_penalty"),
@@ -348,13 +357,25 @@ def test_the_sampler_on_a_device_equals_the_host(device):
     tokens the host gives (the uniforms are drawn on the host), logprobs within float rounding."""
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(12, 3000, generator=gen) * 4
-    specs = [SampleSpec(), SampleSpec(num_logprobs=5), SampleSpec(temperature=0.7, seed=1, top_k=50),
-             SampleSpec(temperature=1.0, seed=2, top_p=0.9), SampleSpec(temperature=1.3, seed=3, min_p=0.05),
-             SampleSpec(temperature=1.0, seed=4, logit_bias={7: 30.0}),
-             SampleSpec(temperature=0.0, banned_token_ids=[int(logits[6].argmax())]),
-             SampleSpec(temperature=0.9, seed=5, repetition_penalty=1.3, seen_token_ids=[1, 2, 3],
-                        num_prompt_tokens=1, presence_penalty=0.5, frequency_penalty=0.2),
-             *[SampleSpec(temperature=1.0, seed=10 + i, num_logprobs=2) for i in range(4)]]
+    specs = [
+        SampleSpec(),
+        SampleSpec(num_logprobs=5),
+        SampleSpec(temperature=0.7, seed=1, top_k=50),
+        SampleSpec(temperature=1.0, seed=2, top_p=0.9),
+        SampleSpec(temperature=1.3, seed=3, min_p=0.05),
+        SampleSpec(temperature=1.0, seed=4, logit_bias={7: 30.0}),
+        SampleSpec(temperature=0.0, banned_token_ids=[int(logits[6].argmax())]),
+        SampleSpec(
+            temperature=0.9,
+            seed=5,
+            repetition_penalty=1.3,
+            seen_token_ids=[1, 2, 3],
+            num_prompt_tokens=1,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+        ),
+        *[SampleSpec(temperature=1.0, seed=10 + i, num_logprobs=2) for i in range(4)],
+    ]
     host = sample(logits, specs)
     on_device = sample(logits.to(device), specs)
     assert [r.token_id for r in on_device] == [r.token_id for r in host]

@@ -263,7 +263,12 @@ def test_admin_client_pushes_to_a_tensor_parallel_server(ckpts, tokenizer):
     from hotswap.entrypoints.client import AdminClient
 
     with running_server(
-        str(ckpts["A"]), "--admin-key", ADMIN_KEY, "--tensor-parallel-size", "2", "--kv-cache-memory-bytes",
+        str(ckpts["A"]),
+        "--admin-key",
+        ADMIN_KEY,
+        "--tensor-parallel-size",
+        "2",
+        "--kv-cache-memory-bytes",
         str(1 << 22),
     ) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")

@@ -29,8 +29,12 @@ def children(pid: int) -> list[int]:
 
 def test_admin_routes_are_off_without_a_key_and_metrics_labels_are_bounded(ckpts):
     with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22)) as base:
-        for method, route in (("POST", "/pause"), ("POST", "/sleep"), ("POST", "/finish_weight_update"),
-                              ("GET", "/get_weight_version")):
+        for method, route in (
+            ("POST", "/pause"),
+            ("POST", "/sleep"),
+            ("POST", "/finish_weight_update"),
+            ("GET", "/get_weight_version"),
+        ):
             response = httpx.request(method, f"{base}{route}")
             assert response.status_code == 403 and "--admin-key" in response.json()["error"]["message"], route
         # a web page's cross-site request is refused whatever the key
@@ -56,8 +60,12 @@ def test_admin_auth_none_opens_admin_to_loopback_names_only(ckpts):
 
 def test_keys_that_would_turn_auth_off_are_refused_at_start(ckpts):
     for args in (["--admin-key", ""], ["--api-key", " "], ["--admin-auth", "none", "--host", "0.0.0.0"]):
-        out = subprocess.run([sys.executable, "-m", "hotswap", "serve", str(ckpts["A"]), *args],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "hotswap", "serve", str(ckpts["A"]), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and ("empty" in out.stderr or "refused" in out.stderr), (args, out.stderr)
 
 
@@ -71,8 +79,22 @@ def test_a_port_in_use_is_refused_before_the_model_loads_and_port_0_picks_one(ck
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "hotswap", "serve", str(ckpts["A"]), "--port", str(port),
-                              "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hotswap",
+                "serve",
+                str(ckpts["A"]),
+                "--port",
+                str(port),
+                "--tensor-parallel-size",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
         assert "serving" not in out.stdout  # refused before the engine (and its two workers) started
     assert time.monotonic() - start < 30
@@ -81,8 +103,9 @@ def test_a_port_in_use_is_refused_before_the_model_loads_and_port_0_picks_one(ck
 
 
 def test_bearer_keys_with_any_characters_get_401_not_500(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--api-key", "sk-user",
-                        "--admin-key", "sk-admin") as base:
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--api-key", "sk-user", "--admin-key", "sk-admin"
+    ) as base:
         for key in ("\u00e9t\u00e9", "sk-user\u2028", "x" * 5000):
             headers = {"Authorization": f"Bearer {key}".encode()}
             assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
@@ -91,8 +114,9 @@ def test_bearer_keys_with_any_characters_get_401_not_500(ckpts):
 
 @pytest.mark.slow
 def test_health_is_503_after_a_tensor_parallel_worker_dies(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--tensor-parallel-size", "2",
-                        "--admin-key", "k") as base:
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--tensor-parallel-size", "2", "--admin-key", "k"
+    ) as base:
         assert httpx.get(f"{base}/health").status_code == 200
         servers = [p for p in children(os.getpid()) if b"serve" in open(f"/proc/{p}/cmdline", "rb").read()]
         workers = [w for p in servers for w in children(p)]
@@ -117,8 +141,9 @@ def test_limits_and_waits_are_bounded(ckpts):
     """An 8 MB prompt is refused before it is read (and /health stays responsive meanwhile); too many stop
     strings are refused naming the limit; a request while the engine sleeps gets 503 with Retry-After at once;
     a non-streaming request whose client went away is aborted."""
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A") as base:
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k", "--served-model-name", "A"
+    ) as base:
         start = time.monotonic()
         big = completion(base, prompt="word " * ((8 << 20) // 5))
         assert big.status_code == 413 and "--max-request-bytes" in big.json()["error"]["message"]
@@ -148,8 +173,9 @@ def test_limits_and_waits_are_bounded(ckpts):
 
 
 def test_sigterm_stops_the_server_with_a_request_waiting(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A") as base:
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k", "--served-model-name", "A"
+    ) as base:
         servers = [p for p in children(os.getpid()) if b"serve" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(servers) == 1
         assert httpx.post(f"{base}/pause", json={"mode": "keep"}, headers=ADMIN).status_code == 200
@@ -184,25 +210,32 @@ def test_sigterm_stops_the_server_with_a_request_waiting(ckpts):
 
 
 def test_malformed_text_and_rpc_arguments_get_400_not_500(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A") as base:
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k", "--served-model-name", "A"
+    ) as base:
         raw = b'{"model": "A", "prompt": "hi \\ud800 there", "max_tokens": 2}'
         lone = httpx.post(f"{base}/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert lone.status_code == 400 and "Unicode" in lone.json()["error"]["message"]
         chat = b'{"model": "A", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
         response = httpx.post(f"{base}/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
         assert response.status_code == 400
-        rpc = httpx.post(f"{base}/collective_rpc", headers=ADMIN,
-                         json={"method": "weight_checksums", "args": [1, 2, 3]})
+        rpc = httpx.post(
+            f"{base}/collective_rpc", headers=ADMIN, json={"method": "weight_checksums", "args": [1, 2, 3]}
+        )
         assert rpc.status_code == 400
         assert completion(base).status_code == 200
 
 
 def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A") as base:
-        assert httpx.post(f"{base}/init_weight_transfer_engine", headers=ADMIN,
-                          json={"init_info": {"backend": "disk"}}).status_code == 200
+    with running_server(
+        str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k", "--served-model-name", "A"
+    ) as base:
+        assert (
+            httpx.post(
+                f"{base}/init_weight_transfer_engine", headers=ADMIN, json={"init_info": {"backend": "disk"}}
+            ).status_code
+            == 200
+        )
         token = httpx.post(f"{base}/start_weight_update", headers=ADMIN).json()["session_token"]
         other = httpx.post(f"{base}/abort_weight_update", headers=ADMIN, json={"session_token": "not-" + token})
         assert other.status_code == 409 and "another caller" in other.json()["error"]["message"]
@@ -213,15 +246,40 @@ def test_a_second_trainer_cannot_touch_the_first_ones_session(ckpts):
 
 
 def test_configured_limits_are_named_and_a_long_pause_gets_503(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--admin-key", "k",
-                        "--served-model-name", "A", "--max-pause-wait-s", "1", "--max-n", "2", "--max-tokens", "8",
-                        "--max-logprobs", "3") as base:
-        for fields, flag in (({"n": 3}, "--max-n"), ({"max_tokens": 9}, "--max-tokens"),
-                             ({"logprobs": 4}, "--max-logprobs")):
+    with running_server(
+        str(ckpts["A"]),
+        "--kv-cache-memory-bytes",
+        str(1 << 22),
+        "--admin-key",
+        "k",
+        "--served-model-name",
+        "A",
+        "--max-pause-wait-s",
+        "1",
+        "--max-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--max-logprobs",
+        "3",
+    ) as base:
+        for fields, flag in (
+            ({"n": 3}, "--max-n"),
+            ({"max_tokens": 9}, "--max-tokens"),
+            ({"logprobs": 4}, "--max-logprobs"),
+        ):
             refused = completion(base, **fields)
             assert refused.status_code == 400 and flag in refused.json()["error"]["message"], fields
-        chat = httpx.post(f"{base}/v1/chat/completions", json={"model": "A", "max_tokens": 2, "logprobs": True,
-                          "top_logprobs": 4, "messages": [{"role": "user", "content": "hi"}]})
+        chat = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={
+                "model": "A",
+                "max_tokens": 2,
+                "logprobs": True,
+                "top_logprobs": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         assert chat.status_code == 400 and "--max-logprobs" in chat.json()["error"]["message"]
         allowed = completion(base, n=2, max_tokens=8, logprobs=3).json()
         assert len(allowed["choices"]) == 2 and len(allowed["choices"][0]["logprobs"]["top_logprobs"][0]) >= 3
@@ -236,8 +294,15 @@ def test_configured_limits_are_named_and_a_long_pause_gets_503(ckpts):
 
 
 def test_a_chunked_body_over_the_limit_gets_413(ckpts):
-    with running_server(str(ckpts["A"]), "--kv-cache-memory-bytes", str(1 << 22), "--served-model-name", "A",
-                        "--max-request-bytes", "1000") as base:
+    with running_server(
+        str(ckpts["A"]),
+        "--kv-cache-memory-bytes",
+        str(1 << 22),
+        "--served-model-name",
+        "A",
+        "--max-request-bytes",
+        "1000",
+    ) as base:
 
         def chunks():
             yield b'{"model": "A", "prompt": "'

@@ -323,8 +323,10 @@ def test_group_abort_by_ids_and_by_prefix_returns_partial_outputs(ckpts):
         engine = make_engine(ckpts["A"])
         ids = ["grp::0", "grp::1", "grp::2", "solo", "pair-a"]
         short = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-        tasks = {rid: asyncio.create_task(collect(engine, PROMPTS[i], short if rid == "solo" else params, rid))
-                 for i, rid in enumerate(ids)}
+        tasks = {
+            rid: asyncio.create_task(collect(engine, PROMPTS[i], short if rid == "solo" else params, rid))
+            for i, rid in enumerate(ids)
+        }
         await wait_tokens(engine, 2)
         by_prefix = await engine.abort_requests(prefix="grp::")
         by_id = await engine.abort_requests(["pair-a", "no-such-request"])

@@ -34,10 +34,24 @@ def greedy_ids(base: str, ids: list[int], n: int = 8) -> list[int]:
 
 def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
     ids = tokenizer.encode(PROMPT)
-    rollout = post(server, "/generate", input_ids=ids, return_logprob=True, sampling_params={  # slime's keys
-        "temperature": 0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "stop_token_ids": [], "no_stop_trim": True,
-        "skip_special_tokens": False, "spaces_between_special_tokens": False, "ignore_eos": True, "sampling_seed": 3,
-    }).json()
+    rollout = post(
+        server,
+        "/generate",
+        input_ids=ids,
+        return_logprob=True,
+        sampling_params={  # slime's keys
+            "temperature": 0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "max_new_tokens": 8,
+            "stop_token_ids": [],
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "ignore_eos": True,
+            "sampling_seed": 3,
+        },
+    ).json()
     expected = hf_greedy(str(ckpts["A"]), tuple(ids), 8)[0]
     meta = rollout["meta_info"]
     assert rollout["output_ids"] == expected
@@ -47,8 +61,15 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
     assert meta["weight_version"] == "0"
     assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 8, "version_id": 0}]
     target = 4  # AReaL's scoring request: the last `target` prompt tokens' logprobs
-    score = post(server, "/generate", input_ids=ids, return_logprob=True, logprob_start_len=len(ids) - target - 1,
-                 top_logprobs_num=0, sampling_params={"max_new_tokens": 1, "temperature": 0}).json()
+    score = post(
+        server,
+        "/generate",
+        input_ids=ids,
+        return_logprob=True,
+        logprob_start_len=len(ids) - target - 1,
+        top_logprobs_num=0,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+    ).json()
     with torch.no_grad():
         ref = hf_model(str(ckpts["A"]))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     got = score["meta_info"]["input_token_logprobs"][-target:]
@@ -62,8 +83,11 @@ def test_slime_rollout_and_areal_scoring_payloads(server, tokenizer, ckpts):
 
 def test_generate_streams_cumulative_results(server, tokenizer):
     ids = tokenizer.encode(PROMPT)
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0,
-                                                                  "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.stream("POST", f"{server}/generate", json=body, timeout=60) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert len(chunks) > 1 and chunks[-1]["output_ids"] == greedy_ids(server, ids, 5)
@@ -114,20 +138,39 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tokenizer, ckpt
     trainer = ctx.Process(target=sglang_trainer, args=(port, 2, "update_weight_group", checkpoint, commands, done))
     trainer.start()
     try:
-        r = post(server, "/init_weights_update_group", master_address="127.0.0.1", master_port=str(port),
-                 rank_offset=1, world_size=2, group_name="update_weight_group", backend="gloo", pp_rank=0)
+        r = post(
+            server,
+            "/init_weights_update_group",
+            master_address="127.0.0.1",
+            master_port=str(port),
+            rank_offset=1,
+            world_size=2,
+            group_name="update_weight_group",
+            backend="gloo",
+            pp_rank=0,
+        )
         assert r.json()["success"], r.text
         from safetensors.torch import load_file
 
         tensors = load_file(str(ckpts["B"] / "model.safetensors"))
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
-        declared = {"names": list(tensors), "dtypes": dtypes, "shapes": [list(t.shape) for t in tensors.values()],
-                    "group_name": "update_weight_group"}
+        declared = {
+            "names": list(tensors),
+            "dtypes": dtypes,
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "group_name": "update_weight_group",
+        }
         assert post(server, "/pause_generation", mode="abort").json()["status"] == "ok"
         for command, fmt, version in (("names", None, "7"), ("bucket", "flattened_bucket", "8")):
             commands.put(command)
-            r = post(server, "/update_weights_from_distributed", **declared, load_format=fmt, weight_version=version,
-                     flush_cache=False)
+            r = post(
+                server,
+                "/update_weights_from_distributed",
+                **declared,
+                load_format=fmt,
+                weight_version=version,
+                flush_cache=False,
+            )
             assert r.status_code == 200 and r.json()["success"], r.text
             assert done.get(timeout=60) == command
             assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == version
@@ -157,8 +200,9 @@ def test_distributed_update_round_trip_and_a_refused_one(server, tokenizer, ckpt
         trainer.join(30)
         if trainer.is_alive():
             trainer.kill()
-    r = post(server, "/update_weights_from_disk", model_path=str(ckpts["A"]), weight_version="10",
-             abort_all_requests=True)
+    r = post(
+        server, "/update_weights_from_disk", model_path=str(ckpts["A"]), weight_version="10", abort_all_requests=True
+    )
     assert r.json() == {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
     assert greedy_ids(server, ids) == hf_greedy(str(ckpts["A"]), tuple(ids), 8)[0]
     assert httpx.get(f"{server}/get_weight_version").json()["weight_version"] == "10"
@@ -212,8 +256,10 @@ def test_group_abort_by_prefix_on_sglang_and_vllm_routes(server):
     """SGLang's `{"rid": "group::", "prefix": true}` and vLLM's `/abort_requests` (ids, and hotswap's `prefix`)
     end a whole group at once, each request answering with its partial output and finish_reason abort; requests
     outside the group go on."""
-    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True,
-                                                           "temperature": 1.0}}
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True, "temperature": 1.0},
+    }
     results: dict[str, dict] = {}
 
     def run(rid: str) -> None:

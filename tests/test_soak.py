@@ -17,8 +17,16 @@ pytestmark = pytest.mark.slow
 def test_soak_loses_nothing(ckpts, tmp_path, replicas):
     if replicas > 1:
         pytest.importorskip("ray")
-    figures = soak(ckpts, minutes=1.0, replicas=replicas, clients=6, update_every_s=1.5, sample_every_s=5.0,
-                   log=tmp_path / "server.log", progress=False)
+    figures = soak(
+        ckpts,
+        minutes=1.0,
+        replicas=replicas,
+        clients=6,
+        update_every_s=1.5,
+        sample_every_s=5.0,
+        log=tmp_path / "server.log",
+        progress=False,
+    )
     summary = {k: v for k, v in figures.items() if k not in ("rss_mib", "fds")}
     assert figures["lost"] == 0 and figures["unexpected_5xx"] == 0, summary
     assert figures["exceptions_logged"] == 0 and figures["hung_threads"] == 0, summary

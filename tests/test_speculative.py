@@ -35,8 +35,17 @@ def drafts(tmp_path_factory, model_dirs):
     """Per target architecture: a smaller random draft (one layer, other weights) with the same tokenizer."""
     root = tmp_path_factory.mktemp("drafts")
     return {
-        arch: make_tiny_model(root / arch, arch=arch, seed=11, num_hidden_layers=1, hidden_size=32,
-                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        arch: make_tiny_model(
+            root / arch,
+            arch=arch,
+            seed=11,
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
         for arch in ("llama", "qwen2", "qwen3")
     }
 
@@ -92,8 +101,12 @@ def test_greedy_identity_under_tensor_parallelism(model_dirs, drafts, arch, draf
         str(target),
         kv_cache_memory_bytes=KV,
         tensor_parallel_size=2,
-        speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                            "draft_tensor_parallel_size": draft_tp},
+        speculative_config={
+            "method": "draft_model",
+            "model": str(draft),
+            "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": draft_tp,
+        },
     )
     try:
         assert llm.config.speculative_config.draft_tensor_parallel_size == draft_tp
@@ -197,19 +210,26 @@ def test_engine_features_keep_working(llama_dir, drafts):
     plain = LLM(str(llama_dir), kv_cache_memory_bytes=KV)
     llm = spec_llm(llama_dir, llama_dir, k=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, n=2, stop=[" the"], min_tokens=3, logprobs=3)
-    for a, b in zip(plain.generate(PROMPTS, params, use_tqdm=False), llm.generate(PROMPTS, params, use_tqdm=False),
-                    strict=True):
+    for a, b in zip(
+        plain.generate(PROMPTS, params, use_tqdm=False), llm.generate(PROMPTS, params, use_tqdm=False), strict=True
+    ):
         for ca, cb in zip(a.outputs, b.outputs, strict=True):
             assert (ca.token_ids, ca.text, ca.finish_reason, ca.stop_reason) == (
-                cb.token_ids, cb.text, cb.finish_reason, cb.stop_reason
+                cb.token_ids,
+                cb.text,
+                cb.finish_reason,
+                cb.stop_reason,
             )
             for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
                 assert la.keys() == lb.keys()
                 assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 and la[t].rank == lb[t].rank for t in la)
     long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
-    small = LLM(str(llama_dir), kv_cache_memory_bytes=200_000, max_model_len=256,
-                speculative_config={"method": "draft_model", "model": str(drafts["llama"]),
-                                    "num_speculative_tokens": 4})
+    small = LLM(
+        str(llama_dir),
+        kv_cache_memory_bytes=200_000,
+        max_model_len=256,
+        speculative_config={"method": "draft_model", "model": str(drafts["llama"]), "num_speculative_tokens": 4},
+    )
     assert token_ids(small, PROMPTS, long) == token_ids(plain, PROMPTS, long)
     assert small.llm_engine.stats()["num_preemptions"] > 0
 
@@ -258,8 +278,9 @@ def test_one_session_updates_target_and_draft(ckpts, a_copy, b_tensors, caplog):
     assert sum("draft is stale" in r.message for r in caplog.records) == 1
     assert (llm.get_weight_version(), llm.get_weight_version("draft")) == (1, 0)
     token = llm.start_weight_update(target="all")
-    llm.update_weights(tensors_update_info([(f"draft.{n}", t) for n, t in b_tensors[: len(b_tensors) // 2]]),
-                       session_token=token)
+    llm.update_weights(
+        tensors_update_info([(f"draft.{n}", t) for n, t in b_tensors[: len(b_tensors) // 2]]), session_token=token
+    )
     rest = b_tensors[len(b_tensors) // 2 :]
     llm.update_weights({**tensors_update_info(rest), "target": "draft"}, session_token=token)
     llm.finish_weight_update(session_token=token)
@@ -301,8 +322,9 @@ def test_a_failed_draft_update_never_stops_serving(ckpts, a_copy, b_tensors):
     file) leaves the draft part-written, yet the engine serves on (outputs never depend on the draft), and a draft
     reload repairs it."""
     config = {"method": "draft_model", "model": str(a_copy), "num_speculative_tokens": 3}
-    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV, weight_transfer_config={"atomic": False},
-              speculative_config=config)
+    llm = LLM(
+        str(ckpts["A"]), kv_cache_memory_bytes=KV, weight_transfer_config={"atomic": False}, speculative_config=config
+    )
     before = llm.weight_checksums("draft")
     llm.init_weight_transfer_engine({"backend": "disk"})
     with tempfile.TemporaryDirectory() as tmp:
@@ -323,9 +345,16 @@ def test_a_failed_draft_update_never_stops_serving(ckpts, a_copy, b_tensors):
 def test_reload_the_draft_and_staleness_policies(ckpts, a_copy, b_tensors):
     """reload_weights(target='draft') from an iterator and from a folder (recorded as the draft's); 'disable'
     stops speculating while the draft is stale, and outputs never change."""
-    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV,
-              speculative_config={"method": "draft_model", "model": str(a_copy), "num_speculative_tokens": 3,
-                                  "draft_staleness": "disable"})
+    llm = LLM(
+        str(ckpts["A"]),
+        kv_cache_memory_bytes=KV,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(a_copy),
+            "num_speculative_tokens": 3,
+            "draft_staleness": "disable",
+        },
+    )
     llm.reload_weights(weights_path=str(ckpts["B"]))
     assert serves(llm, ckpts["B"])
     steps = llm.llm_engine.stats()["spec_steps"]
@@ -395,18 +424,22 @@ def test_draft_entry_points_run_in_the_draft_scope(ckpts, a_copy, b_tensors):
 def test_server_with_speculation(ckpts, a_copy):
     """The OpenAI routes serve with speculation on; the admin routes take `target`; /metrics shows acceptance."""
     config = f'{{"method": "draft_model", "model": "{a_copy}", "num_speculative_tokens": 3}}'
-    with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(KV),
-                        "--speculative-config", config) as base:
+    with running_server(
+        str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(KV), "--speculative-config", config
+    ) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         plain = LLM(str(ckpts["A"]), kv_cache_memory_bytes=KV)
-        expected = plain.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                                  use_tqdm=False)
+        expected = plain.generate(
+            PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )
         for prompt, ref in zip(PROMPTS[:2], expected, strict=True):
-            out = client.completions.create(model="A", prompt=prompt, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True})
+            out = client.completions.create(
+                model="A", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert out.choices[0].text == ref.outputs[0].text
-        stream = client.chat.completions.create(model="A", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=8, stream=True)
+        stream = client.chat.completions.create(
+            model="A", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
         assert sum(1 for _ in stream) > 1
         metrics = httpx.get(f"{base}/metrics").text
         assert "hotswap_spec_acceptance_rate 1.0" in metrics and "hotswap_draft_stale 0.0" in metrics

@@ -29,8 +29,7 @@ def staged_llm(path, **kw) -> LLM:
 
 def pool_and_weights(worker) -> tuple[int, int]:
     """Elements held by the staging pool, and the model's (each tied weight once)."""
-    return (sum(t.numel() for t in worker.session.shadows.values()),
-            sum(p.numel() for p in worker.model.parameters()))
+    return (sum(t.numel() for t in worker.session.shadows.values()), sum(p.numel() for p in worker.model.parameters()))
 
 
 def params_of(llm: LLM) -> dict[str, torch.Tensor]:
@@ -71,8 +70,10 @@ def test_a_session_streams_beside_running_requests_and_commits_between_steps(ckp
     assert out is not None
     tokens, versions = out.outputs[0].token_ids, out.outputs[0].weight_versions
     a_tokens = hf_greedy(str(ckpts["A"]), tuple(ids), 40)[0]
-    assert [(s.version, s.start_token, s.end_token) for s in versions] == [(0, 0, versions[0].end_token),
-                                                                          (1, versions[0].end_token, 40)]
+    assert [(s.version, s.start_token, s.end_token) for s in versions] == [
+        (0, 0, versions[0].end_token),
+        (1, versions[0].end_token, 40),
+    ]
     switch = versions[0].end_token
     assert tokens[:switch] == a_tokens[:switch], "tokens before the commit are A's"
     assert switch >= 8 + steps_between, "the commit landed before the steps that ran while staging"
@@ -115,8 +116,9 @@ def test_reloads_deltas_checksums_and_the_canary_are_staged(ckpts, b_tensors, tm
     a = load_file(str(ckpts["A"] / "model.safetensors"))
     b = dict(b_tensors)
     delta = {n: xor_delta(b[n], a[n]) for n in a}
-    llm.reload_weights(weights_iterator=list(delta.items()), encoding="xor",
-                       checksums={n: tensor_sha256(t) for n, t in a.items()})
+    llm.reload_weights(
+        weights_iterator=list(delta.items()), encoding="xor", checksums={n: tensor_sha256(t) for n, t in a.items()}
+    )
     assert serves(llm, ckpts["A"])
     before = params_of(llm)
     llm.init_weight_transfer_engine({"backend": "tensors"})
@@ -138,8 +140,9 @@ def test_the_serving_engine_alternates_slices_with_steps(ckpts):
     stream: tokens keep arriving while the reload call runs, on A until the commit and on B after it."""
 
     async def run() -> tuple[list[float], float, float, list]:
-        engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), update_staging="shadow", staging_slice_ms=0.001,
-                                            kv_cache_memory_bytes=1 << 23)
+        engine = AsyncLLMEngine.from_kwargs(
+            str(ckpts["A"]), update_staging="shadow", staging_slice_ms=0.001, kv_cache_memory_bytes=1 << 23
+        )
         tok = engine.tokenizer
         times: list[float] = []
         spans: list = []
@@ -236,14 +239,22 @@ def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensor
         try:
             model = client.models.list().data[0].id
             # long enough that the push (four HTTP calls, the shm transport's set-up) lands mid-stream under load
-            chunks = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=900,
-                                               temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True, "return_weight_versions": True})
+            chunks = client.completions.create(
+                model=model,
+                prompt=PROMPTS[2],
+                max_tokens=900,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "return_weight_versions": True},
+            )
             stream = iter(chunks)
             first = next(stream)
             pushed: list[str] = []
-            pusher = threading.Thread(target=lambda: pushed.append(
-                admin.push_weights(b_tensors, backend="shm", pause_mode=None, weight_version="s1")))
+            pusher = threading.Thread(
+                target=lambda: pushed.append(
+                    admin.push_weights(b_tensors, backend="shm", pause_mode=None, weight_version="s1")
+                )
+            )
             pusher.start()
             rest = list(stream)
             pusher.join(timeout=120)
@@ -265,9 +276,15 @@ def test_a_fleet_of_staged_replicas_prepares_beside_serving_and_commits_or_rolls
     pytest.importorskip("ray")
     from hotswap.fleet import Fleet
 
-    fleet = LLM(str(ckpts["A"]), data_parallel_size=2, distributed_executor_backend="ray", num_gpus_per_worker=0,
-                ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20}, update_staging="shadow",
-                kv_cache_memory_bytes=1 << 23)
+    fleet = LLM(
+        str(ckpts["A"]),
+        data_parallel_size=2,
+        distributed_executor_backend="ray",
+        num_gpus_per_worker=0,
+        ray_init_kwargs={"num_cpus": 2, "object_store_memory": 256 << 20},
+        update_staging="shadow",
+        kv_cache_memory_bytes=1 << 23,
+    )
     try:
         assert isinstance(fleet, Fleet)
         fleet.reload_weights(weights_path=str(ckpts["B"]))
@@ -295,16 +312,23 @@ def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path):
     lora = LoRARequest("a", 1, str(first))
 
     async def run() -> tuple[int, list[int]]:
-        engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), enable_lora=True, max_lora_rank=8, max_cpu_loras=4,
-                                            staging_slice_ms=0.001, kv_cache_memory_bytes=1 << 23)
+        engine = AsyncLLMEngine.from_kwargs(
+            str(ckpts["A"]),
+            enable_lora=True,
+            max_lora_rank=8,
+            max_cpu_loras=4,
+            staging_slice_ms=0.001,
+            kv_cache_memory_bytes=1 << 23,
+        )
         tok = engine.tokenizer
         times: list[float] = []
         loop = asyncio.get_running_loop()
         params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
         async def stream() -> None:
-            async for _ in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[0])}, params, "s",
-                                           lora_request=lora):
+            async for _ in engine.generate(
+                {"prompt_token_ids": tok.encode(PROMPTS[0])}, params, "s", lora_request=lora
+            ):
                 times.append(loop.time())
 
         task = asyncio.create_task(stream())
@@ -319,15 +343,20 @@ def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path):
         with pytest.raises(ValueError, match="NaN"):
             await engine.reload_weights(target="lora:a", weights_iterator=bad)
         short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        outs = [o async for o in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[1])}, short, "t",
-                                                 lora_request=lora)]
+        outs = [
+            o
+            async for o in engine.generate({"prompt_token_ids": tok.encode(PROMPTS[1])}, short, "t", lora_request=lora)
+        ]
         await engine.shutdown()
         return sum(start < t < end for t in times), outs[-1].outputs[0].token_ids
 
     during, tokens = asyncio.run(run())
     assert during >= 3, f"only {during} tokens arrived while the adapter was received"
     reference = LLM(str(ckpts["A"]), enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=1 << 23)
-    expected = reference.generate([{"prompt_token_ids": reference.get_tokenizer().encode(PROMPTS[1])}],
-                                  SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                                  lora_request=LoRARequest("a", 1, str(second)), use_tqdm=False)
+    expected = reference.generate(
+        [{"prompt_token_ids": reference.get_tokenizer().encode(PROMPTS[1])}],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        lora_request=LoRARequest("a", 1, str(second)),
+        use_tqdm=False,
+    )
     assert tokens == expected[0].outputs[0].token_ids, "the adapter serves its second version after the NaN"

@@ -42,15 +42,21 @@ def outputs(llm, constraint, n=3, seed=7, max_tokens=200, prompts=("Hello there"
     return [c for out in llm.generate(list(prompts), params, use_tqdm=False) for c in out.outputs]
 
 
-@pytest.mark.parametrize("constraint, valid", [
-    ({"json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
-    ({"json": json.dumps(SCHEMA), "disable_any_whitespace": True},
-     lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None and not re.search(r"\s", text)),
-    ({"regex": r"[a-z]{2,5}-[0-9]{2}"}, lambda text: re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", text) is not None),
-    ({"choice": ["yes", "no", "maybe so"]}, lambda text: text in ("yes", "no", "maybe so")),
-    ({"grammar": GBNF}, lambda text: re.fullmatch(r"move (left|right) [1-9][0-9]?", text) is not None),
-    ({"grammar": LARK}, lambda text: re.fullmatch(r"\([a-c]{1,3}(,[a-c]{1,3})*\)", text) is not None),
-], ids=["json", "json-compact", "regex", "choice", "gbnf", "lark"])
+@pytest.mark.parametrize(
+    "constraint, valid",
+    [
+        ({"json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+        (
+            {"json": json.dumps(SCHEMA), "disable_any_whitespace": True},
+            lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None and not re.search(r"\s", text),
+        ),
+        ({"regex": r"[a-z]{2,5}-[0-9]{2}"}, lambda text: re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", text) is not None),
+        ({"choice": ["yes", "no", "maybe so"]}, lambda text: text in ("yes", "no", "maybe so")),
+        ({"grammar": GBNF}, lambda text: re.fullmatch(r"move (left|right) [1-9][0-9]?", text) is not None),
+        ({"grammar": LARK}, lambda text: re.fullmatch(r"\([a-c]{1,3}(,[a-c]{1,3})*\)", text) is not None),
+    ],
+    ids=["json", "json-compact", "regex", "choice", "gbnf", "lark"],
+)
 def test_sampled_outputs_match_their_constraint_and_end_with_eos(llm, constraint, valid):
     eos = llm.llm_engine.eos_token_ids
     for c in outputs(llm, constraint):
@@ -65,8 +71,11 @@ def test_greedy_under_a_grammar_is_transformers_argmax_over_the_allowed_tokens(l
 
     constraint = StructuredOutputsParams(json=SCHEMA)
     ids = llm.get_tokenizer().encode("Hello there")
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=80,
-                                                                structured_outputs=constraint), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=80, structured_outputs=constraint),
+        use_tqdm=False,
+    )[0]
     grammars = llm.llm_engine.grammars
     matcher = llguidance.LLMatcher(grammars.tokenizer, grammars.compile(constraint))
     model, expected, seq = hf_model(str(llama_dir)), [], list(ids)
@@ -87,8 +96,9 @@ def test_greedy_under_a_grammar_is_transformers_argmax_over_the_allowed_tokens(l
 def test_unconstrained_rows_in_the_batch_are_untouched_and_the_sampling_mask_is_the_grammars(llm):
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     alone = llm.generate(["numbers 1 2 3 4"], plain, use_tqdm=False)[0].outputs[0]
-    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=40, return_sampling_mask=True,
-                                 structured_outputs={"choice": ["yes", "no"]})
+    constrained = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, return_sampling_mask=True, structured_outputs={"choice": ["yes", "no"]}
+    )
     mixed = llm.generate(["numbers 1 2 3 4", "Hello there"], [plain, constrained], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone.token_ids
     for got, want in zip(mixed[0].outputs[0].logprobs, alone.logprobs, strict=True):
@@ -110,8 +120,11 @@ def test_speculative_decoding_and_n_samples_stay_exact_under_a_grammar(llama_dir
     alone... through its seed, index and position."""
     params = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=120, structured_outputs={"json": SCHEMA})
     plain = LLM(str(llama_dir), kv_cache_memory_bytes=KV)
-    spec = LLM(str(llama_dir), kv_cache_memory_bytes=KV,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    spec = LLM(
+        str(llama_dir),
+        kv_cache_memory_bytes=KV,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
     unconstrained = SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)
     want = plain.generate(["Hello there", "numbers 1 2 3 1 2 3 1 2"], [params, unconstrained], use_tqdm=False)
     got = spec.generate(["Hello there", "numbers 1 2 3 1 2 3 1 2"], [params, unconstrained], use_tqdm=False)
@@ -124,15 +137,18 @@ def test_speculative_decoding_and_n_samples_stay_exact_under_a_grammar(llama_dir
         jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
-@pytest.mark.parametrize("constraint, message", [
-    ({"json": {"type": "frobnicate"}}, "invalid structured output (json_schema)"),
-    ({"regex": "(ab"}, "invalid structured output (regex)"),
-    ({"grammar": "root ::= missing_rule"}, "invalid structured output (grammar)"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
-    ({"choice": []}, "choice must be a non-empty list"),
-    ({"jsonn": {}}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        ({"json": {"type": "frobnicate"}}, "invalid structured output (json_schema)"),
+        ({"regex": "(ab"}, "invalid structured output (regex)"),
+        ({"grammar": "root ::= missing_rule"}, "invalid structured output (grammar)"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+        ({"choice": []}, "choice must be a non-empty list"),
+        ({"jsonn": {}}, "unknown field"),
+    ],
+)
 def test_invalid_constraints_are_refused_naming_the_problem(llm, constraint, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)

@@ -98,8 +98,11 @@ def test_reload_and_bad_update_at_tp2(tp2, ckpts):
     tp2.reload_weights(weights_path=str(ckpts["B"]))
     assert_matches(ckpts["B"], tp2)
     with pytest.raises(ValueError, match="expected shape"):
-        tp2.reload_weights(weights_iterator=[("model.norm.weight", load_file(str(ckpts["A"] / "model.safetensors"))[
-            "model.norm.weight"][:5])])
+        tp2.reload_weights(
+            weights_iterator=[
+                ("model.norm.weight", load_file(str(ckpts["A"] / "model.safetensors"))["model.norm.weight"][:5])
+            ]
+        )
     assert_matches(ckpts["B"], tp2)
     tp2.reload_weights(weights_path=str(ckpts["A"]))
     assert_matches(ckpts["A"], tp2)
@@ -117,8 +120,11 @@ def test_generator_iterator_at_tp2(tp2, ckpts):
 
 def worker_settings(llm: LLM) -> list[tuple[str, bool, bool]]:
     return llm.collective_rpc(
-        lambda w: (w.config.model_config.model, w.config.weight_transfer_config.atomic,
-                   w.config.weight_transfer_config.check_finite)
+        lambda w: (
+            w.config.model_config.model,
+            w.config.weight_transfer_config.atomic,
+            w.config.weight_transfer_config.check_finite,
+        )
     )
 
 

@@ -48,18 +48,28 @@ def code_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=480,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS[:6] * 40, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-                                   clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def write_layout(model: Path, folder: Path, layout: str) -> Path:
     """A copy of checkpoint `model` (its weights and config) with the tokenizer files of `layout`."""
-    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json",
-                                                                 "vocab.*", "merges.txt"))
+    shutil.copytree(
+        model, folder, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt")
+    )
     tok = code_tokenizer()
     if layout == "added":
         tok.add_tokens(["<tool_call>", "    return", "🙂🚀"])

@@ -14,12 +14,22 @@ from hotswap.entrypoints.tools import check_tools, tool_parser
 pytestmark = pytest.mark.unit
 
 CASES = {
-    "hermes": ('Checking.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
-               '{"name": "g", "arguments": {}}\n</tool_call>', "Checking.\n", [("f", {"x": 1}), ("g", {})]),
-    "llama3_json": ('{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": "z"}}', "",
-                    [("f", {"x": 1}), ("g", {"y": "z"})]),
-    "mistral": ('Sure[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]', "Sure",
-                [("f", {"x": 1}), ("g", {})]),
+    "hermes": (
+        'Checking.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "g", "arguments": {}}\n</tool_call>',
+        "Checking.\n",
+        [("f", {"x": 1}), ("g", {})],
+    ),
+    "llama3_json": (
+        '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": "z"}}',
+        "",
+        [("f", {"x": 1}), ("g", {"y": "z"})],
+    ),
+    "mistral": (
+        'Sure[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+        "Sure",
+        [("f", {"x": 1}), ("g", {})],
+    ),
 }
 
 
@@ -38,12 +48,18 @@ def test_each_format_parses_whole_and_streamed_alike(name):
         got_calls += delta.get("tool_calls", [])
     assert got_content == content
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == [
-        (i, n, a) for i, (n, a) in enumerate(calls)]
+        (i, n, a) for i, (n, a) in enumerate(calls)
+    ]
 
 
-@pytest.mark.parametrize("name, text", [("hermes", "a <tool_call>\nnot json\n</tool_call> b <tool_call>open"),
-                                        ("llama3_json", '{"name": "f", "parameters": '),
-                                        ("mistral", "[TOOL_CALLS][{broken")])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("hermes", "a <tool_call>\nnot json\n</tool_call> b <tool_call>open"),
+        ("llama3_json", '{"name": "f", "parameters": '),
+        ("mistral", "[TOOL_CALLS][{broken"),
+    ],
+)
 def test_what_does_not_parse_stays_text(name, text):
     message = parse_message(text, tool_parser(name), None)
     assert message.content == text and message.calls == []
@@ -74,18 +90,35 @@ def test_tool_choice_checks_and_grammars_accept_what_the_parsers_read(tmp_path):
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     vocab = llguidance.hf.from_tokenizer(hf)
 
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"type": "integer"}},
+                    "required": ["x"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
     assert check_tools(tools, None) == (tools, "auto")
     assert check_tools(tools, "none") == (tools, None)
     assert check_tools(tools, {"type": "function", "function": {"name": "f"}}) == (tools, "f")
-    for bad, message in ((("required",), "needs tools"), ((tools, {"function": {"name": "g"}}), "not among"),
-                         (([{"type": "retrieval"}], "auto"), "must be")):
+    for bad, message in (
+        (("required",), "needs tools"),
+        ((tools, {"function": {"name": "g"}}), "not among"),
+        (([{"type": "retrieval"}], "auto"), "must be"),
+    ):
         with pytest.raises(ValueError, match=message):
             check_tools(*bad) if len(bad) == 2 else check_tools(None, bad[0])
-    for name, text in (("hermes", '<tool_call>\n{"name":"f","arguments":{"x":5}}\n</tool_call>'),
-                       ("llama3_json", '{"name":"f","parameters":{"x":5}}'),
-                       ("mistral", '[TOOL_CALLS][{"name":"f","arguments":{"x":5}}]')):
+    for name, text in (
+        ("hermes", '<tool_call>\n{"name":"f","arguments":{"x":5}}\n</tool_call>'),
+        ("llama3_json", '{"name":"f","parameters":{"x":5}}'),
+        ("mistral", '[TOOL_CALLS][{"name":"f","arguments":{"x":5}}]'),
+    ):
         parser = tool_parser(name)
         matcher = llguidance.LLMatcher(vocab, llguidance.grammar_from("grammar", parser.grammar(tools, False)))
         assert all(matcher.consume_token(t) for t in hf.encode(text)) and matcher.is_accepting(), name

@@ -33,10 +33,21 @@ MAX_POSITION = 64  # rows of the cos/sin table
 def test_interpreted(request):
     """This file's tests in a child process whose triton runs every kernel in its interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest",
-               "-o", "addopts=", "-rfE", "--tb=short"]
-    run = subprocess.run(command, env=env, cwd=request.config.rootpath, capture_output=True, text=True,
-                         timeout=270)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--noconftest",
+        "-o",
+        "addopts=",
+        "-rfE",
+        "--tb=short",
+    ]
+    run = subprocess.run(command, env=env, cwd=request.config.rootpath, capture_output=True, text=True, timeout=270)
     assert run.returncode == 0, f"interpreted tests failed:\n{(run.stdout + run.stderr)[-8000:]}"
 
 
@@ -88,7 +99,7 @@ def _problem(lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, see
     tables = torch.full((len(lens), max(need) + 1), -1, dtype=torch.long)
     used = 0
     for b, n in enumerate(need):
-        tables[b, :n] = order[used:used + n]
+        tables[b, :n] = order[used : used + n]
         used += n
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -114,7 +125,7 @@ def reference(q, k_cache, v_cache, tables, lens, query_lens, kv_of_q, scale):
         pos = torch.arange(n)
         slots = tables[b, pos // block_size] * block_size + pos % block_size
         keys, values = keys_all[slots][:, mapping], values_all[slots][:, mapping]  # [n, H, D]
-        scores = torch.einsum("thd,nhd->thn", q[row:row + new].double(), keys) * scale
+        scores = torch.einsum("thd,nhd->thn", q[row : row + new].double(), keys) * scale
         seen = pos[None, :] <= (n - new + torch.arange(new))[:, None]  # [new, n]
         scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
         out.append(torch.einsum("thn,nhd->thd", scores.softmax(-1), values))
@@ -131,13 +142,40 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (heads, kv_heads, head_dim, block_size, dtype, context_lens, query_lens (None: decode), kv_of_q, tuning)
 CASES = {
     "decode-mha-f32": (2, 2, 16, 4, F32, [1, 4, 8, 3, 5, 9], None, None, {"block_n": 16}),
-    "decode-gqa4-bf16-splits": (8, 2, 32, 8, BF16, [1, 7, 8, 9, 16, 17, 40], None, None,
-                                {"block_n": 16, "split_keys": 16}),
-    "decode-gqa8-f32-splits": (8, 1, 64, 16, F32, [15, 16, 17, 32, 33], None, None,
-                               {"block_n": 16, "split_keys": 20}),  # rounded up to 32 keys a split
+    "decode-gqa4-bf16-splits": (
+        8,
+        2,
+        32,
+        8,
+        BF16,
+        [1, 7, 8, 9, 16, 17, 40],
+        None,
+        None,
+        {"block_n": 16, "split_keys": 16},
+    ),
+    "decode-gqa8-f32-splits": (
+        8,
+        1,
+        64,
+        16,
+        F32,
+        [15, 16, 17, 32, 33],
+        None,
+        None,
+        {"block_n": 16, "split_keys": 20},
+    ),  # rounded up to 32 keys a split
     "decode-gqa4-f16-defaults": (4, 1, 32, 8, F16, [1, 8, 24, 25], None, None, {}),
-    "decode-ones-kv-map-f32": (5, 2, 16, 4, F32, [3, 12, 1, 40], [1, 1, 1, 1], [1, 0, 1, 1, 0],
-                               {"block_n": 16, "split_keys": 8}),  # rounded up to one tile a split
+    "decode-ones-kv-map-f32": (
+        5,
+        2,
+        16,
+        4,
+        F32,
+        [3, 12, 1, 40],
+        [1, 1, 1, 1],
+        [1, 0, 1, 1, 0],
+        {"block_n": 16, "split_keys": 8},
+    ),  # rounded up to one tile a split
     "extend-mha-f32": (2, 2, 16, 4, F32, [5, 17, 1, 24, 9], [5, 3, 1, 24, 2], None, {"block_m": 16, "block_n": 16}),
     "extend-gqa4-bf16": (8, 2, 32, 8, BF16, [16, 17, 40, 8], [16, 1, 20, 7], None, {"block_m": 16, "block_n": 16}),
     "extend-gqa8-f32-defaults": (8, 1, 64, 16, F32, [33, 31, 2], [33, 1, 2], None, {}),
@@ -149,8 +187,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_paged_attention(ta, case):
     heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, kv_of_q, tuning = case
-    q, k_cache, v_cache, tables, context_lens = _problem(lens, query_lens, heads, kv_heads, head_dim, block_size,
-                                                         dtype, seed=len(lens) * head_dim)
+    q, k_cache, v_cache, tables, context_lens = _problem(
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(lens) * head_dim
+    )
     ql, kv = _tensor(query_lens), _tensor(kv_of_q)
     scale = head_dim**-0.5
     k_before, v_before = k_cache.clone(), v_cache.clone()
@@ -205,8 +244,9 @@ def _rotate(x, cos, sin):
 def _rope_inputs(lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed):
     """A problem whose new tokens' q, k, v are views of one fused [T, (H + 2 KVH) D] row (a token stride past
     the heads), with the positions and cache slots of the new tokens."""
-    q, k_cache, v_cache, tables, context_lens = _problem(lens, query_lens, heads, kv_heads, head_dim, block_size,
-                                                         dtype, seed)
+    q, k_cache, v_cache, tables, context_lens = _problem(
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed
+    )
     tokens = q.shape[0]
     gen = torch.Generator().manual_seed(seed + 1)
     fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -233,13 +273,15 @@ ROPE_CASES = {
 def test_rope_paged_attention(ta, case):
     heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, same_halves, tuning = case
     q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
-        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens))
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens)
+    )
     cos, sin = _rope_table(head_dim, same_halves)
     ql = _tensor(query_lens)
     scale = head_dim**-0.5
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    out = ta.rope_paged_attention(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, context_lens, ql,
-                                  None, scale, **tuning)
+    out = ta.rope_paged_attention(
+        q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, context_lens, ql, None, scale, **tuning
+    )
 
     q_rot, k_rot = _rotate(q, cos[positions], sin[positions]), _rotate(k, cos[positions], sin[positions])
     k_ref, v_ref = k_before.clone(), v_before.clone()
@@ -292,12 +334,14 @@ def _set(name, index, value):
     def change(args):
         args[name] = args[name].clone()
         args[name][index] = value
+
     return change
 
 
 def _replace(name, make):
     def change(args):
         args[name] = make(args)
+
     return change
 
 
@@ -316,8 +360,10 @@ BAD = {
     "query len past its context": (_set("query_lens", 2, 2), "query_lens out of range"),
     "kv_of_q past the KV heads": (_replace("kv_of_q", lambda a: torch.tensor([0, 1, 2, 0])), "kv_of_q out of range"),
     "float64 cos": (_replace("cos", lambda a: a["cos"].double()), "cos/sin must be"),
-    "q heads not contiguous": (_replace("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
-                               "contiguous heads"),
+    "q heads not contiguous": (
+        _replace("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+        "contiguous heads",
+    ),
     "slot_mapping length": (_replace("slot_mapping", lambda a: a["slot_mapping"][:-1]), "slot_mapping must be"),
     "tile not a power of two": (lambda a: a.update(block_n=24), "block_n must be"),
 }
@@ -327,11 +373,25 @@ BAD = {
 @pytest.mark.parametrize(("change", "error"), BAD.values(), ids=BAD.keys())
 def test_bad_input_leaves_the_cache(ta, change, error):
     q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
-        [6, 13, 1], [6, 2, 1], 4, 2, 16, 4, torch.float32, seed=5)
+        [6, 13, 1], [6, 2, 1], 4, 2, 16, 4, torch.float32, seed=5
+    )
     cos, sin = _rope_table(16)
-    args = dict(q=q, k=k, v=v, positions=positions, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                slot_mapping=slots, block_tables=tables, context_lens=context_lens,
-                query_lens=torch.tensor([6, 2, 1]), kv_of_q=torch.tensor([0, 1, 1, 0]), scale=0.25)
+    args = dict(
+        q=q,
+        k=k,
+        v=v,
+        positions=positions,
+        cos=cos,
+        sin=sin,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=context_lens,
+        query_lens=torch.tensor([6, 2, 1]),
+        kv_of_q=torch.tensor([0, 1, 1, 0]),
+        scale=0.25,
+    )
     k_before, v_before = k_cache.clone(), v_cache.clone()
     with pytest.raises(ValueError, match=error):
         ta.rope_paged_attention(**_bad(args, change))
@@ -342,13 +402,17 @@ def test_bad_input_leaves_the_cache(ta, change, error):
 
 # (k, v, slots) -> the same made invalid, and the error it must raise
 WRITE_BAD = {
-    "slot past the cache": (lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([2]), 10_000)),
-                            "slot out of range"),
+    "slot past the cache": (
+        lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([2]), 10_000)),
+        "slot out of range",
+    ),
     "negative slot": (lambda k, v, slots: (k, v, slots.index_fill(0, torch.tensor([0]), -1)), "slot out of range"),
     "int32 slots": (lambda k, v, slots: (k, v, slots.int()), "slot_mapping must be"),
     "v dtype": (lambda k, v, slots: (k, v.half(), slots), "dtype mismatch"),
-    "rows not contiguous": (lambda k, v, slots: (k.transpose(1, 2).contiguous().transpose(1, 2), v, slots),
-                            "contiguous rows"),
+    "rows not contiguous": (
+        lambda k, v, slots: (k.transpose(1, 2).contiguous().transpose(1, 2), v, slots),
+        "contiguous rows",
+    ),
     "KV heads": (lambda k, v, slots: (k[:, :1], v[:, :1], slots), "matching the cache"),
 }
 
@@ -372,15 +436,17 @@ def test_paged_attention_rejects(ta):
         ta.paged_attention(q, k_cache, v_cache, tables, context_lens, None, None, 0.25)
     q = torch.randn(2, 4, 16)
     with pytest.raises(ValueError, match="contiguous"):
-        ta.paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, context_lens,
-                           None, None, 0.25)
+        ta.paged_attention(
+            q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, tables, context_lens, None, None, 0.25
+        )
     with pytest.raises(ValueError, match="one row per new token"):
         ta.paged_attention(q[:1], k_cache, v_cache, tables, context_lens, None, None, 0.25)
     with pytest.raises(ValueError, match="block_n"):
         ta.paged_attention(q, k_cache, v_cache, tables, context_lens, None, None, 0.25, block_n=24)
     with pytest.raises(ValueError, match="one row per new token"):
-        ta.paged_attention(q, k_cache, v_cache, tables[:0], context_lens[:0], torch.zeros(0, dtype=torch.long),
-                           None, 0.25)
+        ta.paged_attention(
+            q, k_cache, v_cache, tables[:0], context_lens[:0], torch.zeros(0, dtype=torch.long), None, 0.25
+        )
     empty = ta.paged_attention(q[:0], k_cache, v_cache, tables[:0], context_lens[:0], None, None, 0.25)
     assert empty.shape == (0, 64)
 
@@ -416,11 +482,13 @@ GPU_CASES = {
 def test_paged_attention_gpu(gpu_ta, case, tuned):
     ta, device = gpu_ta
     heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, kv_of_q, tuning = case
-    q, k_cache, v_cache, tables, context_lens = _problem(lens, query_lens, heads, kv_heads, head_dim, block_size,
-                                                         dtype, seed=len(lens) * head_dim)
+    q, k_cache, v_cache, tables, context_lens = _problem(
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(lens) * head_dim
+    )
     ql, kv = _tensor(query_lens), _tensor(kv_of_q)
-    out = ta.paged_attention(*_on(device, q, k_cache, v_cache, tables, context_lens, ql, kv), head_dim**-0.5,
-                             **(tuning if tuned else {}))
+    out = ta.paged_attention(
+        *_on(device, q, k_cache, v_cache, tables, context_lens, ql, kv), head_dim**-0.5, **(tuning if tuned else {})
+    )
     _close(out.cpu(), reference(q, k_cache, v_cache, tables, context_lens, ql, kv, head_dim**-0.5), dtype)
 
 
@@ -431,12 +499,20 @@ def test_rope_paged_attention_gpu(gpu_ta, case):
     ta, device = gpu_ta
     heads, kv_heads, head_dim, block_size, dtype, lens, query_lens, same_halves, tuning = case
     q, k, v, positions, slots, k_cache, v_cache, tables, context_lens = _rope_inputs(
-        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens))
+        lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + len(lens)
+    )
     cos, sin = _rope_table(head_dim, same_halves)
     ql = _tensor(query_lens)
     k_gpu, v_gpu = _on(device, k_cache, v_cache)
-    out = ta.rope_paged_attention(*_on(device, q, k, v, positions, cos, sin), k_gpu, v_gpu,
-                                  *_on(device, slots, tables, context_lens, ql), None, head_dim**-0.5, **tuning)
+    out = ta.rope_paged_attention(
+        *_on(device, q, k, v, positions, cos, sin),
+        k_gpu,
+        v_gpu,
+        *_on(device, slots, tables, context_lens, ql),
+        None,
+        head_dim**-0.5,
+        **tuning,
+    )
     q_rot, k_rot = _rotate(q, cos[positions], sin[positions]), _rotate(k, cos[positions], sin[positions])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k_ref.flatten(0, 1).index_copy_(0, slots, k_rot)

@@ -55,8 +55,10 @@ print(json.dumps({"backend": backend, "out": out, "replays": replays}))
 """
 
 
-@pytest.mark.parametrize(("arch", "graphs"), [("llama", False), ("qwen3", False), ("qwen3_moe", False),
-                                             ("llama", True), ("qwen3", True), ("qwen3_moe", True)])
+@pytest.mark.parametrize(
+    ("arch", "graphs"),
+    [("llama", False), ("qwen3", False), ("qwen3_moe", False), ("llama", True), ("qwen3", True), ("qwen3_moe", True)],
+)
 def test_greedy_on_the_triton_kernels_matches_transformers(tmp_path, arch, graphs):
     """With `graphs`, decode steps run through `DecodeGraphs` (hotswap/worker/cuda_graphs.py) with an eager stand-in
     for the capture: its static buffers, size classes (3 rows replay the class of 4, one row padding into the
@@ -64,8 +66,13 @@ def test_greedy_on_the_triton_kernels_matches_transformers(tmp_path, arch, graph
     path = make_tiny_model(tmp_path / arch, arch=arch)
     prompts = [PROMPTS[7], PROMPTS[1], PROMPTS[0]]  # 17+ tokens: chunked (16 a step) beside the others' decodes
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", CHILD, str(path), json.dumps(prompts), str(TOKENS),
-                          "graphs" if graphs else "eager"], env=env, capture_output=True, text=True, timeout=280)
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), json.dumps(prompts), str(TOKENS), "graphs" if graphs else "eager"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["backend"] == ["triton"]

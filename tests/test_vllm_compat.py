@@ -22,8 +22,9 @@ PROMPTS = ["hello world", "the quick brown fox jumps over", "numbers 1 2 3 4"]
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    with running_server(str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 23),
-                        "--max-logprobs", "-1") as base:
+    with running_server(
+        str(ckpts["A"]), "--admin-auth", "none", "--kv-cache-memory-bytes", str(1 << 23), "--max-logprobs", "-1"
+    ) as base:
         yield base
 
 
@@ -32,8 +33,17 @@ def test_batched_prompts_token_ids_and_their_shapes(server, tokenizer, ckpts):
     prompt; return_token_ids adds token_ids and prompt_token_ids; return_tokens_as_token_ids names logprob tokens
     "token_id:<id>"; return_weight_versions gives vLLM's span objects."""
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    body = dict(model="A", max_tokens=6, temperature=0, n=2, ignore_eos=True, return_token_ids=True, logprobs=2,
-                return_tokens_as_token_ids=True, return_weight_versions=True)
+    body = dict(
+        model="A",
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        ignore_eos=True,
+        return_token_ids=True,
+        logprobs=2,
+        return_tokens_as_token_ids=True,
+        return_weight_versions=True,
+    )
     by_text = post(server, "/v1/completions", prompt=PROMPTS, **body).json()
     by_ids = post(server, "/v1/completions", prompt=ids, **body).json()
     assert [c["index"] for c in by_ids["choices"]] == list(range(6))
@@ -60,8 +70,16 @@ def test_echo_and_prompt_logprobs_are_transformers_log_softmax(server, tokenizer
     with torch.no_grad():
         ref = hf_model(str(ckpts["A"]))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     for max_tokens in (1, 0):
-        out = post(server, "/v1/completions", model="A", prompt=ids, echo=True, logprobs=1, max_tokens=max_tokens,
-                   temperature=0).json()["choices"][0]
+        out = post(
+            server,
+            "/v1/completions",
+            model="A",
+            prompt=ids,
+            echo=True,
+            logprobs=1,
+            max_tokens=max_tokens,
+            temperature=0,
+        ).json()["choices"][0]
         lp = out["logprobs"]
         assert len(lp["token_logprobs"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
         for pos in range(1, len(ids)):
@@ -95,24 +113,44 @@ def test_sampling_fields_and_refused_fields(server, tokenizer):
     r = post(server, "/v1/completions", **base, structured_outputs={"regex": "a+"}, guided_regex="b+")
     assert r.status_code == 400 and "one output constraint" in r.text
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    r = post(server, "/v1/chat/completions", model="A", messages=[{"role": "user", "content": "hi"}], tools=tools,
-             tool_choice="auto")  # this server has no --tool-call-parser
+    r = post(
+        server,
+        "/v1/chat/completions",
+        model="A",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=tools,
+        tool_choice="auto",
+    )  # this server has no --tool-call-parser
     assert r.status_code == 400 and "--tool-call-parser" in r.text
     assert post(server, "/v1/completions", **{**base, "max_tokens": 0}).status_code == 400
 
 
 def test_chat_token_ids_content_parts_usage_and_cache_salt(server, tokenizer):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
-    r = post(server, "/v1/chat/completions", model="A", messages=messages, max_tokens=5, temperature=0,
-             return_token_ids=True, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True,
-             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="none")
+    r = post(
+        server,
+        "/v1/chat/completions",
+        model="A",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        return_token_ids=True,
+        logprobs=True,
+        top_logprobs=2,
+        return_tokens_as_token_ids=True,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="none",
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["prompt_token_ids"][-3:] and len(body["choices"][0]["token_ids"]) == 5
     assert body["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
-    with httpx.stream("POST", f"{server}/v1/completions", json=dict(
-            model="A", prompt=PROMPTS[0], max_tokens=4, stream=True, stream_options={"include_usage": True}),
-            timeout=60) as stream:
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/completions",
+        json=dict(model="A", prompt=PROMPTS[0], max_tokens=4, stream=True, stream_options={"include_usage": True}),
+        timeout=60,
+    ) as stream:
         chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
     last = json.loads(chunks[-1][6:])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
@@ -178,8 +216,21 @@ def test_trl_async_grpo_client_weight_cycle(server, ckpts, b_tensors, tokenizer)
     client.finish_weight_update()  # no body
     client.resume()
     ids = tokenizer.encode(PROMPTS[0])
-    rollout = post(server, "/v1/completions", model="A", prompt=ids, max_tokens=8, temperature=0, top_p=1.0, top_k=0,
-                   repetition_penalty=1.0, n=1, return_token_ids=True, logprobs=0, seed=12345).json()
+    rollout = post(
+        server,
+        "/v1/completions",
+        model="A",
+        prompt=ids,
+        max_tokens=8,
+        temperature=0,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        n=1,
+        return_token_ids=True,
+        logprobs=0,
+        seed=12345,
+    ).json()
     choice = rollout["choices"][0]
     assert choice["token_ids"] == hf_greedy(str(ckpts["B"]), tuple(ids), 8)[0]
     assert len(choice["logprobs"]["token_logprobs"]) == 8
@@ -220,14 +271,17 @@ def test_update_info_per_worker_and_empty_repeats_the_last(ckpts, b_tensors):
 
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22)
     port = free_port()
-    init = threading.Thread(target=llm.init_weight_transfer_engine,
-                            args=({"master_address": "127.0.0.1", "master_port": port},))
+    init = threading.Thread(
+        target=llm.init_weight_transfer_engine, args=({"master_address": "127.0.0.1", "master_port": port},)
+    )
     init.start()
     sender = TorchDistSender("127.0.0.1", port)
     init.join(60)
     a_tensors = list(load_file(str(ckpts["A"] / "model.safetensors")).items())
-    for tensors, info in ((b_tensors, [sender.update_info(b_tensors)]),
-                          (a_tensors, {"names": [], "dtype_names": [], "shapes": []})):
+    for tensors, info in (
+        (b_tensors, [sender.update_info(b_tensors)]),
+        (a_tensors, {"names": [], "dtype_names": [], "shapes": []}),
+    ):
         order = {n: i for i, (n, _) in enumerate(b_tensors)}
         tensors = sorted(tensors, key=lambda item: order[item[0]])  # the declared order of the first round
         llm.start_weight_update()

@@ -51,9 +51,10 @@ def every_copy_native(monkeypatch):
 def test_stream_copy_is_a_byte_copy(kernels, dtype, numel, offset):
     """Any length, any alignment of either side (the unaligned head and tail go through memcpy)."""
     gen = torch.Generator().manual_seed(numel + offset)
-    src = torch.randint(0, 256, ((numel + 8) * torch.empty(0, dtype=dtype).element_size(),), generator=gen,
-                        dtype=torch.uint8).view(dtype)[offset:offset + numel]
-    dst = torch.zeros(numel + 3, dtype=dtype)[3 - offset % 3:][:numel]
+    src = torch.randint(
+        0, 256, ((numel + 8) * torch.empty(0, dtype=dtype).element_size(),), generator=gen, dtype=torch.uint8
+    ).view(dtype)[offset : offset + numel]
+    dst = torch.zeros(numel + 3, dtype=dtype)[3 - offset % 3 :][:numel]
     kernels.stream_copy_(dst, src)
     assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
 
@@ -127,13 +128,34 @@ def test_max_magnitude_bits_is_the_largest_magnitude_of_each_tensor(kernels):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("dtype, limit", [(torch.float32, torch.float32), (torch.float32, torch.float16),
-                                          (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                                          (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "dtype, limit",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_the_bit_bound_decides_as_all_finite(kernels, dtype, limit):
     """The one-pass check accepts exactly what `all_finite` (torch's check of one tensor) accepts."""
-    edges = [0.0, -0.0, 1.0, 65504.0, -65504.0, 65505.0, 65520.0, 3.3895e38, -3.39e38, torch.finfo(dtype).max,
-             float("inf"), float("-inf"), float("nan")]
+    edges = [
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        -65504.0,
+        65505.0,
+        65520.0,
+        3.3895e38,
+        -3.39e38,
+        torch.finfo(dtype).max,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ]
     bound = magnitude_bound(dtype, limit)
     assert bound is not None
     for value in edges:
@@ -167,9 +189,14 @@ def test_the_facade_falls_back_where_the_kernels_do_not_apply(kernels, every_cop
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("gate, op, key", [("stream_copy_faster", "stream_copy", "bytes"),
-                                           ("scatter_faster", "sparse_scatter", "float32"),
-                                           ("finite_check_faster", "finite_check", "float32")])
+@pytest.mark.parametrize(
+    "gate, op, key",
+    [
+        ("stream_copy_faster", "stream_copy", "bytes"),
+        ("scatter_faster", "sparse_scatter", "float32"),
+        ("finite_check_faster", "finite_check", "float32"),
+    ],
+)
 def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, gate, op, key):
     """Each gate times its kernel against torch's path once per machine and stores the ratio with the calibration;
     a later process reads it (and decides by it) without timing anything."""
@@ -188,8 +215,11 @@ def test_the_gates_are_measured_once_and_cached(kernels, monkeypatch, tmp_path, 
 def _generate(llm: LLM) -> list[list[int]]:
     from hotswap import SamplingParams
 
-    outs = llm.generate(["the quick brown fox", "hello world"], SamplingParams(temperature=0.0, max_tokens=8,
-                                                                              ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        ["the quick brown fox", "hello world"],
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -225,12 +255,20 @@ def test_every_weight_path_through_the_kernels_equals_torch(ckpts, every_copy_na
         llm.update_weights(tensors_update_info(sorted(bad.items())[-1:]))
     assert sums(llm) == sums_a  # restored through the streaming copy
     near = perturbed(a, 0.05, seed=3)
-    delta = [pair for n in sorted(a) for pair in zip((n + INDICES, n + VALUES), sparse_delta(a[n], near[n]),
-                                                       strict=True) if not torch.equal(a[n], near[n])]
+    delta = [
+        pair
+        for n in sorted(a)
+        for pair in zip((n + INDICES, n + VALUES), sparse_delta(a[n], near[n]), strict=True)
+        if not torch.equal(a[n], near[n])
+    ]
     llm.reload_weights(weights_iterator=delta, encoding="sparse")
     assert sums(llm) == {n: tensor_sha256(near[n]) for n in sums_a}
-    back = [pair for n in sorted(a) for pair in zip((n + INDICES, n + VALUES), sparse_delta(near[n], a[n]),
-                                                      strict=True) if not torch.equal(a[n], near[n])]
+    back = [
+        pair
+        for n in sorted(a)
+        for pair in zip((n + INDICES, n + VALUES), sparse_delta(near[n], a[n]), strict=True)
+        if not torch.equal(a[n], near[n])
+    ]
     back[-1] = (back[-1][0], back[-1][1].clone())
     back[-1][1][0] = float("inf")
     llm.start_weight_update()
@@ -252,8 +290,11 @@ def test_the_device_check_reads_as_the_native_one_and_decides_as_all_finite(devi
     back for all): the same largest magnitudes as the native one-pass kernel's definition, NaN and Inf above every
     bound, and the same verdicts as `all_finite` at the edges, on `--device`."""
     gen = torch.Generator().manual_seed(1)
-    tensors = [torch.randn(n, generator=gen).to(dt) for n in (1, 63, 70_001) for dt in
-               (torch.float32, torch.bfloat16, torch.float16)]
+    tensors = [
+        torch.randn(n, generator=gen).to(dt)
+        for n in (1, 63, 70_001)
+        for dt in (torch.float32, torch.bfloat16, torch.float16)
+    ]
     tensors[4][17] = -3e4
 
     def bits(t: torch.Tensor) -> int:
@@ -261,12 +302,14 @@ def test_the_device_check_reads_as_the_native_one_and_decides_as_all_finite(devi
 
     assert device_max_magnitude_bits([t.to(device) for t in tensors]) == [bits(t) for t in tensors]
     assert device_max_magnitude_bits([]) == []
-    for dtype, limit in ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,
-                                                                                          torch.bfloat16)):
+    for dtype, limit in (
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ):
         bound = magnitude_bound(dtype, limit)
         assert bound is not None
-        for value in (0.0, -0.0, 65504.0, 65520.0, torch.finfo(dtype).max, float("inf"), float("-inf"),
-                      float("nan")):
+        for value in (0.0, -0.0, 65504.0, 65520.0, torch.finfo(dtype).max, float("inf"), float("-inf"), float("nan")):
             t = torch.tensor([0.5, value]).to(dtype)
             [top] = device_max_magnitude_bits([t.to(device)])
             assert (top <= bound) == all_finite(t, limit), (dtype, limit, value)

@@ -79,6 +79,7 @@ def scope_cases(worker: Worker, probe):
 
     def staged(update, advance=False):
         """A staged session whose `update` is opened for slices (and, `advance`, received)."""
+
         def setup():
             worker.config.weight_transfer_config.update_staging = "shadow"
             try:
@@ -192,20 +193,30 @@ def scope_cases(worker: Worker, probe):
             lambda: worker.wake_up(["kv_cache"]),
         ),
         # LoRA adapters: the manager's first call in each body is the probe (the engine here has none enabled)
-        "add_lora": (None, lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(add=p())),
-                     lambda: worker.add_lora(1, {}, {})),
-        "remove_lora": (None, lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(remove=p(True))),
-                        lambda: worker.remove_lora(1)),
+        "add_lora": (
+            None,
+            lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(add=p())),
+            lambda: worker.add_lora(1, {}, {}),
+        ),
+        "remove_lora": (
+            None,
+            lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(remove=p(True))),
+            lambda: worker.remove_lora(1),
+        ),
         "start_lora_update": (
             session(),
-            lambda m, p: (m.setattr(worker, "_loras", lambda: lora_stub(p)),
-                          m.setattr(worker.session, "start", lambda *args: None)),
+            lambda m, p: (
+                m.setattr(worker, "_loras", lambda: lora_stub(p)),
+                m.setattr(worker.session, "start", lambda *args: None),
+            ),
             lambda: (worker.start_lora_update(1, 2), setattr(worker, "_session_target", "model")),
         ),
         "reload_lora": (
             None,
-            lambda m, p: (m.setattr(worker, "_loras", lambda: lora_stub(p)),
-                          m.setattr(worker.session, "load", lambda *a, **k: SimpleNamespace(loaded_names=set()))),
+            lambda m, p: (
+                m.setattr(worker, "_loras", lambda: lora_stub(p)),
+                m.setattr(worker.session, "load", lambda *a, **k: SimpleNamespace(loaded_names=set())),
+            ),
             lambda: worker.reload_lora(1, 2, []),
         ),
     }
@@ -213,8 +224,9 @@ def scope_cases(worker: Worker, probe):
 
 def lora_stub(probe):
     """A LoRA manager whose `begin` is the probe and returns an adapter stand-in."""
-    return SimpleNamespace(begin=probe(SimpleNamespace(weight_index=lambda: None)), commit_pending=lambda: 2,
-                           drop_pending=lambda: None)
+    return SimpleNamespace(
+        begin=probe(SimpleNamespace(weight_index=lambda: None)), commit_pending=lambda: 2, drop_pending=lambda: None
+    )
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["success", "error"])

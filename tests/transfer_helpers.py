@@ -107,8 +107,9 @@ class Pusher:
             if errors:  # the engine took the update, so the trainer's side must have succeeded too
                 raise errors[0]
 
-    def push(self, named: list[tuple[str, torch.Tensor]], weight_version: int | None = None,
-             extra: dict | None = None) -> None:
+    def push(
+        self, named: list[tuple[str, torch.Tensor]], weight_version: int | None = None, extra: dict | None = None
+    ) -> None:
         self.llm.start_weight_update()
         self.update(named, extra)
         self.llm.finish_weight_update(weight_version)
@@ -205,8 +206,16 @@ def sglang_trainer(port: int, world_size: int, group_name: str, checkpoint_file:
     timeout = datetime.timedelta(seconds=60)
     store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world, rank, [], "gloo", PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)
+    group, _ = _new_process_group_helper(
+        world,
+        rank,
+        [],
+        "gloo",
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     tensors = list(load_file(checkpoint_file).items())
     while True:

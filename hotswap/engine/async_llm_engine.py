@@ -192,12 +192,23 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             session = routing_key or (prompt.get("session_id") if isinstance(prompt, dict) else None)
-            if lora_request is not None and self.engine.loras is not None and \
-                    lora_request.lora_name not in self.engine.loras.adapters:
+            if (
+                lora_request is not None
+                and self.engine.loras is not None
+                and lora_request.lora_name not in self.engine.loras.adapters
+            ):
                 # a first use reads the adapter's folder: off the event loop
                 await asyncio.to_thread(self.engine.resolve_lora, lora_request)
-            self.engine.add_request(request_id, text, token_ids, params, stream=True, cache_salt=salt,
-                                    session_id=session, lora_request=lora_request)
+            self.engine.add_request(
+                request_id,
+                text,
+                token_ids,
+                params,
+                stream=True,
+                cache_salt=salt,
+                session_id=session,
+                lora_request=lora_request,
+            )
             self._queues[request_id] = queue
         self._wake.set()
         finished = False
@@ -214,11 +225,17 @@ class AsyncLLMEngine:
                 self._pending_aborts.add(request_id)
                 self._wake.set()
 
-    async def score_tokens(self, sequences: list[list[int]], temperature: float = 1.0, top_logprobs: int = 0,
-                           top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> list[TokenScores]:
+    async def score_tokens(
+        self,
+        sequences: list[list[int]],
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ) -> list[TokenScores]:
         """`LLMEngine.score_tokens`, between steps (in a thread, under the engine lock)."""
-        scores = await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p,
-                                    min_p)
+        scores = await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p, min_p)
         return cast("list[TokenScores]", scores)
 
     # ---- sessions (hotswap/engine/sessions.py) --------------------------------------------------------------
@@ -324,6 +341,7 @@ class AsyncLLMEngine:
             if weights.receiving is not None:
                 asyncio.get_running_loop().create_task(self._locked(weights.abort_weight_update))
             raise
+
     finish_weight_update = _between_steps(WeightsController.finish_weight_update)
     prepare_weight_update = _between_steps(WeightsController.prepare_weight_update)
     prepare_reload = _between_steps(WeightsController.prepare_reload)
@@ -347,8 +365,9 @@ class AsyncLLMEngine:
         if not done:
             acquiring.cancel()
             # it may have taken the lock as it was cancelled: then give it back
-            acquiring.add_done_callback(lambda t: lock.release() if not t.cancelled() and t.exception() is None
-                                        else None)
+            acquiring.add_done_callback(
+                lambda t: lock.release() if not t.cancelled() and t.exception() is None else None
+            )
             holder = self._holder
             if holder is not None and holder[0] != "step":
                 raise EngineBusy(f"{holder[0]}() has held the engine for {time.monotonic() - holder[1]:.1f} s")
@@ -396,13 +415,20 @@ class AsyncLLMEngine:
 
     # ---- LoRA adapters (see LLM's methods of the same names) -------------------------------------------------
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                                tensors: dict[str, torch.Tensor] | None = None,
-                                peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
-                                pinned: bool = False) -> dict[str, Any]:
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> dict[str, Any]:
         registry = self._registry()
-        adapter = await self._locked(registry.load, lora_name, lora_path, tensors, peft_config, lora_int_id,
-                                     load_inplace, pinned)
+        adapter = await self._locked(
+            registry.load, lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned
+        )
         return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:

@@ -41,8 +41,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 session_budget: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, session_budget: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -119,8 +118,12 @@ class BlockManager:
         """The hash of `seq`'s first KV block where the prefix cache could share it with another sequence but does
         not hold it yet; None otherwise (caching off, prompt logprobs to compute, no full block, or cached)."""
         bs = self.block_size
-        if (not self.enable_prefix_caching or seq.request.needs_prompt_logprobs or seq.request.forced_routes
-                or len(seq) <= bs):
+        if (
+            not self.enable_prefix_caching
+            or seq.request.needs_prompt_logprobs
+            or seq.request.forced_routes
+            or len(seq) <= bs
+        ):
             return None
         h = self._chain_hash(self._root(seq), tuple(seq.token_ids[:bs]))
         return None if h in self.cached else h
@@ -241,8 +244,13 @@ class BlockManager:
             cached = self.blocks[self.cached[h]] if h in self.cached else None
             stale_start, stale_end = seq.route_stale
             fresh = not (i * bs < stale_end and (i + 1) * bs > stale_start)  # rows of this allocation's passes
-            if cached is not None and cached.routes is None and seq.routes is not None and fresh and (
-                    seq.routes.length >= (i + 1) * bs):
+            if (
+                cached is not None
+                and cached.routes is None
+                and seq.routes is not None
+                and fresh
+                and (seq.routes.length >= (i + 1) * bs)
+            ):
                 cached.routes = seq.routes.rows(i * bs, (i + 1) * bs)  # the same tokens' routes, same weights
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -275,8 +283,9 @@ class BlockManager:
         assert set(free) == {b.block_id for b in self.blocks if b.ref_count == 0}, "free lists != blocks unreferenced"
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert self.num_free_blocks + used == len(self.blocks), "free + used != total"
-        assert all(self.blocks[b].hash is not None for b in [*self.evictable, *self.session_evictable]), \
+        assert all(self.blocks[b].hash is not None for b in [*self.evictable, *self.session_evictable]), (
             "an evictable block holds no prefix"
+        )
         assert len(self.session_evictable) <= self.session_budget, "sessions hold more blocks than their budget"
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h, f"cached hash {h} points at block {block_id} holding another"

@@ -33,14 +33,18 @@ class Canary:
         if isinstance(value, Canary):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"canary must be a dict with 'token_ids' and 'logprobs' or 'max_nll', got "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"canary must be a dict with 'token_ids' and 'logprobs' or 'max_nll', got {type(value).__name__}"
+            )
         unknown = sorted(set(value) - {"token_ids", "logprobs", "atol", "max_nll"})
         if unknown:
             raise ValueError(f"canary: unknown field(s) {unknown}")
         probes = value.get("token_ids")
-        if (not isinstance(probes, list) or not 0 < len(probes) <= MAX_PROBES
-                or any(not isinstance(p, list) or len(p) < 2 for p in probes)):
+        if (
+            not isinstance(probes, list)
+            or not 0 < len(probes) <= MAX_PROBES
+            or any(not isinstance(p, list) or len(p) < 2 for p in probes)
+        ):
             raise ValueError(f"canary.token_ids must be 1..{MAX_PROBES} probes of at least 2 token ids each")
         if sum(map(len, probes)) > MAX_PROBE_TOKENS:
             raise ValueError(f"canary probes hold more than {MAX_PROBE_TOKENS} tokens")
@@ -50,21 +54,28 @@ class Canary:
             raise ValueError(f"canary.token_ids must be token ids in [0, {vocab})")
         expected, bound = value.get("logprobs"), value.get("max_nll")
         if expected is None and bound is None:
-            raise ValueError("canary needs 'logprobs' (the trainer's values for tokens 1.. of each probe) or "
-                             "'max_nll' (a bound on each probe's mean negative logprob)")
+            raise ValueError(
+                "canary needs 'logprobs' (the trainer's values for tokens 1.. of each probe) or "
+                "'max_nll' (a bound on each probe's mean negative logprob)"
+            )
         if expected is not None and (
-                not isinstance(expected, list) or len(expected) != len(probes)
-                or any(not isinstance(e, list) or len(e) != len(p) - 1 for e, p in zip(expected, probes, strict=False))
-                or any(not isinstance(x, (int, float)) or not math.isfinite(x) for e in expected for x in e)):
-            raise ValueError("canary.logprobs must hold, per probe, one finite logprob for each token after the "
-                             "first")
+            not isinstance(expected, list)
+            or len(expected) != len(probes)
+            or any(not isinstance(e, list) or len(e) != len(p) - 1 for e, p in zip(expected, probes, strict=False))
+            or any(not isinstance(x, (int, float)) or not math.isfinite(x) for e in expected for x in e)
+        ):
+            raise ValueError("canary.logprobs must hold, per probe, one finite logprob for each token after the first")
         atol = value.get("atol", 1e-3)
         if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol > 0:
             raise ValueError(f"canary.atol must be a positive number, got {atol!r}")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
             raise ValueError(f"canary.max_nll must be a positive number, got {bound!r}")
-        return cls([list(p) for p in probes], None if expected is None else [[float(x) for x in e] for e in expected],
-                   float(atol), None if bound is None else float(bound))
+        return cls(
+            [list(p) for p in probes],
+            None if expected is None else [[float(x) for x in e] for e in expected],
+            float(atol),
+            None if bound is None else float(bound),
+        )
 
     def check(self, scored: list[list[float]]) -> None:
         """Raises ValueError naming the first probe whose scores break the expectation."""
@@ -74,10 +85,13 @@ class Canary:
             if self.logprobs is not None:
                 diff = max(abs(a - b) for a, b in zip(got, self.logprobs[i], strict=True))
                 if diff > self.atol:
-                    raise ValueError(f"canary probe {i}: the new weights' logprobs differ from the trainer's by up "
-                                     f"to {diff:.3g} (atol {self.atol:g})")
+                    raise ValueError(
+                        f"canary probe {i}: the new weights' logprobs differ from the trainer's by up "
+                        f"to {diff:.3g} (atol {self.atol:g})"
+                    )
             if self.max_nll is not None:
                 nll = -sum(got) / len(got)
                 if nll > self.max_nll:
-                    raise ValueError(f"canary probe {i}: mean negative logprob {nll:.3f} exceeds max_nll "
-                                     f"{self.max_nll:g}")
+                    raise ValueError(
+                        f"canary probe {i}: mean negative logprob {nll:.3f} exceeds max_nll {self.max_nll:g}"
+                    )

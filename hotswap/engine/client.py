@@ -134,18 +134,25 @@ class EngineClient(Protocol):
 
     async def update_weights(self, update_info: Any, session_token: str | None = None) -> None: ...
 
-    async def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
-                                   canary: Any = None) -> None: ...
+    async def finish_weight_update(
+        self, weight_version: VersionArg = None, session_token: str | None = None, canary: Any = None
+    ) -> None: ...
 
     async def abort_weight_update(self, session_token: str | None = None) -> None: ...
 
     async def shutdown_weight_transfer_engine(self) -> None: ...
 
     # LoRA adapters
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                                tensors: dict[str, torch.Tensor] | None = None,
-                                peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
-                                pinned: bool = False) -> dict[str, Any]: ...
+    async def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> dict[str, Any]: ...
 
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
 

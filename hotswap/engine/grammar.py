@@ -90,4 +90,3 @@ def advance(matcher: Any, token: int) -> None:
     invariant."""
     ok = matcher.consume_token(token)
     assert ok or matcher.is_stopped(), f"token {token} sampled outside its grammar: {matcher.get_error()}"
-

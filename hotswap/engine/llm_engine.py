@@ -81,8 +81,11 @@ class LLMEngine:
         self.failed: dict[str, BaseException] = {}  # request id -> the error that ended it (see _run_batch)
         self.weights = WeightsController(self)  # everything that changes the weights, and their versions
         self.loras = LoRARegistry(config.lora_config, self.executor) if config.lora_config.enable_lora else None
-        self.lora_updates = None if self.loras is None else LoRAUpdates(
-            self.loras, self.executor, config.parallel_config.tensor_parallel_size)
+        self.lora_updates = (
+            None
+            if self.loras is None
+            else LoRAUpdates(self.loras, self.executor, config.parallel_config.tensor_parallel_size)
+        )
         if self.loras is not None:
             self.loras.on_superseded = self._lora_committed
             self.scheduler.max_loras = config.lora_config.max_loras
@@ -99,8 +102,9 @@ class LLMEngine:
         """An empty block manager for the configured cache; the open sessions keep their priority in it."""
         cc = self.config.cache_config
         assert cc.num_kv_blocks is not None
-        bm = BlockManager(cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching,
-                          int(cc.num_kv_blocks * cc.session_cache_fraction))
+        bm = BlockManager(
+            cc.num_kv_blocks, cc.block_size, cc.enable_prefix_caching, int(cc.num_kv_blocks * cc.session_cache_fraction)
+        )
         self.sessions.attach(bm)
         return bm
 
@@ -181,8 +185,9 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.scheduler_config.max_num_seqs}")
         if (params.return_routed_experts or params.forced_routed_experts is not None) and self.routing_shape is None:
             name = "return_routed_experts" if params.return_routed_experts else "forced_routed_experts"
-            raise ValueError(f"{name} needs a mixture-of-experts model; {self.config.model_config.architecture} "
-                             "routes no token")
+            raise ValueError(
+                f"{name} needs a mixture-of-experts model; {self.config.model_config.architecture} routes no token"
+            )
         if params.forced_routed_experts is not None:
             self._check_forced_routes(params.forced_routed_experts, len(prompt_token_ids))
         if params.grammar is not None:
@@ -193,14 +198,20 @@ class LLMEngine:
         layers, top_k, experts = self.routing_shape
         rows = forced.shape[0]
         if forced.shape[1:] != (layers, top_k):
-            raise ValueError(f"forced_routed_experts has shape {list(forced.shape)}; this model needs [tokens, "
-                             f"{layers}, {top_k}] (sparse layers, experts per token)")
+            raise ValueError(
+                f"forced_routed_experts has shape {list(forced.shape)}; this model needs [tokens, "
+                f"{layers}, {top_k}] (sparse layers, experts per token)"
+            )
         if rows > num_prompt_tokens:
-            raise ValueError(f"forced_routed_experts has {rows} rows for a prompt of {num_prompt_tokens} tokens; give "
-                             "at most one row per prompt token, from the first")
+            raise ValueError(
+                f"forced_routed_experts has {rows} rows for a prompt of {num_prompt_tokens} tokens; give "
+                "at most one row per prompt token, from the first"
+            )
         if forced.min() < 0 or forced.max() >= experts:
-            raise ValueError(f"forced_routed_experts holds expert ids outside [0, {experts}): "
-                             f"{int(forced.min())}..{int(forced.max())}")
+            raise ValueError(
+                f"forced_routed_experts holds expert ids outside [0, {experts}): "
+                f"{int(forced.min())}..{int(forced.max())}"
+            )
         if any(len(set(row)) != top_k for row in forced.reshape(-1, top_k).tolist()):
             raise ValueError("forced_routed_experts names an expert twice for one token and layer")
 
@@ -232,10 +243,18 @@ class LLMEngine:
         adapter = self.resolve_lora(lora_request) if lora_request is not None else None
         if session_id is not None:
             self.sessions.open(session_id)
-        request = Request(request_id, prompt, list(prompt_token_ids), params, stream=stream, cache_salt=cache_salt,
-                          session_id=session_id)
+        request = Request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            stream=stream,
+            cache_salt=cache_salt,
+            session_id=session_id,
+        )
         request.record_routes = self.routing_shape is not None and (
-            params.return_routed_experts or self.config.model_config.enable_return_routed_experts)
+            params.return_routed_experts or self.config.model_config.enable_return_routed_experts
+        )
         request.admission_weight_version = self.weights.version
         if adapter is not None:
             assert self.loras is not None  # resolve_lora needs them
@@ -434,13 +453,17 @@ class LLMEngine:
         assert self.speculator is not None
         ngram = not self.speculator.uses_draft
         proposals = [self.speculator.proposals(seq) for seq in batch.seqs] if ngram else None
-        num_spec = [len(p) for p in proposals] if proposals is not None else [
-            self.speculator.num_speculative(seq) for seq in batch.seqs
-        ]
+        num_spec = (
+            [len(p) for p in proposals]
+            if proposals is not None
+            else [self.speculator.num_speculative(seq) for seq in batch.seqs]
+        )
         return SpecInput(
             num_spec=num_spec,
-            specs=[[self._spec(seq, seq.index, j) for j in range(k + 1)] for seq, k in zip(batch.seqs, num_spec,
-                                                                                          strict=True)],
+            specs=[
+                [self._spec(seq, seq.index, j) for j in range(k + 1)]
+                for seq, k in zip(batch.seqs, num_spec, strict=True)
+            ],
             proposals=proposals,
             draft_tokens=None if ngram else [seq.token_ids[seq.num_draft_computed :] for seq in batch.seqs],
             draft_starts=None if ngram else [seq.num_draft_computed for seq in batch.seqs],
@@ -557,8 +580,9 @@ class LLMEngine:
                 del self.requests[request.request_id]
                 self._release(request)
                 if request.session_id is not None:
-                    self.sessions.finished(request.session_id, len(request.prompt_token_ids),
-                                           request.seqs[0].num_cached_tokens)
+                    self.sessions.finished(
+                        request.session_id, len(request.prompt_token_ids), request.seqs[0].num_cached_tokens
+                    )
             elif request.stream and request.params.output_kind != "final_only":
                 outputs.append(self.outputs.output(request))
         return outputs
@@ -570,8 +594,10 @@ class LLMEngine:
         through KV blocks taken from the free ones and given back (nothing enters the prefix cache). Raises
         RuntimeError when the free KV cache cannot hold the probes."""
         if self._blocks_for(probes) > self.block_manager.num_free_blocks:
-            raise RuntimeError("the free KV cache cannot hold the canary probes (requests held by a 'keep' pause "
-                               "occupy it); use shorter probes or pause with clear_cache")
+            raise RuntimeError(
+                "the free KV cache cannot hold the canary probes (requests held by a 'keep' pause "
+                "occupy it); use shorter probes or pause with clear_cache"
+            )
         return [scored.logprobs for scored in self._score_pass(probes, 0, None, "raw_logprobs")]
 
     def score_tokens(
@@ -616,15 +642,20 @@ class LLMEngine:
         results: list[PromptLogprobs] = []
         for group in groups:
             if self._blocks_for(group) > free:
-                raise RuntimeError(f"the free KV cache cannot hold a sequence of {len(group[0])} tokens (requests "
-                                   "in flight or held by a 'keep' pause occupy it); score it when they finished")
+                raise RuntimeError(
+                    f"the free KV cache cannot hold a sequence of {len(group[0])} tokens (requests "
+                    "in flight or held by a 'keep' pause occupy it); score it when they finished"
+                )
             results += self._score_pass(group, k, spec, "processed_logprobs")
         version = self.weights.version
-        return [TokenScores.of(list(ids), scored, k, version, self.weights.labels.label(version))
-                for ids, scored in zip(sequences, results, strict=True)]
+        return [
+            TokenScores.of(list(ids), scored, k, version, self.weights.labels.label(version))
+            for ids, scored in zip(sequences, results, strict=True)
+        ]
 
-    def _check_scoring(self, sequences: Any, temperature: Any, top_logprobs: Any, top_k: Any, top_p: Any,
-                       min_p: Any, vocab: int) -> int:
+    def _check_scoring(
+        self, sequences: Any, temperature: Any, top_logprobs: Any, top_k: Any, top_p: Any, min_p: Any, vocab: int
+    ) -> int:
         """Raises ValueError naming what is wrong with a `score_tokens` call; returns its top-k count (-1 resolved
         to the vocabulary)."""
         if not isinstance(sequences, list) or not sequences:
@@ -641,8 +672,11 @@ class LLMEngine:
                 raise ValueError(f"sequence {i} has token ids out of range [0, {vocab}): {bad[:10]}")
             if len(ids) > max_len:
                 raise ValueError(f"sequence {i} has {len(ids)} tokens; max_model_len={max_len}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                math.isfinite(temperature) and temperature > 0):
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not (math.isfinite(temperature) and temperature > 0)
+        ):
             raise ValueError(f"temperature must be a positive number, got {temperature!r}")
         SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p)  # checks the filters
         if top_k > vocab:
@@ -652,8 +686,10 @@ class LLMEngine:
         k = vocab if top_logprobs == -1 else top_logprobs
         limit = self.config.model_config.max_logprobs
         if k > (vocab if limit == -1 else min(limit, vocab)):
-            raise ValueError(f"top_logprobs={top_logprobs} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise "
-                             "it with LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)")
+            raise ValueError(
+                f"top_logprobs={top_logprobs} exceeds max_logprobs={limit} (vocabulary: {vocab}); raise "
+                "it with LLM(max_logprobs=...) or --max-logprobs (-1: the whole vocabulary)"
+            )
         return k
 
     def _blocks_for(self, sequences: list[list[int]]) -> int:
@@ -661,8 +697,9 @@ class LLMEngine:
         size = self.config.cache_config.block_size
         return sum(-(-len(ids) // size) for ids in sequences)
 
-    def _score_pass(self, sequences: list[list[int]], top_k: int, spec: SampleSpec | None, mode: str
-                    ) -> list[PromptLogprobs]:
+    def _score_pass(
+        self, sequences: list[list[int]], top_k: int, spec: SampleSpec | None, mode: str
+    ) -> list[PromptLogprobs]:
         """One forward pass over `sequences` (each of at least one token; their blocks must be free) asking each
         one's prompt logprobs as PromptLogprobsAsk(top_k, spec, mode) says; blocks taken from the free ones and
         given back, nothing cached. Its sampled tokens (greedy) are dropped."""

@@ -90,8 +90,9 @@ class LoRARegistry:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         adapter = self.adapters.get(request.lora_name)
         if adapter is not None and adapter.int_id != request.lora_int_id:
-            raise ValueError(f"LoRA adapter {request.lora_name!r} has lora_int_id {adapter.int_id}, not "
-                             f"{request.lora_int_id}")
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} has lora_int_id {adapter.int_id}, not {request.lora_int_id}"
+            )
         for other in self.adapters.values():
             if other.int_id == request.lora_int_id and other.name != request.lora_name:
                 raise ValueError(f"lora_int_id {request.lora_int_id} belongs to adapter {other.name!r}")
@@ -103,18 +104,32 @@ class LoRARegistry:
 
     # ---- loading and unloading --------------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | None = None, tensors: dict[str, torch.Tensor] | None = None,
-             peft_config: dict[str, Any] | None = None, int_id: int | None = None, load_inplace: bool = False,
-             pinned: bool = False) -> Adapter:
+    def load(
+        self,
+        name: str,
+        path: str | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        int_id: int | None = None,
+        load_inplace: bool = False,
+        pinned: bool = False,
+    ) -> Adapter:
         """Loads adapter `name` from a PEFT folder `path`, or from `tensors` (PEFT names) with `peft_config`
         (adapter_config.json's fields). A name already loaded is refused unless `load_inplace`, which makes the
         new weights its next version (the same shapes: validated and atomic; another rank or target modules: a
         new adapter under the same name). Raises ValueError naming the problem; nothing changes then."""
         return self.commit_prepared(self.prepare(name, path, tensors, peft_config, int_id, load_inplace, pinned))
 
-    def prepare(self, name: str, path: str | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                peft_config: dict[str, Any] | None = None, int_id: int | None = None, load_inplace: bool = False,
-                pinned: bool = False) -> Prepared:
+    def prepare(
+        self,
+        name: str,
+        path: str | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        int_id: int | None = None,
+        load_inplace: bool = False,
+        pinned: bool = False,
+    ) -> Prepared:
         """Phase one of `load`: the new version is loaded on every worker under a fresh uid, but nothing served
         changes until `commit_prepared` (or `abort_prepared` drops it): how a fleet loads an adapter on every
         replica or on none."""
@@ -129,14 +144,17 @@ class LoRARegistry:
         spec = spec_of(peft_config or {}, tensors, self.config.max_lora_rank)
         existing = self.adapters.get(name)
         if existing is not None and not load_inplace:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first, or load it with "
-                             "load_inplace=true to replace its weights")
+            raise ValueError(
+                f"LoRA adapter {name!r} is already loaded; unload it first, or load it with "
+                "load_inplace=true to replace its weights"
+            )
         folder = None if path is None else str(path)
         if existing is not None:
             _, uid = self.begin_update(name)
             if spec == existing.spec:  # the same shapes: the current version updated, validated like any update
-                self._rpc_all_or_none("reload_lora", (existing.current.uid, uid), uid,
-                                      {"weights_iterator": list(tensors.items())})
+                self._rpc_all_or_none(
+                    "reload_lora", (existing.current.uid, uid), uid, {"weights_iterator": list(tensors.items())}
+                )
             else:  # another rank or other modules: loaded whole
                 self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
             return Prepared(name, uid, spec, existing.int_id, folder, pinned)
@@ -155,8 +173,14 @@ class LoRARegistry:
         existing = self.adapters.get(prepared.name)
         self.pending.discard(prepared.uid)
         if existing is None:
-            adapter = Adapter(prepared.name, prepared.int_id, prepared.spec, AdapterVersion(prepared.uid, 1),
-                              prepared.path, prepared.pinned)
+            adapter = Adapter(
+                prepared.name,
+                prepared.int_id,
+                prepared.spec,
+                AdapterVersion(prepared.uid, 1),
+                prepared.path,
+                prepared.pinned,
+            )
             self.adapters[prepared.name] = adapter
             return adapter
         before = existing.current
@@ -207,8 +231,12 @@ class LoRARegistry:
         adapter = self.get(name)
         # the current version goes at the commit unless requests still run on it
         kept = 1 if adapter.current.users else 0
-        self._check_room(f"requests still run on version {adapter.current.version} of {name!r}, so it is held "
-                         "beside the new one" if kept else "", free=1 - kept)
+        self._check_room(
+            f"requests still run on version {adapter.current.version} of {name!r}, so it is held beside the new one"
+            if kept
+            else "",
+            free=1 - kept,
+        )
         uid = next(self._uids)
         self.pending.add(uid)
         return adapter, uid
@@ -237,14 +265,17 @@ class LoRARegistry:
         if base_version is None:
             return
         if str(base_version) != str(adapter.current.version):
-            raise ValueError(f"this delta applies on top of version {base_version!r} of LoRA adapter "
-                             f"{adapter.name!r}, which is at version {adapter.current.version}; send its full "
-                             f"tensors, or a delta against version {adapter.current.version}")
+            raise ValueError(
+                f"this delta applies on top of version {base_version!r} of LoRA adapter "
+                f"{adapter.name!r}, which is at version {adapter.current.version}; send its full "
+                f"tensors, or a delta against version {adapter.current.version}"
+            )
 
     # ---- helpers ----------------------------------------------------------------------------------------------
 
-    def _rpc_all_or_none(self, method: str, args: tuple[Any, ...], uid: int,
-                         kwargs: dict[str, Any] | None = None) -> None:
+    def _rpc_all_or_none(
+        self, method: str, args: tuple[Any, ...], uid: int, kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Runs `method` on every worker; if any fails, version `uid` is dropped wherever it was loaded."""
         try:
             self.executor.collective_rpc(method, args, kwargs or {})
@@ -263,11 +294,22 @@ class LoRARegistry:
         is committed)."""
         limit = self.config.max_cpu_loras
         if self.held() - free >= (limit or 0):
-            raise ValueError(f"too many LoRA adapter versions held ({self.held()}, max_cpu_loras={limit})"
-                             f"{': ' + why if why else ''}; unload an adapter, or start the engine with a larger "
-                             "max_cpu_loras")
+            raise ValueError(
+                f"too many LoRA adapter versions held ({self.held()}, max_cpu_loras={limit})"
+                f"{': ' + why if why else ''}; unload an adapter, or start the engine with a larger "
+                "max_cpu_loras"
+            )
 
     def describe(self) -> list[dict[str, Any]]:
         """What `/v1/models` and `list_loras()` report: per adapter, its name, id, version, rank and path."""
-        return [{"lora_name": a.name, "lora_int_id": a.int_id, "version": a.current.version, "rank": a.spec.rank,
-                 "lora_path": a.path, "pinned": a.pinned} for a in self.adapters.values()]
+        return [
+            {
+                "lora_name": a.name,
+                "lora_int_id": a.int_id,
+                "version": a.current.version,
+                "rank": a.spec.rank,
+                "lora_path": a.path,
+                "pinned": a.pinned,
+            }
+            for a in self.adapters.values()
+        ]

@@ -19,7 +19,7 @@ PREFIX = "lora:"
 def lora_target(target: object) -> str | None:
     """The adapter name of a "lora:<name>" target; None for any other target."""
     if isinstance(target, str) and target.startswith(PREFIX):
-        name = target[len(PREFIX):]
+        name = target[len(PREFIX) :]
         if not name:
             raise ValueError("a LoRA target names its adapter: 'lora:<lora_name>'")
         return name
@@ -34,16 +34,32 @@ class LoRAUpdates:
         self.open: tuple[Adapter, int] | None = None  # the open session's adapter and its new version's uid
         self.prepared = False  # the open session's workers hold the new version, awaiting commit()
 
-    def reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
-               base_version: Any, checksums: dict[str, str] | None) -> None:
+    def reload(
+        self,
+        name: str,
+        weights_path: str | None,
+        weights_iterator: Any,
+        encoding: str | None,
+        base_version: Any,
+        checksums: dict[str, str] | None,
+    ) -> None:
         """The next version of adapter `name`: a PEFT folder's (read once, here), or the current one updated by
         (name, tensor) pairs (PEFT names; a delta with `encoding`, refused unless `base_version` is the
         adapter's current version; `checksums` verified before the commit)."""
         self.registry.commit_prepared(
-            self.prepare_reload(name, weights_path, weights_iterator, encoding, base_version, checksums))
+            self.prepare_reload(name, weights_path, weights_iterator, encoding, base_version, checksums)
+        )
 
-    def prepare_reload(self, name: str, weights_path: str | None, weights_iterator: Any, encoding: str | None,
-                       base_version: Any, checksums: dict[str, str] | None, sliced: bool = False) -> Prepared:
+    def prepare_reload(
+        self,
+        name: str,
+        weights_path: str | None,
+        weights_iterator: Any,
+        encoding: str | None,
+        base_version: Any,
+        checksums: dict[str, str] | None,
+        sliced: bool = False,
+    ) -> Prepared:
         """Phase one of `reload` (a fleet's): the next version is on every worker, served once the registry
         commits it (`commit_prepared`), or dropped (`abort_prepared`). `sliced` (tensors only): the workers only
         open the load; `advance_weight_update` receives it and `finish_sliced` commits it."""
@@ -59,8 +75,12 @@ class LoRAUpdates:
             raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
         check_encoding(encoding)
         _, uid = self.registry.begin_update(name)
-        kwargs = {"weights_iterator": list(weights_iterator), "encoding": encoding, "checksums": checksums,
-                  **({"commit": False, "sliced": True} if sliced else {})}
+        kwargs = {
+            "weights_iterator": list(weights_iterator),
+            "encoding": encoding,
+            "checksums": checksums,
+            **({"commit": False, "sliced": True} if sliced else {}),
+        }
         try:
             self.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
         except BaseException:

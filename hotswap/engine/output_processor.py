@@ -112,8 +112,9 @@ class OutputProcessor:
                     logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    weight_versions=[WeightVersionSpan(v, start, end, self.labels.label(v))
-                                     for v, start, end in seq.weight_versions],
+                    weight_versions=[
+                        WeightVersionSpan(v, start, end, self.labels.label(v)) for v, start, end in seq.weight_versions
+                    ],
                     spec_stats=SpecStats(seq.num_proposed, seq.num_accepted, seq.num_spec_steps)
                     if self.speculative
                     else None,

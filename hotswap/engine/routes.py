@@ -27,8 +27,9 @@ class RouteLog:
             return
         end = self.length + len(new)
         if self._rows is None or end > len(self._rows):
-            grown = np.empty((max(end, 2 * (0 if self._rows is None else len(self._rows)), 16), *rows.shape[1:]),
-                             dtype=rows.dtype)
+            grown = np.empty(
+                (max(end, 2 * (0 if self._rows is None else len(self._rows)), 16), *rows.shape[1:]), dtype=rows.dtype
+            )
             if self._rows is not None:
                 grown[: self.length] = self._rows[: self.length]
             self._rows = grown

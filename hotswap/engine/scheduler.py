@@ -37,8 +37,9 @@ class SchedulerOutput:
     def ordered(self, key: Callable[[Sequence], int]) -> SchedulerOutput:
         """This step with its sequences in ascending `key` (stable): the same work, in another order."""
         order = sorted(range(len(self.seqs)), key=lambda i: key(self.seqs[i]))
-        return SchedulerOutput([self.seqs[i] for i in order], [self.num_tokens[i] for i in order], self.is_prefill,
-                               self.block_copies)
+        return SchedulerOutput(
+            [self.seqs[i] for i in order], [self.num_tokens[i] for i in order], self.is_prefill, self.block_copies
+        )
 
     def only(self, keep: list[Sequence]) -> SchedulerOutput:
         """The part of this step that runs `keep` (a subset of `seqs`), without the block copies."""
@@ -79,8 +80,11 @@ class Scheduler:
         if mix:
             return self._chunked(decode=True)
         prefill_first = not self._last_was_prefill or not any(is_decoding(s) for s in self.running)
-        out = (self._chunked(decode=False) or self._decode()) if prefill_first else (
-            self._decode() or self._chunked(decode=False))
+        out = (
+            (self._chunked(decode=False) or self._decode())
+            if prefill_first
+            else (self._decode() or self._chunked(decode=False))
+        )
         self._last_was_prefill = out is not None and out.is_prefill
         return out
 

@@ -81,7 +81,9 @@ class Sessions:
 
     def totals(self) -> dict[str, int]:
         """Figures summed over the open sessions (for metrics)."""
-        return {"session_later_prompt_tokens": sum(s.later_prompt_tokens for s in self.stats.values()),
-                "session_later_cached_tokens": sum(s.later_cached_tokens for s in self.stats.values()),
-                "open_sessions": len(self.stats),
-                "session_cached_blocks": len(self.block_manager.session_evictable) if self.block_manager else 0}
+        return {
+            "session_later_prompt_tokens": sum(s.later_prompt_tokens for s in self.stats.values()),
+            "session_later_cached_tokens": sum(s.later_cached_tokens for s in self.stats.values()),
+            "open_sessions": len(self.stats),
+            "session_cached_blocks": len(self.block_manager.session_evictable) if self.block_manager else 0,
+        }

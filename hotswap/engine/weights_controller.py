@@ -60,7 +60,10 @@ class EngineHooks(Protocol):
 
 # the worker methods of a transfer session that `_session_rpc` runs
 SessionMethod = Literal[
-    "init_weight_transfer_engine", "start_weight_update", "update_weights", "abort_weight_update",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "abort_weight_update",
     "shutdown_weight_transfer_engine",
 ]
 
@@ -125,8 +128,9 @@ class WeightsController:
         """Raises RuntimeError unless a weight change may start now: nothing prepared awaits its commit, and no
         request is being generated (pause first)."""
         if self.prepared is not None:
-            raise RuntimeError(f"{method}() while a prepared change awaits commit_weight_update() or "
-                               "abort_weight_update()")
+            raise RuntimeError(
+                f"{method}() while a prepared change awaits commit_weight_update() or abort_weight_update()"
+            )
         if self.receiving is not None:
             raise RuntimeError(f"{method}() while a staged {self.receiving} is being received")
         scheduler = self.engine.scheduler
@@ -216,8 +220,9 @@ class WeightsController:
                 "or abort it without a token"
             )
 
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None,
-                       sliced: bool = False) -> None:
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None, sliced: bool = False
+    ) -> None:
         """One update of the open session, if `session_token` (when given) is that session's. vLLM's forms are
         accepted: a list with one update_info per worker (identical declarations), and an empty declaration
         meaning the previous update's (a trainer that sends the same tensors every step declares them once).
@@ -226,13 +231,16 @@ class WeightsController:
         self.check_session(session_token)
         lora = self._lora_open()
         if self.prepared is not None or (lora and self._lora().prepared):
-            raise RuntimeError("update_weights() after the update was prepared; call commit_weight_update() or "
-                               "abort_weight_update()")
+            raise RuntimeError(
+                "update_weights() after the update was prepared; call commit_weight_update() or abort_weight_update()"
+            )
         if isinstance(update_info, list):
             if not update_info or any(entry != update_info[0] for entry in update_info):
                 self._abort_open_session()  # like any failed update, it ends the session
-                raise ValueError("update_info given per worker must hold one identical declaration per worker "
-                                 "(the session was rolled back)")
+                raise ValueError(
+                    "update_info given per worker must hold one identical declaration per worker "
+                    "(the session was rolled back)"
+                )
             update_info = update_info[0]
         if not lora and isinstance(update_info, dict) and update_info.get("base_version") is not None:
             try:
@@ -373,7 +381,8 @@ class WeightsController:
         if not failed:
             default = self.config.scheduler_config.on_weight_update
             self.engine.scheduler.recompute(
-                lambda seq: (getattr(seq.request.params, "on_weight_update", None) or default) == "recompute")
+                lambda seq: (getattr(seq.request.params, "on_weight_update", None) or default) == "recompute"
+            )
         self.engine.reset_prefix_cache()
         self.engine.block_manager.salt = self.next_salt()
         if failed or not self.valid:
@@ -390,14 +399,23 @@ class WeightsController:
         number, _ = parse_version(base_version, "base_version")
         current = self.current_label
         if str(base_version) != current and number != self.version:  # the served label, or its integer
-            raise ValueError(f"this delta applies on top of version {str(base_version)!r}, but the engine serves "
-                             f"version {current!r} (version id {self.version}); send a full update, or a delta "
-                             f"against {current!r}")
+            raise ValueError(
+                f"this delta applies on top of version {str(base_version)!r}, but the engine serves "
+                f"version {current!r} (version id {self.version}); send a full update, or a delta "
+                f"against {current!r}"
+            )
 
-    def reload_weights(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       target: str = "model", weight_version: VersionArg = None, encoding: str | None = None,
-                       base_version: VersionArg = None, checksums: dict[str, str] | None = None,
-                       sliced: bool = False) -> None:
+    def reload_weights(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Any = None,
+        target: str = "model",
+        weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
+        sliced: bool = False,
+    ) -> None:
         """Reloads in place on every worker (see `Worker.reload_weights`), all of them or none; an iterator is read
         once, here, so a generator works with worker processes too. The engine's config (and every worker's)
         records a new folder only after every worker loaded it. Advances the weight version on success; `target`
@@ -410,13 +428,15 @@ class WeightsController:
         name = lora_target(target)
         if name is not None:  # an adapter's next version (see hotswap/engine/lora_updates.py): nothing pauses
             if self.token is not None or self.prepared is not None or self.receiving is not None:
-                raise RuntimeError("a weight-update session is open; finish or abort it before reloading a LoRA "
-                                   "adapter")
+                raise RuntimeError(
+                    "a weight-update session is open; finish or abort it before reloading a LoRA adapter"
+                )
             if weight_version is not None:
                 raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
             if sliced and weights_iterator is not None:  # received between steps, then committed
-                self.staged_lora = self._lora().prepare_reload(name, None, weights_iterator, encoding, base_version,
-                                                               checksums, sliced=True)
+                self.staged_lora = self._lora().prepare_reload(
+                    name, None, weights_iterator, encoding, base_version, checksums, sliced=True
+                )
                 self.receiving = "lora"
                 return
             self._lora().reload(name, weights_path, weights_iterator, encoding, base_version, checksums)
@@ -438,8 +458,13 @@ class WeightsController:
             return
         ok = False
         try:
-            self._two_phase("reload_weights", weights_path=weights_path, weights_iterator=weights_iterator,
-                            target=target, **_delta_kwargs(encoding, checksums))
+            self._two_phase(
+                "reload_weights",
+                weights_path=weights_path,
+                weights_iterator=weights_iterator,
+                target=target,
+                **_delta_kwargs(encoding, checksums),
+            )
             ok = True
         finally:
             self._weights_changed(failed=not ok)
@@ -455,16 +480,30 @@ class WeightsController:
             self._record_model_folder(str(weights_path))
         self._advance_version(weight_version)
 
-    def begin_staged_reload(self, weights_path: str | None, weights_iterator: Any, weight_version: VersionArg,
-                            encoding: str | None, checksums: dict[str, str] | None) -> None:
+    def begin_staged_reload(
+        self,
+        weights_path: str | None,
+        weights_iterator: Any,
+        weight_version: VersionArg,
+        encoding: str | None,
+        checksums: dict[str, str] | None,
+    ) -> None:
         """Opens a staged reload of the model (see `reload_weights`, whose checks the caller ran): `advance_staged`
         receives it, then commits it."""
         if self.token is not None or self.prepared is not None or self.receiving is not None:
             raise RuntimeError("reload_weights() while a weight update is open; finish or abort it first")
         try:
-            self.executor.collective_rpc("reload_weights", (), {
-                "weights_path": weights_path, "weights_iterator": weights_iterator, "commit": False, "sliced": True,
-                **_delta_kwargs(encoding, checksums)})
+            self.executor.collective_rpc(
+                "reload_weights",
+                (),
+                {
+                    "weights_path": weights_path,
+                    "weights_iterator": weights_iterator,
+                    "commit": False,
+                    "sliced": True,
+                    **_delta_kwargs(encoding, checksums),
+                },
+            )
         except BaseException:
             self._abort_on_every_rank()
             raise
@@ -488,8 +527,9 @@ class WeightsController:
             self._record_model_folder(folder)
         self._advance_version(weight_version)
 
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
-                             canary: Any = None) -> None:
+    def finish_weight_update(
+        self, weight_version: VersionArg = None, session_token: str | None = None, canary: Any = None
+    ) -> None:
         """Closes the session on every worker, all of them or none (a failure rolls every rank back); the prefix
         cache is invalidated and the version advances (or takes `weight_version`: an integer or a label).
         `canary` (hotswap/engine/canary.py): probes scored with the new weights before the commit; a probe that
@@ -530,8 +570,10 @@ class WeightsController:
             return None
         try:
             if self.engine.is_asleep():
-                raise ValueError("the canary scores its probes through the KV cache, which sleep released; "
-                                 "wake_up(['kv_cache']) before finishing, or finish without a canary")
+                raise ValueError(
+                    "the canary scores its probes through the KV cache, which sleep released; "
+                    "wake_up(['kv_cache']) before finishing, or finish without a canary"
+                )
             mc = self.config.model_config
             assert mc.max_model_len is not None
             return Canary.parse(canary, mc.hf_config["vocab_size"], mc.max_model_len)
@@ -564,9 +606,14 @@ class WeightsController:
         self._prepare("finish_weight_update", {}, self._canary(canary))
         self.prepared = ("session", None)
 
-    def prepare_reload(self, weights_path: str | None = None, weights_iterator: Any = None,
-                       encoding: str | None = None, base_version: VersionArg = None,
-                       checksums: dict[str, str] | None = None) -> None:
+    def prepare_reload(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Any = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
+    ) -> None:
         """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
         place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
         or `abort_weight_update()`. A failure rolls every rank back."""
@@ -578,8 +625,10 @@ class WeightsController:
             weights_iterator = list(weights_iterator)
         if not self.staged:
             self.engine.enter_state(EngineState.UPDATING)
-        self._prepare("reload_weights", {"weights_path": weights_path, "weights_iterator": weights_iterator,
-                                         **_delta_kwargs(encoding, checksums)})
+        self._prepare(
+            "reload_weights",
+            {"weights_path": weights_path, "weights_iterator": weights_iterator, **_delta_kwargs(encoding, checksums)},
+        )
         folder = None if weights_path is None or is_delta(encoding) else str(weights_path)
         self.prepared = ("reload", folder)  # a folder of deltas is not recorded as the model's
 
@@ -636,8 +685,12 @@ class WeightsController:
 
     def _versions_after_commit(self, weight_version: VersionArg, label: str | None = None) -> None:
         """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
-        parts = {"model"} if self.target == "model" else {"draft"} if self.target == "draft" else (
-            set(self.executor.collective_rpc("weight_state")[0].updated_parts) or {"model"}
+        parts = (
+            {"model"}
+            if self.target == "model"
+            else {"draft"}
+            if self.target == "draft"
+            else (set(self.executor.collective_rpc("weight_state")[0].updated_parts) or {"model"})
         )
         if "model" in parts:
             self._advance_version(weight_version, label)
@@ -660,8 +713,9 @@ class WeightsController:
             raise RuntimeError("the weights are invalid or released; there is nothing to export")
         return self.executor.collective_rpc("export_state")
 
-    def adopt_weights(self, states: list[dict[str, torch.Tensor]], weight_version: int,
-                      draft_weight_version: int | None = None) -> None:
+    def adopt_weights(
+        self, states: list[dict[str, torch.Tensor]], weight_version: int, draft_weight_version: int | None = None
+    ) -> None:
         """Copies weights exported by an engine with the same config into this one's storage (no parameter is
         rebound) and serves them as `weight_version` (the draft's as `draft_weight_version`, default the same).
         Raises ValueError, changing nothing, when the ranks, names, shapes or dtypes differ."""
@@ -671,8 +725,9 @@ class WeightsController:
         if self.engine.state is EngineState.UPDATING:
             raise RuntimeError("adopt_weights() while a weight update is open; finish or abort it first")
         if len(states) != self.config.parallel_config.tensor_parallel_size:
-            raise ValueError(f"got the weights of {len(states)} ranks for "
-                             f"{self.config.parallel_config.tensor_parallel_size}")
+            raise ValueError(
+                f"got the weights of {len(states)} ranks for {self.config.parallel_config.tensor_parallel_size}"
+            )
         ok = False
         try:
             self.executor.collective_rpc("import_state", (states,))

@@ -98,11 +98,20 @@ class AdminClient:
     def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
         """Loads the PEFT folder `lora_path` (read by the server) as adapter `lora_name`; with `load_inplace`, as
         the next version of a loaded one. Requests then name it as their `model`."""
-        self._request("POST", "/v1/load_lora_adapter",
-                      {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace})
+        self._request(
+            "POST",
+            "/v1/load_lora_adapter",
+            {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace},
+        )
 
-    def push_lora_adapter(self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                          peft_config: dict[str, Any], upsert: bool = False, pinned: bool = False) -> dict[str, str]:
+    def push_lora_adapter(
+        self,
+        lora_name: str,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        peft_config: dict[str, Any],
+        upsert: bool = False,
+        pinned: bool = False,
+    ) -> dict[str, str]:
         """Loads adapter `lora_name` from this process's tensors (PEFT names, e.g. a PeftModel's lora_A / lora_B
         state) and `peft_config` (adapter_config.json's fields), sent in the request body as safetensors bytes (so
         the server's --max-request-bytes bounds the adapter's size); `upsert` replaces a loaded adapter's weights.
@@ -110,8 +119,13 @@ class AdminClient:
         from safetensors.torch import save
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
-        body = {"lora_name": lora_name, "config_dict": peft_config, "upsert": upsert, "pinned": pinned,
-                "serialized_named_tensors": [base64.b64encode(save(tensors)).decode("ascii")]}
+        body = {
+            "lora_name": lora_name,
+            "config_dict": peft_config,
+            "upsert": upsert,
+            "pinned": pinned,
+            "serialized_named_tensors": [base64.b64encode(save(tensors)).decode("ascii")],
+        }
         return cast("dict[str, str]", self._call("POST", "/load_lora_adapter_from_tensors", body)["loaded_adapters"])
 
     def unload_lora_adapter(self, lora_name: str) -> None:
@@ -147,8 +161,11 @@ class AdminClient:
             token = self._call("POST", "/start_weight_update", {"target": target})["session_token"]
             try:
                 self._send(backend, named, token, delta or {})
-                body = {"weight_version": weight_version, "session_token": token,
-                        **({"canary": canary} if canary is not None else {})}
+                body = {
+                    "weight_version": weight_version,
+                    "session_token": token,
+                    **({"canary": canary} if canary is not None else {}),
+                }
                 return str(self._call("POST", "/finish_weight_update", body)["weight_version"])
             except BaseException:
                 try:

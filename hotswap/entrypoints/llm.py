@@ -154,7 +154,8 @@ class LLM:
         engine = self.llm_engine
         if engine.is_paused() or engine.refusing_new_requests():
             raise EngineUnavailable(
-                f"generation is paused ({engine.pause_mode!r}); call resume_generation() before generating")
+                f"generation is paused ({engine.pause_mode!r}); call resume_generation() before generating"
+            )
         staged = [stage(prompt, self.get_tokenizer()) for prompt in prompts]
         for prompt, params in zip(staged, params_list, strict=True):
             engine.validate_prompt(prompt.token_ids, params)
@@ -165,8 +166,16 @@ class LLM:
                 engine.resolve_lora(wanted)  # every adapter is had before any request is queued
             for prompt, params, lora in zip(staged, params_list, loras, strict=True):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt.text, prompt.token_ids, params, cache_salt=prompt.cache_salt,
-                                   validated=True, session_id=prompt.session_id, lora_request=lora)
+                engine.add_request(
+                    request_id,
+                    prompt.text,
+                    prompt.token_ids,
+                    params,
+                    cache_salt=prompt.cache_salt,
+                    validated=True,
+                    session_id=prompt.session_id,
+                    lora_request=lora,
+                )
                 ids.append(request_id)
         return self._run(ids, use_tqdm)
 
@@ -228,8 +237,10 @@ class LLM:
                         now = time.monotonic()  # only a pause is bounded here (an update ends by itself)
                         paused_since = (now if paused_since is None else paused_since) if engine.is_paused() else None
                         if paused_since is not None and now - paused_since > bound:
-                            raise TimeoutError(f"generation stayed paused for more than {bound:g} s (rpc_timeout_s)"
-                                               "; call resume_generation() from another thread")
+                            raise TimeoutError(
+                                f"generation stayed paused for more than {bound:g} s (rpc_timeout_s)"
+                                "; call resume_generation() from another thread"
+                            )
                         self._changed.wait(0.05)  # until resume_generation() / the update, from another thread
                         continue
                     paused_since = None
@@ -280,8 +291,13 @@ class LLM:
             self.llm_engine.wake_up(tags)
             self._changed.notify_all()
 
-    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
 
@@ -313,15 +329,27 @@ class LLM:
         the commit (a mismatch rolls back)."""
         with self._lock:
             self.llm_engine.weights.reload_weights(
-                weights_path=weights_path, weights_iterator=weights_iterator, target=target,
-                weight_version=weight_version, encoding=encoding, base_version=base_version, checksums=checksums,
+                weights_path=weights_path,
+                weights_iterator=weights_iterator,
+                target=target,
+                weight_version=weight_version,
+                encoding=encoding,
+                base_version=base_version,
+                checksums=checksums,
             )
 
     # ---- LoRA adapters (hotswap/lora; enable_lora=True) ----------------------------------------------------------
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                          tensors: dict[str, torch.Tensor] | None = None, peft_config: dict[str, Any] | None = None,
-                          lora_int_id: int | None = None, pinned: bool = False) -> dict[str, Any]:
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> dict[str, Any]:
         """Loads adapter `lora_name` from a PEFT folder, or from `tensors` (PEFT names) and `peft_config`
         (adapter_config.json's fields). A loaded name is refused unless `load_inplace`: then the new weights become
         its next version (requests running on the old one finish on it, or switch, per lora_version_policy).
@@ -331,10 +359,16 @@ class LLM:
             adapter = registry.load(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
             return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
 
-    def prepare_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                             tensors: dict[str, torch.Tensor] | None = None,
-                             peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
-                             pinned: bool = False) -> None:
+    def prepare_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> None:
         """Phase one of `load_lora_adapter` (a fleet loads on every replica or on none): the new version is loaded
         on every worker, nothing served changes until `commit_lora_adapter(lora_name)`, or
         `abort_lora_adapter(lora_name)` drops it. Raises ValueError as `load_lora_adapter` does."""
@@ -342,7 +376,8 @@ class LLM:
             if lora_name in self._prepared_loras:
                 raise RuntimeError(f"a load of LoRA adapter {lora_name!r} is already prepared; commit or abort it")
             self._prepared_loras[lora_name] = self._registry().prepare(
-                lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
+                lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned
+            )
 
     def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""

@@ -18,8 +18,18 @@ from hotswap.sampling_params import SamplingParams
 # Fields that would change what is generated and that hotswap does not implement: refused with a 400 naming the
 # field, never silently ignored (a constrained-decoding request answered unconstrained is a wrong answer).
 UNSUPPORTED = (
-    "guided_whitespace_pattern", "suffix", "use_beam_search", "length_penalty", "logits_processors", "bad_words",
-    "allowed_token_ids", "truncate_prompt_tokens", "prompt_embeds", "logprob_token_ids", "functions", "function_call",
+    "guided_whitespace_pattern",
+    "suffix",
+    "use_beam_search",
+    "length_penalty",
+    "logits_processors",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "logprob_token_ids",
+    "functions",
+    "function_call",
 )
 
 
@@ -262,13 +272,20 @@ class Shape:
     prompt_top_k: int = 0  # and per prompt token
 
     @classmethod
-    def of(cls, request: _Request, echo: bool = False, drop_output: bool = False,
-           params: SamplingParams | None = None) -> Shape:
+    def of(
+        cls, request: _Request, echo: bool = False, drop_output: bool = False, params: SamplingParams | None = None
+    ) -> Shape:
         """The shape `request` asks for; `params` (its SamplingParams) give the compact arrays' top-k counts."""
-        return cls(request.return_token_ids, request.return_tokens_as_token_ids, request.return_weight_versions,
-                   echo, drop_output, request.logprobs_format == "base64",
-                   (params.logprobs or 0) if params is not None else 0,
-                   (params.prompt_logprobs or 0) if params is not None else 0)
+        return cls(
+            request.return_token_ids,
+            request.return_tokens_as_token_ids,
+            request.return_weight_versions,
+            echo,
+            drop_output,
+            request.logprobs_format == "base64",
+            (params.logprobs or 0) if params is not None else 0,
+            (params.prompt_logprobs or 0) if params is not None else 0,
+        )
 
 
 def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
@@ -332,7 +349,9 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
     if out.prompt_logprobs is None:
         return None
     return [
-        None if entry is None else {
+        None
+        if entry is None
+        else {
             str(tid): {"logprob": json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
             for tid, lp in entry.items()
         }
@@ -389,20 +408,26 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(out.prompt_token_ids) for out in outs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape: Shape,
-                      prompt_text: str, first_text: str = "") -> dict[str, Any]:
+def completion_choice(
+    out: RequestOutput, c: CompletionOutput, index: int, shape: Shape, prompt_text: str, first_text: str = ""
+) -> dict[str, Any]:
     """One choice of a completions response (or a stream chunk: `c` a delta; `prompt_text` "" after the first).
     `first_text`: the text of the first prompt token (echoed logprobs)."""
     text = "" if shape.drop_output else c.text
     choice: dict[str, Any] = {
         "index": index,
         "text": (prompt_text + text) if shape.echo else text,
-        "logprobs": None if shape.compact else completion_logprobs(c, 0, shape, out if shape.echo else None,
-                                                                   first_text),
+        "logprobs": None
+        if shape.compact
+        else completion_logprobs(c, 0, shape, out if shape.echo else None, first_text),
         **compact_logprobs_fields(c, shape),
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
@@ -417,8 +442,14 @@ def completion_choice(out: RequestOutput, c: CompletionOutput, index: int, shape
     return choice
 
 
-def completion_response(outs: list[RequestOutput], model: str, request_id: str, shape: Shape,
-                        prompt_texts: list[str], first_texts: list[str]) -> dict[str, Any]:
+def completion_response(
+    outs: list[RequestOutput],
+    model: str,
+    request_id: str,
+    shape: Shape,
+    prompt_texts: list[str],
+    first_texts: list[str],
+) -> dict[str, Any]:
     """Choices prompt-major: prompt i's sample j has index i * n + j."""
     choices = []
     for i, (out, text, first) in enumerate(zip(outs, prompt_texts, first_texts, strict=True)):
@@ -434,8 +465,9 @@ def completion_response(outs: list[RequestOutput], model: str, request_id: str, 
     }
 
 
-def chat_response(out: RequestOutput, model: str, request_id: str, top_n: int, shape: Shape = Shape()
-                  ) -> dict[str, Any]:
+def chat_response(
+    out: RequestOutput, model: str, request_id: str, top_n: int, shape: Shape = Shape()
+) -> dict[str, Any]:
     response: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",

@@ -47,8 +47,10 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], vocab_size: int, 
     for i, ids in exact.items():
         mark = _placeholder(nonce, i)
         if text.count(mark) != 1:
-            raise ValueError(f"the chat template does not render messages[{i}]'s content verbatim, so its "
-                             "token_ids cannot be placed; send that message without token_ids")
+            raise ValueError(
+                f"the chat template does not render messages[{i}]'s content verbatim, so its "
+                "token_ids cannot be placed; send that message without token_ids"
+            )
         before, text = text.split(mark)
         _extend(out, tokenizer.encode(before, add_special_tokens=False), specials)
         out.extend(ids)

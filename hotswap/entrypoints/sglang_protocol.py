@@ -153,15 +153,18 @@ def decode_tensors(payload: str) -> dict[str, torch.Tensor]:
         try:
             loaded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as err:
-            raise ValueError(f"serialized tensors: cannot read torch.save bytes with weights_only=True ({err})"
-                             ) from None
+            raise ValueError(
+                f"serialized tensors: cannot read torch.save bytes with weights_only=True ({err})"
+            ) from None
         pairs = list(loaded.items()) if isinstance(loaded, dict) else loaded
         if not isinstance(pairs, (list, tuple)) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
             for p in pairs
         ):
-            raise ValueError("serialized tensors: torch.save bytes must hold a dict of name -> tensor (or a list of "
-                             "(name, tensor) pairs)")
+            raise ValueError(
+                "serialized tensors: torch.save bytes must hold a dict of name -> tensor (or a list of "
+                "(name, tensor) pairs)"
+            )
         return dict(pairs)
     header = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else 0
     if 0 < header <= len(raw) - 8 and raw[8:9] == b"{":  # safetensors: a u64 header length, then its JSON
@@ -173,19 +176,32 @@ def decode_tensors(payload: str) -> dict[str, torch.Tensor]:
         except (SafetensorError, ValueError, RuntimeError) as err:
             raise ValueError(f"serialized tensors: unreadable safetensors bytes ({err})") from None
     if raw[:1] == b"\x80":
-        raise ValueError("serialized tensors are a pickle (SGLang's MultiprocessingSerializer): refused, since "
-                         "unpickling a request body runs arbitrary code; send base64 of "
-                         "safetensors.torch.save(tensors) (or of torch.save(state_dict)) instead")
+        raise ValueError(
+            "serialized tensors are a pickle (SGLang's MultiprocessingSerializer): refused, since "
+            "unpickling a request body runs arbitrary code; send base64 of "
+            "safetensors.torch.save(tensors) (or of torch.save(state_dict)) instead"
+        )
     raise ValueError("serialized tensors are neither safetensors nor torch.save bytes")
 
 
 # SGLang sampling keys -> SamplingParams fields (others that change results are refused)
 _SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "n": "n", "sampling_seed": "seed", "seed": "seed",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "n": "n",
+    "sampling_seed": "seed",
+    "seed": "seed",
     "logit_bias": "logit_bias",
 }
 _REFUSED = ("structural_tag", "custom_params")
@@ -229,8 +245,9 @@ def _finish_reason(c: CompletionOutput) -> dict[str, Any] | None:
     return {"type": "stop", "matched": c.stop_reason}
 
 
-def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_of: Callable[[int], str],
-             version: str) -> dict[str, Any]:
+def response(
+    out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_of: Callable[[int], str], version: str
+) -> dict[str, Any]:
     """One SGLang generate result (a request's sample); `version`: the served version's label, for an output with
     no token yet."""
     spans = [span_object(s) for s in c.weight_versions]
@@ -258,8 +275,11 @@ def response(out: RequestOutput, c: CompletionOutput, body: GenerateBody, text_o
         meta["output_token_logprobs"] = [[e[t].logprob, t, text(t)] for t, e in zip(c.token_ids, entries, strict=True)]
         if body.top_logprobs_num > 0:
             meta["output_top_logprobs"] = [
-                [[lp.logprob, tid, text(tid)] for tid, lp in sorted(e.items(), key=lambda kv: kv[1].rank or 0)
-                 if lp.rank is not None][: body.top_logprobs_num]
+                [
+                    [lp.logprob, tid, text(tid)]
+                    for tid, lp in sorted(e.items(), key=lambda kv: kv[1].rank or 0)
+                    if lp.rank is not None
+                ][: body.top_logprobs_num]
                 for e in entries
             ]
         if out.prompt_logprobs is not None:

@@ -155,8 +155,13 @@ class MistralParser(ToolParser):
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         items = call_schema(tools, self.args_key)
-        array = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
-                 "x-guidance": items.pop("x-guidance")}
+        array = {
+            "type": "array",
+            "items": items,
+            "minItems": 1,
+            **({} if parallel else {"maxItems": 1}),
+            "x-guidance": items.pop("x-guidance"),
+        }
         return f'start: "[TOOL_CALLS]" calls\ncalls: %json {json.dumps(array)}\n'
 
 
@@ -176,21 +181,31 @@ def call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-                        "required": ["name", args_key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
-def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
-                ) -> tuple[list[dict[str, Any]], str | None]:
+def check_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], str | None]:
     """(the tools a call may use, the choice: None, "auto", "required" or a function's name) after checking
     OpenAI's shapes; ValueError naming what is wrong. No tools means no choice; "none" means none."""
     tools = tools or []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"),
-                                                                                                     str):
+        if (
+            tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
@@ -204,8 +219,12 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
         name = (tool_choice.get("function") or {}).get("name")
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
-            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools "
-                             f"{[t['function']['name'] for t in tools]}")
+            raise ValueError(
+                f"tool_choice names function {name!r}, which is not among the tools "
+                f"{[t['function']['name'] for t in tools]}"
+            )
         return named, str(name)
-    raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
-                     f"{{'name': ...}}}}, got {tool_choice!r}")
+    raise ValueError(
+        f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+        f"{{'name': ...}}}}, got {tool_choice!r}"
+    )

@@ -17,8 +17,13 @@ class Executor(ABC):
         self.config = config
 
     @abstractmethod
-    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         """Runs `method` on every worker and returns one result per worker, rank order.
 
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises

@@ -104,8 +104,13 @@ class MultiprocExecutor(Executor):
                     port = self._store_port(conn, config.parallel_config.rpc_timeout_s)
         self._gather(config.parallel_config.rpc_timeout_s, "start")
 
-    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         if self.broken:
             raise RuntimeError(f"the tensor-parallel workers are unusable ({self.broken}); create a new LLM")
         payload = cloudpickle.dumps((method, args, kwargs or {}))

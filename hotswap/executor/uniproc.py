@@ -14,7 +14,12 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config, rank=0)
 
-    def collective_rpc(self, method: RpcMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         # In process, a call cannot be interrupted safely, so `timeout` is accepted but not enforced here.
         return [self.worker.execute_method(method, *args, **(kwargs or {}))]

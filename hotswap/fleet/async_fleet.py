@@ -152,8 +152,7 @@ class AsyncFleet:
             actor, stream = member.actor, None
             finished, produced = False, 0
             try:
-                stream = actor.stream.options(num_returns="streaming").remote(staged, params, request_id,
-                                                                              lora_request)
+                stream = actor.stream.options(num_returns="streaming").remote(staged, params, request_id, lora_request)
                 async for ref in stream:
                     out: RequestOutput = await ref
                     total = sum(len(c.token_ids) for c in out.outputs)
@@ -165,8 +164,7 @@ class AsyncFleet:
             except ray.exceptions.RayTaskError as err:
                 raise _cause(err) from None
             except ray.exceptions.RayError as err:  # the replica died (or Ray lost the call)
-                await asyncio.to_thread(fleet._failed, member, f"it failed while generating: {_first_line(err)}",
-                                        actor)
+                await asyncio.to_thread(fleet._failed, member, f"it failed while generating: {_first_line(err)}", actor)
                 finished = True  # nothing left to cancel there
                 if last is None:  # nothing delivered yet: the request starts again on another replica
                     tried.add(member.index)
@@ -208,9 +206,11 @@ class AsyncFleet:
         """Group abort on every replica holding one of the requests (as `AsyncLLMEngine.abort_requests`, one call
         per replica, concurrently); returns the ids aborted."""
         wanted = set(request_ids or ())
-        chosen = [r for r in self.fleet.router.in_flight()
-                  if (request_ids is None and prefix is None) or r in wanted
-                  or (prefix is not None and r.startswith(prefix))]
+        chosen = [
+            r
+            for r in self.fleet.router.in_flight()
+            if (request_ids is None and prefix is None) or r in wanted or (prefix is not None and r.startswith(prefix))
+        ]
         by_replica: dict[int, list[str]] = {}
         for request_id in chosen:
             index = self.fleet.router.replica_of(request_id)
@@ -219,8 +219,10 @@ class AsyncFleet:
 
         async def one(index: int, ids: list[str]) -> list[str]:
             with contextlib.suppress(Exception):  # a replica that is gone took its requests with it
-                return cast(list[str], await asyncio.wait_for(
-                    self.fleet.members[index].actor.abort_requests.remote(ids), timeout=30))
+                return cast(
+                    list[str],
+                    await asyncio.wait_for(self.fleet.members[index].actor.abort_requests.remote(ids), timeout=30),
+                )
             return []
 
         done = await asyncio.gather(*(one(i, ids) for i, ids in by_replica.items()))
@@ -256,6 +258,7 @@ class AsyncFleet:
     async def get_weight_version(self, target: str = "model") -> int:
         return self.fleet.get_weight_version(target)
 
+
 def _aborted(last: RequestOutput, params: SamplingParams) -> RequestOutput:
     """The final output of a request whose replica died: unfinished completions end with 'abort' (a delta
     carries no new tokens; version spans still cover the whole output)."""
@@ -266,7 +269,6 @@ def _aborted(last: RequestOutput, params: SamplingParams) -> RequestOutput:
             c = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
         outputs.append(c)
     return dataclasses.replace(last, outputs=outputs, finished=True)
-
 
 
 def _implements_engine_client(fleet: AsyncFleet, engine: AsyncLLMEngine) -> tuple[EngineClient, EngineClient]:

@@ -82,7 +82,6 @@ class Fleet(FleetReplicas):
     one raises before any actor starts). `num_cpus_per_worker` / `num_gpus_per_worker` size each worker's share
     of the placement group (GPU: default 1 where CUDA is configured, else 0)."""
 
-
     # ---- requests -----------------------------------------------------------------------------------------
 
     def get_tokenizer(self) -> Any:
@@ -95,8 +94,14 @@ class Fleet(FleetReplicas):
         """The prompt as replicas take it, tokenized once here: {"prompt", "prompt_token_ids", "cache_salt"?}."""
         return stage(prompt, self.tokenizer).as_dict()
 
-    def route(self, prompt: dict[str, Any], params: SamplingParams, request_id: str, key: str | None = None,
-              avoid: Iterable[int] = ()) -> _Member:
+    def route(
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        request_id: str,
+        key: str | None = None,
+        avoid: Iterable[int] = (),
+    ) -> _Member:
         """Chooses the request's replica and books its cost. Raises EngineUnavailable when none is routable."""
         salt = prompt.get("cache_salt")
         routable = [r for r in self.routable() if r not in set(avoid)]
@@ -145,8 +150,11 @@ class Fleet(FleetReplicas):
                 actors = {index: self.members[index].actor for index in groups}
                 calls = {
                     index: actors[index].generate_batch.remote(
-                        [staged[i] for i, _ in group], [params_list[i] for i, _ in group], [r for _, r in group],
-                        [loras[i] for i, _ in group])
+                        [staged[i] for i, _ in group],
+                        [params_list[i] for i, _ in group],
+                        [r for _, r in group],
+                        [loras[i] for i, _ in group],
+                    )
                     for index, group in groups.items()
                 }
                 pending = []
@@ -159,12 +167,14 @@ class Fleet(FleetReplicas):
                     except ray.exceptions.GetTimeoutError:
                         raise TimeoutError(
                             f"replica {index} did not return its {len(groups[index])} outputs within "
-                            f"{self._request_timeout:g} s (request_timeout_s); paused={self.paused}") from None
+                            f"{self._request_timeout:g} s (request_timeout_s); paused={self.paused}"
+                        ) from None
                     except ray.exceptions.RayTaskError as err:
                         raise _cause(err) from None
                     except ray.exceptions.RayError as err:  # the replica died: its prompts go to the others
-                        self._failed(self.members[index], f"it failed while generating: {_first_line(err)}",
-                                     actors[index])
+                        self._failed(
+                            self.members[index], f"it failed while generating: {_first_line(err)}", actors[index]
+                        )
                         avoid.add(index)
                         pending += [i for i, _ in groups[index]]
                     del calls[index]
@@ -176,10 +186,15 @@ class Fleet(FleetReplicas):
                 self.router.finished(request_id)
         return [results[i] for i in range(len(prompts))]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, chat_template: str | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         prompts = chat_prompts(self.tokenizer, messages, add_generation_prompt, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -205,18 +220,32 @@ class Fleet(FleetReplicas):
                 with self._change:
                     self._check_lora_id(request)  # as it is now that no change runs
                     if request.load_inplace or request.lora_name not in self._loras:
-                        self._load_lora(request.lora_name, request.lora_path, request.load_inplace, None, None,
-                                        request.lora_int_id, False)
+                        self._load_lora(
+                            request.lora_name,
+                            request.lora_path,
+                            request.load_inplace,
+                            None,
+                            None,
+                            request.lora_int_id,
+                            False,
+                        )
         return [r if r is None or not r.load_inplace else dataclasses.replace(r, load_inplace=False) for r in loras]
 
     def _check_lora_id(self, request: LoRARequest) -> None:
         with self._lock:
             known = self._loras.get(request.lora_name)
-            other = next((n for n, r in self._loras.items()
-                          if r["lora_int_id"] == request.lora_int_id and n != request.lora_name), None)
+            other = next(
+                (
+                    n
+                    for n, r in self._loras.items()
+                    if r["lora_int_id"] == request.lora_int_id and n != request.lora_name
+                ),
+                None,
+            )
         if known is not None and known["lora_int_id"] != request.lora_int_id:
-            raise ValueError(f"LoRA adapter {request.lora_name!r} has lora_int_id {known['lora_int_id']}, not "
-                             f"{request.lora_int_id}")
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} has lora_int_id {known['lora_int_id']}, not {request.lora_int_id}"
+            )
         if other is not None:
             raise ValueError(f"lora_int_id {request.lora_int_id} belongs to adapter {other!r}")
 
@@ -224,9 +253,16 @@ class Fleet(FleetReplicas):
         if not self.config.lora_config.enable_lora:
             raise ValueError("this fleet serves no LoRA adapters; start it with enable_lora=True")
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                          tensors: dict[str, torch.Tensor] | None = None, peft_config: dict[str, Any] | None = None,
-                          lora_int_id: int | None = None, pinned: bool = False) -> dict[str, Any]:
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> dict[str, Any]:
         """As `LLM.load_lora_adapter`, on every replica that holds the fleet's version or on none: each prepares
         the new version (loaded on its workers, nothing served changes), then, only if every one did, all commit
         it; if any fails or dies first, those that prepared drop it and the first failure is raised (ValueError
@@ -236,15 +272,23 @@ class Fleet(FleetReplicas):
         with self._change:
             return self._load_lora(lora_name, lora_path, load_inplace, tensors, peft_config, lora_int_id, pinned)
 
-    def _load_lora(self, lora_name: str, lora_path: str | None, load_inplace: bool,
-                   tensors: dict[str, torch.Tensor] | None, peft_config: dict[str, Any] | None,
-                   lora_int_id: int | None, pinned: bool) -> dict[str, Any]:
+    def _load_lora(
+        self,
+        lora_name: str,
+        lora_path: str | None,
+        load_inplace: bool,
+        tensors: dict[str, torch.Tensor] | None,
+        peft_config: dict[str, Any] | None,
+        lora_int_id: int | None,
+        pinned: bool,
+    ) -> dict[str, Any]:
         """`load_lora_adapter` under the change lock."""
         ray = _ray()
         members = self._current()
         ref = None if tensors is None else ray.put(tensors)  # sent once, kept for restarts
-        description = self._lora_two_phase(members, "prepare_lora_adapter", lora_name, lora_path, load_inplace,
-                                           ref, peft_config, lora_int_id, pinned)
+        description = self._lora_two_phase(
+            members, "prepare_lora_adapter", lora_name, lora_path, load_inplace, ref, peft_config, lora_int_id, pinned
+        )
         self._record_lora(description, {"tensors": ref, "peft_config": peft_config, "current": True})
         return description
 
@@ -261,8 +305,10 @@ class Fleet(FleetReplicas):
                 unloaded = self._loras.pop(lora_name, None) is not None or unloaded
             for index, err in errors.items():
                 if not isinstance(err, (ValueError, ReplicaDown)):  # its adapters are unknown now
-                    self._failed(self.members[index], f"it failed to unload LoRA adapter {lora_name!r} "
-                                                      f"({type(err).__name__}: {_first_line(err)})")
+                    self._failed(
+                        self.members[index],
+                        f"it failed to unload LoRA adapter {lora_name!r} ({type(err).__name__}: {_first_line(err)})",
+                    )
             if not unloaded and errors:
                 index, err = next(iter(errors.items()))
                 raise _with_replica(err, index, "unload_lora_adapter")
@@ -274,8 +320,9 @@ class Fleet(FleetReplicas):
         members = self._current(required=False)
         if not members:
             raise EngineUnavailable(self.health_problem() or "no replica is routable")
-        return cast("list[dict[str, Any]]", self._all(members[:1], "list_loras", timeout=self._rpc_timeout)[
-            members[0].index])
+        return cast(
+            "list[dict[str, Any]]", self._all(members[:1], "list_loras", timeout=self._rpc_timeout)[members[0].index]
+        )
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's `add_lora`: loads the adapter a LoRARequest names (from its path) on every replica unless the
@@ -297,8 +344,12 @@ class Fleet(FleetReplicas):
         """Records a committed adapter version: its description, and `source` (tensors, peft_config, current)."""
         with self._lock:
             self._loras[description["lora_name"]] = {
-                "lora_int_id": description["lora_int_id"], "version": description["version"],
-                "lora_path": description["lora_path"], "pinned": description["pinned"], **source}
+                "lora_int_id": description["lora_int_id"],
+                "version": description["version"],
+                "lora_path": description["lora_path"],
+                "pinned": description["pinned"],
+                **source,
+            }
 
     def _lora_two_phase(self, members: list[_Member], prepare: str, lora_name: str, *args: Any) -> dict[str, Any]:
         """`prepare` (prepare_lora_adapter, prepare_lora_reload) of adapter `lora_name` on every member, then
@@ -310,8 +361,11 @@ class Fleet(FleetReplicas):
             self._lora_abort(members, lora_name)
             raise
         if not errors and len(set(prepared.values())) > 1:  # their adapters differ: never commit that
-            errors = {min(prepared): RuntimeError(f"the replicas gave LoRA adapter {lora_name!r} different "
-                                                  f"integer ids {prepared}")}
+            errors = {
+                min(prepared): RuntimeError(
+                    f"the replicas gave LoRA adapter {lora_name!r} different integer ids {prepared}"
+                )
+            }
         if errors:
             self._lora_abort([m for m in members if m.index in prepared], lora_name)
             index, err = min(errors.items(), key=lambda e: (isinstance(e[1], ReplicaDown), e[0]))  # a user error
@@ -319,13 +373,16 @@ class Fleet(FleetReplicas):
                 raise _with_replica(err, index, prepare)
             raise FleetUpdateFailed(
                 f"replica {index} failed in {prepare}() ({type(err).__name__}: {_first_line(err)}); every replica "
-                f"dropped the new version: LoRA adapter {lora_name!r} is unchanged") from err
+                f"dropped the new version: LoRA adapter {lora_name!r} is unchanged"
+            ) from err
         results, errors = self._call(members, "commit_lora_adapter", lora_name, timeout=self._rpc_timeout)
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its LoRA commit failed ({type(err).__name__}: {_first_line(err)})")
         if not results:
-            raise ReplicaDown(f"every replica failed while committing LoRA adapter {lora_name!r}; restarted "
-                              "replicas come back with the adapters the fleet had before")
+            raise ReplicaDown(
+                f"every replica failed while committing LoRA adapter {lora_name!r}; restarted "
+                "replicas come back with the adapters the fleet had before"
+            )
         return cast("dict[str, Any]", results[min(results)])
 
     def _lora_abort(self, members: Sequence[_Member], lora_name: str) -> None:
@@ -333,8 +390,7 @@ class Fleet(FleetReplicas):
         live = [m for m in members if m.state == "up"]
         _, errors = self._call(live, "abort_lora_adapter", lora_name, timeout=self._rpc_timeout)
         for index, err in errors.items():
-            self._failed(self.members[index], f"its LoRA rollback failed ({type(err).__name__}: "
-                                              f"{_first_line(err)})")
+            self._failed(self.members[index], f"its LoRA rollback failed ({type(err).__name__}: {_first_line(err)})")
 
     # ---- pause, resume, sleep, config ------------------------------------------------------------------------
 
@@ -390,14 +446,17 @@ class Fleet(FleetReplicas):
             _check_atomic(sections["weight_transfer_config"].atomic)
         with self._change:
             self._check_no_session("update_config")
-            old = {sec: {name: getattr(getattr(self.config, sec), name) for name in fields}
-                   for sec, fields in overrides.items()}
+            old = {
+                sec: {name: getattr(getattr(self.config, sec), name) for name in fields}
+                for sec, fields in overrides.items()
+            }
             members = self._up()
             results, errors = self._call(members, "update_config", overrides, timeout=self._rpc_timeout)
             errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
             if errors:  # the replicas that took it go back, so that all of them keep one config
-                _, undo = self._call([m for m in members if m.index in results], "update_config", old,
-                                     timeout=self._rpc_timeout)
+                _, undo = self._call(
+                    [m for m in members if m.index in results], "update_config", old, timeout=self._rpc_timeout
+                )
                 for index, err in undo.items():
                     self._failed(self.members[index], f"could not undo a config change: {_first_line(err)}")
                 index, err = next(iter(errors.items()))
@@ -408,8 +467,13 @@ class Fleet(FleetReplicas):
                     fields = {k: v for k, v in fields.items() if k != "model"}
                 self._overrides.setdefault(sec, {}).update(fields)
 
-    def collective_rpc(self, method: str | Callable[..., Any], args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
         """Runs a Worker method on every worker of every up replica: results in replica, then rank, order."""
         members = self._up()
         results = self._all(members, "collective_rpc", method, tuple(args), kwargs, timeout=timeout)
@@ -473,8 +537,10 @@ class Fleet(FleetReplicas):
             self._reload_lora(lora, weights_path, weights_iterator, weight_version, encoding, base_version, checksums)
             return
         if target != "model":
-            raise ValueError("a fleet reloads the served model's weights (target 'model'); a draft model is "
-                             "updated through a session with target 'all'")
+            raise ValueError(
+                "a fleet reloads the served model's weights (target 'model'); a draft model is "
+                "updated through a session with target 'all'"
+            )
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         new_folder = None
@@ -488,8 +554,16 @@ class Fleet(FleetReplicas):
             confirmed = True
             if members:
                 weights = None if weights_iterator is None else ray.put(list(weights_iterator))
-                confirmed = self._two_phase(members, "prepare_reload", weights_path, weights, encoding, base_version,
-                                            checksums, version=weight_version)
+                confirmed = self._two_phase(
+                    members,
+                    "prepare_reload",
+                    weights_path,
+                    weights,
+                    encoding,
+                    base_version,
+                    checksums,
+                    version=weight_version,
+                )
             elif not self._restart:
                 raise EngineUnavailable("no replica holds the fleet's weights and restart_replicas is off")
             with self._lock:  # before a restart is scheduled from it
@@ -510,9 +584,16 @@ class Fleet(FleetReplicas):
                     raise TimeoutError(f"no replica came back from {weights_path} within {self._start_timeout:g} s")
                 time.sleep(0.1)
 
-    def _reload_lora(self, lora_name: str, weights_path: str | None, weights_iterator: Iterable[tuple[str, Any]] | None,
-                     weight_version: VersionArg, encoding: str | None, base_version: VersionArg,
-                     checksums: dict[str, str] | None) -> None:
+    def _reload_lora(
+        self,
+        lora_name: str,
+        weights_path: str | None,
+        weights_iterator: Iterable[tuple[str, Any]] | None,
+        weight_version: VersionArg,
+        encoding: str | None,
+        base_version: VersionArg,
+        checksums: dict[str, str] | None,
+    ) -> None:
         """`reload_weights(target="lora:<name>")`: prepare_lora_reload on every replica, then commit (or abort)."""
         self._check_lora()
         if weight_version is not None:
@@ -526,16 +607,18 @@ class Fleet(FleetReplicas):
             self._check_no_session("reload_weights")
             members = self._current()
             weights = None if weights_iterator is None else ray.put(list(weights_iterator))
-            description = self._lora_two_phase(members, "prepare_lora_reload", lora_name, weights_path, weights,
-                                               encoding, base_version, checksums)
+            description = self._lora_two_phase(
+                members, "prepare_lora_reload", lora_name, weights_path, weights, encoding, base_version, checksums
+            )
             if weights_path is not None:  # the folder holds this version whole
                 self._record_lora(description, {"tensors": None, "peft_config": None, "current": True})
             else:
                 with self._lock:
                     record = self._loras.get(lora_name)
                 if record is not None:
-                    self._record_lora(description, {**{k: record[k] for k in ("tensors", "peft_config")},
-                                                    "current": False})
+                    self._record_lora(
+                        description, {**{k: record[k] for k in ("tensors", "peft_config")}, "current": False}
+                    )
 
     def _reseed(self, weight_version: VersionArg = None) -> None:
         """No replica holds the fleet's version: at a new version (the next, or `weight_version`), every replica
@@ -570,14 +653,19 @@ class Fleet(FleetReplicas):
                     raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
                 world = offset + len(members) * self.tensor_parallel_size
                 if init_info.get("world_size", world) != world:
-                    raise ValueError(f"world_size must be {world}: the trainer's rank(s) before rank_offset={offset} "
-                                     f"and {len(members)} replicas x {self.tensor_parallel_size} workers, got "
-                                     f"{init_info['world_size']!r}")
-                infos = [{**init_info, "rank_offset": offset + k * self.tensor_parallel_size, "world_size": world}
-                         for k in range(len(members))]
+                    raise ValueError(
+                        f"world_size must be {world}: the trainer's rank(s) before rank_offset={offset} "
+                        f"and {len(members)} replicas x {self.tensor_parallel_size} workers, got "
+                        f"{init_info['world_size']!r}"
+                    )
+                infos = [
+                    {**init_info, "rank_offset": offset + k * self.tensor_parallel_size, "world_size": world}
+                    for k in range(len(members))
+                ]
             connect = 2 * self.config.weight_transfer_config.timeout_s + 30  # the engine's own connect deadline
-            _, errors = self._call(members, "init_weight_transfer_engine", timeout=connect,
-                                   each=[(info,) for info in infos])
+            _, errors = self._call(
+                members, "init_weight_transfer_engine", timeout=connect, each=[(info,) for info in infos]
+            )
             if errors:
                 self._call(self._up(), "shutdown_weight_transfer_engine", timeout=self._rpc_timeout)
                 self._group = self._transport = None
@@ -626,8 +714,9 @@ class Fleet(FleetReplicas):
             if errors:
                 self._roll_back(members, errors, "update_weights")
 
-    def finish_weight_update(self, weight_version: VersionArg = None, session_token: str | None = None,
-                             canary: Any = None) -> None:
+    def finish_weight_update(
+        self, weight_version: VersionArg = None, session_token: str | None = None, canary: Any = None
+    ) -> None:
         """Prepares the session's update on every replica, then commits it on all with one version (the fleet's
         next, or `weight_version`: an integer or a label); if any replica fails to prepare, all roll back.
         `canary`: probes every replica scores on its prepared weights (hotswap/engine/canary.py); one that fails
@@ -694,8 +783,10 @@ class Fleet(FleetReplicas):
         with self._lock:
             members = [m for m in self.members if self._serves(m)]
         if not members and required:
-            raise EngineUnavailable("no replica holds the fleet's weights now (all are down or restarting); a "
-                                    "reload from a checkpoint folder brings the fleet back")
+            raise EngineUnavailable(
+                "no replica holds the fleet's weights now (all are down or restarting); a "
+                "reload from a checkpoint folder brings the fleet back"
+            )
         return members
 
     def _session_members(self, session_token: str | None, method: str) -> list[_Member]:
@@ -722,8 +813,10 @@ class Fleet(FleetReplicas):
         index, err = next(iter(errors.items()))
         if isinstance(err, (ValueError, TypeError)):
             raise _with_replica(err, index, method)
-        message = (f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica "
-                   f"was rolled back and the fleet serves version {self.version}")
+        message = (
+            f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica "
+            f"was rolled back and the fleet serves version {self.version}"
+        )
         if all(isinstance(e, TimeoutError) and not isinstance(e, ReplicaDown) for e in errors.values()):
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
@@ -764,5 +857,3 @@ class Fleet(FleetReplicas):
         for m in odd:
             self._failed(m, f"it committed versions {results[m.index]}, the others {agreed}")
         return bool(results)
-
-

@@ -64,30 +64,38 @@ class ReplicaServer(AsyncLLMEngine):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    async def stream(self, prompt: Any, params: SamplingParams, request_id: str,
-                     lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, prompt: Any, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs (called with num_returns="streaming"; cancelling the call aborts it)."""
         self.served += 1
         async for out in self.generate(prompt, params, request_id, lora_request=lora_request):
             yield out
 
-    async def generate_batch(self, prompts: list[Any], params: list[SamplingParams], request_ids: list[str],
-                             lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    async def generate_batch(
+        self,
+        prompts: list[Any],
+        params: list[SamplingParams],
+        request_ids: list[str],
+        lora_requests: list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generates every prompt concurrently (prompt k with adapter `lora_requests[k]`, if given) and returns
         their final outputs, in order."""
 
         async def one(prompt: Any, sp: SamplingParams, request_id: str, lora: LoRARequest | None) -> RequestOutput:
             last = None
-            async for out in self.generate(prompt, dataclasses.replace(sp, output_kind="final_only"), request_id,
-                                           lora_request=lora):
+            async for out in self.generate(
+                prompt, dataclasses.replace(sp, output_kind="final_only"), request_id, lora_request=lora
+            ):
                 last = out
             assert last is not None and last.finished
             return last
 
         loras = lora_requests if lora_requests is not None else [None] * len(prompts)
         self.served += len(prompts)
-        return list(await asyncio.gather(*(one(*args) for args in zip(prompts, params, request_ids, loras,
-                                                                        strict=True))))
+        return list(
+            await asyncio.gather(*(one(*args) for args in zip(prompts, params, request_ids, loras, strict=True)))
+        )
 
     # ---- what only a replica of a fleet does ----------------------------------------------------------------
 
@@ -101,34 +109,58 @@ class ReplicaServer(AsyncLLMEngine):
         """Makes a transport wait (for a trainer that stopped sending) give up now; answers at once."""
         self.engine.executor.interrupt_waits()
 
-    async def set_weight_version(self, weight_version: int, draft_weight_version: int,
-                                 labels: dict[int, str] | None = None) -> None:
+    async def set_weight_version(
+        self, weight_version: int, draft_weight_version: int, labels: dict[int, str] | None = None
+    ) -> None:
         """Numbers the served weights (a restarted replica that loaded the folder holding the fleet's version),
         with the fleet's version labels."""
         self.engine.weights.set_versions(weight_version, draft_weight_version, labels or {})
 
-    async def adopt_weights(self, states: list[dict[str, Any]], weight_version: int,
-                            draft_weight_version: int | None = None, labels: dict[int, str] | None = None) -> None:
+    async def adopt_weights(
+        self,
+        states: list[dict[str, Any]],
+        weight_version: int,
+        draft_weight_version: int | None = None,
+        labels: dict[int, str] | None = None,
+    ) -> None:
         """As `AsyncLLMEngine.adopt_weights`, with the fleet's version labels."""
         await super().adopt_weights(states, weight_version, draft_weight_version)
         self.engine.weights.labels.update(labels or {})
 
     # ---- LoRA adapters: two-phase loads, copies for a restarted replica ----------------------------------------
 
-    async def prepare_lora_adapter(self, lora_name: str, lora_path: str | None = None, load_inplace: bool = False,
-                                   tensors: dict[str, torch.Tensor] | None = None,
-                                   peft_config: dict[str, Any] | None = None, lora_int_id: int | None = None,
-                                   pinned: bool = False) -> int:
+    async def prepare_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> int:
         """Phase one of a fleet-wide `load_lora_adapter` (as `LLM.prepare_lora_adapter`): the new version is on
         every worker, nothing served changes until `commit_lora_adapter` (or `abort_lora_adapter`). Returns the
         adapter's integer id. Raises ValueError as a load does; nothing is held then."""
         registry = self._registry()
-        return cast(int, await self._locked(self._hold_prepared, lora_name, lambda: registry.prepare(
-            lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)))
+        return cast(
+            int,
+            await self._locked(
+                self._hold_prepared,
+                lora_name,
+                lambda: registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned),
+            ),
+        )
 
-    async def prepare_lora_reload(self, lora_name: str, weights_path: str | None = None, weights_iterator: Any = None,
-                                  encoding: str | None = None, base_version: Any = None,
-                                  checksums: dict[str, str] | None = None) -> int:
+    async def prepare_lora_reload(
+        self,
+        lora_name: str,
+        weights_path: str | None = None,
+        weights_iterator: Any = None,
+        encoding: str | None = None,
+        base_version: Any = None,
+        checksums: dict[str, str] | None = None,
+    ) -> int:
         """Phase one of a fleet-wide `reload_weights(target="lora:<name>")`: the adapter's next version (a PEFT
         folder's, or the current one updated by (name, tensor) pairs, a delta with `encoding` refused unless
         `base_version` is the adapter's version) is on every worker, not served until `commit_lora_adapter`.
@@ -138,8 +170,7 @@ class ReplicaServer(AsyncLLMEngine):
         def prepare() -> Prepared:
             updates = self.engine.lora_updates
             assert updates is not None  # a registry comes with them
-            return updates.prepare_reload(lora_name, weights_path, weights_iterator, encoding, base_version,
-                                          checksums)
+            return updates.prepare_reload(lora_name, weights_path, weights_iterator, encoding, base_version, checksums)
 
         return cast(int, await self._locked(self._hold_prepared, lora_name, prepare))
 
@@ -204,9 +235,17 @@ def lora_exports(engine: LLMEngine) -> list[dict[str, Any]]:
     out = []
     for adapter in registry.adapters.values():
         ranks = engine.executor.collective_rpc(_lora_state, (adapter.current.uid,))
-        out.append({"lora_name": adapter.name, "lora_int_id": adapter.int_id, "version": adapter.current.version,
-                    "lora_path": adapter.path, "pinned": adapter.pinned, "peft_config": _peft_config(adapter.spec),
-                    "tensors": _whole(ranks)})
+        out.append(
+            {
+                "lora_name": adapter.name,
+                "lora_int_id": adapter.int_id,
+                "version": adapter.current.version,
+                "lora_path": adapter.path,
+                "pinned": adapter.pinned,
+                "peft_config": _peft_config(adapter.spec),
+                "tensors": _whole(ranks),
+            }
+        )
     return out
 
 
@@ -219,9 +258,15 @@ def adopt_lora_exports(engine: LLMEngine, adapters: list[dict[str, Any]]) -> Non
     for entry in adapters:
         tensors = entry.get("tensors")
         path = entry.get("lora_path")
-        prepared = registry.prepare(entry["lora_name"], None if tensors is not None else path, tensors,
-                                    entry.get("peft_config"), entry["lora_int_id"], False,
-                                    bool(entry.get("pinned", False)))
+        prepared = registry.prepare(
+            entry["lora_name"],
+            None if tensors is not None else path,
+            tensors,
+            entry.get("peft_config"),
+            entry["lora_int_id"],
+            False,
+            bool(entry.get("pinned", False)),
+        )
         adapter = registry.commit_prepared(dataclasses.replace(prepared, path=path))
         adapter.current.version = int(entry.get("version", 1))  # its version numbers are the source's
 
@@ -230,13 +275,16 @@ def _lora_state(worker: Any, uid: int) -> dict[str, tuple[torch.Tensor, list[tup
     """Runs on a worker: adapter version `uid`'s factors on this rank, by PEFT name, each with the narrowings that
     cut it out of the full tensor and the full shape (host copies)."""
     adapter = worker.loras.get(uid)
-    return {f"{name}.weight": (module.weight.detach().to("cpu", copy=True), list(module.plan),
-                               tuple(module.full_shape))
-            for name, module in adapter.named_modules() if isinstance(module, LoRAFactor)}
+    return {
+        f"{name}.weight": (module.weight.detach().to("cpu", copy=True), list(module.plan), tuple(module.full_shape))
+        for name, module in adapter.named_modules()
+        if isinstance(module, LoRAFactor)
+    }
 
 
-def _whole(ranks: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int]], tuple[int, ...]]]]
-           ) -> dict[str, torch.Tensor]:
+def _whole(
+    ranks: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int]], tuple[int, ...]]]],
+) -> dict[str, torch.Tensor]:
     """The full tensors of an adapter from every rank's parts (`_lora_state`, rank order)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, (part, plan, shape) in ranks[0].items():

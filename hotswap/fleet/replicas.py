@@ -26,8 +26,13 @@ from hotswap.worker.session import WeightUpdateFailed
 logger = logging.getLogger(__name__)
 
 LOCAL_RAY_SYSTEM_CONFIG = {"task_events_report_interval_ms": 0}  # see Replicas.__init__
-_FORWARDED_ENV = ("HOTSWAP_", "TORCH_EXTENSIONS_DIR", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
-                  "ONEDNN_MAX_CPU_ISA")
+_FORWARDED_ENV = (
+    "HOTSWAP_",
+    "TORCH_EXTENSIONS_DIR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+)
 
 
 class FleetUpdateFailed(WeightUpdateFailed):
@@ -68,7 +73,6 @@ def _ray() -> Any:
     except ImportError as err:  # pragma: no cover - depends on the installation
         raise ImportError("a fleet runs on Ray: pip install 'hotswap[ray]'") from err
     return ray
-
 
 
 class FleetReplicas:
@@ -168,8 +172,14 @@ class FleetReplicas:
         self.pausing = False  # from the start of a pause: new requests are refused ('abort' / 'wait')
         self.pause_mode = "keep"
         self.asleep = False
-        self.counters = {"updates_committed": 0, "updates_failed": 0, "replica_restarts": 0, "replica_failures": 0,
-                         "replicas_added": 0, "replicas_removed": 0}
+        self.counters = {
+            "updates_committed": 0,
+            "updates_failed": 0,
+            "replica_restarts": 0,
+            "replica_failures": 0,
+            "replicas_added": 0,
+            "replicas_removed": 0,
+        }
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self._check_resources(ray, num_replicas)
@@ -185,7 +195,6 @@ class FleetReplicas:
             raise
         self._monitor = threading.Thread(target=self._watch, name="hotswap-fleet-monitor", daemon=True)
         self._monitor.start()
-
 
     # ---- replicas -----------------------------------------------------------------------------------------
 
@@ -212,8 +221,10 @@ class FleetReplicas:
                 ray.get(placement_group.ready(), timeout=self._start_timeout)
             except ray.exceptions.GetTimeoutError:
                 _stop(None, placement_group)
-                raise TimeoutError(f"replica {index}'s placement group {self._bundle} could not be placed within "
-                                   f"{self._start_timeout:g} s (start_timeout_s)") from None
+                raise TimeoutError(
+                    f"replica {index}'s placement group {self._bundle} could not be placed within "
+                    f"{self._start_timeout:g} s (start_timeout_s)"
+                ) from None
         actor = (
             ray.remote(ReplicaServer)
             .options(
@@ -292,8 +303,9 @@ class FleetReplicas:
                 errors[index].__cause__ = err
         return results, errors
 
-    def _all(self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None,
-             down_ok: bool = False) -> dict[int, Any]:
+    def _all(
+        self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None, down_ok: bool = False
+    ) -> dict[int, Any]:
         """`_call` that raises the first error (as `_with_replica` names it). `down_ok`: a replica that went down
         is left out instead (its restart re-applies what the fleet state says: pause, config)."""
         results, errors = self._call(members, method, *args, timeout=timeout)
@@ -303,7 +315,6 @@ class FleetReplicas:
             index, err = next(iter(errors.items()))
             raise _with_replica(err, index, method)
         return results
-
 
     # ---- health, restarts ---------------------------------------------------------------------------------
 
@@ -337,8 +348,9 @@ class FleetReplicas:
                 member.ping = None
             elif time.monotonic() - member.ping_sent > self._health_timeout:
                 member.ping = None
-                self._failed(member, f"no answer to a health check within {self._health_timeout:g} s",
-                             member.ping_actor)
+                self._failed(
+                    member, f"no answer to a health check within {self._health_timeout:g} s", member.ping_actor
+                )
         if not self._restart or self.asleep:
             return
         for member in list(self.members):
@@ -348,8 +360,12 @@ class FleetReplicas:
                     member.state, member.ping = "starting", None
                     folder, generation = self._folder, self._folder_generation
             if due and not self._stopping.is_set():
-                threading.Thread(target=self._replace, args=(member, folder, generation), daemon=True,
-                                 name=f"hotswap-fleet-restart-{member.index}").start()
+                threading.Thread(
+                    target=self._replace,
+                    args=(member, folder, generation),
+                    daemon=True,
+                    name=f"hotswap-fleet-restart-{member.index}",
+                ).start()
 
     def _replace(self, member: _Member, folder: str, generation: int) -> None:
         """Starts a new actor for a dead replica (loading `folder`, the fleet's last) and, holding the change lock
@@ -416,14 +432,16 @@ class FleetReplicas:
             ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
         restored = "copy"
         if self._folder_current and self._folder_generation == generation:
-            ray.get(actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()),
-                    timeout=60)
+            ray.get(
+                actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()), timeout=60
+            )
             source = self._source() if verify else None
             if source is None or self._same_weights(actor, source):
                 restored = "folder"
             else:
-                logger.warning("a joining replica's weights from %s differ from the live replicas': copying theirs",
-                               self._folder)
+                logger.warning(
+                    "a joining replica's weights from %s differ from the live replicas': copying theirs", self._folder
+                )
         elif self._folder_current and not verify:  # a reload from a folder landed while this actor loaded the last
             raise _FolderChanged("the fleet loaded another folder while this replica started from the last")
         if restored == "copy":
@@ -437,15 +455,20 @@ class FleetReplicas:
 
     def _source(self) -> _Member | None:
         """A live replica at the fleet's version to copy from (none while the fleet sleeps)."""
-        return None if self.asleep else next(
-            (m for m in self.members if m.state == "up" and m.version == self.version), None)
+        return (
+            None
+            if self.asleep
+            else next((m for m in self.members if m.state == "up" and m.version == self.version), None)
+        )
 
     def _same_weights(self, actor: Any, source: _Member) -> bool:
         """Whether `actor`'s weights (the draft's too) have `source`'s checksums."""
         ray = _ray()
         which = "all" if self.config.draft_model_config is not None else "model"
-        theirs, mine = ray.get([source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
-                               timeout=self._start_timeout)
+        theirs, mine = ray.get(
+            [source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
+            timeout=self._start_timeout,
+        )
         return bool(theirs == mine)
 
     def _copy_weights(self, actor: Any) -> None:
@@ -453,11 +476,15 @@ class FleetReplicas:
         ray = _ray()
         source = self._source()
         if source is None:
-            raise RuntimeError(f"no live replica holds version {self.version} and no checkpoint folder does; "
-                               "reload the fleet from a folder to bring replicas back")
+            raise RuntimeError(
+                f"no live replica holds version {self.version} and no checkpoint folder does; "
+                "reload the fleet from a folder to bring replicas back"
+            )
         states = source.actor.export_weights.remote()
-        ray.get(actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
-                timeout=self._start_timeout)
+        ray.get(
+            actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
+            timeout=self._start_timeout,
+        )
         if not self._same_weights(actor, source):
             raise RuntimeError("the copied weights' checksums differ from the source replica's")
 
@@ -474,8 +501,9 @@ class FleetReplicas:
         if source is not None:
             exports = source.actor.export_loras.remote()
             ray.get(actor.adopt_loras.remote(exports), timeout=self._start_timeout)
-            theirs, mine = ray.get([source.actor.list_loras.remote(), actor.list_loras.remote()],
-                                   timeout=self._start_timeout)
+            theirs, mine = ray.get(
+                [source.actor.list_loras.remote(), actor.list_loras.remote()], timeout=self._start_timeout
+            )
             if theirs != mine:
                 raise RuntimeError(f"the copied LoRA adapters {mine} differ from the source replica's {theirs}")
             return
@@ -484,11 +512,16 @@ class FleetReplicas:
             for name, record in list(self._loras.items()):
                 if not record["current"]:
                     del self._loras[name]
-                    logger.warning("LoRA adapter %r is dropped: no live replica holds it and a weight update "
-                                   "changed it since it was loaded; load it again", name)
+                    logger.warning(
+                        "LoRA adapter %r is dropped: no live replica holds it and a weight update "
+                        "changed it since it was loaded; load it again",
+                        name,
+                    )
                     continue
-                entries.append({k: record[k] for k in ("lora_int_id", "version", "lora_path", "pinned",
-                                                        "tensors", "peft_config")} | {"lora_name": name})
+                entries.append(
+                    {k: record[k] for k in ("lora_int_id", "version", "lora_path", "pinned", "tensors", "peft_config")}
+                    | {"lora_name": name}
+                )
         for entry in entries:
             if entry["tensors"] is not None:
                 entry["tensors"] = ray.get(entry["tensors"], timeout=self._start_timeout)
@@ -499,9 +532,12 @@ class FleetReplicas:
                     raise
                 with self._lock:  # e.g. its folder is gone: the replica comes back without it
                     self._loras.pop(entry["lora_name"], None)
-                logger.warning("LoRA adapter %r is dropped: no live replica holds it and it cannot be loaded "
-                               "again from where the fleet loaded it (%s)", entry["lora_name"],
-                               _first_line(_cause(err)))
+                logger.warning(
+                    "LoRA adapter %r is dropped: no live replica holds it and it cannot be loaded "
+                    "again from where the fleet loaded it (%s)",
+                    entry["lora_name"],
+                    _first_line(_cause(err)),
+                )
 
     # ---- replicas joining and leaving ---------------------------------------------------------------------
 
@@ -544,12 +580,18 @@ class FleetReplicas:
                     member.state, member.error = "removed", f"could not join: {_first_line(err)}"
                 _stop(member.actor, member.placement_group)
             raise
-        logger.warning("fleet replicas %s joined at version %d in %.1f s (%s)", [m.index for m in new],
-                       self.version, time.monotonic() - started, ", ".join(restored))
+        logger.warning(
+            "fleet replicas %s joined at version %d in %.1f s (%s)",
+            [m.index for m in new],
+            self.version,
+            time.monotonic() - started,
+            ", ".join(restored),
+        )
         return [m.index for m in new]
 
-    def remove_replicas(self, n: int | None = None, indices: Sequence[int] | None = None,
-                        drain_timeout_s: float = 120.0) -> list[int]:
+    def remove_replicas(
+        self, n: int | None = None, indices: Sequence[int] | None = None, drain_timeout_s: float = 120.0
+    ) -> list[int]:
         """Takes replicas out of the fleet: `n` of them (those down or restarting first, then the newest), or the
         ones `indices` names. They leave routing and new weight changes at once; their requests in flight finish
         (for up to `drain_timeout_s`, then they are ended); then, once no update session is open (one that
@@ -573,8 +615,10 @@ class FleetReplicas:
             else:
                 chosen = sorted(present, key=lambda m: (m.state == "up", -m.index))[:n]
             if len(chosen) >= len(present):
-                raise ValueError(f"removing {len(chosen)} of the fleet's {len(present)} replicas would leave none; "
-                                 "a fleet keeps at least one (shut it down instead)")
+                raise ValueError(
+                    f"removing {len(chosen)} of the fleet's {len(present)} replicas would leave none; "
+                    "a fleet keeps at least one (shut it down instead)"
+                )
             for member in chosen:
                 member.leaving = True
             self.num_replicas = self._present()
@@ -588,8 +632,11 @@ class FleetReplicas:
             self.counters["replicas_removed"] += len(chosen)
         for member in chosen:
             _stop(member.actor, member.placement_group)
-        logger.warning("fleet replicas %s removed (requests cut after drain_timeout_s: %s)",
-                       [m.index for m in chosen], {i: c for i, c in cut.items() if c} or "none")
+        logger.warning(
+            "fleet replicas %s removed (requests cut after drain_timeout_s: %s)",
+            [m.index for m in chosen],
+            {i: c for i, c in cut.items() if c} or "none",
+        )
         return [m.index for m in chosen]
 
     def _present(self) -> int:
@@ -601,21 +648,34 @@ class FleetReplicas:
         if self.routable():
             return None
         with self._lock:
-            reasons = "; ".join(f"replica {m.index} {'leaving' if m.leaving else m.state}"
-                                + (f" ({m.error})" if m.error else "") for m in self.members if m.state != "removed")
+            reasons = "; ".join(
+                f"replica {m.index} {'leaving' if m.leaving else m.state}" + (f" ({m.error})" if m.error else "")
+                for m in self.members
+                if m.state != "removed"
+            )
         return f"no replica can serve: {reasons}"
 
     def replica_status(self) -> list[dict[str, Any]]:
         """Per replica (removed ones included, state "removed"): index, state, whether it is leaving, version,
         routable, restarts, error, and its last health report."""
         with self._lock:
-            return [{"index": m.index, "state": m.state, "leaving": m.leaving,
-                     "weight_version": self.labels.label(m.version), "version_id": m.version,
-                     "routable": self._serves(m),
-                     "restarts": m.restarts, "restored_from": m.restored_from, "error": m.error,
-                     "routed": self.router.routed.get(m.index, 0),
-                     "outstanding_tokens": self.router.outstanding(m.index), **{"status": dict(m.status)}}
-                    for m in self.members]
+            return [
+                {
+                    "index": m.index,
+                    "state": m.state,
+                    "leaving": m.leaving,
+                    "weight_version": self.labels.label(m.version),
+                    "version_id": m.version,
+                    "routable": self._serves(m),
+                    "restarts": m.restarts,
+                    "restored_from": m.restored_from,
+                    "error": m.error,
+                    "routed": self.router.routed.get(m.index, 0),
+                    "outstanding_tokens": self.router.outstanding(m.index),
+                    **{"status": dict(m.status)},
+                }
+                for m in self.members
+            ]
 
     def stats(self) -> dict[str, Any]:
         """The replicas' engine statistics summed, with the fleet's own."""
@@ -628,8 +688,12 @@ class FleetReplicas:
             for key, value in (m.status.get("stats") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
                     totals[key] = totals.get(key, 0) + value
-        fleet = {"replicas": self.num_replicas, "replicas_up": len(self.routable()), "weight_version": self.version,
-                 **self.counters}
+        fleet = {
+            "replicas": self.num_replicas,
+            "replicas_up": len(self.routable()),
+            "weight_version": self.version,
+            **self.counters,
+        }
         return {**totals, **{f"fleet_{k}": v for k, v in fleet.items()}}
 
     def shutdown(self) -> None:
@@ -649,7 +713,6 @@ class FleetReplicas:
         self.shutdown()
 
 
-
 def _stop(actor: Any, placement_group: Any) -> None:
     """Ends a replica: its requests still in flight, its actor, its placement group (errors ignored: it may be
     gone already)."""
@@ -665,14 +728,18 @@ def _stop(actor: Any, placement_group: Any) -> None:
 
 
 def _no_commit(version: int) -> ReplicaDown:
-    return ReplicaDown(f"every replica failed while committing version {version}; restarted replicas are brought "
-                       "to it where a folder or a live replica holds it (else reload the fleet from a folder)")
+    return ReplicaDown(
+        f"every replica failed while committing version {version}; restarted replicas are brought "
+        "to it where a folder or a live replica holds it (else reload the fleet from a folder)"
+    )
 
 
 def _check_atomic(atomic: bool) -> None:
     if not atomic:
-        raise ValueError("a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
-                         "one's rollback copies")
+        raise ValueError(
+            "a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
+            "one's rollback copies"
+        )
 
 
 def _first_line(err: BaseException) -> str:
@@ -691,12 +758,19 @@ def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
     a wrong order, TimeoutError) and EngineUnavailable (a replica down) keep their type; the original is the
     cause."""
     new: BaseException = RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
-    for kind in (ReplicaDown, FleetUpdateFailed, WeightUpdateFailed, EngineUnavailable, ValueError, TypeError,
-                 TimeoutError, RuntimeError):
+    for kind in (
+        ReplicaDown,
+        FleetUpdateFailed,
+        WeightUpdateFailed,
+        EngineUnavailable,
+        ValueError,
+        TypeError,
+        TimeoutError,
+        RuntimeError,
+    ):
         if isinstance(err, kind):
             new = err if str(err).startswith(f"replica {index}") else kind(f"replica {index}: {err}")
             break
     if new is not err:
         new.__cause__ = err
     return new
-

@@ -32,8 +32,10 @@ class Router:
         """The replica for a request. Raises RuntimeError when no replica is routable."""
         choices = sorted(set(routable))
         if not choices:
-            raise RuntimeError("no replica can take requests now (all are down, restarting or being brought to the "
-                               "fleet's weight version); retry shortly")
+            raise RuntimeError(
+                "no replica can take requests now (all are down, restarting or being brought to the "
+                "fleet's weight version); retry shortly"
+            )
         if key is not None:
             return max(choices, key=lambda r: hashlib.blake2b(f"{r}:{key}".encode(), digest_size=8).digest())
         with self._lock:

@@ -20,8 +20,10 @@ logging.basicConfig(level=logging.WARNING)
 if native.ops() is None:
     print("hotswap native kernels: unavailable (pure-torch path)")
 else:
-    print(f"hotswap native kernels: ready ({native.build_name()}, target {native.target_isa()}, "
-          f"-march={native.MARCH}, {native.vector_bits()}-bit vectors; torch: {emulation.torch_isa()})")
+    print(
+        f"hotswap native kernels: ready ({native.build_name()}, target {native.target_isa()}, "
+        f"-march={native.MARCH}, {native.vector_bits()}-bit vectors; torch: {emulation.torch_isa()})"
+    )
 hf_config = json.loads((Path(args.model) / "config.json").read_text()) if args.model else None
 resolved = policy.prepare(hf_config) if hf_config else policy.policy()
 if args.report:

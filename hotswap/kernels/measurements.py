@@ -19,7 +19,7 @@ WIN_RATIO = 0.95  # a candidate must be at least 5 % faster: noise must not flip
 
 
 def threads_and_isa() -> str:
-    """"@<threads>t@<torch's ISA and its caps>": what a torch path's time depends on besides the shapes."""
+    """ "@<threads>t@<torch's ISA and its caps>": what a torch path's time depends on besides the shapes."""
     caps = [os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
     torch_isa = "/".join([torch.backends.cpu.get_cpu_capability(), *caps]).rstrip("/")
     return f"@{torch.get_num_threads()}t@{torch_isa}"
@@ -32,7 +32,6 @@ def cached(key: str, op: str, batches: tuple[int, ...]) -> dict[int, float] | No
         return {b: float(entry[str(b)]) for b in batches}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
 
 
 def measured(op: str, key: str, batches: tuple[int, ...], measure: Callable[[], dict[int, float]]) -> bool:
@@ -99,5 +98,3 @@ def paired_seconds(first: Callable[[], object], second: Callable[[], object], re
     """`fastest_in_turn` of two calls."""
     a, b = fastest_in_turn((first, second), reps)
     return a, b
-
-

@@ -123,8 +123,9 @@ class _Product(torch.autograd.Function):
     from the saved inputs without running the product again."""
 
     @staticmethod
-    def forward(ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return kernel(x, weight, bias)
@@ -138,8 +139,9 @@ class _Product(torch.autograd.Function):
         return None, grad_x, grad_w, grad_b
 
 
-def _product(kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-             ) -> torch.Tensor:
+def _product(
+    kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """`kernel(x, weight, bias)`, a product equal to F.linear up to rounding; differentiable where autograd records."""
     if not _needs_grad(x, weight, bias):
         return kernel(x, weight, bias)
@@ -150,13 +152,22 @@ def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """Whether the batch-invariant product (the native small-batch kernel at any row count) takes these
     inputs: float32 CPU tensors, x 2-D, rows of x and of the weight contiguous."""
     return (
-        x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-        and x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+        x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and (bias is None or bias.is_contiguous())
     )
 
 
-def _det_product(kernel: Callable[..., Any], reference: Callable[..., Any], x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def _det_product(
+    kernel: Callable[..., Any],
+    reference: Callable[..., Any],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """A product on deterministic mode's one path: x as rows ([..., K] flattened, made contiguous where needed),
     the weight with contiguous rows. Raises RuntimeError for inputs that path cannot take (another dtype or
     device) rather than computing them another way."""
@@ -168,8 +179,10 @@ def _det_product(kernel: Callable[..., Any], reference: Callable[..., Any], x: t
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     if not _canonical(rows, weight, bias) or (bias is not None and bias.dtype != torch.float32):
-        raise RuntimeError(f"deterministic mode multiplies float32 CPU tensors; got x {x.dtype} on {x.device.type}, "
-                           f"weight {weight.dtype} on {weight.device.type}")
+        raise RuntimeError(
+            f"deterministic mode multiplies float32 CPU tensors; got x {x.dtype} on {x.device.type}, "
+            f"weight {weight.dtype} on {weight.device.type}"
+        )
     if reference is F.linear:  # its gradient needs no second product
         out = _product(kernel, rows, weight, bias)
     else:
@@ -378,8 +391,10 @@ def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
         if paged_attention_available():
             return NATIVE_ATTENTION
         if backend == "native":
-            raise ValueError("attention_backend='native': the native kernels are not available here (not built, "
-                             "turned off, or not taken by the kernel policy); use 'auto'")
+            raise ValueError(
+                "attention_backend='native': the native kernels are not available here (not built, "
+                "turned off, or not taken by the kernel policy); use 'auto'"
+            )
         return None
     try:
         from hotswap.kernels import triton_attention

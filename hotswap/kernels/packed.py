@@ -94,6 +94,7 @@ def faster(out_features: int, in_features: int) -> bool:
     copies of the weight (STREAM_BYTES, at most MAX_COPIES) that they come from memory, as a model's weights do in a
     decode step: a weight that stays in cache measures the arithmetic alone, and a shape's verdict then flipped from
     process to process. Measured once per machine, ISA cap and thread count: cached with the policy's calibration."""
+
     def measure() -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
@@ -102,8 +103,11 @@ def faster(out_features: int, in_features: int) -> bool:
         ratios = {}
         for rows in (1, PACK_ROWS):
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-            ratios[rows] = _time_ratio(lambda: [linear(x, p, None) for p in packs],  # noqa: B023 (called at once)
-                                       lambda: [F.linear(x, w) for w in copies], 5)  # noqa: B023
+            ratios[rows] = _time_ratio(
+                lambda: [linear(x, p, None) for p in packs],  # noqa: B023 (called at once)
+                lambda: [F.linear(x, w) for w in copies],  # noqa: B023
+                5,
+            )
         return ratios
 
     return measured("packed_bf16_linear", f"{out_features}x{in_features}", (1, PACK_ROWS), measure)
@@ -140,8 +144,9 @@ def dense_faster(out_features: int, in_features: int) -> bool:
         ratios = {}
         for rows in DENSE_ROWS:
             x = torch.randn(rows, in_features, generator=gen)
-            ratios[rows] = _time_ratio(functools.partial(dense_linear, x, weight, None),
-                                       functools.partial(F.linear, x, weight), 3)
+            ratios[rows] = _time_ratio(
+                functools.partial(dense_linear, x, weight, None), functools.partial(F.linear, x, weight), 3
+            )
         return ratios
 
     return measured("dense_fp32_linear", f"{out_features}x{in_features}", DENSE_ROWS, measure)
@@ -169,8 +174,11 @@ def upcast_faster(out_features: int, in_features: int) -> bool:
         gen = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(torch.bfloat16)
         x = torch.randn(UPCAST_ROWS, in_features, generator=gen).to(torch.bfloat16)
-        return {UPCAST_ROWS: _time_ratio(functools.partial(upcast_linear, x, weight, None),
-                                         functools.partial(F.linear, x, weight), 3)}
+        return {
+            UPCAST_ROWS: _time_ratio(
+                functools.partial(upcast_linear, x, weight, None), functools.partial(F.linear, x, weight), 3
+            )
+        }
 
     return measured("upcast_bf16_linear", f"{out_features}x{in_features}", (UPCAST_ROWS,), measure)
 

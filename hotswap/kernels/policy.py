@@ -82,8 +82,16 @@ class Shapes:
         kv = int(hf_config.get("num_key_value_heads") or heads)
         intermediate = int(hf_config.get("intermediate_size") or 4 * hidden)
         layers = int(hf_config.get("num_hidden_layers", 1))
-        return cls(hidden, intermediate, (heads + 2 * kv) * head_dim, heads, head_dim, int(hf_config["vocab_size"]),
-                   layers, str(dtype).removeprefix("torch."))
+        return cls(
+            hidden,
+            intermediate,
+            (heads + 2 * kv) * head_dim,
+            heads,
+            head_dim,
+            int(hf_config["vocab_size"]),
+            layers,
+            str(dtype).removeprefix("torch."),
+        )
 
     def key(self) -> str:
         """The cache key: the shapes, the threads the ops run on (a tensor-parallel worker has fewer) and the ISA
@@ -275,20 +283,27 @@ def calibrate_stack(
         return _policy[-1] if _policy else current
 
 
-def _with_stack(decisions: dict[str, Decision], stack: dict[int, float], moved: dict[int, float]
-                ) -> dict[str, Decision]:
+def _with_stack(
+    decisions: dict[str, Decision], stack: dict[int, float], moved: dict[int, float]
+) -> dict[str, Decision]:
     """`decisions` with the decoder stack's (`stack`: its step time / the modules', both on the table's products)
     and the products that a decode step measured faster native (`moved`: the stack's step with every product
     native / with the table's products, per batch)."""
-    out = dict(decisions, decoder_stack=Decision(
-        "decoder_stack", {b: r < STACK_WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON))
+    out = dict(
+        decisions,
+        decoder_stack=Decision(
+            "decoder_stack", {b: r < STACK_WIN_RATIO for b, r in stack.items()}, stack, _STACK_REASON
+        ),
+    )
     for op in PRODUCTS:
         d = decisions[op]
         flips = {b for b, r in moved.items() if r < WIN_RATIO and not d.native[b]}
         if flips:
             out[op] = Decision(
-                op, {b: d.native[b] or b in flips for b in BATCHES}, {b: moved[b] if b in flips else d.ratios[b]
-                for b in BATCHES}, f"{d.reason}; at {', '.join(map(str, sorted(flips)))} rows: on a decode step of "
+                op,
+                {b: d.native[b] or b in flips for b in BATCHES},
+                {b: moved[b] if b in flips else d.ratios[b] for b in BATCHES},
+                f"{d.reason}; at {', '.join(map(str, sorted(flips)))} rows: on a decode step of "
                 "the model, every product native against the table's",
             )
     return out
@@ -318,6 +333,7 @@ def stream_copy_faster() -> bool:
     """Whether the native streaming-store copy (stream_copy.cpp) measured at least 5 % faster than torch's `copy_`
     for a destination far larger than the caches (STREAM_COPY_BYTES), as a weight update writes. Measured once per
     machine, ISA cap and thread count (about 0.3 s and twice STREAM_COPY_BYTES of memory while it runs)."""
+
     def measure(kernels: Any) -> dict[int, float]:
         src = torch.ones(STREAM_COPY_BYTES, dtype=torch.uint8)
         dst = torch.zeros_like(src)
@@ -330,6 +346,7 @@ def scatter_faster() -> bool:
     """Whether the native scatter (scatter.cpp) measured at least 5 % faster than torch's `index_copy_` writing
     SCATTER_FRACTION of a float32 destination of STREAM_COPY_BYTES at sorted random positions (a sparse delta).
     Measured once per machine, ISA cap and thread count."""
+
     def measure(kernels: Any) -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         dst = torch.zeros(STREAM_COPY_BYTES // 4)
@@ -345,11 +362,13 @@ def finite_check_faster() -> bool:
     """Whether the native value check of many tensors at once (`max_magnitude_bits`, magnitudes.cpp) measured at
     least 5 % faster than torch's check of each (`isfinite(t.sum())`, what `all_finite` runs) on STREAM_COPY_BYTES of
     float32 in 2 MB tensors (a model's weights). Measured once per machine, ISA cap and thread count."""
+
     def measure(kernels: Any) -> dict[int, float]:
         count = max(4, STREAM_COPY_BYTES >> 21)
         tensors = [torch.ones(STREAM_COPY_BYTES // count // 4) for _ in range(count)]
-        return _ratio(lambda: kernels.max_magnitude_bits(tensors),
-                      lambda: [bool(torch.isfinite(t.sum())) for t in tensors])
+        return _ratio(
+            lambda: kernels.max_magnitude_bits(tensors), lambda: [bool(torch.isfinite(t.sum())) for t in tensors]
+        )
 
     return _write_gate("finite_check", "float32", measure)
 
@@ -394,8 +413,10 @@ def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int
 
     # a bf16 model's products are timed in bf16, against torch's bf16 path (oneDNN-packed where the model's would be)
     wdtype = torch.bfloat16 if shapes.dtype == "bfloat16" else torch.float32
-    weights = {name: [torch.full((rows(n, k), k), 0.01, dtype=wdtype) for _ in range(copies)]
-               for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))}
+    weights = {
+        name: [torch.full((rows(n, k), k), 0.01, dtype=wdtype) for _ in range(copies)]
+        for name, (n, k) in (("qkv", (qkv, h)), ("down", (h, i)), ("gate_up", (2 * i, h)))
+    }
     torch_weights = {name: [_torch_path_weight(t) for t in ts] for name, ts in weights.items()}
     turn = [0]
 
@@ -431,9 +452,17 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return packed.linear(x, weight, None) if weight.is_mkldnn else F.linear(x, weight)
 
 
-def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tensor],
-           w: Callable[..., torch.Tensor], norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           gen: torch.Generator) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+def _pairs(
+    kernels: Any,
+    shapes: Shapes,
+    m: int,
+    randn: Callable[..., torch.Tensor],
+    w: Callable[..., torch.Tensor],
+    norm_w: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    gen: torch.Generator,
+) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """(native call, torch call) per calibrated op, on a batch of `m` rows."""
     h, i = shapes.hidden, shapes.intermediate
     act = getattr(torch, shapes.dtype)
@@ -446,13 +475,18 @@ def _pairs(kernels: Any, shapes: Shapes, m: int, randn: Callable[..., torch.Tens
     positions = torch.randint(0, cos.shape[0], (m,), generator=gen)
     return {
         "rms_norm": (lambda: kernels.rms_norm(xa, norm_a, 1e-6), lambda: _torch_rms_norm(xa, norm_a, 1e-6)),
-        "add_rms_norm": (lambda: kernels.add_rms_norm(xa, residual.clone(), norm_a, 1e-6),
-                         lambda: _torch_rms_norm(residual.clone() + xa, norm_a, 1e-6)),
-        "linear": (lambda: (kernels.small_batch_linear(x, w("qkv"), None),
-                            kernels.small_batch_linear(xi, w("down"), None)),
-                   lambda: (_torch_linear(x, w("qkv", True)), _torch_linear(xi, w("down", True)))),
-        "gated_linear": (lambda: kernels.small_batch_gated_linear(x, w("gate_up"), None),
-                         lambda: _torch_silu_and_mul(_torch_linear(x, w("gate_up", True)))),
+        "add_rms_norm": (
+            lambda: kernels.add_rms_norm(xa, residual.clone(), norm_a, 1e-6),
+            lambda: _torch_rms_norm(residual.clone() + xa, norm_a, 1e-6),
+        ),
+        "linear": (
+            lambda: (kernels.small_batch_linear(x, w("qkv"), None), kernels.small_batch_linear(xi, w("down"), None)),
+            lambda: (_torch_linear(x, w("qkv", True)), _torch_linear(xi, w("down", True))),
+        ),
+        "gated_linear": (
+            lambda: kernels.small_batch_gated_linear(x, w("gate_up"), None),
+            lambda: _torch_silu_and_mul(_torch_linear(x, w("gate_up", True))),
+        ),
         "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: _torch_silu_and_mul(gu)),
         "rotary": (lambda: kernels.rotary(q, k, positions, cos, sin), lambda: _torch_rotary(q, k, positions, cos, sin)),
         "greedy_sample": (lambda: kernels.greedy_sample(logits), lambda: _torch_greedy(logits)),
@@ -477,8 +511,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _torch_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     c, s = cos[positions].to(q.dtype).unsqueeze(1), sin[positions].to(q.dtype).unsqueeze(1)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 

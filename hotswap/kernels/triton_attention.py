@@ -72,9 +72,18 @@ def _pow2(n: int) -> int:
 
 
 @_jit
-def _kv_offsets(tables_ptr: tl.tensor, seq: tl.tensor, table_width: tl.tensor, pos: tl.tensor, kmask: tl.tensor,
-                block_size: tl.tensor, kv_row: tl.tensor, kvh: tl.tensor, head_dim: tl.tensor,
-                d: tl.tensor) -> tl.tensor:
+def _kv_offsets(
+    tables_ptr: tl.tensor,
+    seq: tl.tensor,
+    table_width: tl.tensor,
+    pos: tl.tensor,
+    kmask: tl.tensor,
+    block_size: tl.tensor,
+    kv_row: tl.tensor,
+    kvh: tl.tensor,
+    head_dim: tl.tensor,
+    d: tl.tensor,
+) -> tl.tensor:
     """[BLOCK_N, D_PAD] element offsets into a cache of KV head `kvh` at sequence `seq`'s key positions `pos`,
     through its block table (positions outside `kmask` read block 0, and are masked by the caller)."""
     block = tl.load(tables_ptr + seq * table_width + pos // block_size, mask=kmask, other=0)
@@ -102,11 +111,28 @@ def _weights(p: tl.tensor, EXACT: tl.constexpr) -> tl.tensor:
 
 @_jit
 def _decode_kernel(
-    q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, tables_ptr: tl.tensor, lens_ptr: tl.tensor,
-    heads_ptr: tl.tensor, out_ptr: tl.tensor, part_o_ptr: tl.tensor, part_lse_ptr: tl.tensor,
-    qk_scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, table_width: int,
-    split_keys: int, num_splits: int,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, EXACT: tl.constexpr, DIRECT: tl.constexpr,
+    q_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    tables_ptr: tl.tensor,
+    lens_ptr: tl.tensor,
+    heads_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_o_ptr: tl.tensor,
+    part_lse_ptr: tl.tensor,
+    qk_scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    table_width: int,
+    split_keys: int,
+    num_splits: int,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    EXACT: tl.constexpr,
+    DIRECT: tl.constexpr,
 ) -> None:
     """Program (sequence, KV head, split): the query heads heads_ptr[kvh, :GROUP] (-1: none) of the sequence's one
     new token over keys [split * split_keys, +split_keys) of its context, in tiles of BLOCK_N keys. DIRECT (one
@@ -146,8 +172,9 @@ def _decode_kernel(
     denom = tl.where(has, l_i, 1.0)
     o = acc / denom[:, None]
     if DIRECT:
-        tl.store(out_ptr + row[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + row[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :]
+        )
     else:
         part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=live[:, None] & dmask[None, :])
@@ -156,8 +183,14 @@ def _decode_kernel(
 
 @_jit
 def _merge_kernel(
-    part_o_ptr: tl.tensor, part_lse_ptr: tl.tensor, out_ptr: tl.tensor, num_heads: int, head_dim: int,
-    num_splits: int, SPLITS: tl.constexpr, D_PAD: tl.constexpr,
+    part_o_ptr: tl.tensor,
+    part_lse_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    num_heads: int,
+    head_dim: int,
+    num_splits: int,
+    SPLITS: tl.constexpr,
+    D_PAD: tl.constexpr,
 ) -> None:
     """Program (token, head): the output row from the splits' partial outputs, weighted by 2^(lse - max lse)."""
     row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)
@@ -167,18 +200,36 @@ def _merge_kernel(
     dmask = d < head_dim
     lse = tl.load(part_lse_ptr + row * num_splits + sp, mask=smask, other=float("-inf"))
     w = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 always holds keys: the max is finite
-    o = tl.load(part_o_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
-                mask=smask[:, None] & dmask[None, :], other=0.0)
+    o = tl.load(
+        part_o_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + row * head_dim + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @_jit
 def _extend_kernel(
-    q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, tables_ptr: tl.tensor, lens_ptr: tl.tensor,
-    query_lens_ptr: tl.tensor, q_start_ptr: tl.tensor, kv_index_ptr: tl.tensor, out_ptr: tl.tensor,
-    qk_scale: float, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, table_width: int,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, EXACT: tl.constexpr,
+    q_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    tables_ptr: tl.tensor,
+    lens_ptr: tl.tensor,
+    query_lens_ptr: tl.tensor,
+    q_start_ptr: tl.tensor,
+    kv_index_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    qk_scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    table_width: int,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    EXACT: tl.constexpr,
 ) -> None:
     """Program (sequence, block of BLOCK_M new tokens, query head): causal attention of those tokens over the
     sequence's keys up to the block's last position, in tiles of BLOCK_N keys."""
@@ -229,8 +280,17 @@ def _rotate(a: tl.tensor, b: tl.tensor, c: tl.tensor, s: tl.tensor, DTYPE: tl.co
 
 
 @_jit
-def _rotate_heads(src: tl.tensor, dst: tl.tensor, mask: tl.tensor, half: int, c0: tl.tensor, c1: tl.tensor,
-                  s0: tl.tensor, s1: tl.tensor, DTYPE: tl.constexpr) -> None:
+def _rotate_heads(
+    src: tl.tensor,
+    dst: tl.tensor,
+    mask: tl.tensor,
+    half: int,
+    c0: tl.tensor,
+    c1: tl.tensor,
+    s0: tl.tensor,
+    s1: tl.tensor,
+    DTYPE: tl.constexpr,
+) -> None:
     """Rotates the heads at `src` (pointers to their first halves) into `dst`: rotate_half's layout."""
     a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
@@ -240,10 +300,26 @@ def _rotate_heads(src: tl.tensor, dst: tl.tensor, mask: tl.tensor, half: int, c0
 
 @_jit
 def _rope_write_kernel(
-    q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, positions_ptr: tl.tensor, cos_ptr: tl.tensor,
-    sin_ptr: tl.tensor, q_out_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, slots_ptr: tl.tensor,
-    q_stride: int, k_stride: int, v_stride: int, num_heads: int, num_kv_heads: int, head_dim: int, half: int,
-    q_blocks: int, BLOCK_H: tl.constexpr, HALF_PAD: tl.constexpr,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    positions_ptr: tl.tensor,
+    cos_ptr: tl.tensor,
+    sin_ptr: tl.tensor,
+    q_out_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slots_ptr: tl.tensor,
+    q_stride: int,
+    k_stride: int,
+    v_stride: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    half: int,
+    q_blocks: int,
+    BLOCK_H: tl.constexpr,
+    HALF_PAD: tl.constexpr,
 ) -> None:
     """Program (token, block of BLOCK_H heads): blocks below q_blocks rotate query heads into q_out [T, H, D];
     the others rotate KV heads of k into the token's cache slot and copy the same heads of v to theirs. (No name is
@@ -263,15 +339,25 @@ def _rope_write_kernel(
     if blk < q_blocks:
         q_heads = blk * BLOCK_H + tl.arange(0, BLOCK_H)
         q_cols = q_heads[:, None] * head_dim + dd[None, :]
-        _rotate_heads(q_ptr + t * q_stride + q_cols, q_out_ptr + t * num_heads * head_dim + q_cols,
-                      (q_heads < num_heads)[:, None] & dmask[None, :], half, c0, c1, s0, s1, dtype)
+        _rotate_heads(
+            q_ptr + t * q_stride + q_cols,
+            q_out_ptr + t * num_heads * head_dim + q_cols,
+            (q_heads < num_heads)[:, None] & dmask[None, :],
+            half,
+            c0,
+            c1,
+            s0,
+            s1,
+            dtype,
+        )
     else:
         kv_heads = (blk - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         kv_mask = (kv_heads < num_kv_heads)[:, None] & dmask[None, :]
         kv_cols = kv_heads[:, None] * head_dim + dd[None, :]
         slot_row = tl.load(slots_ptr + t) * (num_kv_heads * head_dim)
-        _rotate_heads(k_ptr + t * k_stride + kv_cols, k_cache_ptr + slot_row + kv_cols, kv_mask, half, c0, c1, s0,
-                      s1, dtype)
+        _rotate_heads(
+            k_ptr + t * k_stride + kv_cols, k_cache_ptr + slot_row + kv_cols, kv_mask, half, c0, c1, s0, s1, dtype
+        )
         v_src = v_ptr + t * v_stride + kv_cols
         tl.store(v_cache_ptr + slot_row + kv_cols, tl.load(v_src, mask=kv_mask), mask=kv_mask)
         tl.store(v_cache_ptr + slot_row + kv_cols + half, tl.load(v_src + half, mask=kv_mask), mask=kv_mask)
@@ -279,8 +365,15 @@ def _rope_write_kernel(
 
 @_jit
 def _write_kernel(
-    k_ptr: tl.tensor, v_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, slots_ptr: tl.tensor,
-    k_stride: int, v_stride: int, row: int, BLOCK: tl.constexpr,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slots_ptr: tl.tensor,
+    k_stride: int,
+    v_stride: int,
+    row: int,
+    BLOCK: tl.constexpr,
 ) -> None:
     """Program (token, chunk of BLOCK elements of its KVH * D row): copies k's and v's chunk to the token's slot."""
     t = tl.program_id(0).to(tl.int64)
@@ -322,9 +415,9 @@ class _Checks:
         if not items:
             return []
         got = torch.stack([x.reshape(()).to(torch.int64) for x in items]).tolist()
-        for (_, message), failed in zip(self._flags, got[:len(self._flags)], strict=True):
+        for (_, message), failed in zip(self._flags, got[: len(self._flags)], strict=True):
             _require(not failed, message)
-        return [int(x) for x in got[len(self._flags):]]
+        return [int(x) for x in got[len(self._flags) :]]
 
 
 def _trusted_values(p: _Problem, max_context: int) -> list[int]:
@@ -340,29 +433,46 @@ def _same_device(*tensors: torch.Tensor | None) -> None:
 
 
 def _int64(x: torch.Tensor, numel: int, name: str, shape: str) -> None:
-    _require(x.dtype == torch.int64 and x.is_contiguous() and x.numel() == numel,
-             f"{name} must be contiguous int64 {shape}, got {x.dtype} {list(x.shape)}")
+    _require(
+        x.dtype == torch.int64 and x.is_contiguous() and x.numel() == numel,
+        f"{name} must be contiguous int64 {shape}, got {x.dtype} {list(x.shape)}",
+    )
 
 
-def _check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, checks: _Checks) -> None:
+def _check_kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    checks: _Checks,
+) -> None:
     """write_kv_cache's checks; the slots' range is added to `checks`."""
-    _require(k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.shape == k_cache.shape
-             and v_cache.is_contiguous(), "caches must be contiguous [num_blocks, bs, KVH, D]")
-    _require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:],
-             f"k and v must be [T, KVH, D] matching the cache {list(k_cache.shape)}, got {list(k.shape)} and "
-             f"{list(v.shape)}")
-    _require(k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2],
-             "k and v must have contiguous rows (any token stride)")
+    _require(
+        k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.shape == k_cache.shape and v_cache.is_contiguous(),
+        "caches must be contiguous [num_blocks, bs, KVH, D]",
+    )
+    _require(
+        k.dim() == 3 and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:],
+        f"k and v must be [T, KVH, D] matching the cache {list(k_cache.shape)}, got {list(k.shape)} and "
+        f"{list(v.shape)}",
+    )
+    _require(
+        k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2],
+        "k and v must have contiguous rows (any token stride)",
+    )
     _require(k_cache.dtype in DTYPES, f"the cache must be one of {DTYPES}, got {k_cache.dtype}")
-    _require(k.dtype == v.dtype == v_cache.dtype == k_cache.dtype,
-             f"dtype mismatch: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype} and {v_cache.dtype}")
+    _require(
+        k.dtype == v.dtype == v_cache.dtype == k_cache.dtype,
+        f"dtype mismatch: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype} and {v_cache.dtype}",
+    )
     _int64(slot_mapping, k.shape[0], "slot_mapping", "[T]")
     _same_device(k, v, k_cache, v_cache, slot_mapping)
     slots = k_cache.shape[0] * k_cache.shape[1]
     if not checks.trusted:
-        checks.fail_if(((slot_mapping < 0) | (slot_mapping >= slots)).any(),
-                       f"slot out of range of the cache ({slots})")
+        checks.fail_if(
+            ((slot_mapping < 0) | (slot_mapping >= slots)).any(), f"slot out of range of the cache ({slots})"
+        )
 
 
 @dataclass(frozen=True)
@@ -382,20 +492,34 @@ class _Problem:
     group: int
 
 
-def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-             context_lens: torch.Tensor, query_lens: torch.Tensor | None, kv_of_q: torch.Tensor | None,
-             scale: float, checks: _Checks) -> _Problem:
+def _prepare(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    scale: float,
+    checks: _Checks,
+) -> _Problem:
     """paged_attention's checks (of q, only its shape and dtype); those of values are added to `checks`."""
-    _require(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-             f"bad shapes: q {list(q.shape)} (want [T, H, D]), caches {list(k_cache.shape)} and {list(v_cache.shape)}")
+    _require(
+        q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+        f"bad shapes: q {list(q.shape)} (want [T, H, D]), caches {list(k_cache.shape)} and {list(v_cache.shape)}",
+    )
     _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "the caches must be contiguous")
     _require(q.dtype in DTYPES, f"q must be one of {DTYPES}, got {q.dtype}")
-    _require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-             f"dtype mismatch: q {q.dtype}, caches {k_cache.dtype} and {v_cache.dtype}")
+    _require(
+        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+        f"dtype mismatch: q {q.dtype}, caches {k_cache.dtype} and {v_cache.dtype}",
+    )
     _require(k_cache.shape[3] == q.shape[2], f"head_dim mismatch: q {q.shape[2]}, cache {k_cache.shape[3]}")
     _require(k_cache.shape[2] > 0 and k_cache.shape[1] > 0, "the cache needs at least one KV head and block slot")
-    _require(block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.dim() == 2,
-             f"block_tables must be contiguous int64 [B, W], got {block_tables.dtype} {list(block_tables.shape)}")
+    _require(
+        block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.dim() == 2,
+        f"block_tables must be contiguous int64 [B, W], got {block_tables.dtype} {list(block_tables.shape)}",
+    )
     num_seqs, width = block_tables.shape
     _int64(context_lens, num_seqs, "context_lens", "[B]")
     if query_lens is not None:
@@ -406,15 +530,17 @@ def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     if kv_of_q is not None:
         _int64(kv_of_q, num_heads, "kv_of_q", "[H]")
     else:
-        _require(num_heads % num_kv_heads == 0,
-                 f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        _require(
+            num_heads % num_kv_heads == 0, f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})"
+        )
     _same_device(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q)
     bs = k_cache.shape[1]
     max_len = max_query_len = group = -1
     _require(num_seqs > 0 or q.shape[0] == 0, f"q must have one row per new token: no sequences, {q.shape[0]} rows")
     if checks.trusted:  # trusted mode: no value is checked or read (the longest context is the caller's)
-        _require(query_lens is None and kv_of_q is None, "max_context (trusted mode) takes decode batches without "
-                 "kv_of_q")
+        _require(
+            query_lens is None and kv_of_q is None, "max_context (trusted mode) takes decode batches without kv_of_q"
+        )
         return _Problem(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, 0, -1, -1)
     if num_seqs > 0:
         lens = context_lens
@@ -430,8 +556,9 @@ def _prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bloc
     if kv_of_q is not None and num_heads > 0:
         checks.fail_if(((kv_of_q < 0) | (kv_of_q >= num_kv_heads)).any(), "kv_of_q out of range")
         group = checks.read(torch.bincount(kv_of_q.clamp(0, num_kv_heads - 1), minlength=num_kv_heads).max())
-    return _Problem(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, max_len,
-                    max_query_len, group)
+    return _Problem(
+        q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, max_len, max_query_len, group
+    )
 
 
 # ---- launches -----------------------------------------------------------------------------------------------
@@ -466,8 +593,9 @@ def _check_tuning(block_m: int | None, block_n: int | None, split_keys: int | No
     _require(split_keys is None or split_keys >= 1, f"split_keys must be positive, got {split_keys}")
 
 
-def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | None,
-            split_keys: int | None) -> torch.Tensor:
+def _attend(
+    p: _Problem, values: list[int], block_m: int | None, block_n: int | None, split_keys: int | None
+) -> torch.Tensor:
     """Attention of a checked problem; `values` as `_Checks.run` returned them."""
     q, k_cache = p.q.contiguous(), p.k_cache
     num_tokens, num_heads, head_dim = q.shape
@@ -496,9 +624,26 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
         q_start = torch.cumsum(p.query_lens, 0) - p.query_lens
         grid = (num_seqs, _cdiv(max_query_len, block_m), num_heads)
         _extend_kernel[grid](
-            q, k_cache, p.v_cache, p.block_tables, p.context_lens, p.query_lens, q_start, kv_index, out, qk_scale,
-            num_heads, num_kv_heads, head_dim, bs, width, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad,
-            EXACT=exact, num_warps=ATTENTION_WARPS,
+            q,
+            k_cache,
+            p.v_cache,
+            p.block_tables,
+            p.context_lens,
+            p.query_lens,
+            q_start,
+            kv_index,
+            out,
+            qk_scale,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            bs,
+            width,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            D_PAD=d_pad,
+            EXACT=exact,
+            num_warps=ATTENTION_WARPS,
         )
         return out
     # decode: the query heads of each KV head, a [group, D] tile (rows of -1 pad it to a power of two >= 16)
@@ -525,13 +670,40 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
         part_o = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, p.v_cache, p.block_tables, p.context_lens, heads, out, part_o, part_lse, qk_scale, num_heads,
-        num_kv_heads, head_dim, bs, width, split_keys, num_splits, GROUP=group, BLOCK_N=block_n, D_PAD=d_pad,
-        EXACT=exact, DIRECT=direct, num_warps=ATTENTION_WARPS,
+        q,
+        k_cache,
+        p.v_cache,
+        p.block_tables,
+        p.context_lens,
+        heads,
+        out,
+        part_o,
+        part_lse,
+        qk_scale,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        bs,
+        width,
+        split_keys,
+        num_splits,
+        GROUP=group,
+        BLOCK_N=block_n,
+        D_PAD=d_pad,
+        EXACT=exact,
+        DIRECT=direct,
+        num_warps=ATTENTION_WARPS,
     )
     if not direct:
         _merge_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, num_heads, head_dim, num_splits, SPLITS=max(2, _pow2(num_splits)), D_PAD=d_pad,
+            part_o,
+            part_lse,
+            out,
+            num_heads,
+            head_dim,
+            num_splits,
+            SPLITS=max(2, _pow2(num_splits)),
+            D_PAD=d_pad,
             num_warps=4,
         )
     return out
@@ -541,9 +713,18 @@ def _attend(p: _Problem, values: list[int], block_m: int | None, block_n: int | 
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, query_lens: torch.Tensor | None, kv_of_q: torch.Tensor | None, scale: float, *,
-    block_m: int | None = None, block_n: int | None = None, split_keys: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    split_keys: int | None = None,
     max_context: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens q [T, H, D] over the paged cache (see the top of the file); returns
@@ -563,8 +744,9 @@ def paged_attention(
         return _attend(problem, values, block_m, block_n, split_keys)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Copies k/v [T, KVH, D] (contiguous rows, any token stride) into the caches at flat `slot_mapping` slots
     (block * bs + offset). Raises ValueError for bad input, the cache untouched."""
     checks = _Checks()
@@ -576,16 +758,38 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     block = min(1024, _pow2(row))
     with _device_of(k):
         _write_kernel[(k.shape[0], _cdiv(row, block))](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row, BLOCK=block, num_warps=4,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            v.stride(0),
+            row,
+            BLOCK=block,
+            num_warps=4,
         )
 
 
 def rope_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor | None,
-    kv_of_q: torch.Tensor | None, scale: float, *,
-    block_m: int | None = None, block_n: int | None = None, split_keys: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    split_keys: int | None = None,
     max_context: int | None = None,
 ) -> torch.Tensor:
     """Rotates q [T, H, D] and k [T, KVH, D] at `positions` [T] int64 with cos/sin float32 [P, D], writes the
@@ -598,19 +802,29 @@ def rope_paged_attention(
     _check_kv_write(k, v, k_cache, v_cache, slot_mapping, checks)
     problem = _prepare(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale, checks)
     num_tokens, num_heads, head_dim = q.shape
-    _require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2],
-             f"bad q/k shapes: {list(q.shape)} and {list(k.shape)}")
+    _require(
+        q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], f"bad q/k shapes: {list(q.shape)} and {list(k.shape)}"
+    )
     _require(q.stride(2) == 1 and q.stride(1) == head_dim, "q and k must have contiguous heads")
     _require(head_dim % 2 == 0, f"head_dim must be even, got {head_dim}")
-    _require(cos.dtype == torch.float32 and sin.dtype == torch.float32 and cos.is_contiguous()
-             and sin.is_contiguous() and cos.dim() == 2 and cos.shape[1] == head_dim and sin.shape == cos.shape,
-             f"cos/sin must be contiguous float32 [P, {head_dim}], got {cos.dtype} {list(cos.shape)} and "
-             f"{sin.dtype} {list(sin.shape)}")
+    _require(
+        cos.dtype == torch.float32
+        and sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.dim() == 2
+        and cos.shape[1] == head_dim
+        and sin.shape == cos.shape,
+        f"cos/sin must be contiguous float32 [P, {head_dim}], got {cos.dtype} {list(cos.shape)} and "
+        f"{sin.dtype} {list(sin.shape)}",
+    )
     _int64(positions, num_tokens, "positions", "[T]")
     _same_device(q, positions, cos, sin, k_cache)
     if not checks.trusted:
-        checks.fail_if(((positions < 0) | (positions >= cos.shape[0])).any(),
-                       f"position out of range of the cos/sin table ({cos.shape[0]})")
+        checks.fail_if(
+            ((positions < 0) | (positions >= cos.shape[0])).any(),
+            f"position out of range of the cos/sin table ({cos.shape[0]})",
+        )
     values = checks.run() if max_context is None else _trusted_values(problem, max_context)
     q_rot = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_kv_heads = k.shape[1]
@@ -620,8 +834,27 @@ def rope_paged_attention(
             block_h = min(_pow2(max(num_heads, num_kv_heads)), max(1, 2048 // _pow2(half)))
             q_blocks = _cdiv(num_heads, block_h)
             _rope_write_kernel[(num_tokens, q_blocks + _cdiv(num_kv_heads, block_h))](
-                q, k, v, positions, cos, sin, q_rot, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0),
-                v.stride(0), num_heads, num_kv_heads, head_dim, half, q_blocks, BLOCK_H=block_h,
-                HALF_PAD=_pow2(half), num_warps=4, enable_fp_fusion=False,  # no fused multiply-add, as torch rounds
+                q,
+                k,
+                v,
+                positions,
+                cos,
+                sin,
+                q_rot,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                q.stride(0),
+                k.stride(0),
+                v.stride(0),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                half,
+                q_blocks,
+                BLOCK_H=block_h,
+                HALF_PAD=_pow2(half),
+                num_warps=4,
+                enable_fp_fusion=False,  # no fused multiply-add, as torch rounds
             )
         return _attend(dataclasses.replace(problem, q=q_rot), values, block_m, block_n, split_keys)

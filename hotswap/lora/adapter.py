@@ -32,8 +32,7 @@ class LoRAFactor(nn.Module):
     [rows, cols] checkpoint tensor, cut by `plan`, on `device` (the model's: a loaded tensor read on the host is
     copied there once, by `load_weight`)."""
 
-    def __init__(self, full_shape: tuple[int, int], plan: Narrowing, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, full_shape: tuple[int, int], plan: Narrowing, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         shape = list(full_shape)
         for dim, _, length in plan:
@@ -51,8 +50,9 @@ class LoRAFactor(nn.Module):
     def narrowings(self, param: nn.Parameter, shard_id: object = None) -> Narrowing:
         return list(self.plan)
 
-    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None,
-                    pre_sliced: bool = False) -> None:
+    def load_weight(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None, pre_sliced: bool = False
+    ) -> None:
         part = loaded
         if not pre_sliced:
             for dim, start, length in self.plan:
@@ -65,8 +65,9 @@ class LoRAAdapter(nn.Module):
     zero until loaded, on `device` (the model's; so are its packs). Raises ValueError for a module of `spec` that
     the model lacks or that this engine cannot adapt (embeddings, the LM head), or a rank over `max_rank`."""
 
-    def __init__(self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype, max_rank: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, spec: LoRASpec, base: nn.Module, dtype: torch.dtype, max_rank: int, device: torch.device
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.dtype = dtype
@@ -85,8 +86,10 @@ class LoRAAdapter(nn.Module):
             target = index.targets.get(f"{module}.weight")
             layer = target.layout if target is not None else None
             if target is None or not isinstance(layer, Linear) or target.param is not layer.weight:
-                raise ValueError(f"LoRA target module {module!r} is not a linear layer of this model that adapters "
-                                 "can change (attention and MLP projections, experts)")
+                raise ValueError(
+                    f"LoRA target module {module!r} is not a linear layer of this model that adapters "
+                    "can change (attention and MLP projections, experts)"
+                )
             out_full, in_full = target.full_shape
             a_plan: Narrowing = []
             b_plan: Narrowing = []
@@ -103,8 +106,7 @@ class LoRAAdapter(nn.Module):
             self.layers[target.module_name] = layer
         self._packs: dict[str, Any] | None = None
 
-    def _add_experts(self, base: nn.Module, wrapper: str, rows: int, features: tuple[int, int], max_rank: int
-                     ) -> None:
+    def _add_experts(self, base: nn.Module, wrapper: str, rows: int, features: tuple[int, int], max_rank: int) -> None:
         """A targeted expert parameter (PEFT's `target_parameters`): which one follows from its factors' (in, out)
         features: (hidden, 2 x intermediate) for gate_up, (intermediate, hidden) for down."""
         path = wrapper.replace(".base_layer", "")
@@ -119,15 +121,19 @@ class LoRAAdapter(nn.Module):
             raise ValueError(f"{wrapper}: lora_A has {rows} rows, not a multiple of the {experts} experts")
         rank = rows // experts
         if rank > max_rank:
-            raise ValueError(f"the adapter's rank {rank} per expert ({wrapper}) exceeds max_lora_rank={max_rank}; "
-                             "start the engine with a larger max_lora_rank")
+            raise ValueError(
+                f"the adapter's rank {rank} per expert ({wrapper}) exceeds max_lora_rank={max_rank}; "
+                "start the engine with a larger max_lora_rank"
+            )
         if features == (hidden, 2 * inter):
             which, param = "w13", "gate_up_proj"
         elif features == (inter, hidden):
             which, param = "w2", "down_proj"
         else:
-            raise ValueError(f"LoRA target {wrapper!r}: factors of {features[0]} inputs and {features[1]} outputs fit "
-                             f"neither gate_up_proj ({hidden} -> {2 * inter}) nor down_proj ({inter} -> {hidden})")
+            raise ValueError(
+                f"LoRA target {wrapper!r}: factors of {features[0]} inputs and {features[1]} outputs fit "
+                f"neither gate_up_proj ({hidden} -> {2 * inter}) nor down_proj ({inter} -> {hidden})"
+            )
         if which in self.expert_targets.get(path, {}):
             raise ValueError(f"LoRA target {wrapper!r}: {path}.{param} is adapted twice")
         lora_a = LoRAFactor((rows, features[0]), [], self.dtype, self.device)  # [experts x rank, in]
@@ -171,13 +177,15 @@ class LoRAAdapter(nn.Module):
                     col += rank
                 packs[name] = (shrink.t(), expand.t())
             for name, factors in self.expert_targets.items():
-                packs[name] = {which: self._expert_pack(self.expert_layers[name], which, *part)
-                               for which, part in factors.items()}
+                packs[name] = {
+                    which: self._expert_pack(self.expert_layers[name], which, *part) for which, part in factors.items()
+                }
             self._packs = packs
         return self._packs
 
-    def _expert_pack(self, layer: FusedMoE, which: str, lora_a: LoRAFactor, lora_b: LoRAFactor, rank: int,
-                     key: str) -> Pack:
+    def _expert_pack(
+        self, layer: FusedMoE, which: str, lora_a: LoRAFactor, lora_b: LoRAFactor, rank: int, key: str
+    ) -> Pack:
         """PEFT's layout for a [experts, out, in] parameter: lora_A rows are expert-major ([experts, rank, in]),
         lora_B columns rank-major ([out, rank, experts]); expert e adds scale * B_e @ A_e."""
         experts = layer.num_experts

@@ -65,8 +65,9 @@ class LoRAManager:
         if new in self.adapters:
             raise ValueError(f"adapter uid {new} is already loaded")
         self.drop_pending()
-        copy = self.spare.pop(current.spec, None) or LoRAAdapter(current.spec, self.model, self.dtype, self.max_rank,
-                                                                 self.device)
+        copy = self.spare.pop(current.spec, None) or LoRAAdapter(
+            current.spec, self.model, self.dtype, self.max_rank, self.device
+        )
         if fill:
             copy.copy_from(current)
         self.pending = (new, copy)
@@ -76,8 +77,10 @@ class LoRAManager:
     def fill_pairs(self, old: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(the pending version's factor, version `old`'s) pairs: what `begin(..., fill=False)` left to copy."""
         assert self.pending is not None, "no pending version"
-        return [(mine.data, theirs.data) for mine, theirs in
-                zip(self.pending[1].parameters(), self.get(old).parameters(), strict=True)]
+        return [
+            (mine.data, theirs.data)
+            for mine, theirs in zip(self.pending[1].parameters(), self.get(old).parameters(), strict=True)
+        ]
 
     def prepare_pending(self) -> None:
         """Builds the pending version's packs now (its tensors have all arrived), so that `commit_pending` only

@@ -20,8 +20,13 @@ import torch
 PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 # adapter_config.json keys whose non-default values change the forward pass in ways not implemented here
-_UNSUPPORTED: dict[str, Any] = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False,
-                                "modules_to_save": None, "layer_replication": None}
+_UNSUPPORTED: dict[str, Any] = {
+    "use_dora": False,
+    "lora_bias": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layer_replication": None,
+}
 
 
 @dataclass(frozen=True)
@@ -55,14 +60,23 @@ class LoRASpec:
         return alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"r": self.rank, "lora_alpha": self.alpha, "use_rslora": self.use_rslora,
-                "ranks": [list(item) for item in self.ranks], "alpha_pattern": [list(i) for i in self.alpha_pattern]}
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "use_rslora": self.use_rslora,
+            "ranks": [list(item) for item in self.ranks],
+            "alpha_pattern": [list(i) for i in self.alpha_pattern],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoRASpec:
-        return cls(int(d["r"]), float(d["lora_alpha"]), bool(d["use_rslora"]),
-                   tuple((str(m), int(r), int(i), int(o)) for m, r, i, o in d["ranks"]),
-                   tuple((str(p), float(a)) for p, a in d.get("alpha_pattern", [])))
+        return cls(
+            int(d["r"]),
+            float(d["lora_alpha"]),
+            bool(d["use_rslora"]),
+            tuple((str(m), int(r), int(i), int(o)) for m, r, i, o in d["ranks"]),
+            tuple((str(p), float(a)) for p, a in d.get("alpha_pattern", [])),
+        )
 
 
 def canonical_name(name: str) -> str:
@@ -81,8 +95,9 @@ def spec_of(config: dict[str, Any], tensors: dict[str, torch.Tensor], max_rank: 
     ValueError naming what is missing, unsupported or over `max_rank` (a module's rank; an expert parameter's rank
     per expert is checked where the experts are known)."""
     if not isinstance(config, dict):
-        raise ValueError(f"the adapter's config must be a dict of adapter_config.json fields, got "
-                         f"{type(config).__name__}")
+        raise ValueError(
+            f"the adapter's config must be a dict of adapter_config.json fields, got {type(config).__name__}"
+        )
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise ValueError(f"peft_type {peft_type!r} is not supported; only LORA adapters are")
@@ -105,9 +120,11 @@ def spec_of(config: dict[str, Any], tensors: dict[str, torch.Tensor], max_rank: 
     for name, tensor in tensors.items():
         match = _FACTOR.match(canonical_name(name))
         if match is None:
-            raise ValueError(f"unexpected tensor {name!r} in a LoRA adapter (expected <module>.lora_A.weight and "
-                             "<module>.lora_B.weight)")
-        factors.setdefault(match["module"][len(PREFIX):], {})[match["factor"]] = tensor
+            raise ValueError(
+                f"unexpected tensor {name!r} in a LoRA adapter (expected <module>.lora_A.weight and "
+                "<module>.lora_B.weight)"
+            )
+        factors.setdefault(match["module"][len(PREFIX) :], {})[match["factor"]] = tensor
     if not factors:
         raise ValueError("the adapter has no lora_A / lora_B tensors")
     lonely = sorted(m for m, f in factors.items() if set(f) != {"lora_A", "lora_B"})
@@ -117,15 +134,24 @@ def spec_of(config: dict[str, Any], tensors: dict[str, torch.Tensor], max_rank: 
     for module, pair in sorted(factors.items()):
         rows = pair["lora_A"].shape[0] if pair["lora_A"].dim() == 2 else -1
         if pair["lora_A"].dim() != 2 or pair["lora_B"].dim() != 2 or pair["lora_B"].shape[1] != rows:
-            raise ValueError(f"{module}: lora_A {tuple(pair['lora_A'].shape)} and lora_B "
-                             f"{tuple(pair['lora_B'].shape)} are not [rank, in] and [out, rank]")
+            raise ValueError(
+                f"{module}: lora_A {tuple(pair['lora_A'].shape)} and lora_B "
+                f"{tuple(pair['lora_B'].shape)} are not [rank, in] and [out, rank]"
+            )
         expert = module.endswith(".experts") or ".experts.base_layer" in module
         if not expert and rows > max_rank:
-            raise ValueError(f"the adapter's rank {rows} ({module}) exceeds max_lora_rank={max_rank}; start the "
-                             "engine with a larger max_lora_rank")
+            raise ValueError(
+                f"the adapter's rank {rows} ({module}) exceeds max_lora_rank={max_rank}; start the "
+                "engine with a larger max_lora_rank"
+            )
         ranks.append((module, rows, pair["lora_A"].shape[1], pair["lora_B"].shape[0]))
-    return LoRASpec(rank, float(alpha), bool(config.get("use_rslora", False)), tuple(ranks),
-                    tuple((str(p), float(v)) for p, v in patterns.items()))
+    return LoRASpec(
+        rank,
+        float(alpha),
+        bool(config.get("use_rslora", False)),
+        tuple(ranks),
+        tuple((str(p), float(v)) for p, v in patterns.items()),
+    )
 
 
 def read_folder(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -31,7 +31,10 @@ class LlamaAttention(nn.Module):
         # this rank's heads; o_proj's input split follows them
         local_heads = self.qkv_proj.num_local_heads
         self.o_proj = Linear(
-            self.num_heads * self.head_dim, hidden, bias=attention_bias, parallel="row",
+            self.num_heads * self.head_dim,
+            hidden,
+            bias=attention_bias,
+            parallel="row",
             in_split=(self.qkv_proj.q_start * self.head_dim, local_heads * self.head_dim),
             det_split=split(self.num_heads, 0, 2)[1] * self.head_dim,  # whole heads, as two ranks split them
         )

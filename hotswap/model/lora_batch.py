@@ -16,7 +16,6 @@ Pack = tuple[torch.Tensor, torch.Tensor]  # (shrink [in, R], expand [R, out]): o
 # a group's packs: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack} (FusedMoE._add_lora)
 
 
-
 @dataclass
 class LoRAGroup:
     """The rows of a pass that one adapter version serves, and its packs by layer name: `span` (start, length)
@@ -43,8 +42,9 @@ class LoRABatch:
         """Whether layer `key` (a base linear module's name) has an adapter in this pass."""
         return key is not None and any(key in g.packs for g in self.groups)
 
-    def apply(self, key: str, x: torch.Tensor, out: torch.Tensor,
-              reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def apply(
+        self, key: str, x: torch.Tensor, out: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """`out` (the base layer's output for input rows `x`) plus every adapter's contribution, in place.
         `reduce`: sums the rank-sized partial products across tensor-parallel ranks (a row-parallel layer, whose
         `x` is this rank's input columns)."""
@@ -70,8 +70,14 @@ class LoRABatch:
         return out
 
     @staticmethod
-    def _apply_upcast(group: LoRAGroup, shrink: torch.Tensor, expand: torch.Tensor, x: torch.Tensor,
-                      out: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    def _apply_upcast(
+        group: LoRAGroup,
+        shrink: torch.Tensor,
+        expand: torch.Tensor,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
         """PEFT's order for a half-precision model: the input cast to the factors' dtype, the adapter's product
         added to the base output in that dtype, the sum rounded once to the model's."""
         if group.span is not None:

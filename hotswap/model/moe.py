@@ -86,7 +86,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if not self.is_sparse(cfg, layer):
             return None
         return SparseMoeBlock(
-            cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+            cfg["hidden_size"],
+            num_experts(cfg),
+            cfg["num_experts_per_tok"],
+            cfg["moe_intermediate_size"],
             bool(cfg.get("norm_topk_prob", False)),
             cfg.get("shared_expert_intermediate_size", 0) if self.shared_expert else 0,
         )
@@ -107,8 +110,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def mlp_for(self, layer: int) -> nn.Module | None:
         cfg = self.hf_config
         return SparseMoeBlock(
-            cfg["hidden_size"], num_experts(cfg), cfg["num_experts_per_tok"], cfg["intermediate_size"],
-            renormalize=True, expert_names=("w1", "w3", "w2"),
+            cfg["hidden_size"],
+            num_experts(cfg),
+            cfg["num_experts_per_tok"],
+            cfg["intermediate_size"],
+            renormalize=True,
+            expert_names=("w1", "w3", "w2"),
         )
 
     def checkpoint_aliases(self) -> dict[str, str]:

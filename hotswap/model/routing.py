@@ -24,8 +24,9 @@ class Routing:
         self.forced: torch.Tensor | None = None
         self._recorded: list[torch.Tensor] = []
 
-    def use(self, layer: int, weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, renormalize: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def use(
+        self, layer: int, weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The (weights, ids) sparse layer `layer` goes on with: the router's own, or for forced rows the forced
         experts weighted by the router's probabilities (softmax of `logits` [T, E], float32) of them, renormalized
         when the model renormalizes its top-k; recorded when asked. Called once per layer per pass, in layer
@@ -48,8 +49,10 @@ class Routing:
         """The ids recorded in this pass, [T, layers, top_k] (int64); resets for the next pass."""
         recorded, self._recorded = self._recorded, []
         if len(recorded) != self.num_layers:
-            raise RuntimeError(f"recorded {len(recorded)} sparse layers of {self.num_layers}: a pass did not run "
-                               "every sparse layer once")
+            raise RuntimeError(
+                f"recorded {len(recorded)} sparse layers of {self.num_layers}: a pass did not run "
+                "every sparse layer once"
+            )
         return torch.stack(recorded, dim=1)
 
     def clear(self) -> None:

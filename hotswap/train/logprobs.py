@@ -82,12 +82,14 @@ def _build_mirror(model: nn.Module) -> _Mirror:
         if target is None:
             if index.ignored(name):
                 continue
-            raise ValueError(f"token_logprobs: the trainer's parameter {name!r} has no place in hotswap's "
-                             f"{type(mirror).__name__}")
+            raise ValueError(
+                f"token_logprobs: the trainer's parameter {name!r} has no place in hotswap's {type(mirror).__name__}"
+            )
         view = target.local_view()
         if tuple(view.shape) != tuple(tensor.shape) or not view.is_contiguous():
-            raise ValueError(f"token_logprobs: {name!r} has shape {list(tensor.shape)}; hotswap expects "
-                             f"{list(view.shape)}")
+            raise ValueError(
+                f"token_logprobs: {name!r} has shape {list(tensor.shape)}; hotswap expects {list(view.shape)}"
+            )
         offset = int(view.storage_offset() - target.param.data.storage_offset())
         sources[target.param_name].append((offset, tuple(view.shape), raw))
     for name, parts in sources.items():
@@ -126,8 +128,10 @@ def _parameters(mirror: _Mirror, model: nn.Module) -> dict[str, torch.Tensor]:
     trainer = dict(model.named_parameters())
     away = sorted({str(t.device) for t in trainer.values() if t.device.type != "cpu"})
     if away:
-        raise ValueError(f"token_logprobs runs on the CPU (the engine's kernels); the model's parameters are on "
-                         f"{away}: move it with model.cpu()")
+        raise ValueError(
+            f"token_logprobs runs on the CPU (the engine's kernels); the model's parameters are on "
+            f"{away}: move it with model.cpu()"
+        )
     params = dict(mirror.model.named_parameters())
     out: dict[str, torch.Tensor] = {}
     for name, parts in mirror.sources.items():
@@ -180,8 +184,7 @@ def token_logprobs(
     return out
 
 
-def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperature: float = 1.0
-                      ) -> list[torch.Tensor]:
+def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
     """For each token sequence (1-D int64, at least 2 tokens), the log-softmax over the vocabulary after each of
     its tokens but the last ([len - 1, V] float32): the engine's deterministic-mode distributions, differentiable
     (see `token_logprobs`). The sequences run as one packed batch; none changes another's bits."""

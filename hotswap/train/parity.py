@@ -39,8 +39,9 @@ class ParityReport:
         return asdict(self)
 
 
-def _engine_rows(model_dir: str, tokenizer: str | None, sequences: list[list[int]], deterministic: bool,
-                 vocab: int) -> list[torch.Tensor]:
+def _engine_rows(
+    model_dir: str, tokenizer: str | None, sequences: list[list[int]], deterministic: bool, vocab: int
+) -> list[torch.Tensor]:
     """The engine's full-vocabulary log-softmax after each token but the last of every sequence."""
     from hotswap.entrypoints.llm import LLM
     from hotswap.sampling_params import SamplingParams
@@ -74,8 +75,9 @@ def _trainer_rows(model: nn.Module, sequences: list[list[int]], deterministic: b
         return out
 
 
-def _report(mode: str, engine: list[torch.Tensor], trainer: list[torch.Tensor], sequences: list[list[int]]
-            ) -> ParityReport:
+def _report(
+    mode: str, engine: list[torch.Tensor], trainer: list[torch.Tensor], sequences: list[list[int]]
+) -> ParityReport:
     e, t = torch.cat(engine), torch.cat(trainer)
     if e.shape != t.shape:
         raise ValueError(f"the engine scored {list(e.shape)} and the trainer {list(t.shape)}: another vocabulary?")
@@ -84,8 +86,16 @@ def _report(mode: str, engine: list[torch.Tensor], trainer: list[torch.Tensor], 
     p, q = e.exp(), t.exp()
     kl = torch.where(p > 0, p * (e - t), torch.zeros_like(p)).sum(-1)
     tv = 0.5 * (p - q).abs().sum(-1)
-    return ParityReport(mode, len(targets), float(diff.max()), float(kl.mean()), float(kl.max()), float(tv.mean()),
-                        float(tv.max()), bool(torch.equal(e, t)))
+    return ParityReport(
+        mode,
+        len(targets),
+        float(diff.max()),
+        float(kl.mean()),
+        float(kl.max()),
+        float(tv.mean()),
+        float(tv.max()),
+        bool(torch.equal(e, t)),
+    )
 
 
 def parity(

@@ -38,8 +38,10 @@ def _as_tensor(routed_experts: Any, batch: int, length: int, layers: int, top_k:
     for b, item in enumerate(items):
         rows = torch.as_tensor(np.asarray(item) if not torch.is_tensor(item) else item).long()
         if rows.dim() != 3 or tuple(rows.shape[1:]) != (layers, top_k) or rows.shape[0] > length:
-            raise ValueError(f"routes of sequence {b} have shape {list(rows.shape)}; expected [at most {length}, "
-                             f"{layers}, {top_k}] (tokens, sparse layers, experts per token)")
+            raise ValueError(
+                f"routes of sequence {b} have shape {list(rows.shape)}; expected [at most {length}, "
+                f"{layers}, {top_k}] (tokens, sparse layers, experts per token)"
+            )
         out[b, : rows.shape[0]] = rows
     return out.reshape(batch * length, layers, top_k)
 
@@ -75,8 +77,10 @@ def _replaying(original: Any, forced: torch.Tensor) -> Any:
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, scores, indices = original(hidden_states)
         if logits.shape[0] != forced.shape[0]:
-            raise ValueError(f"the router saw {logits.shape[0]} tokens; the routes cover {forced.shape[0]} "
-                             "(batch x length of replay_routes' input_shape)")
+            raise ValueError(
+                f"the router saw {logits.shape[0]} tokens; the routes cover {forced.shape[0]} "
+                "(batch x length of replay_routes' input_shape)"
+            )
         rows = forced[:, 0] >= 0
         if not bool(rows.any()):
             return logits, scores, indices

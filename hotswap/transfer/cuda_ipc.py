@@ -144,7 +144,7 @@ def pack(pairs: Pairs, align: int = _ALIGN) -> tuple[torch.Tensor, list[int]]:
     for (_, tensor), offset in zip(pairs, offsets, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
-            bucket[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            bucket[offset : offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     return bucket, offsets
 
 
@@ -169,8 +169,7 @@ class CudaIpcSender:
             torch.cuda.synchronize(device)
         return pairs
 
-    def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket: bool = False
-                    ) -> dict[str, Any]:
+    def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket: bool = False) -> dict[str, Any]:
         """The update_info of these tensors: one handle per tensor, or with `bucket` one flat uint8 bucket (a copy,
         each tensor at a 64-byte aligned offset). Both carry the declaration."""
         pairs = self._pairs(named_tensors, share=not bucket)
@@ -195,9 +194,17 @@ class CudaIpcSender:
             return _b64(dumps(pairs))
         flat, offsets = pack(pairs, align=1)
         self._export([flat])
-        metadata = [{"name": name, "shape": tuple(t.shape), "dtype": t.dtype, "start_idx": offset,
-                     "end_idx": offset + t.numel() * t.element_size(), "numel": t.numel()}
-                    for (name, t), offset in zip(pairs, offsets, strict=True)]
+        metadata = [
+            {
+                "name": name,
+                "shape": tuple(t.shape),
+                "dtype": t.dtype,
+                "start_idx": offset,
+                "end_idx": offset + t.numel() * t.element_size(),
+                "numel": t.numel(),
+            }
+            for (name, t), offset in zip(pairs, offsets, strict=True)
+        ]
         return _b64(dumps({"flattened_tensor": flat, "metadata": metadata}))
 
     def release(self) -> None:
@@ -226,14 +233,13 @@ def _open_cpu(handle: CpuHandle) -> torch.Tensor:
     try:
         available = os.stat(f"/dev/shm{name}").st_size - _SEGMENT_HEADER
     except OSError:
-        raise ValueError(f"shared memory segment {name!r} does not exist (the trainer released it, or is gone)"
-                         ) from None
+        raise ValueError(
+            f"shared memory segment {name!r} does not exist (the trainer released it, or is gone)"
+        ) from None
     if segment.nbytes > available:  # mapping more would grow the trainer's segment
         raise ValueError(f"the handle claims {segment.nbytes} bytes of segment {name!r}, which holds {available}")
     try:
-        storage = torch.UntypedStorage._new_shared_filename_cpu(
-            segment.manager, segment.name, segment.nbytes
-        )
+        storage = torch.UntypedStorage._new_shared_filename_cpu(segment.manager, segment.name, segment.nbytes)
     except RuntimeError as err:
         raise ValueError(f"cannot open shared memory segment {name!r} ({err}); is the trainer alive?") from None
     return torch.empty(0, dtype=handle.dtype).set_(storage, handle.offset, handle.size, handle.stride)
@@ -246,13 +252,27 @@ def _open_cuda(handle: CudaHandle, device: torch.device) -> torch.Tensor:
         raise ValueError(f"a CUDA IPC handle reached an engine on {device}; send CPU shared tensors (key 'cpu') to it")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if isinstance(handle.device, str) and handle.device != device_key(torch.device("cuda", index)):
-        raise ValueError(f"the handle was exported on GPU {handle.device}, but this engine runs on GPU "
-                         f"{device_key(torch.device('cuda', index))} (IPC shares memory of one GPU)")
+        raise ValueError(
+            f"the handle was exported on GPU {handle.device}, but this engine runs on GPU "
+            f"{device_key(torch.device('cuda', index))} (IPC shares memory of one GPU)"
+        )
     try:
         tensor: torch.Tensor = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(handle.size), handle.stride, handle.offset, torch.storage.TypedStorage,
-            handle.dtype, index, handle.handle, handle.storage_bytes, handle.storage_offset_bytes, False,
-            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required,
+            torch.Tensor,
+            torch.Size(handle.size),
+            handle.stride,
+            handle.offset,
+            torch.storage.TypedStorage,
+            handle.dtype,
+            index,
+            handle.handle,
+            handle.storage_bytes,
+            handle.storage_offset_bytes,
+            False,
+            handle.ref_counter_handle,
+            handle.ref_counter_offset,
+            handle.event_handle,
+            handle.event_sync_required,
         )
         return tensor
     except RuntimeError as err:
@@ -278,14 +298,18 @@ def _select(entries: Any, key: str, what: str) -> Any:
     for candidate in (key, "cpu"):
         if candidate in entries:
             return entries[candidate]
-    raise ValueError(f"{what} holds no handles for this engine's device {key!r}; it has some for "
-                     f"{sorted(map(str, entries))[:8]} (IPC needs the trainer on the engine's machine and GPU)")
+    raise ValueError(
+        f"{what} holds no handles for this engine's device {key!r}; it has some for "
+        f"{sorted(map(str, entries))[:8]} (IPC needs the trainer on the engine's machine and GPU)"
+    )
 
 
 def _expect(handle: TensorHandle, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorHandle:
     if handle.dtype != dtype or tuple(handle.size) != tuple(shape):
-        raise ValueError(f"{name}: its handle holds a {dtype_name(handle.dtype)} tensor of shape {tuple(handle.size)}, "
-                         f"but the update declares {dtype_name(dtype)} {tuple(shape)}")
+        raise ValueError(
+            f"{name}: its handle holds a {dtype_name(handle.dtype)} tensor of shape {tuple(handle.size)}, "
+            f"but the update declares {dtype_name(dtype)} {tuple(shape)}"
+        )
     return handle
 
 
@@ -294,9 +318,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def _int_list(value: Any, count: int, what: str) -> list[int]:
-    if not isinstance(value, list | tuple) or len(value) != count or not all(
-        type(v) is int and v >= 0 for v in value
-    ):
+    if not isinstance(value, list | tuple) or len(value) != count or not all(type(v) is int and v >= 0 for v in value):
         raise ValueError(f"{what} must list {count} non-negative integers (one per declared tensor)")
     return list(value)
 
@@ -316,7 +338,7 @@ def _unpack(flat: TensorHandle, declared: Declared, offsets: list[int], device: 
         if count == 0:
             pairs.append((name, torch.empty(shape, dtype=dtype, device=data.device)))
             continue
-        part = data[offset:offset + count]
+        part = data[offset : offset + count]
         if part.storage_offset() % dtype.itemsize:
             part = part.clone()
         pairs.append((name, part.view(dtype).view(shape)))
@@ -340,8 +362,10 @@ def open_update(update_info: dict[str, Any], declared: Declared, device: torch.d
     is checked against the declaration before any is opened. Raises ValueError for a malformed or refused update."""
     forms = [f for f in ("handles", "bucket", "ipc_handles", "ipc_handles_pickled") if update_info.get(f) is not None]
     if len(forms) != 1:
-        raise ValueError("a cuda_ipc update carries one of 'handles' or 'bucket' (+ 'offsets'), or vLLM's "
-                         f"'ipc_handles' / 'ipc_handles_pickled'; got {forms or 'none'}")
+        raise ValueError(
+            "a cuda_ipc update carries one of 'handles' or 'bucket' (+ 'offsets'), or vLLM's "
+            f"'ipc_handles' / 'ipc_handles_pickled'; got {forms or 'none'}"
+        )
     key = device_key(device)
     if forms[0] == "handles":
         handles = loads(_select(update_info["handles"], key, "handles"), "handles")
@@ -363,8 +387,10 @@ def open_update(update_info: dict[str, Any], declared: Declared, device: torch.d
         return _unpack(as_handle(_select(handles, key, "ipc_handles"), "the packed buffer"), declared, offsets, device)
     if not isinstance(handles, list) or len(handles) != len(declared):
         raise ValueError(f"ipc_handles must list {len(declared)} {{GPU UUID: handle}} entries (one per declared name)")
-    checked = [_expect(as_handle(_select(entry, key, f"ipc_handles[{i}]"), name), name, d, s)
-               for i, (entry, (name, d, s)) in enumerate(zip(handles, declared, strict=True))]
+    checked = [
+        _expect(as_handle(_select(entry, key, f"ipc_handles[{i}]"), name), name, d, s)
+        for i, (entry, (name, d, s)) in enumerate(zip(handles, declared, strict=True))
+    ]
     return [(name, open_handle(h, device)) for h, (name, _, _) in zip(checked, declared, strict=True)]
 
 
@@ -378,8 +404,9 @@ def _meta(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
     """(name, dtype, shape, start, end) of one flattened-bucket metadata entry (SGLang's dataclass, or a dict)."""
     get = entry.field if isinstance(entry, SglangRecord) else entry.get if isinstance(entry, dict) else None
     if get is None:
-        raise ValueError(f"flattened bucket metadata entries must be FlattenedTensorMetadata or dicts, got "
-                         f"{type(entry).__name__}")
+        raise ValueError(
+            f"flattened bucket metadata entries must be FlattenedTensorMetadata or dicts, got {type(entry).__name__}"
+        )
     name, shape, dtype, start, end = (get(k) for k in ("name", "shape", "dtype", "start_idx", "end_idx"))
     if not isinstance(name, str):
         raise ValueError("flattened bucket metadata: name must be a string")
@@ -407,8 +434,9 @@ def open_sglang(serialized: Any, load_format: Any, device: torch.device, rank: i
     a uint8 bucket, or element ranges of a bucket of the tensors' one dtype). Raises ValueError for anything
     malformed or refused, before any handle is opened."""
     if load_format not in SGLANG_LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not supported here; use null ((name, tensor) pairs) or "
-                         "'flattened_bucket'")
+        raise ValueError(
+            f"load_format {load_format!r} is not supported here; use null ((name, tensor) pairs) or 'flattened_bucket'"
+        )
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors must list one serialized entry per tensor-parallel rank")
     entry = serialized[rank] if rank < len(serialized) else serialized[0]
@@ -428,8 +456,10 @@ def open_sglang(serialized: Any, load_format: Any, device: torch.device, rank: i
     scale = 1 if flat.dtype == torch.uint8 else flat.dtype.itemsize
     for name, dtype, shape, start, end in metas:
         if scale != 1 and dtype != flat.dtype:
-            raise ValueError(f"{name}: a {dtype_name(dtype)} tensor in a {dtype_name(flat.dtype)} bucket; SGLang's "
-                             "multi-dtype buckets are uint8 with byte ranges")
+            raise ValueError(
+                f"{name}: a {dtype_name(dtype)} tensor in a {dtype_name(flat.dtype)} bucket; SGLang's "
+                "multi-dtype buckets are uint8 with byte ranges"
+            )
         if (end - start) * scale != _nbytes(dtype, shape):
             raise ValueError(f"{name}: its range {start}..{end} does not hold a {dtype_name(dtype)} {shape} tensor")
     return _unpack(flat, declared, [start * scale for _, _, _, start, _ in metas], device)
@@ -470,8 +500,12 @@ class CudaIpcEngine(TransferEngine):
         if not isinstance(update_info, dict):
             raise ValueError(f"update_info must be a dict, got {type(update_info).__name__}")
         if update_info.get("serialized_named_tensors") is not None:
-            pairs = open_sglang(update_info["serialized_named_tensors"], update_info.get("load_format"), self.device,
-                                current_parallel().rank)
+            pairs = open_sglang(
+                update_info["serialized_named_tensors"],
+                update_info.get("load_format"),
+                self.device,
+                current_parallel().rank,
+            )
             declared: Declared = [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
         else:
             declared = declared_from_info(update_info)

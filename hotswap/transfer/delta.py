@@ -57,11 +57,14 @@ class DeltaEncoder:
         """Forget the engine's state: the next push is full (after a failed push, or a reload from elsewhere)."""
         self.base, self.base_version, self._pending = None, None, None
 
-    def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]],
-                                                                              dict[str, Any]]:
+    def encode(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """(the tensors to send, the update_info fields to add). Full when there is no committed base."""
-        current = {name: (t.detach().to(self.dtype) if self.dtype is not None else t.detach()).clone()
-                   for name, t in named_tensors}
+        current = {
+            name: (t.detach().to(self.dtype) if self.dtype is not None else t.detach()).clone()
+            for name, t in named_tensors
+        }
         self._pending = current
         self.last_full_bytes = sum(t.numel() * t.element_size() for t in current.values())
         extra: dict[str, Any] = {}

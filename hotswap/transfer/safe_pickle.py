@@ -178,8 +178,10 @@ def extent(size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
 def _fits(size: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype, nbytes: int) -> None:
     need = extent(size, stride, offset) * dtype.itemsize
     if need > nbytes:
-        raise BadHandle(f"shared tensor handle: a {tuple(size)} tensor at offset {offset} reaches {need} bytes, past "
-                         f"its storage's {nbytes}")
+        raise BadHandle(
+            f"shared tensor handle: a {tuple(size)} tensor at offset {offset} reaches {need} bytes, past "
+            f"its storage's {nbytes}"
+        )
 
 
 # ---- the builders the allowlisted rebuild functions resolve to ---------------------------------------------
@@ -233,9 +235,14 @@ def _cuda_handle(args: tuple[Any, ...], device: int | str) -> CudaHandle:
     _class(args[0], TENSOR_CLASS)
     _class(args[4], STORAGE_CLASS)
     handle = CudaHandle(
-        size=_dims(args[1], "size"), stride=_dims(args[2], "stride"), offset=_int(args[3], "the offset"),
-        dtype=_dtype(args[5]), device=device, handle=_bytes(args[7], "the memory handle", optional=True),
-        storage_bytes=_int(args[8], "the storage size"), storage_offset_bytes=_int(args[9], "the storage offset"),
+        size=_dims(args[1], "size"),
+        stride=_dims(args[2], "stride"),
+        offset=_int(args[3], "the offset"),
+        dtype=_dtype(args[5]),
+        device=device,
+        handle=_bytes(args[7], "the memory handle", optional=True),
+        storage_bytes=_int(args[8], "the storage size"),
+        storage_offset_bytes=_int(args[9], "the storage offset"),
         ref_counter_handle=_bytes(args[11], "the ref counter handle", optional=True),
         ref_counter_offset=_int(args[12], "the ref counter offset"),
         event_handle=_bytes(args[13], "the event handle", optional=True),
@@ -316,8 +323,10 @@ def as_handle(value: Any, what: str = "a handle") -> TensorHandle:
             return built
     if isinstance(value, tuple) and len(value) == 15:
         return _rebuild_cuda_tensor(*value)
-    raise ValueError(f"{what} is not a shared tensor handle (got {type(value).__name__}); expected a tensor exported "
-                     "with torch.multiprocessing.reductions.reduce_tensor")
+    raise ValueError(
+        f"{what} is not a shared tensor handle (got {type(value).__name__}); expected a tensor exported "
+        "with torch.multiprocessing.reductions.reduce_tensor"
+    )
 
 
 def allowlist() -> str:
@@ -336,9 +345,12 @@ def resolve(module: str, name: str) -> Any:
     if (module == "sglang" or module.startswith("sglang.")) and name in _SGLANG:
         return _SGLANG[name]
     hint = _REFUSED_HINTS.get((module, name))
-    raise RefusedGlobal(f"refused to unpickle the global {module}.{name}"[:200] + (f": {hint}" if hint else "")
-                        + ". Request pickles may only name what rebuilding a shared tensor needs (the allowlist: "
-                        + f"{allowlist()})")
+    raise RefusedGlobal(
+        f"refused to unpickle the global {module}.{name}"[:200]
+        + (f": {hint}" if hint else "")
+        + ". Request pickles may only name what rebuilding a shared tensor needs (the allowlist: "
+        + f"{allowlist()})"
+    )
 
 
 class _Unpickler(pickle.Unpickler):
@@ -372,5 +384,6 @@ def loads(payload: bytes | str, what: str = "payload") -> Any:
     except (RefusedGlobal, BadHandle):
         raise
     except Exception as err:  # whatever malformed bytes make the unpickler raise
-        raise ValueError(f"{what} is not a readable pickle of shared tensors ({type(err).__name__}: "
-                         f"{str(err)[:200]})") from None
+        raise ValueError(
+            f"{what} is not a readable pickle of shared tensors ({type(err).__name__}: {str(err)[:200]})"
+        ) from None

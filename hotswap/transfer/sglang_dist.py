@@ -23,8 +23,9 @@ from hotswap.transfer.torch_dist import TorchDistEngine, _root, _tensor_view, _w
 from hotswap.weights.update import WeightSource
 
 
-def custom_group(address: str, port: int, rank: int, world: int, timeout_s: float, backend: str,
-                 group_name: str) -> tuple[Any, Any]:
+def custom_group(
+    address: str, port: int, rank: int, world: int, timeout_s: float, backend: str, group_name: str
+) -> tuple[Any, Any]:
     """(store, group): the trainer's custom process group, joined as `rank` of `world`."""
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
     from torch.distributed.rendezvous import rendezvous
@@ -33,8 +34,9 @@ def custom_group(address: str, port: int, rank: int, world: int, timeout_s: floa
     store, rank, world = next(rendezvous(f"tcp://{address}:{port}", rank, world, timeout=timeout))
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world, rank, [], backend, prefixed, group_name=cast(Any, group_name),
-                                         backend_options=None, timeout=timeout)
+    group, _ = _new_process_group_helper(
+        world, rank, [], backend, prefixed, group_name=cast(Any, group_name), backend_options=None, timeout=timeout
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     return store, group
 
@@ -52,8 +54,9 @@ class SglangDistEngine(TorchDistEngine):
         info.setdefault("device", "cuda" if self.dist_backend == "nccl" else "cpu")
         super().__init__(info, config)
 
-    def _connect(self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
-                 ) -> tuple[Any, Any]:
+    def _connect(
+        self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
+    ) -> tuple[Any, Any]:
         return custom_group(address, port, rank, world, timeout_s, self.dist_backend, self.group_name)
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:

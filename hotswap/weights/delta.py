@@ -62,13 +62,16 @@ def _target(index: WeightIndex, name: str, encoding: str) -> Target:
     if target is None:
         raise ValueError(f"unknown tensors (the model has no such weights): [{name!r}]")
     if target.module_name in index.staging_modules:
-        raise ValueError(f"{name}: its layer holds the weights in another form than they arrive (fp8), so an "
-                         f"{encoding} delta has no current value to apply to; send it whole (encoding 'overwrite')")
+        raise ValueError(
+            f"{name}: its layer holds the weights in another form than they arrive (fp8), so an "
+            f"{encoding} delta has no current value to apply to; send it whole (encoding 'overwrite')"
+        )
     try:
         target.narrowings()
     except ValueError:
-        raise ValueError(f"{name}: a fused tensor cannot take an {encoding} delta; send its per-expert "
-                         "tensors") from None
+        raise ValueError(
+            f"{name}: a fused tensor cannot take an {encoding} delta; send its per-expert tensors"
+        ) from None
     return target
 
 
@@ -102,8 +105,7 @@ def _local_indices(flat: torch.Tensor, target: Target, pre_sliced: bool) -> tupl
     return kept, local
 
 
-def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_sliced: bool
-                  ) -> torch.Tensor | Patch:
+def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_sliced: bool) -> torch.Tensor | Patch:
     """This rank's change: the elements at `flat` (full-tensor indices, or the part's when `pre_sliced`) set to
     `values`, as a `Patch` written in place (only those elements move), or, where this rank's part is not one
     contiguous view, as its whole new value."""
@@ -111,8 +113,10 @@ def _apply_sparse(target: Target, flat: torch.Tensor, values: torch.Tensor, pre_
     if flat.numel():
         low, high = torch.aminmax(flat)
         if int(low) < 0 or int(high) >= numel:
-            raise ValueError(f"sparse indices outside [0, {numel}) for a tensor of shape "
-                             f"{target.local_shape if pre_sliced else target.full_shape}")
+            raise ValueError(
+                f"sparse indices outside [0, {numel}) for a tensor of shape "
+                f"{target.local_shape if pre_sliced else target.full_shape}"
+            )
     current = target.local_view()
     kept, local = _local_indices(flat, target, pre_sliced)
     values = (values if kept is None else values[kept]).to(current.dtype)
@@ -161,14 +165,20 @@ def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> Weight
             if base in pending:
                 kinds = {**kinds, pending[base].kind: (pending[base].dtype, pending[base].shape)}
             for kind, (dtype, shape) in kinds.items():
-                if len(shape) != 1 or (kind == "indices" and dtype != torch.int64) or (
-                        kind == "values" and not dtype.is_floating_point):
-                    raise ValueError(f"{base}: a sparse delta is int64 flat indices and floating-point values, "
-                                     f"1-D; got {kind} {dtype} {list(shape)}")
+                if (
+                    len(shape) != 1
+                    or (kind == "indices" and dtype != torch.int64)
+                    or (kind == "values" and not dtype.is_floating_point)
+                ):
+                    raise ValueError(
+                        f"{base}: a sparse delta is int64 flat indices and floating-point values, "
+                        f"1-D; got {kind} {dtype} {list(shape)}"
+                    )
             if len(kinds) == 2:
                 if kinds["indices"][1] != kinds["values"][1]:
-                    raise ValueError(f"{base}: {kinds['indices'][1][0]} sparse indices but {kinds['values'][1][0]} "
-                                     "values")
+                    raise ValueError(
+                        f"{base}: {kinds['indices'][1][0]} sparse indices but {kinds['values'][1][0]} values"
+                    )
                 complete.add(base)
                 declared.append((base, target.param.dtype, target.local_shape))
     repeated = sorted({n for n, _, _ in declared} & update.delta_names)
@@ -189,8 +199,12 @@ def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> Weight
                 current = target.local_view()
                 bits = xor_dtype(current.dtype)
                 local = _local(delta, target, name in source.pre_sliced)
-                yield name, torch.bitwise_xor(current.contiguous().view(bits), local.contiguous().view(bits)).view(
-                    current.dtype)
+                yield (
+                    name,
+                    torch.bitwise_xor(current.contiguous().view(bits), local.contiguous().view(bits)).view(
+                        current.dtype
+                    ),
+                )
                 continue
             base = name.removesuffix(INDICES).removesuffix(VALUES)
             kind = "indices" if name.endswith(INDICES) else "values"
@@ -206,8 +220,12 @@ def decoded(source: WeightSource, encoding: str, update: WeightUpdate) -> Weight
             yield base, cast(torch.Tensor, change)  # a Patch: WeightUpdate writes it in place
         # halves whose partner comes in a later source of this update (an in-memory source's buffer, e.g. an shm
         # segment, may be rewritten before then: copied now)
-        pending.update({base: dataclasses.replace(half, tensor=half.tensor.clone()) if source.in_memory else half
-                        for base, half in waiting.items()})
+        pending.update(
+            {
+                base: dataclasses.replace(half, tensor=half.tensor.clone()) if source.in_memory else half
+                for base, half in waiting.items()
+            }
+        )
 
     return WeightSource(
         declared=declared,
@@ -253,7 +271,8 @@ def checked(source: WeightSource, index: WeightIndex, checksums: dict[str, str] 
             if (yield from sha256_steps(index.targets[name].local_view())) != digest:
                 wrong.append(name)
         if wrong:
-            raise ValueError(f"checksum mismatch after applying the update (the result differs from the trainer's): "
-                             f"{wrong[:10]}")
+            raise ValueError(
+                f"checksum mismatch after applying the update (the result differs from the trainer's): {wrong[:10]}"
+            )
 
     return dataclasses.replace(source, verify=verify)

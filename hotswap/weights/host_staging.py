@@ -99,8 +99,9 @@ class HostStaging:
     def slots(self) -> list[torch.Tensor]:
         """The two host slots (allocated on first use, then the same tensors for this object's life)."""
         if not self._slots:
-            self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-                           for _ in range(2)]
+            self._slots = [
+                torch.empty(self.slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin) for _ in range(2)
+            ]
             self.stats.slot_allocations += 2
         return self._slots
 

@@ -68,8 +68,11 @@ class Shadow:
             key = f"{module_name}.{name}"
             live = param.data  # not swapped yet: the served tensor
             buffer = self.pool.pop(key, None)
-            fresh = buffer is None or buffer.shape != live.shape or buffer.dtype != live.dtype or (
-                buffer.device != live.device
+            fresh = (
+                buffer is None
+                or buffer.shape != live.shape
+                or buffer.dtype != live.dtype
+                or (buffer.device != live.device)
             )
             if buffer is None or fresh:
                 buffer = torch.empty_like(live, requires_grad=False)

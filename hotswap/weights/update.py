@@ -242,8 +242,9 @@ def device_max_magnitude_bits(tensors: list[torch.Tensor]) -> list[int]:
     for t in tensors:
         bits = t.view(_BITS[t.dtype])
         mask = 0x7FFFFFFF if bits.dtype == torch.int32 else 0x7FFF
-        tops.append((bits & mask).amax().to(torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64,
-                                                                                     device=t.device))
+        tops.append(
+            (bits & mask).amax().to(torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64, device=t.device)
+        )
     return cast(list[int], torch.stack(tops).tolist())
 
 
@@ -408,12 +409,19 @@ class WeightUpdate:
             yield from self._verify(source)
             return count
         stream = source.stream()
-        backup = self.atomic and self.shadow is None and not (
-            final
-            and source.in_memory
-            and source.verify is None
-            and not any(self.index.targets[n].module_name in self.index.staging_modules for n, _, _ in entries
-                        if n in self.index.targets)
+        backup = (
+            self.atomic
+            and self.shadow is None
+            and not (
+                final
+                and source.in_memory
+                and source.verify is None
+                and not any(
+                    self.index.targets[n].module_name in self.index.staging_modules
+                    for n, _, _ in entries
+                    if n in self.index.targets
+                )
+            )
         )
         self.unprotected = self.unprotected or (self.atomic and not backup and self.shadow is None)
         if source.in_memory:
@@ -436,16 +444,28 @@ class WeightUpdate:
             if steps is not None:
                 yield from steps
 
-    def _load(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
-              checked: bool, kind: str) -> Generator[None, None, int]:
+    def _load(
+        self,
+        stream: Iterable[tuple[str, torch.Tensor]],
+        pre_sliced: frozenset[str],
+        backup: bool,
+        checked: bool,
+        kind: str,
+    ) -> Generator[None, None, int]:
         """Loads each tensor of `stream` into its target (the stream's names and shapes must be those declared),
         yielding after each; `checked`: values were checked already."""
         with torch.no_grad():
             count = yield from self._load_each(stream, pre_sliced, backup, checked, kind)
         return count
 
-    def _load_each(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], backup: bool,
-                   checked: bool, kind: str) -> Generator[None, None, int]:
+    def _load_each(
+        self,
+        stream: Iterable[tuple[str, torch.Tensor]],
+        pre_sliced: frozenset[str],
+        backup: bool,
+        checked: bool,
+        kind: str,
+    ) -> Generator[None, None, int]:
         non_finite: list[str] = []
         count = 0
         for name, tensor in stream:
@@ -462,8 +482,7 @@ class WeightUpdate:
                 self._patch(target, tensor, backup)
             else:
                 if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
-                    raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
-                                     "declared")
+                    raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as declared")
                 if backup or target.module_name in self.index.staging_modules:
                     self._save(target.module_name)
                 target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
@@ -474,8 +493,9 @@ class WeightUpdate:
             raise _non_finite_error(non_finite)
         return count
 
-    def _load_staged(self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], kind: str,
-                     whole: set[str]) -> Generator[None, None, int]:
+    def _load_staged(
+        self, stream: Iterable[tuple[str, torch.Tensor]], pre_sliced: frozenset[str], kind: str, whole: set[str]
+    ) -> Generator[None, None, int]:
         """`_load` of a staged update: each tensor checked and copied into the staging copies in chunks of
         `CHUNK_BYTES`, yielding after each, so that no slice between two steps holds a whole large tensor.
         `whole`: modules this update rewrites entirely (their staging copies need not start as the served
@@ -498,8 +518,9 @@ class WeightUpdate:
                     self._patch(target, tensor, False)
                 else:
                     if tuple(tensor.shape) != (target.local_shape if sliced else target.full_shape):
-                        raise ValueError(f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as "
-                                         "declared")
+                        raise ValueError(
+                            f"the {kind} delivered {name!r} with shape {tuple(tensor.shape)}, not as declared"
+                        )
                     if not (yield from self._write_staged(name, target, tensor, sliced)):
                         non_finite.append(name)
                         continue
@@ -521,8 +542,7 @@ class WeightUpdate:
             self._post_process(target.module_name)
             arrived.clear()
 
-    def _write_staged(self, name: str, target: Any, tensor: torch.Tensor, sliced: bool
-                      ) -> Generator[None, None, bool]:
+    def _write_staged(self, name: str, target: Any, tensor: torch.Tensor, sliced: bool) -> Generator[None, None, bool]:
         """Writes `tensor` into its target (the staging copy), checking its values chunk by chunk: what the
         layout's `load_weight` does, by the `ShardedWeights` contract (this rank's part, cut by `narrowings`,
         lands in `local_view`), where that contract alone decides it (no fused name covering several shards, no
@@ -568,8 +588,9 @@ class WeightUpdate:
             buffer = self.backup_pool.get(key)
             where = torch.device("cpu") if self.backup_device == "cpu" else param.device
             if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype or buffer.device != where:
-                buffer = self.backup_pool[key] = torch.empty(param.shape, dtype=param.dtype, device=where,
-                                                             pin_memory=where.type == "cpu" != param.device.type)
+                buffer = self.backup_pool[key] = torch.empty(
+                    param.shape, dtype=param.dtype, device=where, pin_memory=where.type == "cpu" != param.device.type
+                )
             ops.copy_(buffer, param.detach())
             saved[name] = buffer
         self.saved[module_name] = saved

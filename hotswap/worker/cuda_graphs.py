@@ -62,16 +62,29 @@ class DecodeGraphs:
     is the model's; `kernels` the Triton paged kernels (taken in their trusted mode); the cache has
     `num_blocks` usable blocks of `block_size` and one more, the scratch block, after them."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 kernels: PagedKernels, hidden_size: int, dtype: torch.dtype, device: torch.device, max_rows: int,
-                 max_blocks: int, block_size: int, num_blocks: int, capture: Capture = cuda_capture) -> None:
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        kernels: PagedKernels,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        num_blocks: int,
+        capture: Capture = cuda_capture,
+    ) -> None:
         self.forward, self.block_size, self.max_blocks = forward, block_size, max_blocks
         self.scratch_slot = num_blocks * block_size  # the first slot of the scratch block
         self.classes = size_classes(max_rows)
         self.capture = capture
         max_context = max_blocks * block_size
-        self.kernels = PagedKernels(kernels.name, functools.partial(kernels.paged, max_context=max_context),
-                                    functools.partial(kernels.rope, max_context=max_context))
+        self.kernels = PagedKernels(
+            kernels.name,
+            functools.partial(kernels.paged, max_context=max_context),
+            functools.partial(kernels.rope, max_context=max_context),
+        )
         n = self.classes[-1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -84,15 +97,20 @@ class DecodeGraphs:
 
     def applies(self, query_lens: list[int], block_tables: list[list[int]]) -> bool:
         """Whether a step is a pure decode batch that a captured class holds."""
-        return (bool(query_lens) and len(query_lens) <= self.classes[-1] and max(query_lens) == 1
-                and max(len(t) for t in block_tables) <= self.max_blocks)
+        return (
+            bool(query_lens)
+            and len(query_lens) <= self.classes[-1]
+            and max(query_lens) == 1
+            and max(len(t) for t in block_tables) <= self.max_blocks
+        )
 
     def invalidate(self) -> None:
         """Drops every graph (the KV cache or the model's modules changed); each is captured again when needed."""
         self.graphs = {}
 
-    def run(self, input_ids: list[int], positions: list[int], context_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+    def run(
+        self, input_ids: list[int], positions: list[int], context_lens: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
         """The final hidden states [rows, H] of a decode step (`applies` must hold), from its class's graph."""
         rows = len(input_ids)
         size = next(n for n in self.classes if n >= rows)
@@ -124,8 +142,14 @@ class DecodeGraphs:
     def _step(self, size: int) -> None:
         """The captured work: the forward over the first `size` rows of the buffers, into `hidden`."""
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], block_tables=self.tables[:size], context_lens=self.context[:size],
-            pad_index=None, mask=None, max_query_len=1, gather_cache=True, kernel=self.kernels,
+            slot_mapping=self.slots[:size],
+            block_tables=self.tables[:size],
+            context_lens=self.context[:size],
+            pad_index=None,
+            mask=None,
+            max_query_len=1,
+            gather_cache=True,
+            kernel=self.kernels,
         )
         self.hidden[:size].copy_(self.forward(self.ids[:size], self.positions[:size], meta))
 

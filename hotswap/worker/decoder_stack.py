@@ -70,10 +70,13 @@ class NativeDecoderStack:
         qkv, cache = attention.qkv_proj, attention.attn.k_cache
         policy = ops.policy()
         return (
-            (ops.deterministic() or (
-                num_tokens <= ops.SMALL_BATCH_ROWS
-                and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
-            ))
+            (
+                ops.deterministic()
+                or (
+                    num_tokens <= ops.SMALL_BATCH_ROWS
+                    and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
+                )
+            )
             and cache is not None
             and self.dtypes_fit(qkv.weight.dtype, cache.dtype, lora is not None)
             and not (torch.is_grad_enabled() and self.needs_grad)
@@ -98,19 +101,31 @@ class NativeDecoderStack:
         model = self.model
         if model is None:
             return False
-        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-               for m in (self.outer, model, model.embed_tokens)):
+        if any(
+            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+            for m in (self.outer, model, model.embed_tokens)
+        ):
             return False
-        expected = {"self_attn": LlamaAttention, "mlp": LlamaMLP, "input_layernorm": RMSNorm,
-                    "post_attention_layernorm": RMSNorm}
+        expected = {
+            "self_attn": LlamaAttention,
+            "mlp": LlamaMLP,
+            "input_layernorm": RMSNorm,
+            "post_attention_layernorm": RMSNorm,
+        }
         for layer in model.layers:
             if type(layer) is not LlamaDecoderLayer:
                 return False
             if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
                 return False
             attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # their types were checked above
-            parts = {attn.qkv_proj: QKVLinear, attn.o_proj: Linear, attn.rotary_emb: RotaryEmbedding,
-                     attn.attn: Attention, mlp.gate_up_proj: MergedLinear, mlp.down_proj: Linear}
+            parts = {
+                attn.qkv_proj: QKVLinear,
+                attn.o_proj: Linear,
+                attn.rotary_emb: RotaryEmbedding,
+                attn.attn: Attention,
+                mlp.gate_up_proj: MergedLinear,
+                mlp.down_proj: Linear,
+            }
             if any(type(m) is not c for m, c in parts.items()) or attn.q_norm is not None:
                 return False
             if attn.o_proj.parallel is not None or attn.qkv_proj.fp8 or not mlp.gate_up_proj.gate_and_up:
@@ -131,14 +146,22 @@ class NativeDecoderStack:
         """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `run`)."""
         assert self.model is not None  # checked by `applies`
         return [
-            (layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
-             cast(LlamaMLP, layer.mlp).gate_up_proj, cast(LlamaMLP, layer.mlp).down_proj, layer.self_attn.rotary_emb,
-             layer.self_attn.attn)
+            (
+                layer.input_layernorm,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.post_attention_layernorm,
+                cast(LlamaMLP, layer.mlp).gate_up_proj,
+                cast(LlamaMLP, layer.mlp).down_proj,
+                layer.self_attn.rotary_emb,
+                layer.self_attn.attn,
+            )
             for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
         ]
 
-    def time_step(self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
-                  ) -> tuple[list[float], float] | None:
+    def time_step(
+        self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
+    ) -> tuple[list[float], float] | None:
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
         `measurements.fastest_in_turn`), or None if the cache has fewer than `rows` blocks (a smaller step would be
@@ -158,8 +181,9 @@ class NativeDecoderStack:
             *stack_s, modules_s = fastest_in_turn([*map(stack, variants), lambda: model(ids, positions, meta)], 5)
         return stack_s, modules_s
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, products: Products | None = None
-            ) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, products: Products | None = None
+    ) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`, the products on the paths
         the policy chose (or `products`, for the calibration). The tensors are read from
         the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
@@ -185,19 +209,46 @@ class NativeDecoderStack:
         k_caches, v_caches = [], []
         for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
             tensors += [
-                norm1._parameters["weight"], weight(qkv), qkv._parameters.get("bias"),
-                weight(o), o._parameters.get("bias"), norm2._parameters["weight"],
-                gate_up_weight(gate_up), gate_up._parameters.get("bias"), weight(down),
-                down._parameters.get("bias"), rotary._buffers["cos"], rotary._buffers["sin"],
+                norm1._parameters["weight"],
+                weight(qkv),
+                qkv._parameters.get("bias"),
+                weight(o),
+                o._parameters.get("bias"),
+                norm2._parameters["weight"],
+                gate_up_weight(gate_up),
+                gate_up._parameters.get("bias"),
+                weight(down),
+                down._parameters.get("bias"),
+                rotary._buffers["cos"],
+                rotary._buffers["sin"],
             ]
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
         adapters, segments = self._lora_tensors()
         return ops.decoder_layers(
-            x, positions, tensors, k_caches, v_caches, meta.slot_mapping, meta.block_tables, meta.context_lens,
-            meta.query_lens, first.attn.expand_index, first.num_heads, first.num_kv_heads, first.head_dim,
-            first.attn.scale, self.model.norm.eps, self.model.norm.weight, linear, gated, silu, *splits,
-            adapters, segments, onednn,
+            x,
+            positions,
+            tensors,
+            k_caches,
+            v_caches,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_lens,
+            first.attn.expand_index,
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            first.attn.scale,
+            self.model.norm.eps,
+            self.model.norm.weight,
+            linear,
+            gated,
+            silu,
+            *splits,
+            adapters,
+            segments,
+            onednn,
         )
 
     @cached_property

@@ -63,9 +63,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = []
         self.graphs = None
-        use_graphs = self.attention_kernel is not None and self.attention_kernel.name == "triton" and \
-            graphable(self.model) and (capture is not None or (
-                self.device.type == "cuda" and not self.config.model_config.enforce_eager))
+        use_graphs = (
+            self.attention_kernel is not None
+            and self.attention_kernel.name == "triton"
+            and graphable(self.model)
+            and (capture is not None or (self.device.type == "cuda" and not self.config.model_config.enforce_eager))
+        )
         for attn in self.attention_layers():
             shape = (num_blocks + int(use_graphs), self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = zeroed(shape, dtype, self.device)
@@ -75,21 +78,32 @@ class ModelRunner:
             assert self.attention_kernel is not None  # checked above
             mc = self.config.model_config
             self.graphs = DecodeGraphs(
-                lambda ids, pos, meta: cast(torch.Tensor, self.model(ids, pos, meta)), self.attention_kernel,
-                int(mc.hf_config["hidden_size"]), next(self.model.parameters()).dtype, self.device,
-                self.config.scheduler_config.max_num_seqs, math.ceil((mc.max_model_len or 1) / self.block_size),
-                self.block_size, num_blocks, capture or cuda_capture,
+                lambda ids, pos, meta: cast(torch.Tensor, self.model(ids, pos, meta)),
+                self.attention_kernel,
+                int(mc.hf_config["hidden_size"]),
+                next(self.model.parameters()).dtype,
+                self.device,
+                self.config.scheduler_config.max_num_seqs,
+                math.ceil((mc.max_model_len or 1) / self.block_size),
+                self.block_size,
+                num_blocks,
+                capture or cuda_capture,
             )
 
     def calibrate_stack(self) -> None:
         """Times the native decoder stack against the modules on this model and cache (once per model shapes and
         build: the result is cached), where the stack could run at all."""
-        if self.device.type != "cpu" or self.attention_kernel is None or self.stack.model is None or \
-                not self.stack.modules_fit:
+        if (
+            self.device.type != "cpu"
+            or self.attention_kernel is None
+            or self.stack.model is None
+            or not self.stack.modules_fit
+        ):
             return
         dtype = next(self.model.parameters()).dtype
         if current_parallel().size > 1 or not self.stack.dtypes_fit(
-                dtype, self.config.cache_config.kv_torch_dtype, lora=False):
+            dtype, self.config.cache_config.kv_torch_dtype, lora=False
+        ):
             return
         kernel_policy.calibrate_stack(
             lambda rows, variants: self.stack.time_step(
@@ -124,8 +138,12 @@ class ModelRunner:
         """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]. A pure
         decode step replays a decode graph, unless adapters or recorded / forced routes are active (the graphs
         hold neither)."""
-        if self.graphs is not None and active_lora() is None and self.graphs.applies(query_lens, block_tables) and \
-                (self.routing is None or not (self.routing.record or self.routing.forced is not None)):
+        if (
+            self.graphs is not None
+            and active_lora() is None
+            and self.graphs.applies(query_lens, block_tables)
+            and (self.routing is None or not (self.routing.record or self.routing.forced is not None))
+        ):
             return self.graphs.run(input_ids, positions, context_lens, block_tables)
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
         ids = torch.tensor(input_ids, dtype=torch.long)
@@ -157,8 +175,9 @@ class ModelRunner:
         return None if rows is None else self.logits(hidden, rows)
 
     @contextlib.contextmanager
-    def routes(self, seqs: list[int], query_lens: list[int], forced: torch.Tensor | None = None
-               ) -> Iterator[dict[int, np.ndarray]]:
+    def routes(
+        self, seqs: list[int], query_lens: list[int], forced: torch.Tensor | None = None
+    ) -> Iterator[dict[int, np.ndarray]]:
         """Around one forward pass over a flat batch of sequences with `query_lens`: forces `forced` routes and
         records the routed experts; the dict yielded holds, after the pass, sequence i's rows for each i in `seqs`
         ([query_lens[i], sparse layers, top_k], the smallest integer dtype). Nothing for a dense model."""
@@ -186,8 +205,10 @@ class ModelRunner:
         with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes, lora_batch(adapters):
             hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
-        prompt = {ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask)
-                  for ask in mi.prompt_logprobs}
+        prompt = {
+            ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask)
+            for ask in mi.prompt_logprobs
+        }
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
         # sampled on the logits' device: only the ids and the asked logprobs come back to the host

@@ -83,8 +83,16 @@ class WeightSession:
     # ---- one-shot loads ---------------------------------------------------------------------------------------
 
     def load(
-        self, index: WeightIndex, source: WeightSource, atomic: bool, check_finite: bool, commit: bool = True,
-        encoding: dict[str, Any] | None = None, rename: Rename = None, staged: bool = False, sliced: bool = False,
+        self,
+        index: WeightIndex,
+        source: WeightSource,
+        atomic: bool,
+        check_finite: bool,
+        commit: bool = True,
+        encoding: dict[str, Any] | None = None,
+        rename: Rename = None,
+        staged: bool = False,
+        sliced: bool = False,
         backup_device: str = "cpu",
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
@@ -139,17 +147,28 @@ class WeightSession:
     def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
-        self._open(self._update(index, config.atomic, config.check_finite, config.update_staging == "shadow",
-                                config.backup_device))
+        self._open(
+            self._update(
+                index, config.atomic, config.check_finite, config.update_staging == "shadow", config.backup_device
+            )
+        )
 
-    def _update(self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool,
-                backup_device: str = "cpu") -> WeightUpdate:
+    def _update(
+        self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool, backup_device: str = "cpu"
+    ) -> WeightUpdate:
         shadow = Shadow(index, self.shadows) if staged else None
-        return WeightUpdate(index, atomic=atomic, check_finite=check_finite, backups=self.backups, shadow=shadow,
-                            backup_device=backup_device)
+        return WeightUpdate(
+            index,
+            atomic=atomic,
+            check_finite=check_finite,
+            backups=self.backups,
+            shadow=shadow,
+            backup_device=backup_device,
+        )
 
-    def receive(self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None,
-                sliced: bool = False) -> int:
+    def receive(
+        self, update_info: dict[str, Any], selection: RankSelection, rename: Rename = None, sliced: bool = False
+    ) -> int:
         """One update of the session: its source built by the transport, this rank's entries selected, renamed
         by `rename` (e.g. a prefix put before a draft model's names), then applied. Any failure ends the session
         (rolled back in atomic mode; a transport that cannot survive it is closed) and re-raises. Returns the
@@ -216,8 +235,7 @@ class WeightSession:
             self.shutdown_engine()
             if isinstance(err, (ValueError, RuntimeError)):
                 err = type(err)(
-                    f"{err}; the {type(engine).__name__} channel was closed, call init_weight_transfer_engine() "
-                    "again"
+                    f"{err}; the {type(engine).__name__} channel was closed, call init_weight_transfer_engine() again"
                 )
         self._fail(update, err)
 
@@ -301,8 +319,10 @@ class WeightSession:
             update.rollback()
             if update.wrote_served():
                 self.invalidate()
-                outcome = ("it failed after writing without rollback copies, so the engine refuses to generate "
-                           "until a successful reload_weights()")
+                outcome = (
+                    "it failed after writing without rollback copies, so the engine refuses to generate "
+                    "until a successful reload_weights()"
+                )
             else:
                 outcome = "it failed after writing without rollback copies: reload the draft model"
         elif update.shadow is not None:

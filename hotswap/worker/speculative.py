@@ -78,8 +78,9 @@ class SpeculativeStep:
         with self.draft_scope():
             self.draft.copy_blocks(mi.block_copies)
             input_ids = [t for tokens in spec.draft_tokens for t in tokens]
-            positions = [p for s, length in zip(spec.draft_starts, mi.context_lens, strict=True)
-                         for p in range(s, length)]
+            positions = [
+                p for s, length in zip(spec.draft_starts, mi.context_lens, strict=True) for p in range(s, length)
+            ]
             query_lens = [len(tokens) for tokens in spec.draft_tokens]
             active = [i for i in range(n) if spec.num_spec[i] > 0]
             ends = list(itertools.accumulate(query_lens))

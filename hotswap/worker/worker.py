@@ -133,8 +133,9 @@ class Worker:
             self._reserve_staging(index)
         self.runner = ModelRunner(self.config, model)
         if self.config.lora_config.enable_lora:
-            self.loras = self.runner.loras = LoRAManager(model, mc.torch_dtype, self.config.lora_config.max_lora_rank,
-                                                         mc.device)
+            self.loras = self.runner.loras = LoRAManager(
+                model, mc.torch_dtype, self.config.lora_config.max_lora_rank, mc.device
+            )
         if self.config.draft_model_config is not None:
             self._load_draft()
         self.session.weights_valid = True
@@ -204,8 +205,11 @@ class Worker:
         cache = self.config.cache_config
         budget = cache.kv_cache_memory_bytes
         if budget is None and self.config.model_config.device != "cpu":
-            budget = cuda_kv_budget(torch.cuda.get_device_properties(self.config.model_config.device).total_memory,
-                                    cache.gpu_memory_utilization, self._profile_peak_bytes())
+            budget = cuda_kv_budget(
+                torch.cuda.get_device_properties(self.config.model_config.device).total_memory,
+                cache.gpu_memory_utilization,
+                self._profile_peak_bytes(),
+            )
         if budget is None:
             budget = int(available_memory_bytes() * cache.memory_fraction)
         per_block = runner.bytes_per_block()
@@ -225,7 +229,8 @@ class Worker:
         tokens = min(sc.max_num_batched_tokens or 2048, self.config.model_config.max_model_len or 2048)
         blocks = math.ceil(tokens / block)
         runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
-            (runner, contextlib.nullcontext)]
+            (runner, contextlib.nullcontext)
+        ]
         if self.draft_runner is not None:
             runners.append((self.draft_runner, self._draft_scope))
         torch.cuda.synchronize(device)
@@ -234,8 +239,9 @@ class Worker:
             for r, scope in runners:
                 with scope():
                     r.allocate_kv_cache(blocks)
-                    r.forward([0] * tokens, list(range(tokens)), [tokens], [tokens], [list(range(blocks))],
-                              [tokens - 1])
+                    r.forward(
+                        [0] * tokens, list(range(tokens)), [tokens], [tokens], [list(range(blocks))], [tokens - 1]
+                    )
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
         finally:
@@ -260,8 +266,9 @@ class Worker:
         """Raises RuntimeError while sleep took the weights' device memory (a GPU): nothing may read or write
         them until wake_up(["weights"])."""
         if self.offloaded is not None:
-            raise RuntimeError(f"{call}() while asleep: the weights' device memory was released; call "
-                               "wake_up(['weights']) first")
+            raise RuntimeError(
+                f"{call}() while asleep: the weights' device memory was released; call wake_up(['weights']) first"
+            )
 
     @in_config_scope
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
@@ -345,11 +352,18 @@ class Worker:
                 live_overrides(config, {"model_config": {"model": str(weights_path)}})  # same model shape
             source = folder_source(str(weights_path or config.model_config.model))
         wt = self.config.weight_transfer_config
-        update = self.session.load(self._weight_index(target), source, wt.atomic, wt.check_finite, commit=commit,
-                                   encoding={"encoding": encoding, "checksums": checksums},
-                                   rename=prefixer(DRAFT_PREFIX) if target == "draft" else None,
-                                   staged=wt.update_staging == "shadow", sliced=sliced,
-                                   backup_device=wt.backup_device)
+        update = self.session.load(
+            self._weight_index(target),
+            source,
+            wt.atomic,
+            wt.check_finite,
+            commit=commit,
+            encoding={"encoding": encoding, "checksums": checksums},
+            rename=prefixer(DRAFT_PREFIX) if target == "draft" else None,
+            staged=wt.update_staging == "shadow",
+            sliced=sliced,
+            backup_device=wt.backup_device,
+        )
         if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
             self._record_folder(str(weights_path), target)
         return len(update.loaded_names)
@@ -445,8 +459,10 @@ class Worker:
         if part not in (None, "model", "draft"):
             problem = f"update_info target must be 'model' or 'draft', got {part!r}"
         elif part is not None and self._session_target not in (part, "all"):
-            problem = (f"this update carries {part!r} weights, but the session was started for "
-                       f"{self._session_target!r}; start it with target={part!r} or 'all'")
+            problem = (
+                f"this update carries {part!r} weights, but the session was started for "
+                f"{self._session_target!r}; start it with target={part!r} or 'all'"
+            )
         if problem is not None:
             self.session.expect(SessionState.ACTIVE, call="update_weights")
             self.session.abort()  # like any failed update, it ends the session (rolled back)
@@ -553,9 +569,16 @@ class Worker:
         self._session_target = "lora"
 
     @in_config_scope
-    def reload_lora(self, old: int, new: int, weights_iterator: Iterable[tuple[str, torch.Tensor]],
-                    commit: bool = True, encoding: str | None = None,
-                    checksums: dict[str, str] | None = None, sliced: bool = False) -> int:
+    def reload_lora(
+        self,
+        old: int,
+        new: int,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]],
+        commit: bool = True,
+        encoding: str | None = None,
+        checksums: dict[str, str] | None = None,
+        sliced: bool = False,
+    ) -> int:
         """Version `new` of an adapter := version `old` updated by (name, tensor) pairs (PEFT names, possibly a
         subset, possibly a delta `encoding` with the trainer's `checksums` of the results). `commit` False keeps
         it pending for `finish_weight_update()` / `abort_weight_update()`; `sliced` (with `commit` False) only
@@ -566,9 +589,16 @@ class Worker:
         wt = self.config.weight_transfer_config
         self._session_target = "lora"
         try:
-            update = self.session.load(adapter.weight_index(), pairs_source(weights_iterator), True, wt.check_finite,
-                                       commit=commit, encoding={"encoding": encoding, "checksums": checksums},
-                                       rename=canonical_name, sliced=sliced)
+            update = self.session.load(
+                adapter.weight_index(),
+                pairs_source(weights_iterator),
+                True,
+                wt.check_finite,
+                commit=commit,
+                encoding={"encoding": encoding, "checksums": checksums},
+                rename=canonical_name,
+                sliced=sliced,
+            )
             if sliced:
                 self.session.prefix_job(chunked_copies(self._loras().fill_pairs(old)))
             if commit:
@@ -690,8 +720,10 @@ class Worker:
             raise ValueError(f"the weights name other tensors (missing {missing[:5]}, unexpected {extra[:5]})")
         for name, tensor in given.items():
             if tensor.shape != mine[name].shape or tensor.dtype != mine[name].dtype:
-                raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
-                                 f"{tuple(mine[name].shape)} {mine[name].dtype}")
+                raise ValueError(
+                    f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the engine holds "
+                    f"{tuple(mine[name].shape)} {mine[name].dtype}"
+                )
         with torch.no_grad():
             for name, tensor in given.items():
                 mine[name].copy_(tensor)

@@ -212,6 +212,7 @@ def test_vllm_57854_a_failed_update_restores_bit_for_bit(ckpts):
 def test_miles_2372_a_version_bump_aborts_nothing(ckpts):
     """miles#2372: a version bump aborted every request in flight. Here: requests in flight through a 'keep'
     pause and an update finish with all their tokens, their spans naming both versions."""
+
     async def main():
         engine = AsyncLLMEngine.from_kwargs(str(ckpts["A"]), kv_cache_memory_bytes=KV)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -223,8 +224,7 @@ def test_miles_2372_a_version_bump_aborts_nothing(ckpts):
             return last
 
         tasks = [asyncio.create_task(run(p)) for p in PROMPTS]
-        while sum(len(r.seqs[0].token_ids) - r.seqs[0].num_prompt_tokens
-                  for r in engine.engine.requests.values()) < 6:
+        while sum(len(r.seqs[0].token_ids) - r.seqs[0].num_prompt_tokens for r in engine.engine.requests.values()) < 6:
             await asyncio.sleep(0.01)
         await engine.pause_generation("keep", clear_cache=False)
         await engine.reload_weights(weights_iterator=list(state(ckpts["B"]).items()), weight_version="v2")
@@ -309,8 +309,14 @@ def test_tensor_parallel_chunking_is_exact(ckpts):
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("report_drafts")
-    small = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 16}
+    small = {
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+    }
     return {label: make_tiny_model(root / label, seed=seed, **small) for label, seed in (("A", 21), ("B", 22))}
 
 

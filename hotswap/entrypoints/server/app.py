@@ -109,15 +109,21 @@ def require_admin(request: Request) -> None:
     state = get_state(request)
     host = _host_name(request.headers.get("host", "")).lower()
     if state.allowed_hosts is not None and host not in state.allowed_hosts:
-        raise ApiError(403, f"admin routes do not answer for Host {host!r} (allowed: {sorted(state.allowed_hosts)})",
-                       "permission_error")
+        raise ApiError(
+            403,
+            f"admin routes do not answer for Host {host!r} (allowed: {sorted(state.allowed_hosts)})",
+            "permission_error",
+        )
     if "origin" in request.headers:
         raise ApiError(403, "admin routes refuse cross-origin (browser) requests", "permission_error")
     if state.admin_auth == "none":
         return
     if state.admin_key is None:
-        raise ApiError(403, "admin routes are off: start the server with --admin-key (or --admin-auth none on "
-                       "a trusted network)", "permission_error")
+        raise ApiError(
+            403,
+            "admin routes are off: start the server with --admin-key (or --admin-auth none on a trusted network)",
+            "permission_error",
+        )
     _check(state.admin_key, request)
 
 
@@ -138,8 +144,7 @@ async def _api_error(_: Request, err: ApiError) -> JSONResponse:
 
 async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
     problems = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-        for e in err.errors()
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in err.errors()
     )
     return JSONResponse(oai.error_body(problems or "invalid request", "invalid_request_error", 400), status_code=400)
 
@@ -193,8 +198,9 @@ class Guard:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps(oai.error_body(f"request body over {limit} bytes (--max-request-bytes)",
-                                     "invalid_request_error", 413)).encode()
+    body = json.dumps(
+        oai.error_body(f"request body over {limit} bytes (--max-request-bytes)", "invalid_request_error", 413)
+    ).encode()
     await send(
         {
             "type": "http.response.start",
@@ -248,14 +254,22 @@ def create_app(
     if admin_auth not in ("key", "none"):
         raise ValueError(f"admin_auth must be 'key' or 'none', got {admin_auth!r}")
     if enable_admin and admin_auth == "none":
-        logger.warning("admin routes answer WITHOUT a key (admin_auth='none'): anyone who reaches this port can "
-                       "change the served weights; use this on a trusted network only")
+        logger.warning(
+            "admin routes answer WITHOUT a key (admin_auth='none'): anyone who reaches this port can "
+            "change the served weights; use this on a trusted network only"
+        )
 
     app = FastAPI(title="hotswap", version="0.1.0", lifespan=_lifespan)
     metrics = health.server_metrics(isinstance(engine, AsyncFleet), engine.engine.weight_version_label)
     app.state.server = ServerState(
-        engine=engine, served_model_name=served_model_name, metrics=metrics, limits=limits, api_key=api_key,
-        admin_key=admin_key, admin_auth=admin_auth, allowed_hosts=allowed_hosts,
+        engine=engine,
+        served_model_name=served_model_name,
+        metrics=metrics,
+        limits=limits,
+        api_key=api_key,
+        admin_key=admin_key,
+        admin_auth=admin_auth,
+        allowed_hosts=allowed_hosts,
         vocab_size=int(engine.engine.config.model_config.hf_config.get("vocab_size", 0)),
         chat=chat or ChatSettings(),
     )

@@ -30,11 +30,15 @@ router = APIRouter()
 def tools_block(tools: list[dict[str, Any]], parser: ToolParser) -> str:
     """A system-prompt description of `tools` and of how to call them, for templates without tool rendering."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    example = {"hermes": '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
-               "llama3_json": '{"name": <function-name>, "parameters": <args-json-object>}',
-               "mistral": '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'}[parser.name]
-    return (f"You may call one or more of these functions:\n<tools>\n{lines}\n</tools>\n"
-            f"To call a function, answer with:\n{example}")
+    example = {
+        "hermes": '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
+        "llama3_json": '{"name": <function-name>, "parameters": <args-json-object>}',
+        "mistral": '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]',
+    }[parser.name]
+    return (
+        f"You may call one or more of these functions:\n<tools>\n{lines}\n</tools>\n"
+        f"To call a function, answer with:\n{example}"
+    )
 
 
 class ChatPlan:
@@ -47,16 +51,21 @@ class ChatPlan:
         self.parser: ToolParser | None = None
         if choice == "auto":
             if chat.tool_call_parser is None:
-                raise ValueError("tool_choice 'auto' needs the server started with --tool-call-parser "
-                                 "(hermes, llama3_json or mistral)")
+                raise ValueError(
+                    "tool_choice 'auto' needs the server started with --tool-call-parser "
+                    "(hermes, llama3_json or mistral)"
+                )
             self.parser = tool_parser(chat.tool_call_parser)
         elif choice is not None:  # required, or a named function: a grammar in the parser's format
             self.parser = tool_parser(chat.tool_call_parser or "hermes")
             if body.structured_outputs is not None:
-                raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output already; drop "
-                                 "response_format / structured_outputs")
-            body.structured_outputs = {"grammar": self.parser.grammar(callable_tools, body.parallel_tool_calls
-                                                                      and choice == "required")}
+                raise ValueError(
+                    f"tool_choice {body.tool_choice!r} constrains the output already; drop "
+                    "response_format / structured_outputs"
+                )
+            body.structured_outputs = {
+                "grammar": self.parser.grammar(callable_tools, body.parallel_tool_calls and choice == "required")
+            }
         # a constrained output (a schema, a required call) holds reasoning only where it marks it (<think>)
         self.reasoning = chat.reasoning_parser
         if body.structured_outputs is not None and self.reasoning is not None:
@@ -87,10 +96,14 @@ class ChatPlan:
         template = str(body.chat_template or getattr(tokenizer, "chat_template", None) or "")
         try:
             return render_ids(
-                tokenizer, self.messages(template), vocab_size, tools=self.tools if self.render_tools else None,
+                tokenizer,
+                self.messages(template),
+                vocab_size,
+                tools=self.tools if self.render_tools else None,
                 chat_template=body.chat_template,
                 add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}),
+                continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
             )
         except ValueError:
             raise
@@ -184,8 +197,11 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
         response = {
-            "id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": name, "choices": choices,
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "choices": choices,
         }
         if shape.token_ids and not counts.get("sent_prompt"):  # the first chunk carries the prompt's ids
             response["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -208,6 +224,6 @@ async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state
     if not body.stream:
         return full(await running.collect())
     return running.stream(
-        chunk, (lambda: usage_chunk(name, request_id, created, "chat.completion.chunk", counts)) if include_usage
-        else None,
+        chunk,
+        (lambda: usage_chunk(name, request_id, created, "chat.completion.chunk", counts)) if include_usage else None,
     )

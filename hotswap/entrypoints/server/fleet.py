@@ -23,8 +23,11 @@ def _fleet(state: ServerState) -> AsyncFleet:
 
 
 def _status(engine: AsyncFleet) -> dict[str, Any]:
-    return {"weight_version": engine.fleet.get_weight_version_label(), "version_id": engine.fleet.version,
-            "replicas": engine.fleet.replica_status()}
+    return {
+        "weight_version": engine.fleet.get_weight_version_label(),
+        "version_id": engine.fleet.version,
+        "replicas": engine.fleet.replica_status(),
+    }
 
 
 @router.get("/fleet_status")

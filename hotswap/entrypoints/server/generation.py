@@ -25,7 +25,11 @@ from hotswap.sampling_params import SamplingParams
 
 
 async def start(
-    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request,
+    state: ServerState,
+    prompt: dict[str, Any],
+    params: SamplingParams,
+    request_id: str,
+    http: Request,
     lora: LoRARequest | None = None,
 ) -> Generation:
     """Submits `prompt` (run with LoRA adapter `lora` if given) and waits for its first output. Raises ApiError 503
@@ -34,12 +38,17 @@ async def start(
     started = time.perf_counter()
     engine = state.engine
     if engine.engine.refusing_new_requests():
-        raise ApiError(503, f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
-                       "service_unavailable", {"Retry-After": "1"})
+        raise ApiError(
+            503,
+            f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
+            "service_unavailable",
+            {"Retry-After": "1"},
+        )
     # an async generator function: its iterator has aclose(); a session id keeps a fleet's routing sticky
     key = http.headers.get("x-session-id")
-    generator = cast("AsyncGenerator[RequestOutput, None]",
-                     engine.generate(prompt, params, request_id, key, lora_request=lora))
+    generator = cast(
+        "AsyncGenerator[RequestOutput, None]", engine.generate(prompt, params, request_id, key, lora_request=lora)
+    )
     watch = ClientWatch(http)
     try:
         first = await next_output(state, generator, watch)
@@ -52,7 +61,11 @@ async def start(
 
 
 async def generate_full(
-    state: ServerState, prompt: dict[str, Any], params: SamplingParams, request_id: str, http: Request,
+    state: ServerState,
+    prompt: dict[str, Any],
+    params: SamplingParams,
+    request_id: str,
+    http: Request,
     lora: LoRARequest | None = None,
 ) -> RequestOutput:
     """The request's final output (`start`, then `Generation.collect`)."""
@@ -96,8 +109,12 @@ async def next_output(
             now = time.monotonic()
             paused_since = (paused_since or now) if state.engine.engine.is_paused() else None
             if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
-                raise ApiError(503, f"generation has been paused for over {limits.max_pause_wait_s:.0f} s "
-                               "(--max-pause-wait-s)", "service_unavailable", {"Retry-After": "5"})
+                raise ApiError(
+                    503,
+                    f"generation has been paused for over {limits.max_pause_wait_s:.0f} s (--max-pause-wait-s)",
+                    "service_unavailable",
+                    {"Retry-After": "5"},
+                )
         return await state.guarded(pending)
     finally:
         if not pending.done():  # ended early (an error above, or this handler cancelled): stop the wait

@@ -114,8 +114,10 @@ async def liveness(state: StateDep, timeout_s: float = 5.0) -> JSONResponse:
     an admin call (a reload, an update) held the engine all along; or 503 `engine_unresponsive`.
     `/health` stays the cheap check (no worker call)."""
     if not 0.1 <= timeout_s <= 60:
-        return JSONResponse(error_body(f"timeout_s must be in [0.1, 60], got {timeout_s}", "invalid_request_error",
-                                       400, "timeout_s"), status_code=400)
+        return JSONResponse(
+            error_body(f"timeout_s must be in [0.1, 60], got {timeout_s}", "invalid_request_error", 400, "timeout_s"),
+            status_code=400,
+        )
     try:
         seconds = await state.engine.check_liveness(timeout_s)
     except EngineBusy as err:  # alive: an update or reload holds the engine (its own timeouts bound it)

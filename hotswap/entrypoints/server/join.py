@@ -84,11 +84,15 @@ def _snapshot(engine: LLMEngine, weights: bool) -> dict[str, Any]:
     w, config = engine.weights, engine.config
     loras = lora_exports(engine)
     meta = {
-        "kind": "state", "version_id": w.version, "draft_version_id": w.draft_version,
-        "weight_version": w.current_label, "labels": {str(k): v for k, v in w.labels.snapshot().items()},
-        "model": config.model_config.model, "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
-        "config": live_settings(config), "checksums": engine.executor.collective_rpc("weight_checksums",
-                                                                                     (_which(config),)),
+        "kind": "state",
+        "version_id": w.version,
+        "draft_version_id": w.draft_version,
+        "weight_version": w.current_label,
+        "labels": {str(k): v for k, v in w.labels.snapshot().items()},
+        "model": config.model_config.model,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "config": live_settings(config),
+        "checksums": engine.executor.collective_rpc("weight_checksums", (_which(config),)),
         "loras": engine.loras.describe() if engine.loras is not None else [],
         "lora_exports": [{k: v for k, v in entry.items() if k != "tensors"} for entry in loras],
     }
@@ -117,8 +121,14 @@ def _header(header: dict[str, Any]) -> bytes:
 
 def _tensor_frame(header: dict[str, Any], tensor: torch.Tensor) -> Iterator[bytes]:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    yield _header({**header, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                   "nbytes": flat.numel()})
+    yield _header(
+        {
+            **header,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+            "nbytes": flat.numel(),
+        }
+    )
     if flat.numel():
         yield flat.numpy().tobytes()
 
@@ -158,8 +168,9 @@ async def catch_up(state: ServerState, source: JoinSource) -> None:
     headers = {"Authorization": f"Bearer {source.admin_key}"} if source.admin_key else {}
     delay, attempts = 0.2, 0
     try:
-        async with httpx.AsyncClient(base_url=source.url.rstrip("/"), headers=headers,
-                                     timeout=httpx.Timeout(60.0, read=source.timeout_s)) as http:
+        async with httpx.AsyncClient(
+            base_url=source.url.rstrip("/"), headers=headers, timeout=httpx.Timeout(60.0, read=source.timeout_s)
+        ) as http:
             while True:
                 attempts += 1
                 try:
@@ -167,8 +178,10 @@ async def catch_up(state: ServerState, source: JoinSource) -> None:
                     break
                 except (_Retry, httpx.TransportError) as err:
                     if time.monotonic() + delay > deadline:
-                        raise TimeoutError(f"no consistent state within {source.timeout_s:g} s (--join-timeout-s) "
-                                           f"after {attempts} attempts; last: {err}") from err
+                        raise TimeoutError(
+                            f"no consistent state within {source.timeout_s:g} s (--join-timeout-s) "
+                            f"after {attempts} attempts; last: {err}"
+                        ) from err
                     logger.info("catching up with %s: %s; trying again", source.url, err)
                     await asyncio.sleep(delay)
                     delay = min(5.0, 2 * delay)
@@ -178,17 +191,26 @@ async def catch_up(state: ServerState, source: JoinSource) -> None:
         return
     state.version_changed()
     state.not_ready = None
-    logger.warning("caught up with %s in %.1f s (%d attempt(s)): version %r, weights from %s, %d LoRA adapter(s), "
-                   "checksums equal; serving", source.url, time.monotonic() - started, attempts,
-                   report["weight_version"], report["restored_from"], report["loras"])
+    logger.warning(
+        "caught up with %s in %.1f s (%d attempt(s)): version %r, weights from %s, %d LoRA adapter(s), "
+        "checksums equal; serving",
+        source.url,
+        time.monotonic() - started,
+        attempts,
+        report["weight_version"],
+        report["restored_from"],
+        report["loras"],
+    )
 
 
 async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str, Any]:
     """One try at the live server's state (see the module docstring); raises _Retry where trying again may do."""
     meta, loras, _ = await _fetch(http, weights=False)
     config = engine.engine.config
-    changes = {section: {k: v for k, v in values.items() if _live_value(config, section, k) != v}
-               for section, values in meta["config"].items()}
+    changes = {
+        section: {k: v for k, v in values.items() if _live_value(config, section, k) != v}
+        for section, values in meta["config"].items()
+    }
     changes = {section: values for section, values in changes.items() if values}
     if changes:
         await engine.update_config(changes)
@@ -199,28 +221,32 @@ async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str,
     if await engine.collective_rpc("weight_checksums", (_which(config),)) != meta["checksums"]:
         copied, loras, states = await _fetch(http, weights=True)
         if copied["version_id"] != meta["version_id"]:
-            raise _Retry(f"the live server moved from version {meta['weight_version']!r} to "
-                         f"{copied['weight_version']!r}")
+            raise _Retry(
+                f"the live server moved from version {meta['weight_version']!r} to {copied['weight_version']!r}"
+            )
         meta, restored = copied, "copy"
         await engine.adopt_weights(states, meta["version_id"], meta["draft_version_id"])
         if await engine.collective_rpc("weight_checksums", (_which(config),)) != meta["checksums"]:
             raise RuntimeError("the copied weights' checksums differ from the live server's")
-    engine.engine.weights.set_versions(meta["version_id"], meta["draft_version_id"],
-                                       {int(k): v for k, v in meta["labels"].items()})
+    engine.engine.weights.set_versions(
+        meta["version_id"], meta["draft_version_id"], {int(k): v for k, v in meta["labels"].items()}
+    )
     if config.lora_config.enable_lora:
         for adapter in await engine.list_loras():  # the live server's adapters, and only those
             await engine.unload_lora_adapter(adapter["lora_name"])
         await engine.between_steps(adopt_lora_exports, engine.engine, loras)
         if await engine.list_loras() != meta["loras"]:
-            raise RuntimeError(f"the copied LoRA adapters {await engine.list_loras()} differ from the live "
-                               f"server's {meta['loras']}")
+            raise RuntimeError(
+                f"the copied LoRA adapters {await engine.list_loras()} differ from the live server's {meta['loras']}"
+            )
     elif meta["loras"]:
         raise ValueError("the live server serves LoRA adapters; start this one with --enable-lora")
     live = await _get_json(http, "/weight_checksums")
     mine = (await engine.collective_rpc("weight_checksums"))[0]
     if live["weight_version"] != meta["weight_version"] or live["checksums"] != mine:
-        raise _Retry(f"the live server moved on (it serves {live['weight_version']!r}, this copy "
-                     f"{meta['weight_version']!r})")
+        raise _Retry(
+            f"the live server moved on (it serves {live['weight_version']!r}, this copy {meta['weight_version']!r})"
+        )
     return {"weight_version": meta["weight_version"], "restored_from": restored, "loras": len(meta["loras"])}
 
 
@@ -246,8 +272,9 @@ def _refused(status: int, text: str) -> None:
     raise RuntimeError(f"the live server refused ({status}): {message}")
 
 
-async def _fetch(http: httpx.AsyncClient, weights: bool
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+async def _fetch(
+    http: httpx.AsyncClient, weights: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
     """The live server's snapshot: its header, its adapters (as `adopt_lora_exports` takes them) and, with
     `weights`, every rank's tensors."""
     async with http.stream("GET", "/export_state", params={"weights": str(weights).lower()}) as response:

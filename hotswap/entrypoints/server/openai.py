@@ -43,9 +43,19 @@ def engine_prompt(prompt: str | list[int], salt: str | None) -> dict[str, Any]:
 def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: dict[str, int]) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the token counts."""
     total = counts["prompt"] + counts["completion"]
-    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": {"prompt_tokens": counts["prompt"], "completion_tokens": counts["completion"],
-                      "total_tokens": total, "prompt_tokens_details": {"cached_tokens": counts.get("cached", 0)}}}
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": {
+            "prompt_tokens": counts["prompt"],
+            "completion_tokens": counts["completion"],
+            "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": counts.get("cached", 0)},
+        },
+    }
 
 
 @router.get("/v1/models")
@@ -56,13 +66,31 @@ async def models(state: StateDep) -> dict[str, Any]:
     max_len = state.engine.engine.config.model_config.max_model_len
     created = int(time.time())
     base = state.served_model_name
-    cards: list[dict[str, Any]] = [{"id": base, "object": "model", "created": created, "owned_by": "hotswap",
-                                    "root": state.engine.engine.config.model_config.model, "parent": None,
-                                    "max_model_len": max_len}]
+    cards: list[dict[str, Any]] = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "hotswap",
+            "root": state.engine.engine.config.model_config.model,
+            "parent": None,
+            "max_model_len": max_len,
+        }
+    ]
     for name, adapter in (await state.loras()).items():
-        cards.append({"id": name, "object": "model", "created": created, "owned_by": "hotswap",
-                      "root": adapter["lora_path"], "parent": base, "max_model_len": max_len,
-                      "lora_int_id": adapter["lora_int_id"], "version": adapter["version"]})
+        cards.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "hotswap",
+                "root": adapter["lora_path"],
+                "parent": base,
+                "max_model_len": max_len,
+                "lora_int_id": adapter["lora_int_id"],
+                "version": adapter["version"],
+            }
+        )
     return {"object": "list", "data": cards}
 
 
@@ -81,8 +109,9 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
         echo_logprobs = None
         if body.echo and body.logprobs is not None:  # the prompt's logprobs, in the same top-k shape
             echo_logprobs = body.logprobs if body.prompt_logprobs is None else body.prompt_logprobs  # -1: vocab
-        params = oai.sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens, state.vocab_size,
-                                     echo_logprobs)
+        params = oai.sampling_params(
+            body, body.logprobs, 1 if echo_only else body.max_tokens, state.vocab_size, echo_logprobs
+        )
         state.check_limits(body.stop, params)
         if body.stream and len(prompts) > 1:
             raise ValueError("stream=true takes one prompt per request; send a batch without streaming")
@@ -99,9 +128,14 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
     if not body.stream:
         try:
             async with asyncio.TaskGroup() as group:  # one failing prompt cancels the others
-                tasks = [group.create_task(generation.generate_full(state, engine_prompt(p, body.cache_salt), params,
-                                                                    f"{request_id}-{i}", http, lora))
-                         for i, p in enumerate(prompts)]
+                tasks = [
+                    group.create_task(
+                        generation.generate_full(
+                            state, engine_prompt(p, body.cache_salt), params, f"{request_id}-{i}", http, lora
+                        )
+                    )
+                    for i, p in enumerate(prompts)
+                ]
         except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
             raise group_error.exceptions[0] from None
         outs = [task.result() for task in tasks]
@@ -117,12 +151,10 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
         prefix = texts[0] if not echoed[0] else ""
         echoed[0] = True
         choices = [oai.completion_choice(out, c, c.index, shape, prefix) for c in out.outputs]
-        return {"id": request_id, "object": "text_completion", "created": created, "model": name,
-                "choices": choices}
+        return {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices}
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    running = await generation.start(state, engine_prompt(prompts[0], body.cache_salt), params, request_id, http,
-                                     lora)
+    running = await generation.start(state, engine_prompt(prompts[0], body.cache_salt), params, request_id, http, lora)
     return running.stream(
         chunk, (lambda: usage_chunk(name, request_id, created, "text_completion", counts)) if include_usage else None
     )
@@ -135,8 +167,9 @@ async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
         raise ApiError(400, "give 'prompt' or 'messages'")
     try:
         if body.messages is not None:
-            ids = tok.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                          tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(
+                body.messages, add_generation_prompt=body.add_generation_prompt, tokenize=True, return_dict=False
+            )
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except Exception as err:

@@ -117,8 +117,11 @@ def open_session(state: ServerState, engine: AsyncLLMEngine) -> str | None:
 def error_response(err: BaseException) -> JSONResponse:
     """SGLang's error body for `err`: an ApiError's status and headers (e.g. 503 with Retry-After while the
     engine is asleep), else 400."""
-    return JSONResponse({"error": {"message": getattr(err, "message", str(err))}}, getattr(err, "status", 400),
-                        headers=getattr(err, "headers", None))
+    return JSONResponse(
+        {"error": {"message": getattr(err, "message", str(err))}},
+        getattr(err, "status", 400),
+        headers=getattr(err, "headers", None),
+    )
 
 
 @generate_router.api_route("/generate", methods=["POST", "PUT"])
@@ -129,8 +132,9 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
     if body.session_params is not None:
         key = body.session_params.get("id") if isinstance(body.session_params.get("id"), str) else None
         if not key:
-            return JSONResponse({"error": {"message": "session_params.id must name a session (see /open_session)"}},
-                                400)
+            return JSONResponse(
+                {"error": {"message": "session_params.id must name a session (see /open_session)"}}, 400
+            )
     if (body.text is None) == (body.input_ids is None):
         return JSONResponse({"error": {"message": "give exactly one of 'text' and 'input_ids'"}}, 400)
     try:
@@ -164,8 +168,9 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
             return JSONResponse({"error": {"message": "stream takes one prompt per request"}}, 400)
         params.output_kind = "cumulative"
         # an async generator function: its iterator has aclose()
-        stream = cast("AsyncGenerator[RequestOutput, None]",
-                      engine.generate(entries[0], params, rid, key, lora_request=loras[0]))
+        stream = cast(
+            "AsyncGenerator[RequestOutput, None]", engine.generate(entries[0], params, rid, key, lora_request=loras[0])
+        )
         try:
             first = await state.guarded(anext(stream))  # a refused prompt is a 400 before any byte is streamed
         except Exception as err:
@@ -191,8 +196,9 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
 
     async def one(entry: Any, request_id: str, lora: LoRARequest | None) -> RequestOutput:
         """The request's final output; its client leaving meanwhile ends it (499, every prompt of a batch)."""
-        stream = cast("AsyncGenerator[RequestOutput, None]",
-                      engine.generate(entry, params, request_id, key, lora_request=lora))
+        stream = cast(
+            "AsyncGenerator[RequestOutput, None]", engine.generate(entry, params, request_id, key, lora_request=lora)
+        )
         try:
             out = await generation.next_output(state, stream, watch)
             while not out.finished:
@@ -203,8 +209,10 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
 
     try:
         async with asyncio.TaskGroup() as group:  # one failing prompt cancels (aborts) the others
-            tasks = [group.create_task(state.guarded(one(e, f"{rid}-{i}" if batch else rid, lora)))
-                     for i, (e, lora) in enumerate(zip(entries, loras, strict=True))]
+            tasks = [
+                group.create_task(state.guarded(one(e, f"{rid}-{i}" if batch else rid, lora)))
+                for i, (e, lora) in enumerate(zip(entries, loras, strict=True))
+            ]
         outs = [task.result() for task in tasks]
     except BaseExceptionGroup as errors:
         return error_response(errors.exceptions[0])
@@ -212,16 +220,19 @@ async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
     return results if batch or params.n > 1 else results[0]
 
 
-async def request_loras(state: ServerState, lora_path: str | list[str | None] | None, count: int, batch: bool
-                        ) -> list[LoRARequest | None]:
+async def request_loras(
+    state: ServerState, lora_path: str | list[str | None] | None, count: int, batch: bool
+) -> list[LoRARequest | None]:
     """The adapter of each of a /generate request's `count` inputs from its `lora_path` (one for all, or a list with
     one entry per input; None: the base model). Each names a loaded adapter. Raises ValueError (LoRA off, a wrong
     count, no such adapter)."""
     if lora_path is None:
         return [None] * count
     if isinstance(lora_path, list) and len(lora_path) != count:
-        raise ValueError(f"lora_path has {len(lora_path)} entries for {count} input{'s' if batch else ''}; give one "
-                         "per input (or one string for all)")
+        raise ValueError(
+            f"lora_path has {len(lora_path)} entries for {count} input{'s' if batch else ''}; give one "
+            "per input (or one string for all)"
+        )
     names = lora_path if isinstance(lora_path, list) else [lora_path] * count
     found: dict[str, LoRARequest] = {}
     for name in names:
@@ -236,8 +247,10 @@ async def request_lora(state: ServerState, name: str) -> LoRARequest:
     state.check_lora_enabled()
     loaded = await state.loras()
     if name not in loaded:
-        raise ValueError(f"lora_path {name!r} names no loaded LoRA adapter (loaded: {sorted(loaded)}); load it "
-                         "with /load_lora_adapter first")
+        raise ValueError(
+            f"lora_path {name!r} names no loaded LoRA adapter (loaded: {sorted(loaded)}); load it "
+            "with /load_lora_adapter first"
+        )
     return LoRARequest(name, int(loaded[name]["lora_int_id"]))
 
 
@@ -327,9 +340,20 @@ async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> Any
 @admin_router.get("/v1/loads")
 async def loads(engine: EngineDep) -> Any:
     running, waiting = engine.engine.queue_lengths()
-    return {"timestamp": time.time(), "version": "hotswap", "num_accelerators": 0,
-            "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                       "num_reqs": running + waiting, "num_used_tokens": 0}]}
+    return {
+        "timestamp": time.time(),
+        "version": "hotswap",
+        "num_accelerators": 0,
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_reqs": running + waiting,
+                "num_used_tokens": 0,
+            }
+        ],
+    }
 
 
 # ---- weights (admin) -------------------------------------------------------------------------------------
@@ -345,9 +369,15 @@ async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: Engi
         return fail(err)
     resume = await paused(engine, body.abort_all_requests)
     try:
-        _, error = await ok_or_400(engine.reload_weights(weights_path=body.model_path,
-                                                         weight_version=body.weight_version, encoding=body.encoding,
-                                                         base_version=body.base_version, checksums=body.checksums))
+        _, error = await ok_or_400(
+            engine.reload_weights(
+                weights_path=body.model_path,
+                weight_version=body.weight_version,
+                encoding=body.encoding,
+                base_version=body.base_version,
+                checksums=body.checksums,
+            )
+        )
     finally:
         if resume:
             await engine.resume_generation()
@@ -359,9 +389,15 @@ async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: Engi
 
 @admin_router.post("/init_weights_update_group")
 async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> Any:
-    info = {"backend": "sglang_dist", "master_address": body.master_address, "master_port": body.master_port,
-            "rank_offset": body.rank_offset, "world_size": body.world_size, "group_name": body.group_name,
-            "dist_backend": body.backend}
+    info = {
+        "backend": "sglang_dist",
+        "master_address": body.master_address,
+        "master_port": body.master_port,
+        "rank_offset": body.rank_offset,
+        "world_size": body.world_size,
+        "group_name": body.group_name,
+        "dist_backend": body.backend,
+    }
     _, error = await ok_or_400(engine.init_weight_transfer_engine(info))
     return error or {"success": True, "message": "Succeeded to initialize the weights update group."}
 
@@ -400,9 +436,21 @@ async def end_weight_update(state: StateDep, engine: EngineDep) -> Any:
 
 @admin_router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> Any:
-    info = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes, "load_format": body.load_format,
-            **{k: v for k, v in (("encoding", body.encoding), ("base_version", body.base_version),
-                                 ("checksums", body.checksums)) if v is not None}}
+    info = {
+        "names": body.names,
+        "dtypes": body.dtypes,
+        "shapes": body.shapes,
+        "load_format": body.load_format,
+        **{
+            k: v
+            for k, v in (
+                ("encoding", body.encoding),
+                ("base_version", body.base_version),
+                ("checksums", body.checksums),
+            )
+            if v is not None
+        },
+    }
     try:
         parse_version(body.weight_version)  # checked before anything moves
     except ValueError as err:
@@ -447,17 +495,25 @@ async def update_weights_from_tensor(body: TensorUpdateBody, state: StateDep, en
     try:
         parse_version(body.weight_version)  # checked before anything moves
         if open_session(state, engine) is not None:
-            raise ValueError("/update_weights_from_tensor runs an update of its own; call it outside a "
-                             "/begin_weight_update session (/end_weight_update first)")
+            raise ValueError(
+                "/update_weights_from_tensor runs an update of its own; call it outside a "
+                "/begin_weight_update session (/end_weight_update first)"
+            )
         pairs = await asyncio.to_thread(open_sglang, body.serialized_named_tensors, body.load_format, device)
     except ValueError as err:
         return fail(err)
     await asyncio.to_thread(synchronize, device)  # the trainer's writes to what was opened are done
     resume = await paused(engine, body.abort_all_requests)
     try:
-        _, error = await ok_or_400(engine.reload_weights(weights_iterator=pairs, weight_version=body.weight_version,
-                                                         encoding=body.encoding, base_version=body.base_version,
-                                                         checksums=body.checksums))
+        _, error = await ok_or_400(
+            engine.reload_weights(
+                weights_iterator=pairs,
+                weight_version=body.weight_version,
+                encoding=body.encoding,
+                base_version=body.base_version,
+                checksums=body.checksums,
+            )
+        )
     finally:
         await asyncio.to_thread(synchronize, device)  # the engine's reads of the trainer's memory are done
         pairs.clear()
@@ -472,9 +528,15 @@ async def update_weights_from_tensor(body: TensorUpdateBody, state: StateDep, en
 @admin_router.get("/model_info")
 async def model_info(state: StateDep, engine: EngineDep) -> Any:
     mc = engine.engine.config.model_config
-    return {"model_path": mc.model, "served_model_name": state.served_model_name, "tokenizer_path": mc.tokenizer,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": engine.engine.weight_version_label, "load_format": "safetensors"}
+    return {
+        "model_path": mc.model,
+        "served_model_name": state.served_model_name,
+        "tokenizer_path": mc.tokenizer,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.engine.weight_version_label,
+        "load_format": "safetensors",
+    }
 
 
 @admin_router.api_route("/release_memory_occupation", methods=["GET", "POST"])
@@ -504,10 +566,18 @@ async def lora_update(state: ServerState, call: Callable[[], Awaitable[Any]], me
         await state.guarded(call())
     except Exception as err:  # a ValueError above, or an ApiError from `guarded`
         reason = getattr(err, "message", str(err))
-        return JSONResponse({"success": False, "error_message": reason, "message": reason,
-                             "loaded_adapters": await loaded_adapters(state)}, status_code=400)
-    return JSONResponse({"success": True, "error_message": "", "message": message,
-                         "loaded_adapters": await loaded_adapters(state)})
+        return JSONResponse(
+            {
+                "success": False,
+                "error_message": reason,
+                "message": reason,
+                "loaded_adapters": await loaded_adapters(state),
+            },
+            status_code=400,
+        )
+    return JSONResponse(
+        {"success": True, "error_message": "", "message": message, "loaded_adapters": await loaded_adapters(state)}
+    )
 
 
 async def loaded_adapters(state: ServerState) -> dict[str, str]:
@@ -521,8 +591,9 @@ async def _check_new_name(state: ServerState, name: str, upsert: bool) -> None:
     if name == state.served_model_name:
         raise ValueError(f"{name!r} is the served model's name; give the adapter another name")
     if not upsert and name in await state.loras():
-        raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first, or send upsert=true to replace "
-                         "its weights")
+        raise ValueError(
+            f"LoRA adapter {name!r} is already loaded; unload it first, or send upsert=true to replace its weights"
+        )
 
 
 @lora_router.post("/load_lora_adapter")
@@ -535,8 +606,9 @@ async def load_lora_adapter(body: LoRAPathBody, state: StateDep) -> JSONResponse
         await _check_new_name(state, body.lora_name, body.upsert)
         if not body.lora_path:
             raise ValueError("lora_path must be given")
-        return await state.engine.load_lora_adapter(body.lora_name, body.lora_path, load_inplace=body.upsert,
-                                                    pinned=body.pinned)
+        return await state.engine.load_lora_adapter(
+            body.lora_name, body.lora_path, load_inplace=body.upsert, pinned=body.pinned
+        )
 
     return await lora_update(state, load, f"LoRA adapter {body.lora_name!r} loaded.")
 
@@ -550,18 +622,22 @@ async def load_lora_adapter_from_tensors(body: LoRATensorsBody, state: StateDep)
     async def load() -> Any:
         await _check_new_name(state, body.lora_name, body.upsert)
         if body.load_format not in TENSOR_LOAD_FORMATS:
-            raise ValueError(f"load_format {body.load_format!r} is not supported; the tensors are one dict of "
-                             "name -> tensor (load_format null or 'direct')")
+            raise ValueError(
+                f"load_format {body.load_format!r} is not supported; the tensors are one dict of "
+                "name -> tensor (load_format null or 'direct')"
+            )
         given = [x for x in (body.serialized_named_tensors, body.serialized_tensors) if x is not None]
         if len(given) != 1:
-            raise ValueError("give one of serialized_named_tensors (a list, one entry per TP rank) and "
-                             "serialized_tensors")
+            raise ValueError(
+                "give one of serialized_named_tensors (a list, one entry per TP rank) and serialized_tensors"
+            )
         entry = given[0][0] if isinstance(given[0], list) and given[0] else given[0]
         if not isinstance(entry, str) or not entry:
             raise ValueError("serialized_named_tensors must hold at least one entry")
         tensors = await asyncio.to_thread(decode_tensors, entry)  # CPU work off the event loop
-        return await state.engine.load_lora_adapter(body.lora_name, tensors=tensors, peft_config=body.config_dict,
-                                                    load_inplace=body.upsert, pinned=body.pinned)
+        return await state.engine.load_lora_adapter(
+            body.lora_name, tensors=tensors, peft_config=body.config_dict, load_inplace=body.upsert, pinned=body.pinned
+        )
 
     return await lora_update(state, load, f"LoRA adapter {body.lora_name!r} loaded from tensors.")
 
@@ -572,8 +648,7 @@ async def unload_lora_adapter(body: LoRANameBody, state: StateDep) -> JSONRespon
 
     async def unload() -> Any:
         if body.lora_name not in await state.loras():
-            raise ValueError(f"LoRA adapter {body.lora_name!r} is not loaded; loaded: "
-                             f"{sorted(await state.loras())}")
+            raise ValueError(f"LoRA adapter {body.lora_name!r} is not loaded; loaded: {sorted(await state.loras())}")
         return await state.engine.unload_lora_adapter(body.lora_name)
 
     return await lora_update(state, unload, f"LoRA adapter {body.lora_name!r} unloaded.")

@@ -149,8 +149,10 @@ class ServerState:
     def check_lora_enabled(self) -> None:
         """Raises ValueError unless the engine serves LoRA adapters (the server was started with --enable-lora)."""
         if not self.engine.engine.config.lora_config.enable_lora:
-            raise ValueError("LoRA is not enabled: start the server with --enable-lora (and --max-lora-rank, "
-                             "--max-loras as the adapters need)")
+            raise ValueError(
+                "LoRA is not enabled: start the server with --enable-lora (and --max-lora-rank, "
+                "--max-loras as the adapters need)"
+            )
 
     async def loras(self) -> dict[str, dict[str, Any]]:
         """The loaded adapters by name (`EngineClient.list_loras`' entries); {} without LoRA."""

@@ -51,27 +51,47 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
     spec = config.speculative_config
     return {
         "model_config": {
-            "model": mc.model, "served_model_name": served_name, "dtype": str(mc.torch_dtype),
-            "max_model_len": mc.max_model_len, "max_logprobs": mc.max_logprobs, "seed": mc.seed,
+            "model": mc.model,
+            "served_model_name": served_name,
+            "dtype": str(mc.torch_dtype),
+            "max_model_len": mc.max_model_len,
+            "max_logprobs": mc.max_logprobs,
+            "seed": mc.seed,
         },
-        "parallel_config": {"tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": 1,
-                            "data_parallel_size": data_parallel_size,
-                            "world_size": pc.tensor_parallel_size * data_parallel_size,
-                            "enable_expert_parallel": pc.enable_expert_parallel},
-        "cache_config": {"block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
-                         "num_gpu_blocks": cc.num_kv_blocks},
+        "parallel_config": {
+            "tensor_parallel_size": pc.tensor_parallel_size,
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": data_parallel_size,
+            "world_size": pc.tensor_parallel_size * data_parallel_size,
+            "enable_expert_parallel": pc.enable_expert_parallel,
+        },
+        "cache_config": {
+            "block_size": cc.block_size,
+            "enable_prefix_caching": cc.enable_prefix_caching,
+            "num_gpu_blocks": cc.num_kv_blocks,
+        },
         # every transport is available on request; clients only check that one is configured
-        "weight_transfer_config": {"backend": "torch_dist",
-                                   "backends": ["tensors", "shm", "torch_dist", "disk", "cuda_ipc", "ipc"],
-                                   "atomic": config.weight_transfer_config.atomic},
-        "speculative_config": None if not spec.enabled else {
-            "method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},
+        "weight_transfer_config": {
+            "backend": "torch_dist",
+            "backends": ["tensors", "shm", "torch_dist", "disk", "cuda_ipc", "ipc"],
+            "atomic": config.weight_transfer_config.atomic,
+        },
+        "speculative_config": None
+        if not spec.enabled
+        else {"method": spec.method, "model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens},
         "quant_config": {"quantization": config.quant_config.quantization},
         # None unless started with --enable-lora: TRL's AsyncGRPO reads it to choose adapter-only syncs (and checks
         # max_lora_rank and max_loras against its adapter and max_staleness)
-        "lora_config": None if not lc.enable_lora else {
-            "max_lora_rank": lc.max_lora_rank, "max_loras": lc.max_loras, "max_cpu_loras": lc.max_cpu_loras,
-            "fully_sharded_loras": False, "lora_dtype": "auto", "lora_version_policy": lc.lora_version_policy},
+        "lora_config": None
+        if not lc.enable_lora
+        else {
+            "max_lora_rank": lc.max_lora_rank,
+            "max_loras": lc.max_loras,
+            "max_cpu_loras": lc.max_cpu_loras,
+            "fully_sharded_loras": False,
+            "lora_dtype": "auto",
+            "lora_version_policy": lc.lora_version_policy,
+        },
     }
 
 
@@ -82,9 +102,16 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
 async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     body = body or ReloadBody()
-    await state.guarded(state.engine.reload_weights(weights_path=body.weights_path, target=body.target,
-                                                    weight_version=body.weight_version, encoding=body.encoding,
-                                                    base_version=body.base_version, checksums=body.checksums))
+    await state.guarded(
+        state.engine.reload_weights(
+            weights_path=body.weights_path,
+            target=body.target,
+            weight_version=body.weight_version,
+            encoding=body.encoding,
+            base_version=body.base_version,
+            checksums=body.checksums,
+        )
+    )
     state.metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
     state.version_changed()
     return state.versions()
@@ -170,11 +197,14 @@ async def load_lora_adapter(body: LoadLoRABody, state: StateDep) -> PlainTextRes
     except ValueError as err:
         raise ApiError(400, str(err), "BadRequestError") from None
     if name == state.served_model_name:
-        raise ApiError(400, f"'{name}' is the served model's name; give the adapter another name",
-                       "InvalidUserInput")
+        raise ApiError(400, f"'{name}' is the served model's name; give the adapter another name", "InvalidUserInput")
     if not body.load_inplace and name in await state.loras():
-        raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
-                       "place, set 'load_inplace' to True.", "InvalidUserInput")
+        raise ApiError(
+            400,
+            f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+            "place, set 'load_inplace' to True.",
+            "InvalidUserInput",
+        )
     if not os.path.exists(path):
         raise ApiError(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
     await _lora_call(state, state.engine.load_lora_adapter(name, path, load_inplace=body.load_inplace))
@@ -248,8 +278,9 @@ async def sleep(
 
 
 @router.post("/wake_up")
-async def wake_up(state: StateDep, body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
-                  ) -> dict[str, Any]:
+async def wake_up(
+    state: StateDep, body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
+) -> dict[str, Any]:
     """Re-allocates what sleep released: `tags` (repeatable query parameter, or the body; none: all)."""
     chosen = tags if tags is not None else (body or WakeBody()).tags
     await state.guarded(state.engine.wake_up(chosen))
@@ -301,12 +332,25 @@ async def server_info(state: StateDep, config_format: str = Query("json", patter
     engine = state.engine
     config = vllm_config(engine.engine.config, state.served_model_name, engine.data_parallel_size)
     tp = engine.engine.config.parallel_config.tensor_parallel_size
-    sglang = {"tp_size": tp, "tensor_parallel_size": tp, "pp_size": 1, "dp_size": 1, "ep_size": 1,
-              "moe_dp_size": 1, "num_gpus": 0, "disaggregation_mode": "null", "encoder_only": False,
-              "model_path": engine.engine.config.model_config.model,
-              "weight_version": engine.engine.weight_version_label}
-    return {"vllm_config": config if config_format == "json" else json.dumps(config), "vllm_env": {},
-            "system_env": {}, **sglang}
+    sglang = {
+        "tp_size": tp,
+        "tensor_parallel_size": tp,
+        "pp_size": 1,
+        "dp_size": 1,
+        "ep_size": 1,
+        "moe_dp_size": 1,
+        "num_gpus": 0,
+        "disaggregation_mode": "null",
+        "encoder_only": False,
+        "model_path": engine.engine.config.model_config.model,
+        "weight_version": engine.engine.weight_version_label,
+    }
+    return {
+        "vllm_config": config if config_format == "json" else json.dumps(config),
+        "vllm_env": {},
+        "system_env": {},
+        **sglang,
+    }
 
 
 @router.get("/get_weight_version")

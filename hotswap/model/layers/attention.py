@@ -81,7 +81,14 @@ class AttentionMetadata:
         c_len = torch.tensor(context_lens)
         if kernel is not None and max_q <= cap:
             return cls(
-                torch.tensor(slots, dtype=torch.long), tables, c_len, None, None, max_q, gather, kernel,
+                torch.tensor(slots, dtype=torch.long),
+                tables,
+                c_len,
+                None,
+                None,
+                max_q,
+                gather,
+                kernel,
                 None if max_q == 1 else q_len,
             )
         pad = [i * max_q + j for i, q in enumerate(query_lens) for j in range(q)]
@@ -104,17 +111,22 @@ class AttentionMetadata:
             gather_cache=gather,
         )
 
-
     def to(self, device: torch.device) -> AttentionMetadata:
         """This metadata with its tensors on `device` (built on the host, moved once per step)."""
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else upload(t, device)
 
         parts = None if self.parts is None else [(move(rows), part.to(device)) for rows, part in self.parts]
         return dataclasses.replace(
-            self, slot_mapping=upload(self.slot_mapping, device), block_tables=upload(self.block_tables, device),
-            context_lens=upload(self.context_lens, device), pad_index=move(self.pad_index),
-            mask=move(self.mask), query_lens=move(self.query_lens), parts=cast(Any, parts),
+            self,
+            slot_mapping=upload(self.slot_mapping, device),
+            block_tables=upload(self.block_tables, device),
+            context_lens=upload(self.context_lens, device),
+            pad_index=move(self.pad_index),
+            mask=move(self.mask),
+            query_lens=move(self.query_lens),
+            parts=cast(Any, parts),
         )
 
     @classmethod
@@ -133,8 +145,13 @@ class AttentionMetadata:
         for is_short in (True, False):
             seqs = [i for i, q in enumerate(query_lens) if (q <= short) == is_short]
             rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], dtype=torch.long)
-            meta = cls.build([query_lens[i] for i in seqs], [context_lens[i] for i in seqs],
-                             [block_tables[i] for i in seqs], block_size, kernel)
+            meta = cls.build(
+                [query_lens[i] for i in seqs],
+                [context_lens[i] for i in seqs],
+                [block_tables[i] for i in seqs],
+                block_size,
+                kernel,
+            )
             parts.append((rows, meta))
         empty = torch.empty(0, dtype=torch.long)
         return cls(empty, empty, empty, None, None, max(query_lens), True, parts=parts)
@@ -175,8 +192,9 @@ class Attention(nn.Module):
         if meta.parts is not None:  # the groups' sequences are disjoint: each writes and reads only its own KV
             out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
             for rows, part in meta.parts:
-                out[rows] = self.forward(q[rows], k[rows], v[rows], part,
-                                         None if positions is None else positions[rows], rotary)
+                out[rows] = self.forward(
+                    q[rows], k[rows], v[rows], part, None if positions is None else positions[rows], rotary
+                )
             return out
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
@@ -184,15 +202,33 @@ class Attention(nn.Module):
                 return self._rope_attend_exact(q, k, v, positions, rotary, meta)
             if meta.kernel is not None and meta.kernel.rotates(positions, q):
                 return meta.kernel.rope(
-                    q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
-                    meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index, self.scale,
+                    q,
+                    k,
+                    v,
+                    positions,
+                    rotary.cos,
+                    rotary.sin,
+                    self.k_cache,
+                    self.v_cache,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.context_lens,
+                    meta.query_lens,
+                    self.expand_index,
+                    self.scale,
                 )
             q, k = rotary(positions, q, k)
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.kernel is not None:  # the paged kernel of the model's backend (ops.paged_kernels)
             return meta.kernel.paged(
-                q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
-                self.expand_index, self.scale,
+                q.contiguous(),
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                meta.query_lens,
+                self.expand_index,
+                self.scale,
             )
         num_seqs = meta.block_tables.shape[0]
         max_q = meta.max_query_len
@@ -215,9 +251,13 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads * self.head_dim)
         return out if meta.pad_index is None else out[meta.pad_index]
 
-
     def _rope_attend_exact(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Deterministic mode: `rope_paged_attention`, the one attention path of every query (a decode step, a
@@ -228,8 +268,19 @@ class Attention(nn.Module):
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ops.rope_paged_attention(
-                q, k.contiguous(), v.contiguous(), positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
-                meta.slot_mapping, meta.block_tables, meta.context_lens, meta.query_lens, self.expand_index,
+                q,
+                k.contiguous(),
+                v.contiguous(),
+                positions,
+                rotary.cos,
+                rotary.sin,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                meta.query_lens,
+                self.expand_index,
                 self.scale,
             )
 
@@ -253,8 +304,11 @@ class Attention(nn.Module):
             mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < torch.tensor(lens)[:, None, None])
             mask[:, :, 0] = True  # padding rows attend somewhere; their outputs are dropped
             out = F.scaled_dot_product_attention(
-                padded(q), padded(k.index_select(1, index)), padded(v.index_select(1, index)),
-                attn_mask=mask[:, None], scale=self.scale,
+                padded(q),
+                padded(k.index_select(1, index)),
+                padded(v.index_select(1, index)),
+                attn_mask=mask[:, None],
+                scale=self.scale,
             )
             flat = out.transpose(1, 2).reshape(len(lens) * width, self.num_heads * self.head_dim)
             return flat.index_select(0, rows)

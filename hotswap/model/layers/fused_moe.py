@@ -322,8 +322,9 @@ class FusedMoE(nn.Module):
         value = loaded if pre_sliced else loaded.narrow(1 if part == _DOWN else 0, *share)
         self._write(param, slot, None if part == _DOWN else self._rows(part), value)
 
-    def _write(self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None, value: torch.Tensor
-               ) -> None:
+    def _write(
+        self, param: nn.Parameter, slots: int | slice, rows: tuple[int, int] | None, value: torch.Tensor
+    ) -> None:
         """Writes `value` into `param[slots]` (rows `rows` of it), or for fp8 into the stage, marking the rows; an
         fp8 `value` (already quantized, its scale in the same update) is copied as it is."""
         if not self.fp8 or value.dtype == FP8_DTYPE:
@@ -370,11 +371,15 @@ class FusedMoE(nn.Module):
             if not self.fp8:
                 raise ValueError(f"expert weights in float8 ({shard}) need quantization='fp8'")
             if shard in (FUSED_GATE_UP, FUSED_DOWN):
-                raise ValueError(f"fused expert weights ({shard}) must be high precision; send FP8 experts by "
-                                 f"per-expert names with their {self.scale_leaf}")
+                raise ValueError(
+                    f"fused expert weights ({shard}) must be high precision; send FP8 experts by "
+                    f"per-expert names with their {self.scale_leaf}"
+                )
             if shard not in scales:
-                raise ValueError(f"expert {shard[0]}'s {shard[1]} weight arrives in float8 without its "  # type: ignore[index]
-                                 f"{self.scale_leaf} in the same update")
+                raise ValueError(
+                    f"expert {shard[0]}'s {shard[1]} weight arrives in float8 without its "  # type: ignore[index]
+                    f"{self.scale_leaf} in the same update"
+                )
 
     @property
     def stages_weights(self) -> bool:
@@ -462,8 +467,16 @@ class FusedMoE(nn.Module):
     # this module's name in the model, set where LoRA adapters are enabled (hotswap/lora/manager.py)
     lora_key: str | None = None
 
-    def _add_lora(self, lora: LoRABatch, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-                  counts: torch.Tensor, lora_rows: int) -> torch.Tensor:
+    def _add_lora(
+        self,
+        lora: LoRABatch,
+        which: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        lora_rows: int,
+    ) -> torch.Tensor:
         """`out` (the experts' product `which` for rows `x`, grouped by expert as `counts` says; `rows`: each
         one's token, of `lora_rows` in the pass) plus every adapter's expert factors for the tokens it serves."""
         assert self.lora_key is not None  # set with the adapters

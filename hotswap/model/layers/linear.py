@@ -230,8 +230,9 @@ class QKVLinear(Linear):
             "k": ShardSpec(q, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
             "v": ShardSpec(q + kv, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
         }
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel="column",
-                         shard_specs=specs)
+        super().__init__(
+            hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel="column", shard_specs=specs
+        )
 
 
 class MergedLinear(Linear):

@@ -53,8 +53,9 @@ def one_draw(probs: torch.Tensor, uniform: float) -> int:
     return int(draw(probs[None], torch.tensor([uniform], dtype=torch.float32, device=probs.device))[0])
 
 
-def _chances(p: torch.Tensor, proposals: list[list[int]], draft_probs: list[torch.Tensor | None],
-             specs: list[list[SampleSpec]]) -> dict[tuple[int, int], tuple[float, float]]:
+def _chances(
+    p: torch.Tensor, proposals: list[list[int]], draft_probs: list[torch.Tensor | None], specs: list[list[SampleSpec]]
+) -> dict[tuple[int, int], tuple[float, float]]:
     """(p_j(d), q_j(d)) by (sequence, j) for each proposal d that an unseeded sampled row accepts by chance, read
     back to the host in one transfer (q_j(d) is 1 for a point mass): the acceptance test draws on the host."""
     keys: list[tuple[int, int]] = []
@@ -95,8 +96,9 @@ def verify(
     flat = [spec for seq_specs in specs for spec in seq_specs]
     assert logits.shape[0] == len(flat) == sum(len(p) + 1 for p in proposals), "one row per verified position"
     logits = logits.float()
-    plain = all(s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts
-                for s in flat)
+    plain = all(
+        s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts for s in flat
+    )
     if plain and logprobs_mode() == "raw_logprobs" and ops.greedy_native(logits):
         tokens, chosen = ops.greedy_sample(logits)
         argmax, chosen_list = tokens.tolist(), chosen.tolist()

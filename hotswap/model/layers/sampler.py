@@ -115,8 +115,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     if not specs:  # a step that only prefills
         return []
     plain_greedy = all(
-        s.temperature == 0 and not s.banned_token_ids and s.allowed is None and s.num_logprobs is None
-        and not s.adjusts
+        s.temperature == 0 and not s.banned_token_ids and s.allowed is None and s.num_logprobs is None and not s.adjusts
         for s in specs
     )
     mode = logprobs_mode()
@@ -128,8 +127,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
     logits = banned(adjusted(logits, specs), specs)
     random_rows = [r for r, s in enumerate(specs) if s.temperature > 0]
     # rows drawn from, as an index (None: every row, taken whole: no gather, and no argmax pass for greedy rows)
-    index = None if len(random_rows) == len(specs) else torch.tensor(random_rows, dtype=torch.long,
-                                                                      device=logits.device)
+    index = (
+        None if len(random_rows) == len(specs) else torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+    )
     tokens: torch.Tensor | None = None if index is None else logits.max(dim=-1).indices  # the first maximum
     kept: dict[int, list[int]] = {}
     if random_rows:

@@ -50,6 +50,5 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     return q, scale
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-                      ) -> torch.Tensor:
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * expand_block_scales(scale, q.shape, block)).to(dtype)
