@@ -129,8 +129,8 @@ ALLOWED = {
     ("hotswap/weights/safetensors_io.py", "iterate_index"): "checkpoint bytes read on the host",
     ("hotswap/transfer", "*"): "wire buffers and shm views live on the host",
     ("hotswap/weights/delta.py", "xor_dtype"): "a dtype's element size",
-    ("hotswap/weights/update.py", "magnitude_bound"): "a scalar bound read with .item()",
-    ("hotswap/weights/update.py", "random_source"): "dummy weights generated on the host, copied in like a file's",
+    ("hotswap/weights/checks.py", "magnitude_bound"): "a scalar bound read with .item()",
+    ("hotswap/weights/source.py", "random_source"): "dummy weights generated on the host, copied in like a file's",
 }
 
 

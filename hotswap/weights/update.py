@@ -1,9 +1,8 @@
-"""The one update object every weight path goes through, and what feeds it.
+"""The one update object every weight path goes through.
 
-Every way weights arrive is a `WeightSource`, a declaration plus the (name, tensor) pairs: the startup load,
-`reload_weights` by folder or iterator, and every transport (tensors, shm, torch_dist, disk) build one, and
-`WeightUpdate.apply` is its only consumer. The declaration (names, dtypes, shapes) is complete before any data is
-read, so it is checked against the model before anything moves.
+Every way weights arrive is a `WeightSource` (hotswap/weights/source.py), a declaration plus the (name, tensor)
+pairs, and `WeightUpdate.apply` is its only consumer; the declaration is checked against the model before anything
+moves (hotswap/weights/checks.py).
 
     WeightUpdate(index, atomic, check_finite, backups)
       .apply(source)   declaration checked once (names, shapes, dtypes, duplicates, completeness), then values
@@ -27,233 +26,61 @@ session may fail, and deferring the writes instead is unsafe, since a trainer ma
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections import Counter
-from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable
 from typing import Any, cast
 
 import torch
 
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
+from hotswap.weights.checks import (
+    all_finite,
+    check_declaration,
+    device_max_magnitude_bits,
+    magnitude_bound,
+    non_finite_error,
+    non_finite_names,
+)
+from hotswap.weights.chunks import CHUNK_BYTES, chunked_copies, row_chunks
 from hotswap.weights.index import WeightIndex
-from hotswap.weights.safetensors_io import iterate_index, read_index
 from hotswap.weights.shadow import Shadow, check_room
+from hotswap.weights.source import (
+    Declared,
+    NamedTensors,
+    Patch,
+    PendingHalf,
+    RankSelection,
+    WeightSource,
+    folder_source,
+    pairs_source,
+    prefixed_source,
+    prefixer,
+    random_source,
+    renamed_source,
+)
 
-Declared = list[tuple[str, torch.dtype, tuple[int, ...]]]
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class WeightSource:
-    """A declaration and the tensors it promises, in declared order.
-
-    `tensors()` yields (name, tensor) for the declared entries; a tensor may be a view into a transport buffer
-    that is reused once the next one is requested. `pre_sliced` names entries that already are this rank's part.
-    `complete` marks a full checkpoint: every weight of the model must be declared. `skip[i]` True means entry i
-    is another rank's slice: it is received (a collective stream must be drained) but not loaded."""
-
-    declared: Declared
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    in_memory: bool = False
-    complete: bool = False
-    pre_sliced: frozenset[str] = frozenset()
-    skip: list[bool] | None = None
-    # run after the last tensor loaded; it may return a generator (run to its end), which a staged update runs
-    # between steps
-    verify: Callable[[], Generator[None, None, None] | None] | None = None
-    reads_served: bool = False  # decoding reads the weights it updates (a delta): staging copies start as them
-    description: str = "update"
-
-    def loaded_entries(self) -> Declared:
-        """The declared entries this rank loads."""
-        if self.skip is None:
-            return self.declared
-        return [d for d, skipped in zip(self.declared, self.skip, strict=True) if not skipped]
-
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors this rank loads (other ranks' slices are received and dropped)."""
-        if self.skip is None:
-            yield from self.tensors()
-            return
-        for item, skipped in zip(self.tensors(), self.skip, strict=False):
-            if not skipped:
-                yield item
-
-
-def pairs_source(named_tensors: NamedTensors, description: str = "weights_iterator") -> WeightSource:
-    """A source over in-memory (name, tensor) pairs; the iterable is consumed once, here (generators work)."""
-    pairs = []
-    for item in named_tensors:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-        name, tensor = str(item[0]), item[1]
-        if tensor.layout is not torch.strided or tensor.is_meta or tensor.is_quantized:
-            raise ValueError(f"{name}: a dense tensor with data is needed, got a {tensor.layout} / meta tensor")
-        pairs.append((name, tensor.detach()))
-    return WeightSource(
-        declared=[(n, t.dtype, tuple(t.shape)) for n, t in pairs],
-        tensors=lambda: iter(pairs),
-        in_memory=True,
-        description=description,
-    )
-
-
-def folder_source(folder: str, complete: bool = True) -> WeightSource:
-    """A safetensors checkpoint folder, read through a private memory map (no intermediate copies); names,
-    dtypes and shapes come from the headers. Raises ValueError for a malformed or truncated folder."""
-    index = read_index(folder)
-    return WeightSource(
-        declared=[(name, entry.dtype, entry.shape) for name, entry in index.items()],
-        tensors=lambda: iterate_index(index),
-        complete=complete,
-        description=f"checkpoint {folder!r}",
-    )
-
-
-def prefixed_source(source: WeightSource, prefix: str) -> WeightSource:
-    """`source` with `prefix` put before every name that lacks it (draft tensors sent under their own names)."""
-    return renamed_source(source, prefixer(prefix))
-
-
-def prefixer(prefix: str) -> Callable[[str], str]:
-    """The renaming that puts `prefix` before a name that lacks it."""
-    return lambda n: n if n.startswith(prefix) else prefix + n
-
-
-def renamed_source(source: WeightSource, name: Callable[[str], str]) -> WeightSource:
-    """`source` with every name `n` called `name(n)`."""
-    inner = source.tensors
-    return WeightSource(
-        declared=[(name(n), d, s) for n, d, s in source.declared],
-        tensors=lambda: ((name(n), t) for n, t in inner()),
-        in_memory=source.in_memory,
-        complete=source.complete,
-        pre_sliced=frozenset(name(n) for n in source.pre_sliced),
-        skip=source.skip,
-        verify=source.verify,
-        description=source.description,
-    )
-
-
-def random_source(shapes: dict[str, tuple[int, ...]], std: float = 0.02) -> WeightSource:
-    """Random normal tensors of the given full shapes (load_format "dummy")."""
-    return WeightSource(
-        declared=[(name, torch.float32, shape) for name, shape in shapes.items()],
-        tensors=lambda: ((name, torch.randn(shape) * std) for name, shape in shapes.items()),
-        complete=True,
-        description="dummy weights",
-    )
-
-
-@dataclass
-class RankSelection:
-    """Which declared entries a tensor-parallel rank loads: `update_info["tp_ranks"]`, when given, names the rank
-    each tensor was sliced for (None: a whole tensor, every rank takes its part)."""
-
-    rank: int
-    size: int
-    ranks: list[int | None] | None = field(default=None)
-
-    @classmethod
-    def from_update_info(cls, update_info: Any, rank: int, size: int) -> RankSelection:
-        ranks = update_info.get("tp_ranks") if isinstance(update_info, dict) else None
-        return cls(rank, size, ranks)
-
-    def apply(self, source: WeightSource) -> WeightSource:
-        """`source` with other ranks' slices skipped and this rank's marked pre-sliced. Raises ValueError for a
-        malformed `tp_ranks`."""
-        if self.ranks is None:
-            return source
-        count = len(source.declared)
-        if not isinstance(self.ranks, list) or len(self.ranks) != count:
-            raise ValueError(f"tp_ranks must list one rank (or None) per declared tensor ({count})")
-        if any(r is not None and not (isinstance(r, int) and 0 <= r < self.size) for r in self.ranks):
-            raise ValueError(f"tp_ranks entries must be None or ranks in [0, {self.size})")
-        source.skip = [r is not None and r != self.rank for r in self.ranks]
-        source.pre_sliced = frozenset(d[0] for d, r in zip(source.declared, self.ranks, strict=True) if r == self.rank)
-        return source
-
-
-# ---- the update ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PendingHalf:
-    """One half of a sparse delta's pair ("indices" or "values") whose partner has not arrived yet in this update
-    (hotswap/weights/delta.py); `pre_sliced`: it is already this rank's part."""
-
-    kind: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    tensor: torch.Tensor
-    pre_sliced: bool
-
-
-class Patch:
-    """Elements of one tensor's local part written in place: flat `indices` into it (int64) and their new
-    `values` (the parameter's dtype). What a sparse delta becomes (hotswap/weights/delta.py)."""
-
-    __slots__ = ("indices", "values")
-
-    def __init__(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        self.indices, self.values = indices, values
-
-
-def all_finite(tensor: torch.Tensor, limit_dtype: torch.dtype) -> bool:
-    """True if no element is NaN or Inf, nor becomes Inf when cast to `limit_dtype` (e.g. fp32 above 65504
-    into fp16). A sum is one cheap pass; only a non-finite sum (a bad value, or an overflow of huge finite ones)
-    pays for the exact elementwise check."""
-    if tensor.element_size() == 1:
-        tensor = tensor.float()
-    finite = bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-    if finite and limit_dtype.is_floating_point and torch.finfo(limit_dtype).max < torch.finfo(tensor.dtype).max:
-        finite = tensor.numel() == 0 or bool(tensor.abs().amax() <= torch.finfo(limit_dtype).max)
-    return finite
-
-
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-@functools.cache
-def magnitude_bound(dtype: torch.dtype, limit_dtype: torch.dtype) -> int | None:
-    """The largest |x| bit pattern (sign cleared) of a `dtype` tensor that `all_finite(x, limit_dtype)` accepts
-    (finite, and within `limit_dtype`'s range), or None where a bit comparison does not decide it (another dtype,
-    or a 16-bit tensor bound for a narrower dtype)."""
-    if dtype not in _BITS:
-        return None
-    top = torch.finfo(dtype).max
-    if limit_dtype.is_floating_point and torch.finfo(limit_dtype).max < top:
-        if dtype != torch.float32:
-            return None
-        top = torch.finfo(limit_dtype).max  # exactly a float32 (float16's and bfloat16's maxima are)
-    return int(torch.tensor(top, dtype=dtype).view(_BITS[dtype]).item())
-
-
-def device_max_magnitude_bits(tensors: list[torch.Tensor]) -> list[int]:
-    """For each tensor (contiguous float32, bfloat16 or float16, on any one device), the largest |x| bit pattern
-    (sign cleared: NaN and Inf above every finite value), computed with torch ops where the tensors live and read
-    back to the host once for all of them: a GPU update's value check costs one synchronization, not one per tensor
-    (`ops.max_magnitude_bits` is the CPU's native twin)."""
-    if not tensors:
-        return []
-    tops = []
-    for t in tensors:
-        bits = t.view(_BITS[t.dtype])
-        mask = 0x7FFFFFFF if bits.dtype == torch.int32 else 0x7FFF
-        tops.append(
-            (bits & mask).amax().to(torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64, device=t.device)
-        )
-    return cast(list[int], torch.stack(tops).tolist())
-
-
-def _castable(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and not dtype.is_complex
-
-
-def _non_finite_error(names: list[str]) -> ValueError:
-    return ValueError(f"tensors with NaN or Inf values (rejected; disable with check_finite=False): {names}")
+# re-exported: what feeds an update and its checks are imported from here too
+__all__ = [
+    "CHUNK_BYTES",
+    "Declared",
+    "NamedTensors",
+    "Patch",
+    "PendingHalf",
+    "RankSelection",
+    "WeightSource",
+    "WeightUpdate",
+    "all_finite",
+    "chunked_copies",
+    "device_max_magnitude_bits",
+    "drive",
+    "folder_source",
+    "magnitude_bound",
+    "pairs_source",
+    "prefixed_source",
+    "prefixer",
+    "random_source",
+    "renamed_source",
+]
 
 
 class WeightUpdate:
@@ -293,49 +120,8 @@ class WeightUpdate:
 
     def check_declaration(self, declared: Declared, complete: bool, pre_sliced: frozenset[str]) -> None:
         """Raises ValueError for duplicate, unknown, mis-shaped or non-castable tensors (naming them all) and, for
-        a `complete` checkpoint, missing ones. Nothing has moved yet."""
-        counts = Counter(name for name, _, _ in declared)
-        duplicates = sorted(n for n, c in counts.items() if c > 1)
-        if duplicates:
-            raise ValueError(f"duplicate tensor names in one update: {duplicates}")
-        entries = [(n, d, s) for n, d, s in declared if not self.index.ignored(n)]
-        unknown = sorted(n for n, _, _ in entries if n not in self.index.targets)
-        if unknown:
-            raise ValueError(f"unknown tensors (the model has no such weights): {unknown}")
-        by_key: dict[tuple[str, object], list[str]] = {}
-        wrong, bad_dtypes = [], []
-        for name, dtype, shape in entries:
-            target = self.index.targets[name]
-            for key in target.keys:
-                by_key.setdefault(key, []).append(name)
-            expected = target.local_shape if name in pre_sliced else target.full_shape
-            if tuple(shape) != expected:
-                wrong.append(
-                    f"{name}: expected shape {expected}{' (pre-sliced)' if name in pre_sliced else ''}, "
-                    f"got {tuple(shape)}"
-                )
-            if not _castable(dtype):
-                bad_dtypes.append(f"{name}: {dtype}")
-        shared = sorted({tuple(names) for names in by_key.values() if len(names) > 1})
-        if shared:
-            raise ValueError(f"duplicate tensors for the same (tied) weight in one update: {shared}; send one")
-        if wrong:
-            raise ValueError(f"tensors with the wrong shape: {wrong}")
-        if bad_dtypes:
-            raise ValueError(f"tensors whose dtype cannot be cast to a floating-point weight: {bad_dtypes}")
-        per_module: dict[str, list[tuple[object, Any, torch.dtype]]] = {}
-        for name, dtype, _ in entries:
-            target = self.index.targets[name]
-            per_module.setdefault(target.module_name, []).append((target.shard_id, target.param, dtype))
-        for module_name, module_entries in per_module.items():
-            check = getattr(self.index.modules[module_name], "check_update", None)
-            if check is not None:
-                with self.index.scope(module_name):
-                    check(module_entries)
-        if complete:
-            missing = sorted(n for n in self.index.required if self.index.targets[n].key not in by_key)
-            if missing:
-                raise ValueError(f"checkpoint is missing tensors: {missing}")
+        a `complete` checkpoint, missing ones. Nothing has moved yet (`checks.check_declaration`)."""
+        check_declaration(self.index, declared, complete, pre_sliced)
 
     def _limit(self, name: str) -> torch.dtype:
         """The dtype `name`'s values must fit: the parameter's, or for a staging layer (fp8) its stage's, from which
@@ -350,33 +136,11 @@ class WeightUpdate:
         return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, self._limit(name))
 
     def _non_finite(self, pairs: list[tuple[str, torch.Tensor]]) -> list[str]:
-        """The names in `pairs` whose values do not fit their targets (`_finite`), in order. Read last to first, so
-        the first tensors loaded are the ones read last (still cached, if they fit); where the native check applies,
-        in one pass over all of them (`ops.max_magnitude_bits`)."""
+        """The names in `pairs` whose values do not fit their targets (`_finite`), in order
+        (`checks.non_finite_names`)."""
         if not self.check_finite:
             return []
-        batch: list[tuple[str, torch.Tensor, int]] = []
-        on_device: dict[torch.device, list[tuple[str, torch.Tensor, int]]] = {}
-        alone: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in reversed(pairs):
-            values = tensor.values if isinstance(tensor, Patch) else tensor
-            bound = magnitude_bound(values.dtype, self._limit(name))
-            if bound is None or not values.is_contiguous() or values.numel() == 0:
-                alone.append((name, tensor))
-            elif values.device.type != "cpu":  # one fused check per device, one host read
-                on_device.setdefault(values.device, []).append((name, values, bound))
-            else:
-                batch.append((name, values, bound))
-        maxima = ops.max_magnitude_bits([values for _, values, _ in batch])
-        if maxima is None:
-            alone = [(name, values) for name, values, _ in batch] + alone
-            batch = []
-        bad = {name for (name, _, bound), top in zip(batch, maxima or [], strict=True) if top > bound}
-        for group in on_device.values():
-            tops = device_max_magnitude_bits([values for _, values, _ in group])
-            bad.update(name for (name, _, bound), top in zip(group, tops, strict=True) if top > bound)
-        bad.update(name for name, tensor in alone if not self._finite(name, tensor))
-        return [name for name, _ in pairs if name in bad]
+        return non_finite_names(pairs, self._limit)
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -428,7 +192,7 @@ class WeightUpdate:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
             bad = self._non_finite(pairs)
             if bad:
-                raise _non_finite_error(bad)
+                raise non_finite_error(bad)
             count = yield from self._load(pairs, source.pre_sliced, backup, True, source.description)
         else:
             count = yield from self._load(stream, source.pre_sliced, backup, False, source.description)
@@ -490,7 +254,7 @@ class WeightUpdate:
             self._loaded(name, target)
             yield
         if non_finite:
-            raise _non_finite_error(non_finite)
+            raise non_finite_error(non_finite)
         return count
 
     def _load_staged(
@@ -528,7 +292,7 @@ class WeightUpdate:
                 self._loaded(name, target)
                 yield
         if non_finite:
-            raise _non_finite_error(non_finite)
+            raise non_finite_error(non_finite)
         return count
 
     def _loaded(self, name: str, target: Any) -> None:
@@ -556,7 +320,7 @@ class WeightUpdate:
             dst = target.local_view()
             if src.shape == dst.shape:
                 limit = self._limit(name)
-                for rows in _row_chunks(dst):
+                for rows in row_chunks(dst):
                     part = src[rows]
                     if self.check_finite and not all_finite(part, limit):
                         return False
@@ -676,25 +440,3 @@ def drive(steps: Generator[None, None, int]) -> int:
             next(steps)
         except StopIteration as stop:
             return cast(int, stop.value)
-
-
-CHUNK_BYTES = 2 << 20  # what a staged update copies or checks between two yields
-
-
-def _row_chunks(t: torch.Tensor) -> Iterator[slice | tuple[()]]:
-    """Index expressions cutting `t` along dim 0 into pieces of about `CHUNK_BYTES` (a 0-d tensor: one, whole)."""
-    if t.dim() == 0 or t.numel() == 0:
-        yield ()
-        return
-    row_bytes = max(1, t[0].numel() * t.element_size())
-    step = max(1, CHUNK_BYTES // row_bytes)
-    for start in range(0, t.shape[0], step):
-        yield slice(start, start + step)
-
-
-def chunked_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Generator[None, None, None]:
-    """Copies each (dst, src) pair in `_row_chunks`, yielding after each chunk."""
-    for dst, src in pairs:
-        for rows in _row_chunks(dst):
-            ops.copy_(dst[rows], src[rows])
-            yield
