@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (hotswap/kernels/triton_attention.py), run by Triton's interpreter on the CPU,
+"""The Triton paged-attention kernels (hotswap/kernels/triton_attention*.py), run by Triton's interpreter on the CPU,
 against attention in float64 torch ops: decode batches (split and unsplit) and extend batches over shuffled block
 tables, GQA and explicit head maps, the fused rotary + cache write, the plain cache write, and rejected input that
 leaves the cache as it was."""
@@ -71,8 +71,9 @@ def _fix_interpreter_index(mp: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def ta():
-    """The kernels' module, loaded from its file under a private name (not through hotswap's package, which
-    loads the engine), its kernels interpreted."""
+    """The kernels' entry points (triton_attention.py), loaded from their file under a private name, so that a
+    test's patches stay in this copy; its kernels (triton_attention_kernels.py, imported through hotswap's package)
+    interpreted."""
     spec = importlib.util.find_spec("hotswap")
     assert spec is not None and spec.submodule_search_locations
     path = Path(next(iter(spec.submodule_search_locations))) / "kernels" / "triton_attention.py"
