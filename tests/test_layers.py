@@ -1,6 +1,7 @@
-"""The package imports only downward (docs/design.md, "Layers"): every import of a hotswap module, at module level,
-deferred inside a function, or under TYPE_CHECKING, goes to a layer at or below its own, and no modules import each
-other in a circle. Both rules are also run on a planted violation, to show that they fail where they should."""
+"""The package imports only downward (docs/design/architecture.md, "Layers"): every import of a hotswap module, at
+module level, deferred inside a function, or under TYPE_CHECKING, goes to a layer at or below its own, and no modules
+import each other in a circle. Both rules are also run on a planted violation, to show that they fail where they
+should."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def module_cycles(root: Path) -> list[list[str]]:
 
 def test_every_import_goes_down_the_layers():
     bad = upward_imports(ROOT)
-    assert bad == [], "imports that go up the layers (docs/design.md, Layers):\n" + "\n".join(bad)
+    assert bad == [], "imports that go up the layers (docs/design/architecture.md, Layers):\n" + "\n".join(bad)
 
 
 def test_no_modules_import_each_other_in_a_circle():
