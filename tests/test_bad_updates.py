@@ -129,6 +129,24 @@ def test_in_memory_sources_are_value_checked_before_any_write(ckpts, b_tensors):
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
 
 
+def test_value_checks_in_groups_name_every_bad_tensor_before_any_write(ckpts, b_tensors, monkeypatch):
+    """An in-memory source's values are checked in groups (a yield after each, so a staged update's slices stay
+    short): with groups of a few KiB, bad tensors in the first and the last group are both named, and nothing was
+    written although atomic mode (the rollback copies) is off."""
+    monkeypatch.setattr("hotswap.weights.update.CHUNK_BYTES", 4096)
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
+    before = llm.weight_checksums()
+    first, last = b_tensors[0][0], b_tensors[-1][0]
+    tensors = [(n, t.clone()) for n, t in b_tensors]
+    for name, tensor in tensors:
+        if name in (first, last):
+            tensor.view(-1)[-1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf") as caught:
+        llm.reload_weights(weights_iterator=tensors)
+    assert first in str(caught.value) and last in str(caught.value)
+    assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
+
+
 def test_values_the_weight_dtype_cannot_hold_are_rejected(ckpts, b_tensors):
     llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, dtype="float16")
     norm = dict(b_tensors)["model.norm.weight"].clone()

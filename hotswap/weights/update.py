@@ -135,12 +135,27 @@ class WeightUpdate:
             return True
         return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, self._limit(name))
 
-    def _non_finite(self, pairs: list[tuple[str, torch.Tensor]]) -> list[str]:
+    def _non_finite(self, pairs: list[tuple[str, torch.Tensor]]) -> Generator[None, None, list[str]]:
         """The names in `pairs` whose values do not fit their targets (`_finite`), in order
-        (`checks.non_finite_names`)."""
+        (`checks.non_finite_names`), checked in groups of about `CHUNK_BYTES` with a yield after each (the last
+        group first, as that function reads): every value is checked before the first write, and a staged update
+        received in slices between steps holds no step longer than one group."""
         if not self.check_finite:
             return []
-        return non_finite_names(pairs, self._limit)
+        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for name, tensor in pairs:
+            nbytes = (tensor.values if isinstance(tensor, Patch) else tensor).nbytes
+            if groups[-1] and size + nbytes > CHUNK_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, tensor))
+            size += nbytes
+        bad: list[str] = []
+        for group in reversed(groups):
+            bad = non_finite_names(group, self._limit) + bad
+            yield
+        return bad
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -190,7 +205,7 @@ class WeightUpdate:
         self.unprotected = self.unprotected or (self.atomic and not backup and self.shadow is None)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
-            bad = self._non_finite(pairs)
+            bad = yield from self._non_finite(pairs)
             if bad:
                 raise non_finite_error(bad)
             count = yield from self._load(pairs, source.pre_sliced, backup, True, source.description)
