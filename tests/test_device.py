@@ -13,8 +13,8 @@ import torch
 
 from hotswap import LLM
 from hotswap import config as config_module
-from hotswap.config import model as model_config_module
 from hotswap.config import EngineConfig
+from hotswap.config import model as model_config_module
 from hotswap.device import check_engine_on_device, cuda_kv_budget, parse_device
 from hotswap.model.layers.attention import AttentionMetadata
 

@@ -1,12 +1,10 @@
-"""A forward pass's adapters. The model runner opens `lora_batch(...)` around a pass whose rows use adapters;
-each targeted linear layer adds, for every adapter of the pass, (x @ shrink) @ expand to the output rows of
-that adapter (all rows at once when one adapter serves them all)."""
+"""A forward pass's adapters. The model runner puts a `LoRABatch` in the `StepContext` of a pass whose rows use
+adapters (hotswap/model/step.py); each targeted linear layer adds, for every adapter of the pass,
+(x @ shrink) @ expand to the output rows of that adapter (all rows at once when one adapter serves them all)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,20 +94,3 @@ class LoRABatch:
         else:
             assert group.rows is not None  # as above
             out.index_copy_(0, group.rows, out.index_select(0, group.rows).to(delta.dtype) + delta)
-
-
-_ACTIVE: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("hotswap_lora_batch", default=None)
-
-
-def active_lora() -> LoRABatch | None:
-    """The adapters of the forward pass running now (None: no row uses one)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
-    token = _ACTIVE.set(batch)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
