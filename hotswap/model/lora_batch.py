@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 Pack = tuple[torch.Tensor, torch.Tensor]  # (shrink [in, R], expand [R, out]): out += (x @ shrink) @ expand
-# a group's packs: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack} (FusedMoE._add_lora)
+# a group's packs by layer name: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack}
+# (FusedMoE._add_lora)
+Packs = dict[str, Pack | dict[str, Pack]]
 
 
 @dataclass
@@ -19,7 +20,7 @@ class LoRAGroup:
     """The rows of a pass that one adapter version serves, and its packs by layer name: `span` (start, length)
     where they are consecutive (the engine orders a step's sequences by adapter), else `rows`, their indices."""
 
-    packs: dict[str, Any]
+    packs: Packs
     span: tuple[int, int] | None
     rows: torch.Tensor | None = None
 
@@ -48,7 +49,7 @@ class LoRABatch:
         `x` is this rank's input columns)."""
         for group in self.groups:
             pack = group.packs.get(key)
-            if pack is None:
+            if not isinstance(pack, tuple):  # not adapted here (a linear layer's key never names experts)
                 continue
             shrink, expand = pack
             if shrink.dtype != x.dtype:  # factors in float32 beside a half-precision model, as PEFT keeps them

@@ -29,8 +29,8 @@ def num_experts(cfg: dict[str, Any]) -> int:
 
 class SparseMoeBlock(nn.Module):
     """Router -> top-k experts (float32 weights) -> weighted sum, plus the optional gated shared expert.
-    `routing_layer`: this block's index among the model's sparse blocks (numbered by `number_sparse_blocks`), the
-    layer whose routes a pass's `Routes` records and forces (hotswap/model/routing.py)."""
+    `routing_layer`: this block's index among the model's sparse blocks (in layer order), the layer whose routes a
+    pass's `Routes` records and forces (hotswap/model/routing.py)."""
 
     def __init__(
         self,
@@ -40,6 +40,7 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         settings: LayerSettings,
+        routing_layer: int,
         shared_intermediate_size: int = 0,
         expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ) -> None:
@@ -54,7 +55,7 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size, settings)
             self.shared_expert_gate = Linear(hidden_size, 1, settings, quantizable=False)
-        self.routing_layer = 0
+        self.routing_layer = routing_layer
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         """The block on `x` under the pass `ctx` (its adapters, and the routes it records or forces)."""
@@ -72,12 +73,6 @@ class SparseMoeBlock(nn.Module):
         return cast(torch.Tensor, out)
 
 
-def number_sparse_blocks(model: nn.Module) -> None:
-    """Numbers `model`'s sparse blocks in module order (their `routing_layer`): run once the model is built."""
-    for index, block in enumerate(m for m in model.modules() if isinstance(m, SparseMoeBlock)):
-        block.routing_layer = index
-
-
 def route_shape(model: nn.Module) -> tuple[int, int, int] | None:
     """(sparse layers, top_k, experts) of a built model: what a pass's `Routes` records; None for a dense
     model."""
@@ -88,10 +83,6 @@ def route_shape(model: nn.Module) -> tuple[int, int, int] | None:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     qk_norm = True
     shared_expert = False
-
-    def __init__(self, hf_config: dict[str, Any], settings: LayerSettings) -> None:
-        super().__init__(hf_config, settings)
-        number_sparse_blocks(self)
 
     @staticmethod
     def is_sparse(cfg: dict[str, Any], layer: int) -> bool:
@@ -115,6 +106,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             cfg["moe_intermediate_size"],
             bool(cfg.get("norm_topk_prob", False)),
             self.settings,
+            sum(self.is_sparse(cfg, i) for i in range(layer)),  # the sparse layers before this one
             cfg.get("shared_expert_intermediate_size", 0) if self.shared_expert else 0,
         )
 
@@ -126,10 +118,6 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, hf_config: dict[str, Any], settings: LayerSettings) -> None:
-        super().__init__(hf_config, settings)
-        number_sparse_blocks(self)
-
     @classmethod
     def routing_shape(cls, cfg: dict[str, Any]) -> tuple[int, int, int] | None:
         """(sparse layers, top_k, experts): every layer is sparse."""
@@ -144,6 +132,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             cfg["intermediate_size"],
             renormalize=True,
             settings=self.settings,
+            routing_layer=layer,  # every layer is sparse
             expert_names=("w1", "w3", "w2"),
         )
 

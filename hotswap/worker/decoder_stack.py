@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding
 from hotswap.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from hotswap.model.lora_batch import LoRABatch
+from hotswap.model.lora_batch import LoRABatch, Packs
 from hotswap.model.step import StepContext
 
 
@@ -163,7 +163,12 @@ class NativeDecoderStack:
         ]
 
     def time_step(
-        self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
+        self,
+        rows: int,
+        block_size: int,
+        kernel: ops.PagedKernels | None,
+        num_blocks: int,
+        variants: Sequence[Products],
     ) -> tuple[list[float], float] | None:
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
@@ -276,12 +281,12 @@ class NativeDecoderStack:
             for group in lora.groups:
                 for linear in cast(tuple[Linear, ...], (qkv, o, gate_up, down)):
                     pack = group.packs.get(linear.lora_key) if linear.lora_key is not None else None
-                    tensors += [None, None] if pack is None else list(pack)
+                    tensors += list(pack) if isinstance(pack, tuple) else [None, None]
         segments = [n for g in lora.groups for n in cast(tuple[int, int], g.span)]
         return tensors, segments
 
     @staticmethod
-    def _experts(packs: dict[str, Any]) -> bool:
+    def _experts(packs: Packs) -> bool:
         return any(isinstance(p, dict) for p in packs.values())
 
 
