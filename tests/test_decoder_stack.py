@@ -7,8 +7,6 @@ bit."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from hotswap import LLM, SamplingParams
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import use_mode
 from hotswap.model.layers.attention import AttentionMetadata
-from hotswap.model.lora_batch import lora_batch
+from hotswap.model.step import StepContext
 from hotswap.testing import make_tiny_lora, make_tiny_model
 from hotswap.worker.decoder_stack import NativeDecoderStack
 
@@ -135,9 +133,9 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(
 
     def adapters(worker):
         if not lora:
-            return contextlib.nullcontext()
+            return None
         first, second = sorted(worker.loras.adapters)
-        return lora_batch(worker.loras.batch([(first, 0, 4), (second, 4, 8)], rows))
+        return worker.loras.batch([(first, 0, 4), (second, 4, 8)], rows)
 
     def compare(worker):
         model, kernel, stack = worker.model.model, worker.runner.attention_kernel, worker.runner.stack
@@ -164,10 +162,11 @@ def test_native_stack_forward_is_the_module_forward_to_the_bit(
             for cache, (k, v) in zip(caches, before, strict=True):
                 cache.k_cache.copy_(k)
                 cache.v_cache.copy_(v)
-            with torch.inference_mode(), adapters(worker):
-                assert stack.applies(len(ids), positions, meta)
+            ctx = StepContext(meta, adapters(worker))
+            with torch.inference_mode():
+                assert stack.applies(len(ids), positions, ctx)
                 assert next(model.parameters()).dtype == getattr(torch, dtype)
-                hidden = stack.run(stack.embed(ids), positions, meta) if native_stack else model(ids, positions, meta)
+                hidden = stack.run(stack.embed(ids), positions, ctx) if native_stack else model(ids, positions, ctx)
             results.append((hidden, [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]))
         (native_hidden, native_caches), (module_hidden, module_caches) = results
         flat = [t for pair in native_caches for t in pair], [t for pair in module_caches for t in pair]

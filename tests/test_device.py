@@ -14,6 +14,7 @@ import torch
 from hotswap import LLM
 from hotswap import config as config_module
 from hotswap.config import EngineConfig
+from hotswap.config import model as model_config_module
 from hotswap.device import check_engine_on_device, cuda_kv_budget, parse_device
 from hotswap.model.layers.attention import AttentionMetadata
 
@@ -54,7 +55,7 @@ def test_what_has_no_cuda_path_yet_is_refused_naming_the_setting():
 def test_a_cuda_config_takes_the_weights_dtype_for_its_kv_and_refuses_deterministic(llama_dir, monkeypatch):
     """The config's own rules for CUDA, checked without a GPU (the device name is taken as given): LoRA and a
     speculative draft are accepted, the draft on the target's device and with its `enforce_eager`."""
-    monkeypatch.setattr(config_module, "parse_device", lambda name: "cuda:0" if name.startswith("cuda") else name)
+    monkeypatch.setattr(model_config_module, "parse_device", lambda name: "cuda:0" if name.startswith("cuda") else name)
     path = str(llama_dir)
     assert EngineConfig.from_kwargs(path, device="cuda", dtype="bfloat16").cache_config.kv_cache_dtype == "bfloat16"
     assert EngineConfig.from_kwargs(path, device="cuda", dtype="float32").cache_config.kv_cache_dtype == "float32"

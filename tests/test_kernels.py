@@ -399,21 +399,23 @@ def test_bf16_small_batch_kernels_refuse_bad_input(ops):
 def test_mlp_fuses_the_gate_for_small_batches(ops, native_mode, monkeypatch, llama_dir, quantization):
     """LlamaMLP takes the gated kernel exactly where the small-batch kernel applies, with the same result as the
     projection followed by SiluAndMul; an fp8 weight is dequantized once per projection either way."""
-    from hotswap.config import EngineConfig, use_config
+    from hotswap.config import EngineConfig
     from hotswap.kernels import ops as facade
     from hotswap.model.layers import linear as linear_module
     from hotswap.model.llama import LlamaMLP
+    from hotswap.model.settings import LayerSettings
 
     gen = torch.Generator().manual_seed(6)
-    with use_config(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization)):
-        mlp = LlamaMLP(32, 25, bias=True)  # 25: a tile tail
-        for layer, shards in ((mlp.gate_up_proj, [0, 1]), (mlp.down_proj, [None])):
-            for shard in shards:
-                rows = 25 if shard is not None else 32
-                cols = layer.in_features
-                layer.load_weight(layer.weight, torch.randn(rows, cols, generator=gen), shard)
-                layer.load_weight(layer.bias, torch.randn(rows, generator=gen), shard)
-            layer.process_weights_after_loading()
+    settings = LayerSettings.of(EngineConfig.from_kwargs(str(llama_dir), quantization=quantization))
+    mlp = LlamaMLP(32, 25, settings, bias=True)  # 25: a tile tail
+    assert mlp.gate_up_proj.fp8 == (quantization == "fp8")
+    for layer, shards in ((mlp.gate_up_proj, [0, 1]), (mlp.down_proj, [None])):
+        for shard in shards:
+            rows = 25 if shard is not None else 32
+            cols = layer.in_features
+            layer.load_weight(layer.weight, torch.randn(rows, cols, generator=gen), shard)
+            layer.load_weight(layer.bias, torch.randn(rows, generator=gen), shard)
+        layer.process_weights_after_loading()
 
     class Spy:
         def __init__(self) -> None:

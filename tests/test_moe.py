@@ -16,9 +16,10 @@ from torch import nn
 
 from conftest import PROMPTS
 from hotswap import LLM, EngineConfig, SamplingParams
-from hotswap.config import current_config, use_config
+from hotswap.config import current_config
 from hotswap.model.layers.fused_moe import FusedMoE, expert_placement
 from hotswap.model.layers.quant.fp8 import dequantize, dequantize_blocks, quantize_blocks, quantize_per_channel
+from hotswap.model.settings import LayerSettings
 from hotswap.testing import make_tiny_model
 from hotswap.transfer.tensors import tensors_update_info
 from hotswap.weights.index import WeightIndex
@@ -324,7 +325,8 @@ def test_bad_moe_updates_name_the_tensor_and_change_nothing(moe, bad, message, q
 
 def test_expert_post_processing_runs_in_the_config_scope_of_every_entry_point(moe):
     """FP8 MoE: every worker entry point that can reach the experts' post-processing runs it inside the
-    worker's config scope; called outside any scope it raises the current_config() error."""
+    worker's config scope; the layer itself needs no scope (it was built with its settings): post-processed outside
+    any scope, it serves the same tokens."""
     calls: list[tuple[str, object]] = []
     original = FusedMoE.process_weights_after_loading
     label = ["load_model"]
@@ -355,7 +357,8 @@ def test_expert_post_processing_runs_in_the_config_scope_of_every_entry_point(mo
     assert all(config is worker.config for _, config in calls)
     module = llm.apply_model(lambda model: model.model.layers[0].mlp.experts)[0]
     with pytest.raises(RuntimeError, match="outside a config scope"):
-        module.process_weights_after_loading()
+        current_config()
+    module.process_weights_after_loading()
     assert greedy(llm) == hf_tokens(moe["qwen3_moe_B"], llm, model=fp8_reference(moe["qwen3_moe_B"]))
 
 
@@ -367,9 +370,11 @@ def test_expert_placement_splits_unevenly_and_refuses_too_few_experts():
 
 
 class _Stack(nn.Module):
-    def __init__(self, layers: int, experts: int) -> None:
+    def __init__(self, layers: int, experts: int, settings: LayerSettings) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.ModuleDict({"experts": FusedMoE(experts, 8, 8)}) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"experts": FusedMoE(experts, 8, 8, settings)}) for _ in range(layers)
+        )
 
 
 def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
@@ -378,8 +383,7 @@ def test_name_resolution_is_linear_in_the_number_of_names(llama_dir):
     config = EngineConfig.from_kwargs(str(llama_dir))
 
     def resolve(layers: int) -> float:
-        with use_config(config):
-            model = _Stack(layers, 128)
+        model = _Stack(layers, 128, LayerSettings.of(config))
         best = float("inf")
         for _ in range(3):
             start = time.process_time()  # CPU time: another process sharing the cores does not count

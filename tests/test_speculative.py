@@ -408,7 +408,7 @@ def test_draft_entry_points_run_in_the_draft_scope(ckpts, a_copy, b_tensors):
         label[0] = "load_model"
         m.setattr(
             "hotswap.worker.worker.build_model",
-            lambda mc: worker.draft_model if mc is worker.config.draft_model_config else worker.model,
+            lambda mc, settings: worker.draft_model if mc is worker.config.draft_model_config else worker.model,
         )
         worker.load_model()
     assert seen == dict.fromkeys(

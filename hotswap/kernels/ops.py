@@ -1,20 +1,20 @@
 """The kernel facade: plain functions with their torch path's signature and result, each taking its native
 kernel where the policy (`policy.py`, decided once per process) chose it and the kernel applies to these inputs
 (device, dtype, layout, batch size, no autograd), else computing the same thing with torch ops. Layers call
-these and nothing else; they never hold a kernel handle or see None."""
+these and nothing else; they never hold a kernel handle or see None.
+
+Deterministic mode is an argument (`deterministic=`), never ambient: a layer is built with it
+(`hotswap.model.settings.LayerSettings`) and passes it to every call."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from hotswap.config import current_config_or_none
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
 from hotswap.kernels.policy import (
@@ -40,34 +40,10 @@ def _ops() -> Any:
 
 
 # ---- deterministic mode -----------------------------------------------------------------------------------
-# Every product, norm, activation and attention takes one path whatever the batch: the native kernels, which
-# compute each output element from its own row alone, in a fixed order (no split of a reduction that depends on
-# the batch size, the thread count or the neighbours). See docs/determinism.md.
-
-_DETERMINISTIC: contextvars.ContextVar[bool | None] = contextvars.ContextVar("hotswap_deterministic", default=None)
-
-
-def deterministic() -> bool:
-    """Whether the batch-invariant paths are on: as `deterministic_scope` set them, else the live config's
-    `model_config.deterministic` (off outside any config scope)."""
-    forced = _DETERMINISTIC.get()
-    if forced is not None:
-        return forced
-    config = current_config_or_none()
-    return config is not None and config.model_config.deterministic
-
-
-@contextlib.contextmanager
-def deterministic_scope(on: bool = True) -> Iterator[None]:
-    """Turns the batch-invariant paths on (or off) inside the block, whatever the config says; restored on exit.
-    Raises RuntimeError when they are asked for and the native kernels are not available."""
-    if on:
-        require_native()
-    token = _DETERMINISTIC.set(on)
-    try:
-        yield
-    finally:
-        _DETERMINISTIC.reset(token)
+# With `deterministic=True` every product, norm, activation and attention takes one path whatever the batch: the
+# native kernels, which compute each output element from its own row alone, in a fixed order (no split of a
+# reduction that depends on the batch size, the thread count or the neighbours). See docs/determinism.md. Whoever
+# turns it on checks `require_native()` first (the model runner, the trainer's forward).
 
 
 def require_native() -> None:
@@ -202,9 +178,9 @@ def _rows_fit(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool = False) -> torch.Tensor:
     """`weight * x / rms(x)`, computed in float32 and cast back to x's dtype."""
-    if deterministic() and x.device.type == "cpu" and x.dim() >= 2:
+    if deterministic and x.device.type == "cpu" and x.dim() >= 2:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # per-head norms (q/k) come as [T, heads, D] views
         return cast(torch.Tensor, exact(_ops().rms_norm, _torch_rms_norm, rows, weight, eps)).view(x.shape)
     if _rows_fit(x) and policy().uses("rms_norm", x.shape[0]):
@@ -213,15 +189,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x). The sum may be written into `residual` in place: the caller owns
     it and must not need its old value."""
-    if deterministic():
+    if deterministic:
         if _rows_fit(x) and residual.is_contiguous() and not _needs_grad(x, residual, weight):
             return _ops().add_rms_norm(x, residual, weight, eps), residual
         residual = residual + x  # one addition per element in float32, as the kernel's
-        return rms_norm(residual, weight, eps), residual
+        return rms_norm(residual, weight, eps, deterministic=True), residual
     if _rows_fit(x) and residual.is_contiguous() and policy().uses("add_rms_norm", x.shape[0]):
         return _ops().add_rms_norm(x, residual, weight, eps), residual
     residual = residual + x
@@ -248,11 +224,15 @@ def small_batch_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
     oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
-    if deterministic():
+    if deterministic:
         return _det_product(_ops().small_batch_linear, F.linear, x, weight, bias)
     if small_batch_applies(x, weight, bias):
         return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
@@ -277,20 +257,24 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def gated_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
-    if deterministic():
+    if deterministic:
         return _det_product(_ops().small_batch_gated_linear, _torch_gated, x, weight, bias)
     if small_batch_applies(x, weight, bias, "gated_linear"):
         return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
     return silu_and_mul(linear(x, weight, bias, packed))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]`."""
-    if deterministic() and x.device.type == "cpu":
+    if deterministic and x.device.type == "cpu":
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = cast(torch.Tensor, exact(_ops().silu_and_mul, _torch_silu_and_mul, rows))
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -306,10 +290,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _torch_silu_and_mul(x)
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
+def sigmoid(x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """`torch.sigmoid(x)`; in deterministic mode (float32 on the CPU) the native kernel, whose result for an
     element does not depend on its place in the tensor."""
-    if deterministic() and x.device.type == "cpu" and x.dtype == torch.float32:
+    if deterministic and x.device.type == "cpu" and x.dtype == torch.float32:
         return cast(torch.Tensor, exact(_ops().sigmoid, torch.sigmoid, x))
     return torch.sigmoid(x)
 
@@ -320,11 +304,16 @@ def rotary_applies(positions: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [T, H, D] and k [T, KVH, D] by the float32 cos/sin tables [P, D] at `positions` [T]; returns
     new contiguous tensors."""
-    if deterministic() and q.device.type == "cpu" and positions.dtype == torch.long:
+    if deterministic and q.device.type == "cpu" and positions.dtype == torch.long:
         return cast(tuple[torch.Tensor, torch.Tensor], exact(_ops().rotary, _torch_rotary, q, k, positions, cos, sin))
     if rotary_applies(positions, q) and policy().uses("rotary", q.shape[0]):
         return cast(tuple[torch.Tensor, torch.Tensor], _ops().rotary(q, k, positions, cos, sin))
@@ -343,11 +332,11 @@ def write_kv_cache(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention_available() -> bool:
+def paged_attention_available(deterministic: bool = False) -> bool:
     """Whether attention runs in the native paged kernels (`paged_attention`, `rope_paged_attention`): then the
     batch needs none of the padded layout the torch path (SDPA) uses. Always in deterministic mode (its one
     attention path)."""
-    return deterministic() or policy().uses("paged_attention")
+    return deterministic or policy().uses("paged_attention")
 
 
 def paged_attention(*args: Any) -> torch.Tensor:
@@ -380,7 +369,7 @@ class PagedKernels:
 NATIVE_ATTENTION = PagedKernels("native", paged_attention, rope_paged_attention)
 
 
-def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
+def paged_kernels(backend: str, device: torch.device, deterministic: bool = False) -> PagedKernels | None:
     """The paged attention a model on `device` runs with `backend` ("auto": the native kernels on the CPU where
     the policy takes them, the Triton kernels on CUDA where triton imports; "native", "triton"; "torch": None, the
     padded SDPA path), a pair `device.check_attention_backend` accepted. Raises ValueError where the backend asked
@@ -388,7 +377,7 @@ def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
     if backend == "torch":
         return None
     if backend == "native" or (backend == "auto" and device.type == "cpu"):
-        if paged_attention_available():
+        if paged_attention_available(deterministic):
             return NATIVE_ATTENTION
         if backend == "native":
             raise ValueError(
@@ -405,28 +394,28 @@ def paged_kernels(backend: str, device: torch.device) -> PagedKernels | None:
     return PagedKernels("triton", triton_attention.paged_attention, triton_attention.rope_paged_attention)
 
 
-def greedy_native(logits: torch.Tensor) -> bool:
+def greedy_native(logits: torch.Tensor, deterministic: bool = False) -> bool:
     """Whether `greedy_sample` takes its native kernel for these logits (the sampler's general path, which also
     serves logprobs and seeds, is as fast elsewhere). Never in deterministic mode: every row's logprob is then
     the general path's log-softmax, whatever the other rows ask."""
-    if deterministic():
+    if deterministic:
         return False
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and policy().uses("greedy_sample", len(logits))
 
 
-def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_sample(logits: torch.Tensor, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax token [R], its log-probability [R]) per row of float32 `logits` [R, V], the first maximum on
     ties, without materialising the log-softmax."""
-    if greedy_native(logits):
+    if greedy_native(logits, deterministic):
         tokens, chosen = _ops().greedy_sample(logits)
         return tokens, chosen
     return _torch_greedy(logits)
 
 
-def decoder_stack_available(rows: int) -> bool:
+def decoder_stack_available(rows: int, deterministic: bool = False) -> bool:
     """Whether the native decoder stack (`decoder_layers`) may run the layers on a batch of `rows` tokens (see
     hotswap/worker/decoder_stack). Deterministic mode: at any row count, with every product native."""
-    return deterministic() or policy().uses("decoder_stack", rows)
+    return deterministic or policy().uses("decoder_stack", rows)
 
 
 def decoder_layers(*args: Any) -> torch.Tensor:

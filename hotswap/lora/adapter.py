@@ -14,15 +14,13 @@ pass.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from hotswap.lora.peft_format import PREFIX, LoRASpec
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.layers.linear import Linear
-from hotswap.model.lora_batch import Pack
+from hotswap.model.lora_batch import Pack, Packs
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.sharded import Narrowing
 
@@ -104,7 +102,7 @@ class LoRAAdapter(nn.Module):
             _place(self, f"{PREFIX}{module}.lora_B", lora_b)
             self.targets.setdefault(target.module_name, []).append((target.shard_id, module, lora_a, lora_b))
             self.layers[target.module_name] = layer
-        self._packs: dict[str, Any] | None = None
+        self._packs: Packs | None = None
 
     def _add_experts(self, base: nn.Module, wrapper: str, rows: int, features: tuple[int, int], max_rank: int) -> None:
         """A targeted expert parameter (PEFT's `target_parameters`): which one follows from its factors' (in, out)
@@ -157,12 +155,12 @@ class LoRAAdapter(nn.Module):
                 mine.copy_(theirs)
         self._packs = None
 
-    def packs(self) -> dict[str, Any]:
+    def packs(self) -> Packs:
         """Per base module name, what its forward adds: a linear layer's fused (shrink, expand) pair (see the
         module doc); a fused experts module's {"w13" | "w2": (shrink [experts, rank, in], expand [experts, out,
         rank])} over this rank's experts and intermediate rows. Built on first use after a load, then kept."""
         if self._packs is None:
-            packs: dict[str, Any] = {}
+            packs: Packs = {}
             for name, parts in self.targets.items():
                 layer = self.layers[name]
                 # [R, in] and [out, R], used transposed (views): the products read them in place

@@ -1,6 +1,9 @@
 """Llama-family decoder models: Llama 2/3, Mistral, SmolLM, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm,
 independent head_dim). Module names follow the Hugging Face checkpoints, with q/k/v fused into `qkv_proj` and
-gate/up into `gate_up_proj` (see `stacked_params_mapping`)."""
+gate/up into `gate_up_proj` (see `stacked_params_mapping`).
+
+A model is built with its `LayerSettings` (hotswap/model/settings.py), passed down to every layer's constructor,
+and runs one pass as `model(input_ids, positions, ctx)` with the pass's `StepContext` (hotswap/model/step.py)."""
 
 from __future__ import annotations
 
@@ -12,27 +15,33 @@ from torch import nn
 
 from hotswap.distributed import split
 from hotswap.model.layers.activation import SiluAndMul
-from hotswap.model.layers.attention import Attention, AttentionMetadata
+from hotswap.model.layers.attention import Attention
 from hotswap.model.layers.embedding import VocabEmbedding
 from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding, rope_settings
+from hotswap.model.settings import LayerSettings
+from hotswap.model.step import StepContext, call
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], settings: LayerSettings, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
+        det = settings.deterministic
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         attention_bias = bool(cfg.get("attention_bias", False))
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias)
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias or attention_bias, settings
+        )
         # this rank's heads; o_proj's input split follows them
         local_heads = self.qkv_proj.num_local_heads
         self.o_proj = Linear(
             self.num_heads * self.head_dim,
             hidden,
+            settings,
             bias=attention_bias,
             parallel="row",
             in_split=(self.qkv_proj.q_start * self.head_dim, local_heads * self.head_dim),
@@ -42,14 +51,15 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling)
+        max_position = cfg.get("max_position_embeddings", 2048)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling, det)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_proj.kv_of_q)
+        self.q_norm = RMSNorm(self.head_dim, eps, det) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, det) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_proj.kv_of_q, det)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        qkv = call(self.qkv_proj, x, ctx.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -57,35 +67,45 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             assert self.k_norm is not None  # built together with q_norm
             q, k = self.q_norm(q), self.k_norm(k)
-        return cast(torch.Tensor, self.o_proj(self.attn(q, k, v, meta, positions, self.rotary_emb)))
+        return call(self.o_proj, self.attn(q, k, v, ctx.attn, positions, self.rotary_emb), ctx.lora)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, settings: LayerSettings, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias, parallel="row")
-        self.act_fn = SiluAndMul()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], settings, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, settings, bias=bias, parallel="row")
+        self.act_fn = SiluAndMul(settings.deterministic)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act_fn)))
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """The SwiGLU block on `x`, with the adapters of the pass `ctx` (None: none)."""
+        lora = None if ctx is None else ctx.lora
+        return call(self.down_proj, self.gate_up_proj.forward_silu_and_mul(x, self.act_fn, lora), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Attention, then the feed-forward block `mlp` (default: the dense SwiGLU MLP of the config)."""
+    """Attention, then the feed-forward block `mlp` (default: the dense SwiGLU MLP of the config), called as
+    `mlp(x, ctx)` in a pass with adapters or routes, else `mlp(x)`."""
 
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        settings: LayerSettings,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm)
+        eps, det = cfg.get("rms_norm_eps", 1e-6), settings.deterministic
+        self.self_attn = LlamaAttention(cfg, settings, qkv_bias, qk_norm)
         if mlp is None:
-            mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
+            mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], settings, bool(cfg.get("mlp_bias", False)))
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, det)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, det)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes this layer's input as (x, residual): the hidden state is residual + x (residual None: x alone).
         Returns the next layer's (x, residual); the residual add is fused into the norms that follow it."""
@@ -93,9 +113,9 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(positions, h, meta)
+        h = self.self_attn(positions, h, ctx)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return call(self.mlp, h, ctx.extras()), residual
 
 
 class LlamaModel(nn.Module):
@@ -104,21 +124,22 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         cfg: dict[str, Any],
+        settings: LayerSettings,
         qkv_bias: bool,
         qk_norm: bool,
         mlp_for: Callable[[int], nn.Module | None] = lambda i: None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], settings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, qk_norm, mlp_for(i)) for i in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, settings, qkv_bias, qk_norm, mlp_for(i)) for i in range(cfg["num_hidden_layers"])
         )
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), settings.deterministic)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, x, residual, ctx)
         assert residual is not None  # set by the first layer (a model has at least one)
         return self.norm.add_and_norm(x, residual)[0]
 
@@ -138,15 +159,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], settings: LayerSettings) -> None:
         super().__init__()
         self.hf_config = hf_config
-        self.model = LlamaModel(hf_config, self.qkv_bias, self.qk_norm, self.mlp_for)
+        self.settings = settings
+        self.model = LlamaModel(hf_config, settings, self.qkv_bias, self.qk_norm, self.mlp_for)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
+            self.lm_head = VocabEmbedding(hf_config["vocab_size"], hf_config["hidden_size"], settings)
 
     def mlp_for(self, layer: int) -> nn.Module | None:
         """Layer `layer`'s feed-forward block; None: the dense MLP (mixture-of-experts models override this)."""
@@ -161,8 +183,9 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return cast(torch.Tensor, self.model(input_ids, positions, meta))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The final hidden states [T, H] of the flat batch, under the pass's context `ctx`."""
+        return cast(torch.Tensor, self.model(input_ids, positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary (gathered across tensor-parallel ranks)."""

@@ -1,19 +1,18 @@
-"""A forward pass's adapters. The model runner opens `lora_batch(...)` around a pass whose rows use adapters;
-each targeted linear layer adds, for every adapter of the pass, (x @ shrink) @ expand to the output rows of
-that adapter (all rows at once when one adapter serves them all)."""
+"""A forward pass's adapters. The model runner puts a `LoRABatch` in the `StepContext` of a pass whose rows use
+adapters (hotswap/model/step.py); each targeted linear layer adds, for every adapter of the pass,
+(x @ shrink) @ expand to the output rows of that adapter (all rows at once when one adapter serves them all)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 Pack = tuple[torch.Tensor, torch.Tensor]  # (shrink [in, R], expand [R, out]): out += (x @ shrink) @ expand
-# a group's packs: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack} (FusedMoE._add_lora)
+# a group's packs by layer name: a linear layer's Pack, a fused experts module's {"w13" | "w2": Pack}
+# (FusedMoE._add_lora)
+Packs = dict[str, Pack | dict[str, Pack]]
 
 
 @dataclass
@@ -21,7 +20,7 @@ class LoRAGroup:
     """The rows of a pass that one adapter version serves, and its packs by layer name: `span` (start, length)
     where they are consecutive (the engine orders a step's sequences by adapter), else `rows`, their indices."""
 
-    packs: dict[str, Any]
+    packs: Packs
     span: tuple[int, int] | None
     rows: torch.Tensor | None = None
 
@@ -50,7 +49,7 @@ class LoRABatch:
         `x` is this rank's input columns)."""
         for group in self.groups:
             pack = group.packs.get(key)
-            if pack is None:
+            if not isinstance(pack, tuple):  # not adapted here (a linear layer's key never names experts)
                 continue
             shrink, expand = pack
             if shrink.dtype != x.dtype:  # factors in float32 beside a half-precision model, as PEFT keeps them
@@ -96,20 +95,3 @@ class LoRABatch:
         else:
             assert group.rows is not None  # as above
             out.index_copy_(0, group.rows, out.index_select(0, group.rows).to(delta.dtype) + delta)
-
-
-_ACTIVE: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("hotswap_lora_batch", default=None)
-
-
-def active_lora() -> LoRABatch | None:
-    """The adapters of the forward pass running now (None: no row uses one)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
-    token = _ACTIVE.set(batch)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)

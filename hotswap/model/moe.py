@@ -18,7 +18,8 @@ from hotswap.kernels import ops
 from hotswap.model.layers.fused_moe import FusedMoE, route
 from hotswap.model.layers.linear import Linear
 from hotswap.model.llama import LlamaForCausalLM, LlamaMLP
-from hotswap.model.routing import Routing
+from hotswap.model.settings import LayerSettings
+from hotswap.model.step import StepContext, call
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
@@ -27,7 +28,9 @@ def num_experts(cfg: dict[str, Any]) -> int:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router -> top-k experts (float32 weights) -> weighted sum, plus the optional gated shared expert."""
+    """Router -> top-k experts (float32 weights) -> weighted sum, plus the optional gated shared expert.
+    `routing_layer`: this block's index among the model's sparse blocks (in layer order), the layer whose routes a
+    pass's `Routes` records and forces (hotswap/model/routing.py)."""
 
     def __init__(
         self,
@@ -36,34 +39,45 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         intermediate_size: int,
         renormalize: bool,
+        settings: LayerSettings,
+        routing_layer: int,
         shared_intermediate_size: int = 0,
         expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Linear(hidden_size, num_experts, quantizable=False)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, expert_names)
+        self.top_k, self.renormalize, self.deterministic = top_k, renormalize, settings.deterministic
+        self.gate = Linear(hidden_size, num_experts, settings, quantizable=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, settings, expert_names)
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if shared_intermediate_size:
-            self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = Linear(hidden_size, 1, quantizable=False)
-        # set by `bind_routing` on the model a runner serves: recording and forced routes (hotswap/model/routing.py)
-        self.routing: Routing | None = None
-        self.routing_layer = 0
+            self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size, settings)
+            self.shared_expert_gate = Linear(hidden_size, 1, settings, quantizable=False)
+        self.routing_layer = routing_layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        weights, ids = route(logits, self.top_k, self.renormalize)
-        if self.routing is not None and (self.routing.record or self.routing.forced is not None):
-            weights, ids = self.routing.use(self.routing_layer, weights, ids, logits, self.renormalize)
-        out = self.experts(x, weights, ids)
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """The block on `x` under the pass `ctx` (its adapters, and the routes it records or forces)."""
+        lora = None if ctx is None else ctx.lora
+        logits = call(self.gate, x, lora)
+        weights, ids = route(logits, self.top_k, self.renormalize, self.deterministic)
+        routes = None if ctx is None else ctx.routes
+        if routes is not None and (routes.record or routes.forced is not None):
+            weights, ids = routes.use(self.routing_layer, weights, ids, logits, self.renormalize)
+        out = self.experts(x, weights, ids) if lora is None else self.experts(x, weights, ids, lora)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None  # built together
-            out = out + ops.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = ops.sigmoid(call(self.shared_expert_gate, x, lora), self.deterministic)
+            out = out + gate * call(self.shared_expert, x, None if ctx is None else ctx.extras())
         return cast(torch.Tensor, out)
+
+
+def route_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """(sparse layers, top_k, experts) of a built model: what a pass's `Routes` records; None for a dense
+    model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return (len(blocks), blocks[0].top_k, blocks[0].experts.num_experts) if blocks else None
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -91,6 +105,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             cfg["num_experts_per_tok"],
             cfg["moe_intermediate_size"],
             bool(cfg.get("norm_topk_prob", False)),
+            self.settings,
+            sum(self.is_sparse(cfg, i) for i in range(layer)),  # the sparse layers before this one
             cfg.get("shared_expert_intermediate_size", 0) if self.shared_expert else 0,
         )
 
@@ -115,6 +131,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
             cfg["num_experts_per_tok"],
             cfg["intermediate_size"],
             renormalize=True,
+            settings=self.settings,
+            routing_layer=layer,  # every layer is sparse
             expert_names=("w1", "w3", "w2"),
         )
 
@@ -130,15 +148,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
                     name = f"experts.{e}.{w}.weight"
                     aliases[f"{prefix}.block_sparse_moe.{name}"] = f"{prefix}.mlp.{name}"
         return aliases
-
-
-def bind_routing(model: nn.Module) -> Routing | None:
-    """Numbers `model`'s sparse blocks in module order and gives them one shared `Routing`; None for a dense
-    model."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    if not blocks:
-        return None
-    routing = Routing(len(blocks), blocks[0].top_k, blocks[0].experts.num_experts)
-    for index, block in enumerate(blocks):
-        block.routing, block.routing_layer = routing, index
-    return routing

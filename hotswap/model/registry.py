@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hotswap.architectures import MODELS as _MODELS
+from hotswap.model.settings import LayerSettings
 
 
 def model_class(architecture: str) -> type[nn.Module]:
@@ -35,8 +36,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelSpec(Protocol):
-    """What building a model reads of its config (`hotswap.config.ModelConfig` has it; this module imports no
-    config, so the config may import it)."""
+    """What building a model reads of its model config (`hotswap.config.ModelConfig` has it)."""
 
     @property
     def architecture(self) -> str: ...
@@ -51,11 +51,12 @@ class ModelSpec(Protocol):
     def device(self) -> str: ...
 
 
-def build_model(model_config: ModelSpec) -> nn.Module:
+def build_model(model_config: ModelSpec, settings: LayerSettings) -> nn.Module:
     """Constructs the model with uninitialized parameters in the configured dtype, on the configured device (every
-    parameter, buffer and construction-time tensor follows `torch.device`), inside the config scope: layers read
-    the quantization and parallel layout at construction."""
+    parameter, buffer and construction-time tensor follows `torch.device`). Every layer takes what it needs of
+    `settings` (quantization, deterministic mode, this rank's share, the experts' layout) at construction; nothing
+    ambient is read."""
     klass = model_class(model_config.architecture)
     with _default_dtype(model_config.torch_dtype), torch.device(model_config.device):
-        model = klass(model_config.hf_config)
+        model = klass(model_config.hf_config, settings)
     return model.eval()

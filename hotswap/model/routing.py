@@ -1,10 +1,11 @@
 """Routing replay inside the model: recording each sparse layer's top-k experts, and forcing given ones.
 
-A model's sparse blocks share one `Routing`, which the model runner binds to its target model
-(`moe.bind_routing`; a draft model's blocks stay unbound: they neither record nor take forced routes). For one
-forward pass over a flat batch of T tokens the runner sets `record` and/or `forced` ([T, sparse layers, top_k]
-global expert ids, -1 in a row's first column: that token routes itself), runs the model, then reads `take()`:
-[T, sparse layers, top_k] int64, the experts each token used, in the router's order (forced rows: as given).
+A mixture-of-experts model numbers its sparse blocks in module order when it is built (`SparseMoeBlock.
+routing_layer`). For one forward pass over a flat batch of T tokens the model runner puts a `Routes` in the pass's
+`StepContext` (hotswap/model/step.py), with `record` and/or `forced` ([T, sparse layers, top_k] global expert ids,
+-1 in a row's first column: that token routes itself); after the pass `take()` gives [T, sparse layers, top_k]
+int64, the experts each token used, in the router's order (forced rows: as given). A pass without a `Routes` (the
+draft's, a step that neither records nor forces) routes on its own and records nothing.
 
 Under tensor or expert parallelism every rank routes every token itself (the router is replicated), so every
 rank records the same ids; expert ids are global, whatever rank holds the expert.
@@ -15,13 +16,13 @@ from __future__ import annotations
 import torch
 
 
-class Routing:
-    """One forward pass's routing input and output, shared by a model's sparse blocks (see the module doc)."""
+class Routes:
+    """One forward pass's routing input and output, read by the model's sparse blocks (see the module doc)."""
 
-    def __init__(self, num_layers: int, top_k: int, num_experts: int) -> None:
-        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
-        self.record = False
-        self.forced: torch.Tensor | None = None
+    def __init__(self, num_layers: int, record: bool, forced: torch.Tensor | None = None) -> None:
+        self.num_layers = num_layers
+        self.record = record
+        self.forced = forced
         self._recorded: list[torch.Tensor] = []
 
     def use(
@@ -46,7 +47,7 @@ class Routing:
         return weights, ids
 
     def take(self) -> torch.Tensor:
-        """The ids recorded in this pass, [T, layers, top_k] (int64); resets for the next pass."""
+        """The ids recorded in this pass, [T, layers, top_k] (int64)."""
         recorded, self._recorded = self._recorded, []
         if len(recorded) != self.num_layers:
             raise RuntimeError(
@@ -54,9 +55,6 @@ class Routing:
                 "every sparse layer once"
             )
         return torch.stack(recorded, dim=1)
-
-    def clear(self) -> None:
-        self.record, self.forced, self._recorded = False, None, []
 
 
 def routes_dtype(num_experts: int) -> torch.dtype:

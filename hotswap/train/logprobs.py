@@ -25,10 +25,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hotswap.config import EngineConfig, ModelConfig, use_config
+from hotswap.config import EngineConfig, ModelConfig
 from hotswap.kernels import ops
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.registry import build_model
+from hotswap.model.settings import LayerSettings
+from hotswap.model.step import StepContext
 from hotswap.weights.index import WeightIndex
 
 BLOCK_SIZE = 16  # of the scratch cache the trainer's attention reads (the result does not depend on it)
@@ -51,7 +53,7 @@ class _Scorer(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         lm = cast(Any, self.lm)
-        return cast(torch.Tensor, lm.compute_logits(lm(ids, positions, meta)))
+        return cast(torch.Tensor, lm.compute_logits(lm(ids, positions, StepContext(meta))))
 
 
 def _build_mirror(model: nn.Module) -> _Mirror:
@@ -67,12 +69,11 @@ def _build_mirror(model: nn.Module) -> _Mirror:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(hf_config))
         config = EngineConfig(model_config=ModelConfig(model=folder, dtype="float32", deterministic=True))
-    with use_config(config):
-        mirror = build_model(config.model_config)
-        for module in mirror.modules():
-            post = getattr(module, "process_weights_after_loading", None)
-            if callable(post):
-                post()  # dispatch state (the experts' map); no weights are read
+    mirror = build_model(config.model_config, LayerSettings.of(config))  # deterministic: every layer
+    for module in mirror.modules():
+        post = getattr(module, "process_weights_after_loading", None)
+        if callable(post):
+            post()  # dispatch state (the experts' map); no weights are read
     index = WeightIndex.of(mirror)
     params = dict(mirror.named_parameters())
     sources: dict[str, list[tuple[int, tuple[int, ...], str]]] = {name: [] for name in params}
@@ -195,28 +196,27 @@ def sequence_logprobs(model: nn.Module, sequences: list[torch.Tensor], temperatu
     if not sequences:
         return []
     mirror = mirror_of(model)
+    ops.require_native()  # deterministic mode's kernels
     lens = [len(s) for s in sequences]
-    with ops.deterministic_scope():
-        flat_ids = torch.cat(list(sequences)).long()
-        positions = torch.cat([torch.arange(n) for n in lens])
-        tables, next_block = [], 0
-        for n in lens:
-            blocks = -(-n // BLOCK_SIZE)
-            tables.append(list(range(next_block, next_block + blocks)))
-            next_block += blocks
-        meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, ops.NATIVE_ATTENTION)
-        attention = [m for m in mirror.model.modules() if isinstance(m, Attention)]
+    flat_ids = torch.cat(list(sequences)).long()
+    positions = torch.cat([torch.arange(n) for n in lens])
+    tables, next_block = [], 0
+    for n in lens:
+        blocks = -(-n // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+    meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, ops.NATIVE_ATTENTION, deterministic=True)
+    attention = [m for m in mirror.model.modules() if isinstance(m, Attention)]
+    for attn in attention:
+        shape = (next_block, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+    try:
+        logits = torch.func.functional_call(
+            _Scorer(mirror.model), _parameters(mirror, model), (flat_ids, positions, meta), strict=False
+        )
+    finally:
         for attn in attention:
-            shape = (next_block, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
-        try:
-            with use_config(mirror.config):
-                logits = torch.func.functional_call(
-                    _Scorer(mirror.model), _parameters(mirror, model), (flat_ids, positions, meta), strict=False
-                )
-        finally:
-            for attn in attention:
-                attn.k_cache = attn.v_cache = None
+            attn.k_cache = attn.v_cache = None
     if temperature != 1.0:  # as the sampler divides (an engine with logprobs_mode="processed_logprobs")
         logits = logits / torch.tensor([temperature], dtype=logits.dtype)[:, None]
     logprobs = logits.log_softmax(dim=-1)

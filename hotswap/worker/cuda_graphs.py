@@ -59,8 +59,9 @@ def cuda_capture(fn: Callable[[], None], pool: Any = None) -> Replay:
 
 class DecodeGraphs:
     """The captured decode steps of one model and KV cache (see the module doc). `forward(ids, positions, meta)`
-    is the model's; `kernels` the Triton paged kernels (taken in their trusted mode); the cache has
-    `num_blocks` usable blocks of `block_size` and one more, the scratch block, after them."""
+    is the model's forward of a pass with that metadata alone (no adapters, no routes); `kernels` the Triton paged
+    kernels (taken in their trusted mode); the cache has `num_blocks` usable blocks of `block_size` and one more,
+    the scratch block, after them."""
 
     def __init__(
         self,

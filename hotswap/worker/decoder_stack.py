@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,16 +28,19 @@ from hotswap.model.layers.linear import Linear, MergedLinear, QKVLinear
 from hotswap.model.layers.norm import RMSNorm
 from hotswap.model.layers.rotary import RotaryEmbedding
 from hotswap.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from hotswap.model.lora_batch import active_lora
+from hotswap.model.lora_batch import LoRABatch, Packs
+from hotswap.model.step import StepContext
 
 
 class NativeDecoderStack:
     """Runs `model.model` (a `LlamaModel`) through `decoder_layers` where `applies`. The checks on the modules
     run once, and again after user code ran on the model (`user_code_ran`): walking the modules at every step
-    would be slow, their dicts being out of cache after a step's weights went by."""
+    would be slow, their dicts being out of cache after a step's weights went by. `deterministic`: the model's
+    mode (every product native, the row-parallel ones split as the modules split them)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, deterministic: bool = False) -> None:
         self.outer = model
+        self.deterministic = deterministic
 
     @cached_property
     def model(self) -> LlamaModel | None:
@@ -55,13 +58,13 @@ class NativeDecoderStack:
         assert self.model is not None  # checked by `applies`
         return cast(torch.Tensor, self.model.embed_tokens(input_ids))
 
-    def applies(self, num_tokens: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer would take the native kernels on this batch of `num_tokens` (float32 or bfloat16
-        (`dtypes_fit`); a small batch, one rank, unquantized, the native attention, no q/k norm) and no forward
-        hook would see the model or its layers run."""
-        if meta.kernel is None or not ops.decoder_stack_available(num_tokens) or self.model is None:
+    def applies(self, num_tokens: int, positions: torch.Tensor, ctx: StepContext) -> bool:
+        """Whether every layer would take the native kernels on this pass of `num_tokens` (float32 or bfloat16
+        (`dtypes_fit`); a small batch, one rank, unquantized, the native attention, no q/k norm) and no
+        forward hook would see the model or its layers run."""
+        meta, lora = ctx.attn, ctx.lora
+        if meta.kernel is None or not ops.decoder_stack_available(num_tokens, self.deterministic) or self.model is None:
             return False
-        lora = active_lora()
         if lora is not None and not all(g.span is not None and not self._experts(g.packs) for g in lora.groups):
             return False  # adapters on gathered rows, or on experts: the modules' path
         if not self.modules_fit:
@@ -71,7 +74,7 @@ class NativeDecoderStack:
         policy = ops.policy()
         return (
             (
-                ops.deterministic()
+                self.deterministic
                 or (
                     num_tokens <= ops.SMALL_BATCH_ROWS
                     and all(policy.uses(op, num_tokens) for op in ("rms_norm", "add_rms_norm", "rope_paged_attention"))
@@ -160,7 +163,12 @@ class NativeDecoderStack:
         ]
 
     def time_step(
-        self, rows: int, block_size: int, kernel: Any, num_blocks: int, variants: Sequence[Products]
+        self,
+        rows: int,
+        block_size: int,
+        kernel: ops.PagedKernels | None,
+        num_blocks: int,
+        variants: Sequence[Products],
     ) -> tuple[list[float], float] | None:
         """(seconds through the stack with each variant's products, seconds through the modules) of one decode
         step of `rows` sequences, each in a block of its own (the fastest of 5, all taking turns:
@@ -170,35 +178,40 @@ class NativeDecoderStack:
         assert self.model is not None
         if rows > num_blocks:
             return None
-        meta = AttentionMetadata.build([1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel)
+        meta = AttentionMetadata.build(
+            [1] * rows, [1] * rows, [[b] for b in range(rows)], block_size, kernel, self.deterministic
+        )
+        ctx = StepContext(meta)
         ids, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
         model = self.model
 
         def stack(products: Products) -> Callable[[], object]:
-            return lambda: self.run(self.embed(ids), positions, meta, products)
+            return lambda: self.run(self.embed(ids), positions, ctx, products)
 
         with torch.inference_mode():
-            *stack_s, modules_s = fastest_in_turn([*map(stack, variants), lambda: model(ids, positions, meta)], 5)
+            *stack_s, modules_s = fastest_in_turn([*map(stack, variants), lambda: model(ids, positions, ctx)], 5)
         return stack_s, modules_s
 
     def run(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, products: Products | None = None
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, products: Products | None = None
     ) -> torch.Tensor:
-        """The layers and the final norm on the embedded tokens `x`, as `decoder_layers`, the products on the paths
+        """The layers and the final norm on the embedded tokens `x` of the pass `ctx` (its metadata and adapters),
+        as `decoder_layers`, the products on the paths
         the policy chose (or `products`, for the calibration). The tensors are read from
         the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
         attribute lookup is a measurable part of a small step. Every RMSNorm of the model has the config's one
         epsilon, and every layer the first one's head layout."""
         assert self.model is not None  # checked by `applies`
+        meta = ctx.attn
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
         wide = x.dtype == torch.float32
         splits = (0, 0)
-        if ops.deterministic():  # every product native, the row-parallel ones split as the modules split them
+        if self.deterministic:  # every product native, the row-parallel ones split as the modules split them
             products = (True, True, True)
             splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
         onednn: list[bool] = []
-        if not ops.deterministic():
+        if not self.deterministic:
             if wide and x.shape[0] < ops.SMALL_BATCH_MIN_ROWS:  # the modules' fp32 products are torch's here
                 linear = gated = False
             onednn = self.onednn if wide else []
@@ -224,7 +237,7 @@ class NativeDecoderStack:
             ]
             k_caches.append(attn.k_cache)
             v_caches.append(attn.v_cache)
-        adapters, segments = self._lora_tensors()
+        adapters, segments = self._lora_tensors(ctx.lora)
         return ops.decoder_layers(
             x,
             positions,
@@ -258,10 +271,9 @@ class NativeDecoderStack:
         _, qkv, o, _, gate_up, down, _, _ = self.layers[0]
         return [packing.dense_faster(*_weight(m).shape) for m in (qkv, o, gate_up, down)]
 
-    def _lora_tensors(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """The pass's LoRA adapters as `decoder_layers` takes them: per layer and row segment, (shrink, expand)
-        of qkv, o, gate_up and down (None where not adapted), and each segment's (start, length)."""
-        lora = active_lora()
+    def _lora_tensors(self, lora: LoRABatch | None) -> tuple[list[torch.Tensor | None], list[int]]:
+        """The pass's LoRA adapters `lora` as `decoder_layers` takes them: per layer and row segment, (shrink,
+        expand) of qkv, o, gate_up and down (None where not adapted), and each segment's (start, length)."""
         if lora is None:
             return [], []
         tensors: list[torch.Tensor | None] = []
@@ -269,12 +281,12 @@ class NativeDecoderStack:
             for group in lora.groups:
                 for linear in cast(tuple[Linear, ...], (qkv, o, gate_up, down)):
                     pack = group.packs.get(linear.lora_key) if linear.lora_key is not None else None
-                    tensors += [None, None] if pack is None else list(pack)
+                    tensors += list(pack) if isinstance(pack, tuple) else [None, None]
         segments = [n for g in lora.groups for n in cast(tuple[int, int], g.span)]
         return tensors, segments
 
     @staticmethod
-    def _experts(packs: dict[str, Any]) -> bool:
+    def _experts(packs: Packs) -> bool:
         return any(isinstance(p, dict) for p in packs.values())
 
 

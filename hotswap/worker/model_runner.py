@@ -1,12 +1,13 @@
-"""Turns a ModelInput into tensors, runs the model over the paged cache and samples."""
+"""Turns a ModelInput into tensors, runs the model over the paged cache and samples.
+
+Each pass gets one `StepContext` (hotswap/model/step.py), built here: the attention metadata, the adapters of its
+rows, and the routes it records or forces. The model's settings were fixed when it was built."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import mmap
-from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -21,9 +22,10 @@ from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
 from hotswap.model.layers.attention import Attention, AttentionMetadata
 from hotswap.model.layers.sampler import prompt_logprobs_of, sample
-from hotswap.model.lora_batch import active_lora, lora_batch
-from hotswap.model.moe import bind_routing
-from hotswap.model.routing import routes_dtype
+from hotswap.model.lora_batch import LoRABatch
+from hotswap.model.moe import route_shape
+from hotswap.model.routing import Routes, routes_dtype
+from hotswap.model.step import StepContext
 from hotswap.wire import ModelInput, PromptLogprobs, PromptLogprobsAsk, Samples
 from hotswap.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture, graphable
 from hotswap.worker.decoder_stack import NativeDecoderStack
@@ -37,12 +39,15 @@ class ModelRunner:
         self.device = torch.device(config.model_config.device)  # the model's, its cache's and the step's tensors'
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0  # of the allocated cache; kept while it is freed (sleep) so wake-up restores it
-        if config.model_config.deterministic:
+        self.deterministic = config.model_config.deterministic
+        if self.deterministic:
             ops.require_native()  # its one path for every batch
         # the paged kernels of this device and backend (native on the CPU, Triton on CUDA), or None: the torch path
-        self.attention_kernel = ops.paged_kernels(config.model_config.attention_backend, self.device)
-        self.stack = NativeDecoderStack(model)
-        self.routing = bind_routing(model)  # None for a dense model
+        self.attention_kernel = ops.paged_kernels(
+            config.model_config.attention_backend, self.device, self.deterministic
+        )
+        self.stack = NativeDecoderStack(model, self.deterministic)
+        self.route_shape = route_shape(model)  # (sparse layers, top_k, experts); None for a dense model
         self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)
         # decode steps replayed from CUDA graphs (hotswap/worker/cuda_graphs.py), made with the KV cache
         self.graphs: DecodeGraphs | None = None
@@ -78,7 +83,7 @@ class ModelRunner:
             assert self.attention_kernel is not None  # checked above
             mc = self.config.model_config
             self.graphs = DecodeGraphs(
-                lambda ids, pos, meta: cast(torch.Tensor, self.model(ids, pos, meta)),
+                lambda ids, pos, meta: cast(torch.Tensor, self.model(ids, pos, StepContext(meta))),
                 self.attention_kernel,
                 int(mc.hf_config["hidden_size"]),
                 next(self.model.parameters()).dtype,
@@ -134,25 +139,30 @@ class ModelRunner:
         query_lens: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
+        lora: LoRABatch | None = None,
+        routes: Routes | None = None,
     ) -> torch.Tensor:
-        """Runs the model over a flat batch, writing its KV; returns the final hidden states [tokens, H]. A pure
-        decode step replays a decode graph, unless adapters or recorded / forced routes are active (the graphs
-        hold neither)."""
+        """Runs the model over a flat batch, writing its KV, with the adapters `lora` and the routes `routes` (see
+        `route_step`); returns the final hidden states [tokens, H]. A pure decode step replays a decode graph,
+        unless adapters or recorded / forced routes are active (the graphs hold neither)."""
         if (
             self.graphs is not None
-            and active_lora() is None
+            and lora is None
+            and routes is None
             and self.graphs.applies(query_lens, block_tables)
-            and (self.routing is None or not (self.routing.record or self.routing.forced is not None))
         ):
             return self.graphs.run(input_ids, positions, context_lens, block_tables)
-        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.attention_kernel)
+        meta = AttentionMetadata.build(
+            query_lens, context_lens, block_tables, self.block_size, self.attention_kernel, self.deterministic
+        )
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         if self.device.type != "cpu":  # built on the host, moved once per step
             meta, ids, pos = meta.to(self.device), upload(ids, self.device), upload(pos, self.device)
-        elif self.stack.applies(len(input_ids), pos, meta):
-            return self.stack.run(self.stack.embed(ids), pos, meta)
-        return cast(torch.Tensor, self.model(ids, pos, meta))
+        ctx = StepContext(meta, lora, routes)
+        if self.device.type == "cpu" and self.stack.applies(len(input_ids), pos, ctx):
+            return self.stack.run(self.stack.embed(ids), pos, ctx)
+        return cast(torch.Tensor, self.model(ids, pos, ctx))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -169,41 +179,43 @@ class ModelRunner:
         context_lens: list[int],
         block_tables: list[list[int]],
         rows: list[int] | None,
+        routes: Routes | None = None,
     ) -> torch.Tensor | None:
         """`hidden_states`, then the logits of the flat token `rows` (None for `rows` None: KV only)."""
-        hidden = self.hidden_states(input_ids, positions, query_lens, context_lens, block_tables)
+        hidden = self.hidden_states(input_ids, positions, query_lens, context_lens, block_tables, routes=routes)
         return None if rows is None else self.logits(hidden, rows)
 
-    @contextlib.contextmanager
-    def routes(
-        self, seqs: list[int], query_lens: list[int], forced: torch.Tensor | None = None
-    ) -> Iterator[dict[int, np.ndarray]]:
-        """Around one forward pass over a flat batch of sequences with `query_lens`: forces `forced` routes and
-        records the routed experts; the dict yielded holds, after the pass, sequence i's rows for each i in `seqs`
-        ([query_lens[i], sparse layers, top_k], the smallest integer dtype). Nothing for a dense model."""
+    def route_step(self, seqs: list[int], forced: torch.Tensor | None = None) -> Routes | None:
+        """The routes of one pass that records the routed experts of sequences `seqs` and/or forces `forced`
+        ([T, sparse layers, top_k]); None where it does neither, and for a dense model."""
+        if self.route_shape is None or (not seqs and forced is None):
+            return None
+        return Routes(self.route_shape[0], bool(seqs), forced)
+
+    def recorded(self, routes: Routes | None, seqs: list[int], query_lens: list[int]) -> dict[int, np.ndarray]:
+        """After the pass `routes` served (over sequences with `query_lens`): sequence i's recorded rows for each
+        i in `seqs` ([query_lens[i], sparse layers, top_k], the smallest integer dtype), on rank 0 (the engine
+        reads rank 0's); empty elsewhere, and where nothing was recorded."""
         out: dict[int, np.ndarray] = {}
-        routing = self.routing
-        if routing is None or (not seqs and forced is None):
-            yield out
-            return
-        routing.record, routing.forced = bool(seqs), forced
-        try:
-            yield out
-            if seqs and current_parallel().rank == 0:  # the engine reads rank 0's; the others only clear
-                ids = routing.take().to(routes_dtype(routing.num_experts)).cpu().numpy()
-                starts = [0, *itertools.accumulate(query_lens)]
-                for i in seqs:
-                    out[i] = ids[starts[i] : starts[i + 1]].copy()
-        finally:
-            routing.clear()
+        if routes is None or not seqs or current_parallel().rank != 0:
+            return out
+        assert self.route_shape is not None  # a pass with routes has sparse layers
+        ids = routes.take().to(routes_dtype(self.route_shape[2])).cpu().numpy()
+        starts = [0, *itertools.accumulate(query_lens)]
+        for i in seqs:
+            out[i] = ids[starts[i] : starts[i + 1]].copy()
+        return out
 
     def execute(self, model_input: ModelInput) -> Samples:
         self.copy_blocks(model_input.block_copies)
         mi = model_input
         ends = list(itertools.accumulate(mi.query_lens))
         adapters = self.loras.batch(mi.lora_rows, len(mi.input_ids)) if self.loras is not None else None
-        with self.routes(mi.route_seqs, mi.query_lens, mi.forced_routes) as routes, lora_batch(adapters):
-            hidden = self.hidden_states(mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables)
+        step_routes = self.route_step(mi.route_seqs, mi.forced_routes)
+        hidden = self.hidden_states(
+            mi.input_ids, mi.positions, mi.query_lens, mi.context_lens, mi.block_tables, adapters, step_routes
+        )
+        routes = self.recorded(step_routes, mi.route_seqs, mi.query_lens)
         logits = self.logits(hidden, [ends[r] - 1 for r in mi.sample_rows])
         prompt = {
             ask.seq: self.prompt_logprobs(hidden, ends[ask.seq] - mi.query_lens[ask.seq], ask)
@@ -212,7 +224,8 @@ class ModelRunner:
         if current_parallel().rank != 0:
             return Samples([])  # the engine reads rank 0's samples
         # sampled on the logits' device: only the ids and the asked logprobs come back to the host
-        return Samples(sample(logits, mi.sample_specs), prompt, routes)
+        mode = self.config.model_config.logprobs_mode
+        return Samples(sample(logits, mi.sample_specs, mode, self.deterministic), prompt, routes)
 
     @torch.inference_mode()
     def prompt_logprobs(self, hidden: torch.Tensor, start: int, ask: PromptLogprobsAsk) -> PromptLogprobs:

@@ -61,12 +61,15 @@ class SpeculativeStep:
             query_lens.append(len(tokens))
             context_lens.append(length - 1 + len(tokens))
         rows = list(range(len(input_ids)))
-        with self.target.routes(mi.route_seqs, query_lens) as routes:  # decodes: past any forced prompt row
-            logits = self.target.forward(input_ids, positions, query_lens, context_lens, mi.block_tables, rows)
+        step_routes = self.target.route_step(mi.route_seqs)  # decodes: past any forced prompt row
+        logits = self.target.forward(input_ids, positions, query_lens, context_lens, mi.block_tables, rows, step_routes)
+        routes = self.target.recorded(step_routes, mi.route_seqs, query_lens)
         assert logits is not None
         if self.parallel.rank != 0:
             return SpecOutput([], [])
-        return SpecOutput(verify(logits, proposals, draft_probs, spec.specs), [len(p) for p in proposals], routes)
+        mode, deterministic = self.target.config.model_config.logprobs_mode, self.target.deterministic
+        verified = verify(logits, proposals, draft_probs, spec.specs, mode, deterministic)
+        return SpecOutput(verified, [len(p) for p in proposals], routes)
 
     def _draft_proposals(self, mi: ModelInput, spec: SpecInput) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Runs the draft: one pass over each sequence's catch-up tokens, then one pass per further proposal, for

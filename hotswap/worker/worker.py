@@ -42,6 +42,7 @@ from hotswap.lora.manager import LoRAManager
 from hotswap.lora.peft_format import canonical_name
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
+from hotswap.model.settings import LayerSettings
 from hotswap.weights.checksum import tensor_sha256
 from hotswap.weights.delta import is_delta
 from hotswap.weights.index import WeightIndex
@@ -117,7 +118,7 @@ class Worker:
         mc = self.config.model_config
         if mc.device == "cpu":  # which native kernels win on this model's shapes and dtype (none run elsewhere)
             kernel_policy.prepare(mc.hf_config, mc.torch_dtype)
-        model = build_model(self.config.model_config)
+        model = build_model(self.config.model_config, LayerSettings.of(self.config, self.parallel))
         if self.config.load_config.huge_pages:
             place_in_huge_pages(model)
         index = WeightIndex.of(model)
@@ -175,7 +176,7 @@ class Worker:
             speculative_config=SpeculativeConfig(),
         )
         with self._draft_scope():
-            draft = build_model(dmc)
+            draft = build_model(dmc, LayerSettings.of(self.draft_config, self.draft_parallel))
             if self.config.load_config.huge_pages:
                 place_in_huge_pages(draft)
             self.draft_model = draft

@@ -9,7 +9,12 @@ from hotswap.kernels import ops
 
 
 class SiluAndMul(nn.Module):
-    """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]` (`ops.silu_and_mul`)."""
+    """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]` (`ops.silu_and_mul`; `deterministic`: the batch-invariant
+    kernel)."""
+
+    def __init__(self, deterministic: bool = False) -> None:
+        super().__init__()
+        self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+        return ops.silu_and_mul(x, self.deterministic)

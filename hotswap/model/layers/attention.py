@@ -62,12 +62,15 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         kernel: ops.PagedKernels | None = None,
+        deterministic: bool = False,
     ) -> AttentionMetadata:
+        """The layout of a step (`deterministic`: the model's mode, whose one attention path takes every query
+        length in the kernel)."""
         max_q = max(query_lens)
-        cap = KERNEL_MAX_QUERY_LEN if not ops.deterministic() else max_q  # deterministic: one path for every query
+        cap = KERNEL_MAX_QUERY_LEN if not deterministic else max_q  # deterministic: one path for every query
         short = cap if kernel is not None else 1  # the longest query attended without padding
         if max_q > short and min(query_lens) <= short:
-            return cls._split(query_lens, context_lens, block_tables, block_size, kernel, short)
+            return cls._split(query_lens, context_lens, block_tables, block_size, kernel, short, deterministic)
         gather = any(c != q for q, c in zip(query_lens, context_lens, strict=True))
         width = max(len(t) for t in block_tables)
         key_len = width * block_size if gather else max_q
@@ -138,6 +141,7 @@ class AttentionMetadata:
         block_size: int,
         kernel: ops.PagedKernels | None,
         short: int,
+        deterministic: bool,
     ) -> AttentionMetadata:
         """Metadata with `parts`: the sequences of at most `short` new tokens, and the others."""
         starts = [0, *itertools.accumulate(query_lens)]
@@ -151,6 +155,7 @@ class AttentionMetadata:
                 [block_tables[i] for i in seqs],
                 block_size,
                 kernel,
+                deterministic,
             )
             parts.append((rows, meta))
         empty = torch.empty(0, dtype=torch.long)
@@ -158,10 +163,19 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Scaled dot-product attention with grouped KV heads over the paged cache bound to `k_cache`/`v_cache`."""
+    """Scaled dot-product attention with grouped KV heads over the paged cache bound to `k_cache`/`v_cache`.
+    `deterministic`: the batch-invariant attention (`LayerSettings.deterministic`)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_of_q: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_of_q: list[int] | None = None,
+        deterministic: bool = False,
+    ) -> None:
         super().__init__()
+        self.deterministic = deterministic
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -198,7 +212,7 @@ class Attention(nn.Module):
             return out
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
-            if meta.kernel is not None and ops.deterministic() and positions.dtype == torch.long:
+            if meta.kernel is not None and self.deterministic and positions.dtype == torch.long:
                 return self._rope_attend_exact(q, k, v, positions, rotary, meta)
             if meta.kernel is not None and meta.kernel.rotates(positions, q):
                 return meta.kernel.rope(

@@ -10,16 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.distributed import current_parallel
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
+from hotswap.model.settings import LayerSettings
 from hotswap.weights.sharded import Narrowing
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int) -> None:
+    """`settings`: this rank's share (`parallel`) and the LM head's product mode (`deterministic`)."""
+
+    def __init__(self, num_embeddings: int, dim: int, settings: LayerSettings) -> None:
         super().__init__()
-        self.tp = current_parallel()
+        self.tp = settings.parallel
+        self.deterministic = settings.deterministic
         self.num_embeddings = num_embeddings
         self.rows = -(-num_embeddings // self.tp.size)
         self.start = self.tp.rank * self.rows
@@ -55,5 +58,6 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary for `hidden` [T, dim] (gathered from every rank)."""
-        local = ops.linear(hidden, self.weight, None, packing.weight_for(self, self.weight)).float()
+        packed = packing.weight_for(self, self.weight)
+        local = ops.linear(hidden, self.weight, None, packed, self.deterministic).float()
         return self.tp.all_gather_last_dim(local)[..., : self.num_embeddings]

@@ -23,9 +23,10 @@ the projections of them, that it rewrote. Tensors that already are FP8 (`{e}.{pr
 `{e}.{proj}.weight_scale` [rows, 1] or `.weight_scale_inv` [row tiles, column tiles] in the same update) are
 copied as they are.
 
-Post-processing (`process_weights_after_loading`) builds the dispatch state from the live config: the expert map
-(global expert -> local slot) from `current_config().parallel_config` and the rank, and the FP8 layout. It must
-run inside a worker's config scope; outside it `current_config()` raises.
+The layer is built with its `LayerSettings` (hotswap/model/settings.py): the rank, the quantization, deterministic
+mode, and the live parallel section whose `expert_placement` may change on a live engine (`gather_placement` /
+`take_placement` move the experts to it). Post-processing (`process_weights_after_loading`) builds the dispatch
+state: the expert map (global expert -> local slot) of this rank's experts, and (FP8) the quantized weights.
 """
 
 from __future__ import annotations
@@ -37,24 +38,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.config import EngineConfig, current_config
-from hotswap.distributed import current_parallel, split
+from hotswap.distributed import split
 from hotswap.kernels import ops
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks, quantize_per_channel
-from hotswap.model.lora_batch import LoRABatch, active_lora
+from hotswap.model.lora_batch import LoRABatch
+from hotswap.model.settings import LayerSettings
 from hotswap.weights.sharded import Narrowing
 
 _GATE, _UP, _DOWN = "gate", "up", "down"
 FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, deterministic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 weights [T, k], expert ids [T, k]) of the top-k experts by softmax probability of `logits`;
     `renormalize`: the k weights sum to one (Qwen3-MoE `norm_topk_prob`, Mixtral)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        if ops.deterministic():  # the k weights added left to right, whatever the batch's shape
+        if deterministic:  # the k weights added left to right, whatever the batch's shape
             total = weights[:, 0]
             for j in range(1, top_k):
                 total = total + weights[:, j]
@@ -126,14 +129,15 @@ class FusedMoE(nn.Module):
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
+        settings: LayerSettings,
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ) -> None:
         super().__init__()
-        config, self.tp = current_config(), current_parallel()
+        self.tp, self.layout, self.deterministic = settings.parallel, settings.experts, settings.deterministic
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.names = dict(zip((_GATE, _UP, _DOWN), names, strict=True))
-        self.expert_parallel = config.parallel_config.enable_expert_parallel and self.tp.size > 1
-        self.placement = self._placement(config)
+        self.expert_parallel = self.layout.enable_expert_parallel and self.tp.size > 1
+        self.placement = self._placement()
         self.local_experts = self.placement[self.tp.rank]
         if self.expert_parallel:
             self.i_start, self.i_local = 0, intermediate_size
@@ -141,12 +145,12 @@ class FusedMoE(nn.Module):
             self.i_start, self.i_local = split(intermediate_size, self.tp.rank, self.tp.size)
         self.slot = {e: s for s, e in enumerate(self.local_experts)}
         local = len(self.local_experts)
-        self.fp8 = config.quant_config.quantization == "fp8"
+        self.fp8 = settings.fp8
         dtype = FP8_DTYPE if self.fp8 else None
         self.w13_weight = _param((local, 2 * self.i_local, hidden_size), dtype)
         self.w2_weight = _param((local, hidden_size, self.i_local), dtype)
-        self.stage_dtype = config.model_config.torch_dtype if self.fp8 else None
-        self.block = config.quant_config.weight_block_size if self.fp8 else None
+        self.stage_dtype = settings.dtype if self.fp8 else None
+        self.block = settings.weight_block_size if self.fp8 else None
         self.scale_leaf = "weight_scale_inv" if self.block else "weight_scale"
         if self.fp8:
             b0, b1 = self.block or (1, 1)
@@ -159,22 +163,22 @@ class FusedMoE(nn.Module):
                 scale = _param(self._scale_shape(local, rows, cols), torch.float32)
                 self.register_parameter(f"{prefix}_{self.scale_leaf}", scale)
             self._stages: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (stage, staged rows)
-        # global expert id -> local slot (-1: another rank's); built by post-processing from the live config
+        # global expert id -> local slot (-1: another rank's); built by post-processing
         self.expert_map: torch.Tensor | None = None
 
-    def _placement(self, config: EngineConfig) -> list[list[int]]:
-        """Every rank's experts under `config`: its `expert_placement`, or contiguous; all of them on every rank
-        without expert parallelism."""
+    def _placement(self) -> list[list[int]]:
+        """Every rank's experts under the live layout: its `expert_placement`, or contiguous; all of them on every
+        rank without expert parallelism."""
         if not self.expert_parallel:
             return [list(range(self.num_experts))] * self.tp.size
-        placement = config.parallel_config.expert_placement
+        placement = self.layout.expert_placement
         return [list(p) for p in placement] if placement else expert_placement(self.num_experts, self.tp.size)
 
     def gather_placement(self) -> dict[str, torch.Tensor] | None:
-        """The first half of moving the experts to the live config's `expert_placement`: this rank's new experts'
+        """The first half of moving the experts to the live layout's `expert_placement`: this rank's new experts'
         tensors, gathered from every rank (a collective: every rank calls it for every layer in the same order),
         or None when the placement is unchanged. Changes nothing."""
-        new = self._placement(current_config())
+        new = self._placement()
         if new == self.placement:
             return None
         most = max(len(p) for p in self.placement)
@@ -194,14 +198,14 @@ class FusedMoE(nn.Module):
     def take_placement(self, moved: dict[str, torch.Tensor]) -> None:
         """The second half (local, no collective): the parameters take the gathered experts (in place when the
         rank keeps its expert count, else in new storage), and post-processing rebuilds the dispatch state under
-        the new config."""
+        the new placement."""
         for name, value in moved.items():
             param = getattr(self, name)
             if param.shape == value.shape:
                 param.data.copy_(value)
             else:
                 setattr(self, name, nn.Parameter(value, requires_grad=False))
-        self.placement = self._placement(current_config())
+        self.placement = self._placement()
         self.local_experts = self.placement[self.tp.rank]
         self.slot = {e: s for s, e in enumerate(self.local_experts)}
         self.discard_stage()
@@ -389,12 +393,10 @@ class FusedMoE(nn.Module):
     # ---- post-processing ----------------------------------------------------------------------------------
 
     def process_weights_after_loading(self) -> None:
-        """Builds the dispatch state from the live config, and (fp8) quantizes the staged rows in place."""
-        config = current_config()
-        ep = config.parallel_config.enable_expert_parallel and self.tp.size > 1
-        if ep != self.expert_parallel or self.fp8 != (config.quant_config.quantization == "fp8"):
-            raise RuntimeError("the live config's expert parallelism or quantization differs from this layer's")
-        if self._placement(config) != self.placement:
+        """Builds the dispatch state of this rank's experts, and (fp8) quantizes the staged rows in place. Raises
+        RuntimeError where the live layout places the experts elsewhere than they are (a placement changed without
+        moving them)."""
+        if self._placement() != self.placement:
             raise RuntimeError(
                 "the live config places the experts elsewhere; change the placement through update_config("
                 "{'parallel_config': {'expert_placement': ...}}), which moves them"
@@ -432,9 +434,13 @@ class FusedMoE(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
+        """The experts' weighted sum for the tokens `x` routed to `ids` with `weights`, plus the pass's adapters
+        `lora` on the experts they adapt."""
         assert self.expert_map is not None, "FusedMoE used before its weights were post-processed"
-        if ops.deterministic():
+        if self.deterministic:
             return self._forward_deterministic(x, weights, ids)
         tokens, k = ids.shape
         local = self.expert_map[ids.flatten()] if self.expert_parallel else ids.flatten()
@@ -445,7 +451,6 @@ class FusedMoE(nn.Module):
         picked = order[: int(counts.sum())]
         rows = picked // k
         w13, w2 = self._weights(x.dtype, counts)
-        lora = active_lora() if self.lora_key is not None else None
         if lora is not None and not lora.touches(self.lora_key):
             lora = None
         expert_counts = counts  # every local expert's rows (fp8 keeps only the experts with rows, below)
@@ -513,9 +518,9 @@ class FusedMoE(nn.Module):
             if n:
                 picked = order[start : start + n]
                 rows = picked // k
-                h = ops.gated_linear(x[rows], w13[slot])
+                h = ops.gated_linear(x[rows], w13[slot], deterministic=True)
                 for part, (a, width) in zip(parts, halves, strict=True):
-                    out = ops.linear(h[:, a : a + width], w2[slot][:, a : a + width])
+                    out = ops.linear(h[:, a : a + width], w2[slot][:, a : a + width], deterministic=True)
                     part.index_add_(0, rows, out.float() * scale[picked, None])
                 start += n
             slot += 1 if (n or not self.fp8) else 0  # fp8: `_weights` holds the experts with rows only

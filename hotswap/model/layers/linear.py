@@ -6,7 +6,8 @@ parameter's existing storage (never rebinding it). Packed layers (q/k/v, gate/up
 parameter. Tensor parallelism: "column" splits output rows across ranks; "row" splits
 input columns and all-reduces the output (the bias is added once, after the reduction).
 
-With `quantization="fp8"` in the live config at construction, the weight is stored as float8 with a per-row
+Every layer is built with its `LayerSettings` (hotswap/model/settings.py): the rank and group size, the dtype,
+the quantization and deterministic mode. With `quantization="fp8"` the weight is stored as float8 with a per-row
 scale. Incoming high-precision rows are staged, and `process_weights_after_loading` quantizes the staged rows
 into the existing fp8 and scale storage, then frees the stage.
 """
@@ -18,12 +19,12 @@ from typing import NamedTuple, cast
 import torch
 from torch import nn
 
-from hotswap.config import current_config
-from hotswap.distributed import current_parallel, split
+from hotswap.distributed import split
 from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.model.layers.quant.fp8 import FP8_DTYPE, dequantize, quantize_per_channel
-from hotswap.model.lora_batch import active_lora
+from hotswap.model.lora_batch import LoRABatch
+from hotswap.model.settings import LayerSettings
 from hotswap.weights.sharded import Narrowing
 
 
@@ -45,7 +46,7 @@ class Linear(nn.Module):
     """y = x W^T (+ b). `parallel` is None (replicated), "column" or "row"; ignored on a single rank. Shares
     may be uneven (the first ranks take one more). `quantizable` False keeps the weight in high precision.
 
-    Deterministic mode (`ops.deterministic()`): a row-parallel product sums its ranks' partial products in rank
+    Deterministic mode (`settings.deterministic`): a row-parallel product sums its ranks' partial products in rank
     order, and on one rank it is computed as the two partial products two ranks would compute (the input split at
     `det_split`, by default the first of two shares), summed the same way: one rank equals two, bit for bit. An
     fp8 weight there has a scale per row and per half, as two ranks quantize their shares."""
@@ -54,6 +55,7 @@ class Linear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        settings: LayerSettings,
         bias: bool = False,
         quantizable: bool = True,
         parallel: str | None = None,
@@ -62,7 +64,8 @@ class Linear(nn.Module):
         det_split: int | None = None,
     ) -> None:
         super().__init__()
-        self.tp = current_parallel()
+        self.tp = settings.parallel
+        self.deterministic = settings.deterministic
         self.parallel = parallel if self.tp.size > 1 else None
         # one rank of a row-parallel product: where the first of two ranks' inputs would end (0: not row-parallel)
         self.det_split = 0
@@ -79,13 +82,13 @@ class Linear(nn.Module):
         self.in_start, self.in_local = 0, in_features
         if self.parallel == "row":  # `in_split` aligns the split with the producer's (e.g. whole heads)
             self.in_start, self.in_local = in_split or split(in_features, self.tp.rank, self.tp.size)
-        self.fp8 = quantizable and current_config().quant_config.quantization == "fp8"
+        self.fp8 = quantizable and settings.fp8
         self.weight = _param((self.out_local, self.in_local), FP8_DTYPE if self.fp8 else None)
-        self.stage_dtype = current_config().model_config.torch_dtype if self.fp8 else None  # fp8: the stage's dtype
+        self.stage_dtype = settings.dtype if self.fp8 else None  # fp8: the stage's dtype
         if self.fp8:
             # deterministic mode, one rank of a row-parallel product: a scale per row and per half (the shares of
             # two ranks), so that the quantized weight is the two ranks' (see the class)
-            halves = self.det_split > 0 and current_config().model_config.deterministic
+            halves = self.det_split > 0 and self.deterministic
             self.weight_scale = _param((self.out_local, 2) if halves else (self.out_local,), torch.float32)
             # computed by post-processing, never loaded (an ad-hoc tag, read back with getattr)
             self.weight_scale.hotswap_derived = True  # type: ignore[attr-defined]
@@ -159,7 +162,6 @@ class Linear(nn.Module):
         """Quantizes the staged high-precision rows into the fp8 weight and its scales (in place)."""
         if not self.fp8 or self._stage is None:
             return
-        assert current_config().quant_config.quantization == "fp8", "fp8 layer outside an fp8 config"
         assert self._staged_rows is not None  # allocated and freed with the stage
         rows = self._staged_rows.nonzero().squeeze(1)
         if self.weight_scale.dim() == 2:  # a scale per half (see __init__)
@@ -191,20 +193,21 @@ class Linear(nn.Module):
     # this layer's module name in the model, set where LoRA adapters are enabled (hotswap/lora/manager.py)
     lora_key: str | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """`x · Wᵀ + b` (summed over ranks for a row-parallel layer), plus the pass's adapters `lora` where this
+        layer has a `lora_key`."""
         weight = self.effective_weight(x.dtype)
+        det = self.deterministic
         if self.parallel == "row":
-            partial = ops.linear(x, weight, None, self.packed())
-            out = self.tp.sum_in_rank_order(partial) if ops.deterministic() else self.tp.all_reduce(partial)
+            partial = ops.linear(x, weight, None, self.packed(), det)
+            out = self.tp.sum_in_rank_order(partial) if det else self.tp.all_reduce(partial)
             out = out if self.bias is None else out + self.bias
-        elif 0 < self.det_split < self.in_features and ops.deterministic():
+        elif 0 < self.det_split < self.in_features and det:
             # the two ranks' partial products, added, then the bias (see the class)
             return ops.split_linear(x, weight, self.bias, self.det_split)
         else:
-            out = ops.linear(x, weight, self.bias, self.packed())
-        lora = active_lora() if self.lora_key is not None else None
-        if lora is not None:
-            assert self.lora_key is not None  # checked above
+            out = ops.linear(x, weight, self.bias, self.packed(), det)
+        if lora is not None and self.lora_key is not None:
             out = lora.apply(self.lora_key, x, out, self.tp.all_reduce if self.parallel == "row" else None)
         return out
 
@@ -213,8 +216,10 @@ class QKVLinear(Linear):
     """Fused q/k/v projection; shards 'q', 'k', 'v'. Column-parallel by heads: a rank keeps its q heads and the
     KV heads they use (KV heads are replicated where ranks outnumber them)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        tp = current_parallel()
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, settings: LayerSettings
+    ) -> None:
+        tp = settings.parallel
         q_start, q_heads = split(num_heads, tp.rank, tp.size)
         self.q_start = q_start
         group = num_heads // num_kv_heads
@@ -231,7 +236,12 @@ class QKVLinear(Linear):
             "v": ShardSpec(q + kv, kv, num_kv_heads * head_dim, self.kv_start * head_dim),
         }
         super().__init__(
-            hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel="column", shard_specs=specs
+            hidden_size,
+            (num_heads + 2 * num_kv_heads) * head_dim,
+            settings,
+            bias,
+            parallel="column",
+            shard_specs=specs,
         )
 
 
@@ -239,25 +249,24 @@ class MergedLinear(Linear):
     """Several projections of the same input concatenated by rows (shard i is the i-th); column-parallel: each
     rank keeps its share of every projection."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        tp = current_parallel()
+    def __init__(self, in_features: int, out_sizes: list[int], settings: LayerSettings, bias: bool = False) -> None:
+        tp = settings.parallel
         specs: dict[object, ShardSpec] = {}
         offset = 0
         for i, size in enumerate(out_sizes):
             start, local = split(size, tp.rank, tp.size)
             specs[i] = ShardSpec(offset, local, size, start)
             offset += local
-        super().__init__(in_features, sum(out_sizes), bias, parallel="column", shard_specs=specs)
+        super().__init__(in_features, sum(out_sizes), settings, bias, parallel="column", shard_specs=specs)
         self.gate_and_up = len(out_sizes) == 2 and out_sizes[0] == out_sizes[1]
 
-    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """`act(self(x))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul), as one
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module, lora: LoRABatch | None = None) -> torch.Tensor:
+        """`act(self(x, lora))` for a [gate; up] projection and its SwiGLU activation `act` (SiluAndMul), as one
         `ops.gated_linear` (the gate applied as the product is written, where the native kernel takes it)."""
-        lora = active_lora() if self.lora_key is not None else None
         if lora is not None and lora.touches(self.lora_key):
-            return cast(torch.Tensor, act(self(x)))  # the adapter's share joins before the activation
+            return cast(torch.Tensor, act(self(x, lora)))  # the adapter's share joins before the activation
         weight = self.effective_weight(x.dtype)  # dequantized once either way
         if self.gate_and_up:
-            return ops.gated_linear(x, weight, self.bias, self.packed())
+            return ops.gated_linear(x, weight, self.bias, self.packed(), self.deterministic)
         # column-parallel: forward() is this product
-        return cast(torch.Tensor, act(ops.linear(x, weight, self.bias, self.packed())))
+        return cast(torch.Tensor, act(ops.linear(x, weight, self.bias, self.packed(), self.deterministic)))

@@ -27,7 +27,6 @@ from hotswap.model.layers.sampler import (
     distribution,
     draw,
     kept_sets,
-    logprobs_mode,
     reported,
     results_for,
     uniform_for,
@@ -87,8 +86,11 @@ def verify(
     proposals: list[list[int]],
     draft_probs: list[torch.Tensor | None],
     specs: list[list[SampleSpec]],
+    mode: str = "raw_logprobs",
+    deterministic: bool = False,
 ) -> list[list[SampleResult]]:
-    """The tokens each sequence emits this step: its accepted proposals, then one drawn by the target.
+    """The tokens each sequence emits this step: its accepted proposals, then one drawn by the target; their
+    logprobs report what `mode` (the model's `logprobs_mode`) names (`deterministic`: the model's mode).
 
     Sequence i owns len(proposals[i]) + 1 consecutive rows of `logits` [N, V] (the target at its last token and
     at each proposal) and as many `specs[i]` (one per output position). `draft_probs[i]` [len(proposals[i]), V]
@@ -99,8 +101,8 @@ def verify(
     plain = all(
         s.temperature == 0 and not s.banned_token_ids and s.num_logprobs is None and not s.adjusts for s in flat
     )
-    if plain and logprobs_mode() == "raw_logprobs" and ops.greedy_native(logits):
-        tokens, chosen = ops.greedy_sample(logits)
+    if plain and mode == "raw_logprobs" and ops.greedy_native(logits, deterministic):
+        tokens, chosen = ops.greedy_sample(logits, deterministic)
         argmax, chosen_list = tokens.tolist(), chosen.tolist()
         out: list[list[SampleResult]] = []
         offset = 0
@@ -155,7 +157,7 @@ def verify(
         offset += len(props) + 1
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     emitted_specs = [flat[r] for r in rows]
-    values = reported(logits[index], emitted_specs, logprobs_mode())
+    values = reported(logits[index], emitted_specs, mode)
     results = results_for(values, torch.tensor(tokens_out, dtype=torch.long, device=logits.device), emitted_specs)
     masked = [j for j, spec in enumerate(emitted_specs) if spec.return_mask and spec.temperature > 0]
     if masked:  # an emitted token's support is the target's at its position (p_j's), filtered as `distribution`

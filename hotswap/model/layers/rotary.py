@@ -43,11 +43,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    """`deterministic`: the batch-invariant kernel (`LayerSettings.deterministic`)."""
+
     cos: torch.Tensor  # buffers, registered in __init__
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        deterministic: bool = False,
+    ) -> None:
         super().__init__()
+        self.deterministic = deterministic
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -61,4 +71,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [T, H, D] and k [T, KVH, D] for token positions [T]; returns new contiguous tensors."""
-        return ops.rotary(q, k, positions, self.cos, self.sin)
+        return ops.rotary(q, k, positions, self.cos, self.sin, self.deterministic)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from hotswap.config import current_config_or_none
 from hotswap.kernels import ops
 from hotswap.wire import PromptLogprobs, PromptLogprobsAsk, SampleResult, SampleSpec
 
@@ -80,12 +79,6 @@ def adjusted(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     return logits
 
 
-def logprobs_mode() -> str:
-    """The live config's `logprobs_mode` ("raw_logprobs" outside any config scope)."""
-    config = current_config_or_none()
-    return config.model_config.logprobs_mode if config is not None else "raw_logprobs"
-
-
 def processed_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """The logits each row samples from: logit bias, penalties and banned tokens; then, for rows with a
     temperature, the temperature and min-p/top-k/top-p (filtered entries -inf). Greedy rows keep their adjusted
@@ -110,18 +103,21 @@ def reported(logits: torch.Tensor, specs: list[SampleSpec], mode: str) -> torch.
     return values.log_softmax(dim=-1) if mode.endswith("logprobs") else values
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
-    """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`."""
+def sample(
+    logits: torch.Tensor, specs: list[SampleSpec], mode: str = "raw_logprobs", deterministic: bool = False
+) -> list[SampleResult]:
+    """Samples one token per row of `logits` [R, V] (float32) following `specs[r]`; the logprobs report what
+    `mode` (the model's `logprobs_mode`) names. `deterministic`: the model's mode (no greedy kernel: every row's
+    logprob is the general path's)."""
     if not specs:  # a step that only prefills
         return []
     plain_greedy = all(
         s.temperature == 0 and not s.banned_token_ids and s.allowed is None and s.num_logprobs is None and not s.adjusts
         for s in specs
     )
-    mode = logprobs_mode()
-    if plain_greedy and mode == "raw_logprobs" and ops.greedy_native(logits):
+    if plain_greedy and mode == "raw_logprobs" and ops.greedy_native(logits, deterministic):
         # The common decode step: argmax and its logprob in one pass, without the [R, V] log-softmax.
-        greedy, chosen = ops.greedy_sample(logits)
+        greedy, chosen = ops.greedy_sample(logits, deterministic)
         return [SampleResult(t, lp) for t, lp in zip(greedy.tolist(), chosen.tolist(), strict=True)]
     logprobs = logits.log_softmax(dim=-1) if mode == "raw_logprobs" else reported(logits, specs, mode)
     logits = banned(adjusted(logits, specs), specs)
