@@ -84,10 +84,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, mix: bool = True) -> SchedulerOutput | None:
-        """The next step, or None when nothing is to run (no request, or only new ones while admissions are closed).
-        `mix` False (speculating): a step prefills or decodes. A step that runs LoRA adapters has each adapter's
-        sequences consecutive (its products run on a slice of the batch, not gathered rows). Raises RuntimeError
-        when requests wait but none can be scheduled."""
+        """The next step, or None when nothing runs and nothing can start (no request waits, or admissions are
+        closed while draining). `mix` False (speculating): a step prefills or decodes. A step that runs LoRA
+        adapters has each adapter's sequences consecutive (its products run on a slice of the batch, not gathered
+        rows). Raises RuntimeError when requests wait but none can be scheduled."""
         out = self._next_step(mix)
         if out is None:
             if self.running or (self.waiting and self.admit_new):
