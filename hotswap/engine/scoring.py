@@ -6,7 +6,6 @@ the requests in flight (and the step loop's state) are untouched, so it runs bet
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from hotswap.config import EngineConfig
 from hotswap.engine.batch import BatchBuilder
@@ -129,10 +128,17 @@ class Scorer:
         return [results.prompt_logprobs[i] for i in range(len(seqs))]
 
     def check(
-        self, sequences: Any, temperature: Any, top_logprobs: Any, top_k: Any, top_p: Any, min_p: Any, vocab: int
+        self,
+        sequences: list[list[int]],
+        temperature: float,
+        top_logprobs: int,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        vocab: int,
     ) -> int:
-        """Raises ValueError naming what is wrong with a `score_tokens` call; returns its top-k count (-1 resolved
-        to the vocabulary)."""
+        """Raises ValueError naming what is wrong with a `score_tokens` call, whatever the types its caller was
+        given (a client's JSON); returns its top-k count (-1 resolved to the vocabulary)."""
         if not isinstance(sequences, list) or not sequences:
             raise ValueError("give at least one token sequence (a list of lists of token ids)")
         max_len = self.config.model_config.max_model_len
