@@ -3,6 +3,10 @@ conditions, and building `RequestOutput`s (whole, or as deltas for streaming).""
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 from hotswap.engine.detokenizer import Detokenizer, find_stop
 from hotswap.engine.grammar import advance
 from hotswap.engine.sequence import Request, Sequence
@@ -137,3 +141,19 @@ class OutputProcessor:
             admission_weight_version_label=self.labels.label(request.admission_weight_version),
             lora_name=request.lora_name,
         )
+
+
+def eos_token_ids(hf_config: dict[str, Any], tokenizer: Any, model_dir: str) -> set[int]:
+    """EOS ids from config.json, generation_config.json (e.g. Llama 3's end-of-turn) and the tokenizer."""
+    generation: dict[str, Any] = {}
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            generation = json.load(f)
+    ids: set[int] = set()
+    for value in (hf_config.get("eos_token_id"), generation.get("eos_token_id"), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

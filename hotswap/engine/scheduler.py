@@ -10,6 +10,10 @@ while `max_num_seqs`, `max_num_batched_tokens` and free KV blocks allow) or deco
 A sequence admitted gets KV blocks for all its tokens at once (prefix-cache hits included), so a partial prefill
 never waits for memory. When a running sequence cannot get a block to decode, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+
+After the workers ran a step, `postprocess` does its bookkeeping: the computed tokens advance and their blocks enter
+the prefix cache, a request whose prompt is done forks its siblings onto its blocks, each sampled token is
+appended (through the output processor), and finished sequences leave the running queue with their blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from dataclasses import dataclass, field
 
 from hotswap.config import SchedulerConfig
 from hotswap.engine.block_manager import BlockManager
-from hotswap.engine.sequence import Sequence, SequenceStatus
+from hotswap.engine.sequence import Request, Sequence, SequenceStatus
+from hotswap.engine.speculator import Speculator
+from hotswap.wire import SampleResult, Samples, SpecOutput
+
+# appends a sampled token to a sequence, setting its finish_reason when a stop condition is met (the engine's
+# OutputProcessor.append, at the served weight version)
+AppendToken = Callable[[Sequence, SampleResult], None]
 
 
 @dataclass
@@ -74,7 +84,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, mix: bool = True) -> SchedulerOutput | None:
-        """The next step, or None when nothing can run. `mix` False (speculating): a step prefills or decodes."""
+        """The next step, or None when nothing runs and nothing can start (no request waits, or admissions are
+        closed while draining). `mix` False (speculating): a step prefills or decodes. A step that runs LoRA
+        adapters has each adapter's sequences consecutive (its products run on a slice of the batch, not gathered
+        rows). Raises RuntimeError when requests wait but none can be scheduled."""
+        out = self._next_step(mix)
+        if out is None:
+            if self.running or (self.waiting and self.admit_new):
+                raise RuntimeError("no sequence can be scheduled although requests are waiting")
+            return None
+        if self.max_loras is not None and any(s.request.lora is not None for s in out.seqs):
+            out = out.ordered(lambda s: 0 if s.request.lora is None else s.request.lora.uid)
+        return out
+
+    def _next_step(self, mix: bool) -> SchedulerOutput | None:
         if not self.config.enable_chunked_prefill:
             return self._prefill_whole() or self._decode()
         if mix:
@@ -262,3 +285,89 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
         self.block_manager.free_seq(seq)
+
+    def check_integrity(self, seqs: list[Sequence]) -> None:
+        """Asserts the KV block accounting against `seqs` (every sequence of the engine's requests), and that the
+        running sequences, each holding blocks, are among them while the waiting ones hold none."""
+        self.block_manager.check_integrity(seqs)
+        running = {id(seq) for seq in self.running}
+        assert all(seq.block_table for seq in self.running), "a running sequence holds no blocks"
+        assert all(not seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
+        assert running <= {id(seq) for seq in seqs}, "a running sequence belongs to no request"
+
+    # ---- after a step ---------------------------------------------------------------------------------------
+
+    def postprocess(
+        self,
+        batch: SchedulerOutput,
+        results: Samples | SpecOutput,
+        append: AppendToken,
+        drafting: bool,
+        speculator: Speculator | None = None,
+    ) -> list[Request]:
+        """The bookkeeping of `batch` once the workers ran it with `results`: each sequence's computed tokens (and
+        its recorded routes, its prompt logprobs) advance and its full blocks are committed to the prefix cache
+        (where the draft's KV is valid too, when `drafting`: a draft model keeps KV beside the target's); a
+        sequence that reached its last token forks its request's siblings (sharing its blocks; they join the
+        running queue) and each gets its sampled token through `append`; sequences that finished leave the running
+        queue and free their blocks. A speculative step (`SpecOutput`) appends each sequence's emitted tokens and
+        records the acceptance with `speculator`. Returns the requests that advanced, each once, in batch order."""
+        if isinstance(results, SpecOutput):
+            assert speculator is not None
+            return self._postprocess_spec(batch, results, append, drafting, speculator)
+        touched: dict[str, Request] = {}
+        rows = iter(results.samples)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            if drafting and batch.is_prefill and seq.num_draft_computed == seq.num_computed_tokens:
+                seq.num_draft_computed += n  # the draft ran these tokens too (not if it missed earlier chunks)
+            if seq.routes is not None:
+                seq.routes.write(seq.num_computed_tokens, results.routes[i])
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
+            request = seq.request
+            if i in results.prompt_logprobs:
+                request.add_prompt_logprobs(results.prompt_logprobs[i], seq.num_computed_tokens)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a chunk of its prompt: it samples once the rest has run
+            targets = [seq]
+            children = request.fork(seq)
+            for child in children:
+                self.block_manager.fork(seq, child)
+                self.add_running(child)
+            targets += children
+            for target in targets:
+                append(target, next(rows))
+                if request.lora is not None:
+                    target.record_lora_version(request.lora.version)
+            for target in targets:
+                if target.finish_reason is not None:
+                    self.finish(target)
+            touched[request.request_id] = request
+        assert next(rows, None) is None, "every sampled row belongs to a sequence"
+        return list(touched.values())
+
+    def _postprocess_spec(
+        self, batch: SchedulerOutput, out: SpecOutput, append: AppendToken, drafting: bool, speculator: Speculator
+    ) -> list[Request]:
+        """Appends each sequence's emitted tokens (stopping at the first that ends it); the KV of every token but
+        the newest is then valid in the target's cache, and in the draft's up to its last pass (see
+        hotswap/engine/speculator.py)."""
+        touched: dict[str, Request] = {}
+        for i, (seq, emitted, proposed) in enumerate(zip(batch.seqs, out.tokens, out.num_proposed, strict=True)):
+            length = len(seq)
+            if seq.routes is not None:  # the rows of the last token and the accepted proposals (trimmed at output)
+                seq.routes.write(length - 1, out.routes[i][: len(emitted)])
+            for result in emitted:
+                seq.num_computed_tokens = len(seq)
+                append(seq, result)
+                if seq.finish_reason is not None:
+                    break
+            accepted = min(len(emitted) - 1, len(seq) - length)  # proposals kept (a finish may cut the rest)
+            if drafting:
+                seq.num_draft_computed = min(length + max(proposed - 1, 0), length + accepted, len(seq) - 1)
+            self.block_manager.commit(seq, seq.num_draft_computed if drafting else None)
+            speculator.record(seq, proposed, accepted)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values())

@@ -1,4 +1,5 @@
-"""The engine's state: one enum, changed only by the engine's lifecycle methods and `step()`.
+"""The engine's state: one enum, held and changed only by the engine's `Lifecycle` (lifecycle.py), which the step
+loop, the pause / sleep calls and the weights controller move.
 
     RUNNING  --pause("abort" | "keep")--------------------------> PAUSED
     RUNNING  --pause("wait")-------------------------------------> DRAINING
