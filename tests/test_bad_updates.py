@@ -129,21 +129,33 @@ def test_in_memory_sources_are_value_checked_before_any_write(ckpts, b_tensors):
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
 
 
-def test_value_checks_in_groups_name_every_bad_tensor_before_any_write(ckpts, b_tensors, monkeypatch):
-    """An in-memory source's values are checked in groups (a yield after each, so a staged update's slices stay
-    short): with groups of a few KiB, bad tensors in the first and the last group are both named, and nothing was
-    written although atomic mode (the rollback copies) is off."""
-    monkeypatch.setattr("hotswap.weights.update.CHUNK_BYTES", 4096)
-    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
-    before = llm.weight_checksums()
+def test_an_update_run_at_once_checks_every_value_in_one_pass_before_any_write(ckpts, b_tensors, monkeypatch):
+    """An in-memory source's values are all checked, in one pass, before the first write (an update received in
+    slices checks them in groups: tests/test_staged_updates.py): bad tensors first and last are both named and
+    nothing was written although atomic mode (the rollback copies) is off."""
+    import hotswap.weights.update as update_module
+
+    passes: list[int] = []
+    check = update_module.non_finite_names
+
+    def counted(pairs, limit):
+        passes.append(len(pairs))
+        return check(pairs, limit)
+
+    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(update_module, "non_finite_names", counted)
     first, last = b_tensors[0][0], b_tensors[-1][0]
     tensors = [(n, t.clone()) for n, t in b_tensors]
     for name, tensor in tensors:
         if name in (first, last):
             tensor.view(-1)[-1] = float("nan")
+
+    llm = LLM(str(ckpts["A"]), kv_cache_memory_bytes=1 << 22, weight_transfer_config={"atomic": False})
+    before = llm.weight_checksums()
     with pytest.raises(ValueError, match="NaN or Inf") as caught:
         llm.reload_weights(weights_iterator=tensors)
     assert first in str(caught.value) and last in str(caught.value)
+    assert passes == [len(tensors)], "an update run at once checks its values in one pass"
     assert llm.weight_checksums() == before and serves(llm, ckpts["A"])
 
 

@@ -300,11 +300,23 @@ def test_a_fleet_of_staged_replicas_prepares_beside_serving_and_commits_or_rolls
         fleet.shutdown()
 
 
-def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path):
+def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path, monkeypatch):
     """AsyncLLMEngine: an adapter's next version (tensors) is received in slices between the steps of a stream
-    running on that adapter, then served; one with a NaN is dropped, the adapter unchanged."""
+    running on that adapter, then served; one with NaNs is dropped, the adapter unchanged: its values were checked
+    in groups (of a few KiB here), one per slice, all before the first write, and both bad tensors are named."""
+    import hotswap.weights.update as update_module
     from hotswap.lora.request import LoRARequest
     from hotswap.testing import make_tiny_lora
+
+    passes: list[int] = []
+    check = update_module.non_finite_names
+
+    def counted(pairs, limit):
+        passes.append(len(pairs))
+        return check(pairs, limit)
+
+    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(update_module, "non_finite_names", counted)
 
     first = make_tiny_lora(ckpts["A"], tmp_path / "v1", rank=8, seed=1)
     second = make_tiny_lora(ckpts["A"], tmp_path / "v2", rank=8, seed=2)
@@ -339,9 +351,12 @@ def test_a_lora_reload_is_received_in_slices_between_steps(ckpts, tmp_path):
         end = loop.time()
         await task
         bad = [(n, t.clone()) for n, t in new]
-        bad[-1][1].view(-1)[0] = float("nan")
-        with pytest.raises(ValueError, match="NaN"):
+        bad[0][1].view(-1)[0] = bad[-1][1].view(-1)[0] = float("nan")
+        passes.clear()
+        with pytest.raises(ValueError, match="NaN") as caught:
             await engine.reload_weights(target="lora:a", weights_iterator=bad)
+        assert bad[0][0] in str(caught.value) and bad[-1][0] in str(caught.value)
+        assert len(passes) > 2 and sum(passes) == len(bad), passes
         short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = [
             o

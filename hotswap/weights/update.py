@@ -135,27 +135,35 @@ class WeightUpdate:
             return True
         return all_finite(tensor.values if isinstance(tensor, Patch) else tensor, self._limit(name))
 
-    def _non_finite(self, pairs: list[tuple[str, torch.Tensor]]) -> Generator[None, None, list[str]]:
+    def _non_finite(self, pairs: list[tuple[str, torch.Tensor]], grouped: bool) -> Generator[None, None, list[str]]:
         """The names in `pairs` whose values do not fit their targets (`_finite`), in order
-        (`checks.non_finite_names`), checked in groups of about `CHUNK_BYTES` with a yield after each (the last
-        group first, as that function reads): every value is checked before the first write, and a staged update
-        received in slices between steps holds no step longer than one group."""
+        (`checks.non_finite_names`: one pass over host tensors, one host read per device). `grouped` (an update
+        received in slices between steps): host tensors in groups of about `CHUNK_BYTES`, with a yield after each
+        (the last group first, as that function reads), so that no slice holds the check of every tensor. Every
+        value is checked before the first write either way."""
         if not self.check_finite:
             return []
-        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for name, tensor in pairs:
-            nbytes = (tensor.values if isinstance(tensor, Patch) else tensor).nbytes
-            if groups[-1] and size + nbytes > CHUNK_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append((name, tensor))
-            size += nbytes
+        groups: list[list[tuple[str, torch.Tensor]]] = [list(pairs)]
+        if grouped:  # a device's tensors stay one group (one host read); the host's, groups of CHUNK_BYTES
+            on_host = [(t.values if isinstance(t, Patch) else t).device.type == "cpu" for _, t in pairs]
+            groups = [[pair for pair, host in zip(pairs, on_host, strict=True) if not host], []]
+            size = 0
+            for (name, tensor), host in zip(pairs, on_host, strict=True):
+                if not host:
+                    continue
+                nbytes = (tensor.values if isinstance(tensor, Patch) else tensor).nbytes
+                if groups[-1] and size + nbytes > CHUNK_BYTES:
+                    groups.append([])
+                    size = 0
+                groups[-1].append((name, tensor))
+                size += nbytes
+        order = {name: i for i, (name, _) in enumerate(pairs)}
         bad: list[str] = []
         for group in reversed(groups):
-            bad = non_finite_names(group, self._limit) + bad
-            yield
-        return bad
+            if group:
+                bad += non_finite_names(group, self._limit)
+                yield
+        return sorted(bad, key=order.__getitem__)
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -168,14 +176,15 @@ class WeightUpdate:
         follows in this update (see the module doc on rollback copies). Raises ValueError for a declaration or
         values that the model rejects (before anything is loaded from an in-memory source), or whatever the
         source raises while streaming; the caller then rolls back."""
-        steps = self.steps(source, final)
+        steps = self.steps(source, final, sliced=False)
         with self.writing():
             return drive(steps)
 
-    def steps(self, source: WeightSource, final: bool = False) -> Generator[None, None, int]:
+    def steps(self, source: WeightSource, final: bool = False, sliced: bool = True) -> Generator[None, None, int]:
         """`apply` one tensor at a time: the generator yields after each tensor it loaded and returns the count.
         The caller runs it inside `writing()`, and may leave that context between two tensors (a staged update
-        received in slices between the engine's steps)."""
+        received in slices between the engine's steps). `sliced` False (`apply`, driven to its end at once): an
+        in-memory source's values are checked in one pass, not in groups."""
         entries = source.loaded_entries()
         self.check_declaration(entries, source.complete, source.pre_sliced)
         if self.shadow is not None:
@@ -205,7 +214,7 @@ class WeightUpdate:
         self.unprotected = self.unprotected or (self.atomic and not backup and self.shadow is None)
         if source.in_memory:
             pairs = [item for item in stream if not self.index.ignored(item[0])]
-            bad = yield from self._non_finite(pairs)
+            bad = yield from self._non_finite(pairs, sliced)
             if bad:
                 raise non_finite_error(bad)
             count = yield from self._load(pairs, source.pre_sliced, backup, True, source.description)
