@@ -13,7 +13,7 @@ import torch
 from hotswap.architectures import supported_architectures
 from hotswap.device import check_attention_backend, parse_device
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
     "fp32": torch.float32,
@@ -84,8 +84,8 @@ class ModelConfig:
                 f"model: architecture {archs[0] if archs else None!r} is not supported; "
                 f"supported architectures: {', '.join(supported)}"
             )
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
         context = self.max_context_len
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
@@ -120,5 +120,5 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
-            return _DTYPES.get(name, torch.float32)
-        return _DTYPES[self.dtype]
+            return DTYPES.get(name, torch.float32)
+        return DTYPES[self.dtype]

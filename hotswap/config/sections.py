@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotswap.config.model import _DTYPES
+from hotswap.config.model import DTYPES
 
 
 @dataclass
@@ -37,9 +37,9 @@ class CacheConfig:
     # are evicted after every other (hotswap/engine/sessions.py)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got "
+                f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got "
                 f"{self.kv_cache_dtype!r} (quantized KV caches are not supported)"
             )
         if self.prefix_cache_policy not in ("reset", "salt"):
@@ -58,7 +58,7 @@ class CacheConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The dtype the cache holds ("auto": float32)."""
-        return torch.float32 if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        return torch.float32 if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
 
 @dataclass

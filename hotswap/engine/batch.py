@@ -37,10 +37,11 @@ class BatchBuilder:
         self.eos_token_ids = eos_token_ids  # the engine's set (shared, not copied)
         self.routing_shape = routing_shape  # (sparse layers, top_k, experts) of a mixture-of-experts model
         self.speculator = speculator
+        self.vocab = int(config.model_config.hf_config["vocab_size"])
 
     def _num_logprobs(self, value: int | None) -> int | None:
-        """`num_logprobs` under this model's vocabulary (looked up only for -1)."""
-        return int(self.config.model_config.hf_config["vocab_size"]) if value == -1 else value
+        """`num_logprobs` under this model's vocabulary."""
+        return num_logprobs(value, self.vocab)
 
     def build(self, batch: SchedulerOutput, speculating: bool) -> ModelInput:
         """Sequence i runs its tokens num_computed_tokens .. + num_tokens[i]; it samples (all n first tokens before

@@ -32,7 +32,8 @@ class StepContext:
 
 def call(module: nn.Module, x: torch.Tensor, arg: object) -> torch.Tensor:
     """`module(x)`, or `module(x, arg)` where `arg` (the pass's adapters, or its context) is not None. A module
-    whose forward user code replaced by a function of its input alone (`LLM.apply_model`) so runs in every pass
-    without adapters or routes, as it did when layers took nothing else."""
-    out: torch.Tensor = module(x) if arg is None else module(x, arg)
+    whose forward user code replaced on the instance (`LLM.apply_model`) gets its input alone in every pass, as
+    when layers took nothing else: its adapters and routes are then the replacement's business."""
+    replaced = "forward" in vars(module)
+    out: torch.Tensor = module(x) if arg is None or replaced else module(x, arg)
     return out

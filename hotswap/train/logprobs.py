@@ -39,7 +39,6 @@ BLOCK_SIZE = 16  # of the scratch cache the trainer's attention reads (the resul
 @dataclass
 class _Mirror:
     model: nn.Module
-    config: EngineConfig
     # hotswap parameter name -> [(flat offset, shape of its region, trainer parameter name)], in offset order
     sources: dict[str, list[tuple[int, tuple[int, ...], str]]]
 
@@ -103,7 +102,7 @@ def _build_mirror(model: nn.Module) -> _Mirror:
             covered += int(torch.Size(shape).numel())
         if covered != params[name].numel():
             raise ValueError(f"token_logprobs: the trainer's parameters do not cover hotswap's {name!r} exactly once")
-    return _Mirror(mirror, config, sources)
+    return _Mirror(mirror, sources)
 
 
 def _plain_name(name: str) -> str:
