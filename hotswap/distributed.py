@@ -1,8 +1,9 @@
 """Tensor-parallel context of the current worker: its rank, the group size and the process group.
 
-Like the config, it is scoped: a Worker enters `use_parallel(...)` with its config, and layers read
-`current_parallel()` at construction to size their shards and keep the group for their collectives. Outside any
-scope the context is the single-process one (rank 0 of 1).
+Like the config, it is scoped: a Worker enters `use_parallel(...)` with its config. Layers take theirs at
+construction (`LayerSettings.parallel`, hotswap/model/settings.py) to size their shards and keep the group for their
+collectives; transports and the runner read `current_parallel()`. Outside any scope the context is the
+single-process one (rank 0 of 1).
 """
 
 from __future__ import annotations

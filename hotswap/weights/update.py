@@ -8,7 +8,7 @@ moves (hotswap/weights/checks.py).
       .apply(source)   declaration checked once (names, shapes, dtypes, duplicates, completeness), then values
                        (in-memory sources: all of them before the first write; streamed ones: tensor by tensor),
                        then each tensor loaded through its target's layout; a module whose tensors all arrived is
-                       post-processed at once (`process_weights_after_loading`, in the caller's config scope)
+                       post-processed at once (`process_weights_after_loading`)
       .finish()        post-processes modules that received only part of their tensors; drops rollback copies
       .rollback()      restores every parameter written since the update began, bit for bit (atomic mode)
 

@@ -196,11 +196,10 @@ class NativeDecoderStack:
         self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, products: Products | None = None
     ) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens `x` of the pass `ctx` (its metadata and adapters),
-        as `decoder_layers`, the products on the paths
-        the policy chose (or `products`, for the calibration). The tensors are read from
-        the modules at every call (weights and caches may be replaced), from their dicts directly: the nn.Module
-        attribute lookup is a measurable part of a small step. Every RMSNorm of the model has the config's one
-        epsilon, and every layer the first one's head layout."""
+        as `decoder_layers`, the products on the paths the policy chose (or `products`, for the calibration). The
+        tensors are read from the modules at every call (weights and caches may be replaced), from their dicts
+        directly: the nn.Module attribute lookup is a measurable part of a small step. Every RMSNorm of the model
+        has the config's one epsilon, and every layer the first one's head layout."""
         assert self.model is not None  # checked by `applies`
         meta = ctx.attn
         first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
