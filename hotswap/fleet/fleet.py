@@ -729,7 +729,9 @@ class Fleet(FleetReplicas):
             if lora is not None and (weight_version is not None or canary is not None):
                 raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
             self._session = None
-            confirmed = self._two_phase(members, "prepare_weight_update", None, canary, version=weight_version)
+            confirmed = self._two_phase(
+                members, "prepare_weight_update", None, canary, version=weight_version, versioned=lora is None
+            )
             if lora is None:
                 self._folder_current = False
             else:  # the adapter's committed version is no longer what the fleet loaded it from
@@ -821,8 +823,11 @@ class Fleet(FleetReplicas):
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
 
-    def _two_phase(self, members: list[_Member], prepare: str, *args: Any, version: VersionArg = None) -> bool:
-        """Prepares on every member, then commits all with one version, or rolls all back (and raises). Returns
+    def _two_phase(
+        self, members: list[_Member], prepare: str, *args: Any, version: VersionArg = None, versioned: bool = True
+    ) -> bool:
+        """Prepares on every member, then commits all with one version (not `versioned`: an adapter's change,
+        which numbers its own), or rolls all back (and raises). Returns
         whether any replica confirmed its commit (if none did, the fleet is at the new version with no replica
         holding it: the caller records where it came from, then raises `_no_commit`)."""
         try:
@@ -834,7 +839,9 @@ class Fleet(FleetReplicas):
             self._roll_back(members, errors, prepare)
         number, label = parse_version(version)
         proposed = self.version + 1 if number is None else number
-        results, errors = self._call(members, "commit", proposed, label, timeout=self._rpc_timeout)
+        results, errors = self._call(
+            members, "commit", *((proposed, label) if versioned else (None, None)), timeout=self._rpc_timeout
+        )
         for index, err in errors.items():  # the decision is made: a replica that cannot commit is replaced
             self._failed(self.members[index], f"its commit failed ({type(err).__name__}: {_first_line(err)})")
         # (model version, draft version, the model version's label) as the commits left them: the fleet takes the
