@@ -4,8 +4,6 @@ a failed load of an adapter speaks of the adapter, not of a draft model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hotswap import LLM

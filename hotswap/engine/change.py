@@ -155,3 +155,13 @@ class OpenChange:
     receiving: bool = False  # staged: being received in slices between steps
     received: bool = False  # all of it arrived; its commit (or, for a session, the next call) follows
     packed: bool = False  # an adapter's next version has its packs built (its commit is next)
+
+
+DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
+
+
+def empty_declaration(update_info: dict[str, Any]) -> bool:
+    """{} or {"names": [], "dtype_names": [], "shapes": []} (vLLM 0.33: "the same as last time")."""
+    return all(not update_info.get(k) for k in DECLARATION) and not any(
+        isinstance(v, (list, dict)) and v for k, v in update_info.items() if k not in DECLARATION and k != "target"
+    )

@@ -38,8 +38,11 @@ class AdapterTarget(ChangeTarget):
 
     pauses = False
 
-    def __init__(self, registry: LoRARegistry, adapter_name: str, prepared: Prepared | None = None) -> None:
+    def __init__(
+        self, registry: LoRARegistry, executor: Executor, adapter_name: str, prepared: Prepared | None = None
+    ) -> None:
         self.registry = registry
+        self.executor = executor
         self.adapter_name = adapter_name
         self.name = f"{PREFIX}{adapter_name}"
         self.prepared = prepared
@@ -112,6 +115,26 @@ class AdapterTarget(ChangeTarget):
     def drop(self, host: ChangeHost) -> bool:
         return self.abort(host)
 
+    def reload(
+        self,
+        weights_path: str | None,
+        weights_iterator: Any,
+        encoding: str | None,
+        base_version: VersionArg,
+        checksums: dict[str, str] | None,
+        sliced: bool,
+    ) -> bool:
+        """`reload_weights` of the adapter: in one call (False), or (`sliced`, from tensors) only opened on every
+        worker (True): the controller receives it between steps, then commits it."""
+        updates = LoRAUpdates(self.registry, self.executor, 1)
+        if sliced and weights_iterator is not None:
+            self.prepared = updates.prepare_reload(
+                self.adapter_name, None, weights_iterator, encoding, base_version, checksums, sliced=True
+            )
+            return True
+        updates.reload(self.adapter_name, weights_path, weights_iterator, encoding, base_version, checksums)
+        return False
+
     def dropped(self) -> None:
         uid = self.prepared.uid if self.prepared is not None else self.open[1] if self.open is not None else None
         if uid is not None:
@@ -136,7 +159,7 @@ class LoRAUpdates:
     def target(self, name: str) -> AdapterTarget:
         """The change target of adapter `name`'s next version."""
         self.registry.get(name)  # raises for an adapter that is not loaded
-        return AdapterTarget(self.registry, name)
+        return AdapterTarget(self.registry, self.executor, name)
 
     def reload(
         self,

@@ -22,8 +22,8 @@ import time
 from typing import Any, cast
 
 from hotswap.engine.canary import Canary
-from hotswap.engine.change import MODEL_TARGET, ChangeTarget, ModelTarget, OpenChange
-from hotswap.engine.lora_updates import AdapterTarget, LoRAUpdates, lora_target
+from hotswap.engine.change import DECLARATION, MODEL_TARGET, ChangeTarget, ModelTarget, OpenChange, empty_declaration
+from hotswap.engine.lora_updates import AdapterTarget, lora_target
 from hotswap.engine.state import EngineState
 from hotswap.engine.weight_versions import EngineHooks, WeightVersions
 from hotswap.weights.delta import is_delta
@@ -225,7 +225,7 @@ class WeightsController(WeightVersions):
             except ValueError as err:
                 self.abort_weight_update()  # like any failed update, it ends the session
                 raise ValueError(f"{err} (the session was rolled back)") from None
-        if isinstance(update_info, dict) and self.last_update_info is not None and _empty_declaration(update_info):
+        if isinstance(update_info, dict) and self.last_update_info is not None and empty_declaration(update_info):
             update_info = {**self.last_update_info, **{k: v for k, v in update_info.items() if v}}
         staged = self.staged and target.pauses  # an adapter's next version is written aside anyway
         try:
@@ -239,7 +239,7 @@ class WeightsController(WeightVersions):
             while not sliced and not self.advance_staged(None):
                 pass
         if isinstance(update_info, dict) and "names" in update_info:
-            self.last_update_info = {k: v for k, v in update_info.items() if k in _DECLARATION}
+            self.last_update_info = {k: v for k, v in update_info.items() if k in DECLARATION}
             if change is not None:
                 change.declaration = self.last_update_info
 
@@ -514,9 +514,14 @@ class WeightsController(WeightVersions):
         opened; `advance_staged` receives and commits it."""
         change_target = self._target(target, ("model", "draft"), "reload_weights target")
         if isinstance(change_target, AdapterTarget):
-            self._reload_adapter(
-                change_target, weights_path, weights_iterator, weight_version, encoding, base_version, checksums, sliced
-            )
+            if self.change is not None:
+                raise RuntimeError(
+                    "a weight-update session is open; finish or abort it before reloading a LoRA adapter"
+                )
+            if weight_version is not None:
+                raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
+            if change_target.reload(weights_path, weights_iterator, encoding, base_version, checksums, sliced):
+                self._open(OpenChange(change_target, kind="reload", receiving=True))  # received between steps
             return
         assert isinstance(change_target, ModelTarget)
         self.check_can_change("reload_weights")
@@ -571,35 +576,6 @@ class WeightsController(WeightVersions):
             self._record_model_folder(folder)
         self._advance_version(weight_version)
 
-    def _reload_adapter(
-        self,
-        target: AdapterTarget,
-        weights_path: str | None,
-        weights_iterator: Any,
-        weight_version: VersionArg,
-        encoding: str | None,
-        base_version: VersionArg,
-        checksums: dict[str, str] | None,
-        sliced: bool,
-    ) -> None:
-        """`reload_weights` of an adapter: one call, or (`sliced`, from tensors) received between steps."""
-        if self.change is not None:
-            raise RuntimeError("a weight-update session is open; finish or abort it before reloading a LoRA adapter")
-        if weight_version is not None:
-            raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
-        updates = cast(LoRAUpdates, self.engine.lora_updates)
-        name = target.adapter_name
-        if sliced and weights_iterator is not None:  # received between steps, then committed
-            target.prepared = updates.prepare_reload(
-                name, None, weights_iterator, encoding, base_version, checksums, sliced=True
-            )
-            self._open(OpenChange(target, kind="reload", receiving=True))
-            return
-        updates.reload(name, weights_path, weights_iterator, encoding, base_version, checksums)
-
-
-_DECLARATION = ("names", "dtypes", "dtype_names", "shapes", "bucket_size_bytes", "load_format")
-
 
 def _folder(weights_path: str | None, encoding: str | None) -> str | None:
     """The folder a reload records as the model's once committed (a folder of deltas is not the model's)."""
@@ -609,10 +585,3 @@ def _folder(weights_path: str | None, encoding: str | None) -> str | None:
 def _listed(weights_iterator: Any) -> list[Any] | None:
     """The pairs of an iterator, read once, here (a generator works with worker processes too)."""
     return None if weights_iterator is None else list(weights_iterator)
-
-
-def _empty_declaration(update_info: dict[str, Any]) -> bool:
-    """{} or {"names": [], "dtype_names": [], "shapes": []} (vLLM 0.33: "the same as last time")."""
-    return all(not update_info.get(k) for k in _DECLARATION) and not any(
-        isinstance(v, (list, dict)) and v for k, v in update_info.items() if k not in _DECLARATION and k != "target"
-    )

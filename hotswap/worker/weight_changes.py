@@ -388,10 +388,13 @@ class WeightChanges:
                 f"{call}() while asleep: the weights' device memory was released; call wake_up(['weights']) first"
             )
 
-    def _index(self) -> WeightIndex:
+    def _model(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError("the model is not loaded; call load_model() first")
-        return WeightIndex.of(self.model)
+        return self.model
+
+    def _index(self) -> WeightIndex:
+        return WeightIndex.of(self._model())
 
     def _weight_index(self, target: WeightTarget) -> WeightIndex:
         """The index an update of `target` goes through: the model's own, or a union naming the draft's tensors

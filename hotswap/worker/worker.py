@@ -416,11 +416,6 @@ class Worker(WeightChanges):
             state.update({f"{DRAFT_PREFIX}{k}": v for k, v in self.draft_model.state_dict().items()})
         return state
 
-    def _model(self) -> nn.Module:
-        if self.model is None:
-            raise RuntimeError("the model is not loaded; call load_model() first")
-        return self.model
-
     def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("the model is not loaded; call load_model() first")
