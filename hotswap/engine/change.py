@@ -67,6 +67,19 @@ class ChangeTarget(ABC):
     def check_commit(self, weight_version: VersionArg, canary: Any) -> None:  # noqa: B027 - optional
         """Raises ValueError for a commit's arguments that do not apply to this target (nothing changes)."""
 
+    @abstractmethod
+    def load(
+        self,
+        host: ChangeHost,
+        weights_path: str | None,
+        weights_iterator: list[Any] | None,
+        encoding: str | None,
+        checksums: dict[str, str] | None,
+        sliced: bool = False,
+    ) -> None:
+        """Phase one of a reload on every worker (its base version checked): what the commit makes current is
+        held until then (`sliced`: only opened, received between steps by `Advance`)."""
+
     def prepare(self, host: ChangeHost) -> None:
         """Phase one of the commit on every worker: everything that can fail, rollback copies kept."""
         host.executor.send(Commit(prepare_only=True))
@@ -121,7 +134,7 @@ class ModelTarget(ChangeTarget):
             host.weights_changed()
         return aborted
 
-    def reload(
+    def load(
         self,
         host: ChangeHost,
         weights_path: str | None,
@@ -130,7 +143,6 @@ class ModelTarget(ChangeTarget):
         checksums: dict[str, str] | None,
         sliced: bool = False,
     ) -> None:
-        """Phase one of a reload on every worker (commit=False; `sliced`: only opened)."""
         host.executor.send(
             Load(self.part(), weights_path, weights_iterator, encoding, checksums, commit=False, sliced=sliced)
         )

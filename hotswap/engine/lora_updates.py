@@ -33,20 +33,19 @@ def lora_target(target: object) -> str | None:
 
 
 class AdapterTarget(ChangeTarget):
-    """The next version of adapter `adapter_name`: a transfer session's (`start`), or a reload's received in slices
-    (`prepared`, from `LoRAUpdates.prepare_reload`)."""
+    """The next version of adapter `adapter_name`: a transfer session's (`start`), or a reload's (`load`: held
+    on every worker, registered there already unless received in slices)."""
 
     pauses = False
 
-    def __init__(
-        self, registry: LoRARegistry, executor: Executor, adapter_name: str, prepared: Prepared | None = None
-    ) -> None:
+    def __init__(self, registry: LoRARegistry, executor: Executor, adapter_name: str) -> None:
         self.registry = registry
         self.executor = executor
         self.adapter_name = adapter_name
         self.name = f"{PREFIX}{adapter_name}"
-        self.prepared = prepared
-        self.open: tuple[Adapter, int] | None = None  # after `start`: the adapter, its next version's uid
+        self.prepared: Prepared | None = None  # a reload's next version
+        self.open: tuple[Adapter, int] | None = None  # a session's: the adapter, its next version's uid
+        self.on_workers = True  # the workers hold the change open (a session, a sliced reload): they commit it
 
     def part(self) -> AdapterPart:
         adapter, uid = self._open()
@@ -80,43 +79,25 @@ class AdapterTarget(ChangeTarget):
                 raise ValueError(f"{err} (the LoRA update was dropped; {adapter.name!r} is unchanged)") from None
             raise
 
-    def prepare(self, host: ChangeHost) -> None:
-        try:
-            super().prepare(host)
-        except BaseException:
-            self.abort(host)
-            raise
-
-    def commit(self, host: ChangeHost) -> None:
-        """Every worker registers the new version, which becomes current (the registry's "switch" policy moves
-        requests still on the old one). A failure drops it everywhere."""
-        try:
-            super().commit(host)
-        except BaseException:
-            self.abort(host)
-            raise
-        if self.prepared is not None:
-            self.registry.commit_prepared(self.prepared)
-            return
-        adapter, uid = self._open()
-        superseded = self.registry.commit(adapter, uid)
-        if superseded and self.registry.on_superseded is not None:
-            self.registry.on_superseded(adapter, superseded)
-
-    def abort(self, host: ChangeHost) -> bool:
-        uid = self.prepared.uid if self.prepared is not None else self.open[1] if self.open is not None else None
-        try:
-            host.executor.send(Abort())
-        finally:
-            if uid is not None:
-                self.registry.discard(uid)
-        return True
-
-    def drop(self, host: ChangeHost) -> bool:
-        return self.abort(host)
+    def load(
+        self,
+        host: ChangeHost,
+        weights_path: str | None,
+        weights_iterator: list[Any] | None,
+        encoding: str | None,
+        checksums: dict[str, str] | None,
+        sliced: bool = False,
+    ) -> None:
+        """The next version on every worker: registered there at once (the commit only makes it current), or
+        (`sliced`, from tensors) opened for `Advance` (the commit registers it)."""
+        self.prepared = LoRAUpdates(self.registry, self.executor, 1).prepare_reload(
+            self.adapter_name, weights_path, weights_iterator, encoding, None, checksums, sliced=sliced
+        )
+        self.on_workers = sliced
 
     def reload(
         self,
+        host: ChangeHost,
         weights_path: str | None,
         weights_iterator: Any,
         encoding: str | None,
@@ -126,14 +107,49 @@ class AdapterTarget(ChangeTarget):
     ) -> bool:
         """`reload_weights` of the adapter: in one call (False), or (`sliced`, from tensors) only opened on every
         worker (True): the controller receives it between steps, then commits it."""
-        updates = LoRAUpdates(self.registry, self.executor, 1)
         if sliced and weights_iterator is not None:
-            self.prepared = updates.prepare_reload(
-                self.adapter_name, None, weights_iterator, encoding, base_version, checksums, sliced=True
-            )
+            self.check_base(lambda _: None, base_version)
+            self.load(host, None, list(weights_iterator), encoding, checksums, sliced=True)
             return True
-        updates.reload(self.adapter_name, weights_path, weights_iterator, encoding, base_version, checksums)
+        LoRAUpdates(self.registry, self.executor, 1).reload(
+            self.adapter_name, weights_path, weights_iterator, encoding, base_version, checksums
+        )
         return False
+
+    def prepare(self, host: ChangeHost) -> None:
+        try:
+            super().prepare(host)
+        except BaseException:
+            self.abort(host)
+            raise
+
+    def commit(self, host: ChangeHost) -> None:
+        """The new version becomes current (the registry's "switch" policy moves requests still on the old one),
+        registered first by every worker that holds it open. A failure drops it everywhere."""
+        if self.on_workers:
+            try:
+                super().commit(host)
+            except BaseException:
+                self.abort(host)
+                raise
+        if self.prepared is not None:
+            self.registry.commit_prepared(self.prepared)
+            return
+        adapter, uid = self._open()
+        superseded = self.registry.commit(adapter, uid)
+        if superseded and self.registry.on_superseded is not None:
+            self.registry.on_superseded(adapter, superseded)
+
+    def abort(self, host: ChangeHost) -> bool:
+        try:
+            if self.on_workers:
+                host.executor.send(Abort())
+        finally:
+            self.dropped()
+        return True
+
+    def drop(self, host: ChangeHost) -> bool:
+        return self.abort(host)
 
     def dropped(self) -> None:
         uid = self.prepared.uid if self.prepared is not None else self.open[1] if self.open is not None else None

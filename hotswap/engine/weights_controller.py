@@ -369,22 +369,25 @@ class WeightsController(WeightVersions):
         encoding: str | None = None,
         base_version: VersionArg = None,
         checksums: dict[str, str] | None = None,
+        target: str = "model",
     ) -> None:
         """Phase one of a reload (see `reload_weights`): every worker loads and post-processes the new weights in
         place but keeps its rollback copies; the engine is UPDATING (no step runs) until `commit_weight_update()`
-        or `abort_weight_update()`. A failure rolls every rank back."""
-        self.check_can_change("reload_weights")
+        or `abort_weight_update()`. A failure rolls every rank back. `target` "lora:<name>": the adapter's next
+        version, held on every worker beside the served one (nothing pauses) until the commit."""
+        change_target = self._target(target, ("model",), "prepare_reload target")
+        if change_target.pauses:
+            self.check_can_change("reload_weights")
         if self.engine.state is EngineState.UPDATING or self.change is not None:
             raise RuntimeError("a weight-update session is open; finish or abort it before a reload")
-        self.check_base(base_version)
-        target = ModelTarget()
-        change = self._open(OpenChange(target, kind="reload", folder=_folder(weights_path, encoding)))
+        change_target.check_base(self.check_base, base_version)
+        change = self._open(OpenChange(change_target, kind="reload", folder=_folder(weights_path, encoding)))
         try:
-            target.reload(self, weights_path, _listed(weights_iterator), encoding, checksums)
+            change_target.load(self, weights_path, _listed(weights_iterator), encoding, checksums)
         except BaseException:
-            self._failed(target)
+            self._failed(change_target)
             raise
-        self._prepare(target, None, loaded=True)
+        self._prepare(change_target, None, loaded=True)
         change.prepared = True
 
     def _prepare(self, target: ChangeTarget, canary: Canary | None, loaded: bool = False) -> None:
@@ -520,7 +523,7 @@ class WeightsController(WeightVersions):
                 )
             if weight_version is not None:
                 raise ValueError("weight_version names a version of the model; a LoRA adapter numbers its own")
-            if change_target.reload(weights_path, weights_iterator, encoding, base_version, checksums, sliced):
+            if change_target.reload(self, weights_path, weights_iterator, encoding, base_version, checksums, sliced):
                 self._open(OpenChange(change_target, kind="reload", receiving=True))  # received between steps
             return
         assert isinstance(change_target, ModelTarget)
@@ -540,7 +543,7 @@ class WeightsController(WeightVersions):
                 OpenChange(change_target, kind="reload", version=weight_version, folder=_folder(weights_path, encoding))
             )
             try:
-                change_target.reload(self, weights_path, pairs, encoding, checksums, sliced=True)
+                change_target.load(self, weights_path, pairs, encoding, checksums, sliced=True)
             except BaseException:
                 self.abort_on_every_rank()
                 self._end()
@@ -555,7 +558,7 @@ class WeightsController(WeightVersions):
                 self.executor.send(Load(change_target.part(), weights_path, pairs, encoding, checksums))
             else:
                 try:
-                    change_target.reload(self, weights_path, pairs, encoding, checksums)
+                    change_target.load(self, weights_path, pairs, encoding, checksums)
                 except BaseException:
                     self.abort_on_every_rank()
                     raise

@@ -4,7 +4,9 @@ The actor is an `AsyncLLMEngine` (its event loop steps the engine and runs weigh
 `status()` answers while a step or an update is under way): the fleet calls the engine's own verbs on it
 (pause/resume, sleep/wake, config, the transfer session, prepare/abort of a two-phase change, collective_rpc) and
 the few methods below, which only a replica has. Each weight method is one phase of a fleet-wide change (see
-`hotswap.fleet.fleet`); a LoRA adapter is loaded the same way (prepare on every replica, then commit or abort),
+`hotswap.fleet.changes`; an adapter's reload is a `prepare_reload` with target "lora:<name>", as the model's); a
+LoRA adapter is loaded the same way (prepare on every replica, then commit or abort; the engine's registry holds
+the prepared load),
 and a restarted replica copies a live one's adapters (`export_loras` / `adopt_loras`).
 """
 
@@ -147,31 +149,6 @@ class ReplicaServer(AsyncLLMEngine):
             return registry.hold(
                 registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
             ).int_id
-
-        return cast(int, await self._locked(prepare))
-
-    async def prepare_lora_reload(
-        self,
-        lora_name: str,
-        weights_path: str | None = None,
-        weights_iterator: Any = None,
-        encoding: str | None = None,
-        base_version: Any = None,
-        checksums: dict[str, str] | None = None,
-    ) -> int:
-        """Phase one of a fleet-wide `reload_weights(target="lora:<name>")`: the adapter's next version (a PEFT
-        folder's, or the current one updated by (name, tensor) pairs, a delta with `encoding` refused unless
-        `base_version` is the adapter's version) is on every worker, not served until `commit_lora_adapter`.
-        Returns the adapter's integer id. Refused while another change of the adapter is open or prepared."""
-        registry = self._registry()
-        updates = self.engine.lora_updates
-        assert updates is not None  # a registry comes with them
-
-        def prepare() -> int:
-            prepared = updates.prepare_reload(
-                lora_name, weights_path, weights_iterator, encoding, base_version, checksums
-            )
-            return registry.hold(prepared).int_id
 
         return cast(int, await self._locked(prepare))
 
