@@ -170,8 +170,8 @@ class WeightChanges:
                 backup_device=wt.backup_device,
                 part=part,
             )
-            if load.sliced and isinstance(part, AdapterPart):
-                self.session.prefix_job(chunked_copies(self._loras().fill_pairs(part.old)))
+            if load.sliced:
+                self._opened_sliced(part)
             if load.commit:
                 self._committed(part, True)
         finally:
@@ -278,12 +278,7 @@ class WeightChanges:
             self._committed(part, commit)
         finally:
             self._ended()
-        if isinstance(part, AdapterPart):
-            self.last_update_parts = ["lora"]
-        else:
-            self.last_update_parts = sorted(
-                {"draft" if n.startswith(DRAFT_PREFIX) else "model" for n in update.loaded_names}
-            )
+        self.last_update_parts = _written(part, update.loaded_names)
         return len(update.loaded_names)
 
     @in_config_scope
@@ -360,6 +355,11 @@ class WeightChanges:
             return self.draft_config
         return self.config
 
+    def _opened_sliced(self, part: Part) -> None:
+        """A sliced load of an adapter's next version copies the current one in its first slices."""
+        if isinstance(part, AdapterPart):
+            self.session.prefix_job(chunked_copies(self._loras().fill_pairs(part.old)))
+
     def _committed(self, part: Part, commit: bool) -> None:
         """After `part`'s change committed (or, not `commit`, was prepared): an adapter's next version is
         registered (or has its packs built, so that the commit only registers it)."""
@@ -407,6 +407,13 @@ class WeightChanges:
         if target == "draft":
             return WeightIndex.union({DRAFT_PREFIX: draft})
         return WeightIndex.union({"": (self._index(), None), DRAFT_PREFIX: draft})
+
+
+def _written(part: Part, names: Iterable[str]) -> list[str]:
+    """What a committed change of `part` that loaded `names` wrote: "lora", or "model" and/or "draft"."""
+    if isinstance(part, AdapterPart):
+        return ["lora"]
+    return sorted({"draft" if n.startswith(DRAFT_PREFIX) else "model" for n in names})
 
 
 def _refused(part: Part, sent: object) -> str | None:
