@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 from hotswap.executor.base import Executor
 from hotswap.weights.target import WeightTarget
 from hotswap.weights.version import VersionArg
-from hotswap.worker.commands import Abort, Commit, Load, ModelPart, Part, Receive, StartUpdate
+from hotswap.worker.commands import Abort, Commit, Load, ModelPart, Pairs, Part, Receive, StartUpdate
 
 
 class ChangeHost(Protocol):
@@ -64,7 +64,7 @@ class ChangeTarget(ABC):
         """Raises ValueError when a delta's `base_version` is not what this target serves (None: no check;
         `served`: the controller's check against the served model's version)."""
 
-    def check_commit(self, weight_version: VersionArg, canary: Any) -> None:  # noqa: B027 - optional
+    def check_commit(self, weight_version: VersionArg, canary: object) -> None:  # noqa: B027 - optional
         """Raises ValueError for a commit's arguments that do not apply to this target (nothing changes)."""
 
     @abstractmethod
@@ -72,7 +72,7 @@ class ChangeTarget(ABC):
         self,
         host: ChangeHost,
         weights_path: str | None,
-        weights_iterator: list[Any] | None,
+        weights_iterator: Pairs | None,
         encoding: str | None,
         checksums: dict[str, str] | None,
         sliced: bool = False,
@@ -138,7 +138,7 @@ class ModelTarget(ChangeTarget):
         self,
         host: ChangeHost,
         weights_path: str | None,
-        weights_iterator: list[Any] | None,
+        weights_iterator: Pairs | None,
         encoding: str | None,
         checksums: dict[str, str] | None,
         sliced: bool = False,

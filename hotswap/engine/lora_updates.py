@@ -9,15 +9,17 @@ an adapter at a time: the registry refuses a second while one is open or prepare
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from hotswap.engine.change import ChangeHost, ChangeTarget
 from hotswap.engine.lora_registry import Adapter, LoRARegistry, Prepared
 from hotswap.executor.base import Executor
 from hotswap.weights.delta import check_encoding
 from hotswap.weights.version import VersionArg
-from hotswap.worker.commands import Abort, AdapterPart, Load, Receive
+from hotswap.worker.commands import Abort, AdapterPart, Load, Pairs, Receive
 
 PREFIX = "lora:"
 
@@ -63,7 +65,7 @@ class AdapterTarget(ChangeTarget):
     def check_base(self, served: Callable[[VersionArg], None], base_version: VersionArg) -> None:
         self.registry.check_base(self.registry.get(self.adapter_name), base_version)
 
-    def check_commit(self, weight_version: VersionArg, canary: Any) -> None:
+    def check_commit(self, weight_version: VersionArg, canary: object) -> None:
         if weight_version is not None or canary is not None:
             raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
 
@@ -83,7 +85,7 @@ class AdapterTarget(ChangeTarget):
         self,
         host: ChangeHost,
         weights_path: str | None,
-        weights_iterator: list[Any] | None,
+        weights_iterator: Pairs | None,
         encoding: str | None,
         checksums: dict[str, str] | None,
         sliced: bool = False,
@@ -99,7 +101,7 @@ class AdapterTarget(ChangeTarget):
         self,
         host: ChangeHost,
         weights_path: str | None,
-        weights_iterator: Any,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
         encoding: str | None,
         base_version: VersionArg,
         checksums: dict[str, str] | None,
@@ -181,7 +183,7 @@ class LoRAUpdates:
         self,
         name: str,
         weights_path: str | None,
-        weights_iterator: Any,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
         encoding: str | None,
         base_version: VersionArg,
         checksums: dict[str, str] | None,
@@ -197,7 +199,7 @@ class LoRAUpdates:
         self,
         name: str,
         weights_path: str | None,
-        weights_iterator: Any,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
         encoding: str | None,
         base_version: VersionArg,
         checksums: dict[str, str] | None,

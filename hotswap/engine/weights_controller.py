@@ -19,7 +19,10 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from typing import Any, cast
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from hotswap.engine.canary import Canary
 from hotswap.engine.change import DECLARATION, MODEL_TARGET, ChangeTarget, ModelTarget, OpenChange, empty_declaration
@@ -35,6 +38,7 @@ from hotswap.worker.commands import (
     Commit,
     InitTransport,
     Load,
+    Pairs,
     ReadState,
     RecordFolder,
     ShutdownTransport,
@@ -195,7 +199,9 @@ class WeightsController(WeightVersions):
         elif self.change is not None:
             raise RuntimeError("a weight-update session is open; finish or abort it first")
         change_target.start(self)
-        return cast(str, self._open(OpenChange(change_target, secrets.token_hex(16))).token)
+        token = secrets.token_hex(16)
+        self._open(OpenChange(change_target, token))
+        return token
 
     def update_weights(
         self, update_info: dict[str, Any] | list[dict[str, Any]], session_token: str | None = None, sliced: bool = False
@@ -365,7 +371,7 @@ class WeightsController(WeightVersions):
     def prepare_reload(
         self,
         weights_path: str | None = None,
-        weights_iterator: Any = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         encoding: str | None = None,
         base_version: VersionArg = None,
         checksums: dict[str, str] | None = None,
@@ -497,7 +503,7 @@ class WeightsController(WeightVersions):
     def reload_weights(
         self,
         weights_path: str | None = None,
-        weights_iterator: Any = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
         target: str = "model",
         weight_version: VersionArg = None,
         encoding: str | None = None,
@@ -585,6 +591,6 @@ def _folder(weights_path: str | None, encoding: str | None) -> str | None:
     return None if weights_path is None or is_delta(encoding) else str(weights_path)
 
 
-def _listed(weights_iterator: Any) -> list[Any] | None:
+def _listed(weights_iterator: Iterable[tuple[str, torch.Tensor]] | None) -> Pairs | None:
     """The pairs of an iterator, read once, here (a generator works with worker processes too)."""
     return None if weights_iterator is None else list(weights_iterator)

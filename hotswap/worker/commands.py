@@ -38,6 +38,7 @@ class AdapterPart:
 
 
 Part = ModelPart | AdapterPart
+Pairs = list[tuple[str, torch.Tensor]]  # (checkpoint name, tensor) pairs, read once
 MODEL = ModelPart()  # the served model alone
 
 
@@ -83,7 +84,7 @@ class Load:
 
     part: Part
     weights_path: str | None = None
-    weights_iterator: list[tuple[str, torch.Tensor]] | None = None
+    weights_iterator: Pairs | None = None
     encoding: str | None = None
     checksums: dict[str, str] | None = None
     commit: bool = True

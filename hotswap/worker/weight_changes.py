@@ -78,18 +78,21 @@ class WeightChanges:
     _draft_scope: Callable[[], contextlib.AbstractContextManager[None]]
 
     @in_config_scope
-    def apply(self, command: Command) -> Any:
+    def apply(self, command: Command) -> object:
         """Runs one weight-change command (hotswap/worker/commands.py): the engine's one door to a worker's
         weights. Returns what the verb it stands for returns."""
         match command:
             case InitTransport(init_info):
-                return self.init_weight_transfer_engine(init_info)
+                self.init_weight_transfer_engine(init_info)
+                return None
             case TransportReady():
                 return self.weight_transfer_ready()
             case ShutdownTransport():
-                return self.shutdown_weight_transfer_engine()
+                self.shutdown_weight_transfer_engine()
+                return None
             case StartUpdate(part):
-                return self._start(part)
+                self._start(part)
+                return None
             case Receive(update_info, sliced):
                 return self.update_weights(update_info, sliced)
             case Load():
@@ -97,13 +100,15 @@ class WeightChanges:
             case Advance(budget_s):
                 return self.advance_weight_update(budget_s)
             case ViewStaged(on):
-                return self.view_staged(on)
+                self.view_staged(on)
+                return None
             case Commit(prepare_only):
                 return self.finish_weight_update(commit=not prepare_only)
             case Abort():
                 return self.abort_weight_update()
             case RecordFolder(folder, target):
-                return self.record_folder(folder, target)
+                self.record_folder(folder, target)
+                return None
             case ReadState():
                 return self.weight_state()
         raise TypeError(f"not a worker command: {command!r}")
