@@ -118,13 +118,6 @@ class AdapterTarget(ChangeTarget):
         )
         return False
 
-    def prepare(self, host: ChangeHost) -> None:
-        try:
-            super().prepare(host)
-        except BaseException:
-            self.abort(host)
-            raise
-
     def commit(self, host: ChangeHost) -> None:
         """The new version becomes current (the registry's "switch" policy moves requests still on the old one),
         registered first by every worker that holds it open. A failure drops it everywhere."""

@@ -268,7 +268,10 @@ class WeightsController(WeightVersions):
             try:
                 change.target.prepare(self)
             except BaseException:
-                self._end()
+                try:
+                    change.target.drop(self)
+                finally:
+                    self._end()
                 raise
             if budget_s is not None:
                 return False
@@ -450,7 +453,7 @@ class WeightsController(WeightVersions):
             target.commit(self)
             ok = True
         except BaseException:
-            if change.kind == "reload" and target.pauses:
+            if change.kind == "reload" and not change.prepared and target.pauses:  # a staged reload's
                 self.abort_on_every_rank()
             raise
         finally:
