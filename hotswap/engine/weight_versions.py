@@ -10,12 +10,14 @@ import torch
 
 from hotswap.config import EngineConfig, apply_overrides, live_overrides
 from hotswap.engine.block_manager import BlockManager
+from hotswap.engine.change import ModelTarget
 from hotswap.engine.lora_updates import LoRAUpdates
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request
 from hotswap.engine.state import EngineState
 from hotswap.executor.base import Executor
 from hotswap.weights.version import VersionArg, VersionLabels, parse_version
+from hotswap.worker.commands import ReadState
 
 
 class EngineHooks(Protocol):
@@ -54,6 +56,23 @@ class WeightVersions:
     labels: VersionLabels
     draft_version: int
     valid: bool
+
+    @property
+    def draft_stale(self) -> bool:
+        """Whether the target was updated after the draft model (never, without one)."""
+        return self.config.speculative_config.uses_draft and self.draft_version != self.version
+
+    def _versions_after_commit(self, target: ModelTarget, weight_version: VersionArg, label: str | None) -> None:
+        """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
+        parts = (
+            {target.name}
+            if target.name != "all"
+            else (set(self.executor.send(ReadState())[0].updated_parts) or {"model"})
+        )
+        if "model" in parts:
+            self._advance_version(weight_version, label)
+        if "draft" in parts:
+            self.draft_version = self.version
 
     def check_can_change(self, method: str) -> None:
         raise NotImplementedError

@@ -85,11 +85,6 @@ class WeightsController(WeightVersions):
         requests keep generating, committed between two steps."""
         return self.config.weight_transfer_config.update_staging == "shadow"
 
-    @property
-    def draft_stale(self) -> bool:
-        """Whether the target was updated after the draft model (never, without one)."""
-        return self.config.speculative_config.uses_draft and self.draft_version != self.version
-
     def next_salt(self) -> int:
         return next(self._salts)
 
@@ -468,18 +463,6 @@ class WeightsController(WeightVersions):
             self._advance_version(weight_version, label)
         else:
             self._versions_after_commit(target, weight_version, label)
-
-    def _versions_after_commit(self, target: ModelTarget, weight_version: VersionArg, label: str | None) -> None:
-        """Advances the versions of what the committed session wrote (the model's, and the draft's)."""
-        parts = (
-            {target.name}
-            if target.name != "all"
-            else (set(self.executor.send(ReadState())[0].updated_parts) or {"model"})
-        )
-        if "model" in parts:
-            self._advance_version(weight_version, label)
-        if "draft" in parts:
-            self.draft_version = self.version
 
     def weights_changed(self, failed: bool = False) -> None:
         """After anything that may have changed the served weights, even a failed or aborted update: KV computed
