@@ -105,7 +105,7 @@ class ModelTarget(ChangeTarget):
 
     def __init__(self, name: WeightTarget = "model") -> None:
         self.name = name
-        self.written: WeightTarget = name
+        self.written: WeightTarget = name  # `name`, typed as the worker's part names it
 
     def part(self) -> ModelPart:
         return ModelPart(self.written)
