@@ -41,10 +41,16 @@ class ChangeHost(Protocol):
 
 
 class ChangeTarget(ABC):
-    """What one kind of weight change does on the workers. `pauses`: it writes the served model, so requests in
-    flight refuse it (unless updates are staged) and the engine is UPDATING while it is open."""
+    """What one kind of weight change does on the workers, and how the controller treats it:
+    - `pauses`: it writes the served model in place, so requests in flight refuse it (unless updates are staged),
+      the engine is UPDATING while it is open, and the prefix cache is invalidated once it ended;
+    - `packs_first`: a reload received in slices is prepared (phase one) in a slice of its own before its commit;
+    - `strict_two_phase`: once prepared, only `commit_weight_update` commits it, and it is prepared once (else
+      `finish_weight_update` commits a prepared change too, and preparing again changes nothing)."""
 
     pauses = True
+    packs_first = False
+    strict_two_phase = True
     name = "model"  # as clients name it ("model", "draft", "all", "lora:<name>")
 
     @abstractmethod

@@ -38,7 +38,9 @@ class AdapterTarget(ChangeTarget):
     """The next version of adapter `adapter_name`: a transfer session's (`start`), or a reload's (`load`: held
     on every worker, registered there already unless received in slices)."""
 
-    pauses = False
+    pauses = False  # an adapter's next version is written beside the served one: nothing pauses
+    packs_first = True
+    strict_two_phase = False
 
     def __init__(self, registry: LoRARegistry, executor: Executor, adapter_name: str) -> None:
         self.registry = registry

@@ -173,12 +173,12 @@ class WeightsController(WeightVersions):
     def shutdown_weight_transfer_engine(self) -> None:
         """Drops every worker's transport (ending an open change, rolled back)."""
         change = self.change
-        if change is not None and not change.target.pauses:  # an adapter's next version goes with it
-            change.target.abort(self)
         try:
-            self.executor.send(ShutdownTransport())
+            self.executor.send(ShutdownTransport())  # a change open on the workers is rolled back there
         finally:
             self._end()
+            if change is not None:
+                change.target.dropped()
 
     # ---- the transfer session ---------------------------------------------------------------------------------
 
@@ -258,8 +258,8 @@ class WeightsController(WeightVersions):
             change.received = True
             if budget_s is not None and change.kind == "reload":
                 return False  # the commit comes next, between two other steps
-        if change.kind == "reload" and not change.target.pauses and not change.packed:
-            change.packed = True  # an adapter's packs built on every worker, between two other steps
+        if change.kind == "reload" and change.target.packs_first and not change.packed:
+            change.packed = True  # phase one on every worker (an adapter's packs), between two other steps
             try:
                 change.target.prepare(self)
             except BaseException:
@@ -299,7 +299,7 @@ class WeightsController(WeightVersions):
         self._check_received("finish_weight_update")
         target, change = self._current(), self.change
         target.check_commit(weight_version, canary)
-        if change is not None and change.prepared and target.pauses:
+        if change is not None and change.prepared and target.strict_two_phase:
             raise RuntimeError("this update was prepared for a two-phase commit; call commit_weight_update()")
         probes = self._canary(canary)
         if change is None or not change.prepared:
@@ -360,7 +360,7 @@ class WeightsController(WeightVersions):
         change.target.check_commit(None, canary)
         self._check_received("prepare_weight_update")
         if change.prepared:
-            if not change.target.pauses:
+            if not change.target.strict_two_phase:
                 return
             raise RuntimeError("the update is already prepared; call commit_weight_update() or abort_weight_update()")
         self._prepare(change.target, self._canary(canary))
