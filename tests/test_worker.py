@@ -14,6 +14,7 @@ from hotswap.transfer.tensors import TensorsEngine, tensors_update_info
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.update import WeightUpdate
 from hotswap.wire import ModelInput
+from hotswap.worker.commands import AdapterPart, Load, StartUpdate
 from hotswap.worker.worker import Worker
 
 
@@ -203,21 +204,22 @@ def scope_cases(worker: Worker, probe):
             lambda m, p: m.setattr(worker, "_loras", lambda: SimpleNamespace(remove=p(True))),
             lambda: worker.remove_lora(1),
         ),
-        "start_lora_update": (
+        # an adapter's next version, through the commands' one door (`apply`): its session, and a reload
+        "apply": (
             session(),
             lambda m, p: (
                 m.setattr(worker, "_loras", lambda: lora_stub(p)),
                 m.setattr(worker.session, "start", lambda *args: None),
             ),
-            lambda: (worker.start_lora_update(1, 2), setattr(worker, "_session_target", "model")),
+            lambda: worker.apply(StartUpdate(AdapterPart(1, 2))),
         ),
-        "reload_lora": (
+        "apply(Load)": (
             None,
             lambda m, p: (
                 m.setattr(worker, "_loras", lambda: lora_stub(p)),
                 m.setattr(worker.session, "load", lambda *a, **k: SimpleNamespace(loaded_names=set())),
             ),
-            lambda: worker.reload_lora(1, 2, []),
+            lambda: worker.apply(Load(AdapterPart(1, 2), weights_iterator=[])),
         ),
     }
 
@@ -249,7 +251,8 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
         return fn
 
     cases = scope_cases(worker, probe)
-    assert sorted(cases) == sorted(public_worker_methods()), "a public Worker method has no scope check here"
+    covered = {name.split("(")[0] for name in cases}
+    assert sorted(covered) == sorted(public_worker_methods()), "a public Worker method has no scope check here"
     for name, (setup, patch, call) in cases.items():
         label[0] = name
         if setup is not None:
@@ -276,17 +279,17 @@ def test_every_public_worker_method_runs_in_the_config_scope(llama_dir, fail):
 def test_a_call_through_the_executor_enters_the_config_scope_once(llama_dir, monkeypatch):
     """collective_rpc("execute_model") and the like run the entry point's body inside the one scope that
     execute_method entered (the scope is not entered twice per step)."""
-    import hotswap.worker.worker as worker_module
+    import hotswap.worker.scope as scope_module
 
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 22)
     entered = []
-    real = worker_module.use_config
+    real = scope_module.use_config
 
     def counting(config):
         entered.append(config)
         return real(config)
 
-    monkeypatch.setattr(worker_module, "use_config", counting)
+    monkeypatch.setattr(scope_module, "use_config", counting)
     sums = llm.collective_rpc("weight_checksums")[0]
     assert len(entered) == 1 and sums
     entered.clear()

@@ -24,6 +24,7 @@ from hotswap.config import LoRAConfig
 from hotswap.executor.base import Executor
 from hotswap.lora.peft_format import LoRASpec, canonical_name, read_folder, spec_of
 from hotswap.lora.request import LoRARequest
+from hotswap.worker.commands import AdapterPart, Load
 
 
 @dataclass
@@ -64,7 +65,12 @@ class LoRARegistry:
         self.retired: dict[int, AdapterVersion] = {}  # versions of unloaded adapters still in use
         self._uids = itertools.count(1)
         self.pending: set[int] = set()  # versions on the workers that no adapter serves yet (loads, updates)
-        self.updating: set[str] = set()  # adapters with an open update session (they cannot be unloaded)
+        # adapters with a next version being loaded, prepared or received (one change of an adapter at a time;
+        # they cannot be unloaded meanwhile): name -> that version's uid
+        self.updating: dict[str, int] = {}
+        self.prepared_loads: dict[
+            str, Prepared
+        ] = {}  # loads prepared by `hold`, awaiting `commit_held` or `abort_held`
         # called when a commit supersedes a version that requests still use (the engine's "switch" policy)
         self.on_superseded: Callable[[Adapter, list[AdapterVersion]], None] | None = None
 
@@ -135,6 +141,7 @@ class LoRARegistry:
         replica or on none."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        self._check_idle(name)
         if (path is None) == (tensors is None):
             raise ValueError("give a LoRA adapter's lora_path or its tensors (with its config)")
         if path is not None:
@@ -152,9 +159,12 @@ class LoRARegistry:
         if existing is not None:
             _, uid = self.begin_update(name)
             if spec == existing.spec:  # the same shapes: the current version updated, validated like any update
-                self._rpc_all_or_none(
-                    "reload_lora", (existing.current.uid, uid), uid, {"weights_iterator": list(tensors.items())}
-                )
+                load = Load(AdapterPart(existing.current.uid, uid), weights_iterator=list(tensors.items()))
+                try:
+                    self.executor.send(load)
+                except BaseException:
+                    self.discard(uid)
+                    raise
             else:  # another rank or other modules: loaded whole
                 self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
             return Prepared(name, uid, spec, existing.int_id, folder, pinned)
@@ -171,7 +181,7 @@ class LoRARegistry:
     def commit_prepared(self, prepared: Prepared) -> Adapter:
         """Phase two: the prepared version is what `prepared.name` serves from now on."""
         existing = self.adapters.get(prepared.name)
-        self.pending.discard(prepared.uid)
+        self._settled(prepared.uid)
         if existing is None:
             adapter = Adapter(
                 prepared.name,
@@ -198,6 +208,8 @@ class LoRARegistry:
         adapter = self.get(name)
         if name in self.updating:
             raise ValueError(f"LoRA adapter {name!r} has an open update session; finish or abort it first")
+        if name in self.prepared_loads:
+            raise ValueError(f"a load of LoRA adapter {name!r} is prepared; commit or abort it first")
         del self.adapters[name]
         for version in [adapter.current, *adapter.old.values()]:
             if version.users:
@@ -227,8 +239,11 @@ class LoRARegistry:
     # ---- updates (a new version) ------------------------------------------------------------------------------
 
     def begin_update(self, name: str) -> tuple[Adapter, int]:
-        """Room and a uid for the next version of `name` (the caller loads it on the workers, then `commit`s)."""
+        """Room and a uid for the next version of `name` (the caller loads it on the workers, then `commit`s).
+        Raises RuntimeError while another change of `name` is open or prepared: two versions computed against
+        the same one must not both commit (the second would silently undo the first)."""
         adapter = self.get(name)
+        self._check_idle(name)
         # the current version goes at the commit unless requests still run on it
         kept = 1 if adapter.current.users else 0
         self._check_room(
@@ -239,12 +254,21 @@ class LoRARegistry:
         )
         uid = next(self._uids)
         self.pending.add(uid)
+        self.updating[name] = uid
         return adapter, uid
+
+    def _check_idle(self, name: str) -> None:
+        """Raises RuntimeError while a change of adapter `name` is open or prepared."""
+        if name in self.updating or name in self.prepared_loads:
+            raise RuntimeError(
+                f"another change of LoRA adapter {name!r} is open or prepared; commit or abort it first (two "
+                "versions computed against the same one cannot both be served)"
+            )
 
     def commit(self, adapter: Adapter, uid: int, spec: LoRASpec | None = None) -> list[AdapterVersion]:
         """Makes version `uid` (loaded on every worker) the adapter's current one. Returns the superseded version
         when requests still use it (the caller moves them under the "switch" policy), else []."""
-        self.pending.discard(uid)
+        self._settled(uid)
         previous = adapter.current
         adapter.current = AdapterVersion(uid, previous.version + 1)
         if spec is not None:
@@ -257,8 +281,42 @@ class LoRARegistry:
 
     def discard(self, uid: int) -> None:
         """Drops a version that was being loaded (a failed or aborted update) from every worker."""
-        self.pending.discard(uid)
+        self._settled(uid)
         self._remove(uid)
+
+    def _settled(self, uid: int) -> None:
+        """Version `uid` is no longer being loaded (committed or dropped)."""
+        self.pending.discard(uid)
+        for name in [n for n, u in self.updating.items() if u == uid]:
+            del self.updating[name]
+
+    # ---- loads prepared on every worker, committed or dropped later (a fleet's, on each replica) --------------
+
+    def hold(self, prepared: Prepared) -> Prepared:
+        """Keeps `prepared` (from `prepare`) until `commit_held` or `abort_held` of its name."""
+        if prepared.name in self.prepared_loads:
+            self.abort_prepared(prepared)
+            raise RuntimeError(f"a load of LoRA adapter {prepared.name!r} is already prepared; commit or abort it")
+        self.prepared_loads[prepared.name] = prepared
+        return prepared
+
+    def commit_held(self, name: str) -> Adapter:
+        """The held load of `name` is served from now on."""
+        prepared = self.prepared_loads.pop(name, None)
+        if prepared is None:
+            raise RuntimeError(f"no load of LoRA adapter {name!r} is prepared")
+        return self.commit_prepared(prepared)
+
+    def abort_held(self, name: str) -> bool:
+        """Drops the held load of `name`; False if none was held."""
+        prepared = self.prepared_loads.pop(name, None)
+        if prepared is not None:
+            self.abort_prepared(prepared)
+        return prepared is not None
+
+    def description(self, name: str) -> dict[str, Any]:
+        """`describe()`'s entry of adapter `name`."""
+        return next(d for d in self.describe() if d["lora_name"] == name)
 
     def check_base(self, adapter: Adapter, base_version: Any) -> None:
         """Raises ValueError unless a delta's `base_version` (None: no check) is the adapter's current version."""

@@ -1,17 +1,25 @@
-"""Adapter updates, engine side: a LoRA target ("lora:<name>") of `reload_weights` and of the transfer session.
+"""Adapter updates, engine side: the LoRA `ChangeTarget` ("lora:<name>") of `reload_weights` and of the transfer
+session, and the reloads a fleet prepares on every replica.
 
 The new version is loaded into a copy on every worker while requests go on (the adapter's current version, the
 base model and other adapters are untouched, so nothing pauses); it becomes current only once every worker
-holds it. Any failure, or an abort, drops the copy everywhere: the served adapter never changes.
+holds it. Any failure, or an abort, drops the copy everywhere: the served adapter never changes. One change of
+an adapter at a time: the registry refuses a second while one is open or prepared (`LoRARegistry.begin_update`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
+from hotswap.engine.change import ChangeHost, ChangeTarget
 from hotswap.engine.lora_registry import Adapter, LoRARegistry, Prepared
 from hotswap.executor.base import Executor
 from hotswap.weights.delta import check_encoding
+from hotswap.weights.version import VersionArg
+from hotswap.worker.commands import Abort, AdapterPart, Load, Pairs, Receive
 
 PREFIX = "lora:"
 
@@ -26,21 +34,153 @@ def lora_target(target: object) -> str | None:
     return None
 
 
+class AdapterTarget(ChangeTarget):
+    """The next version of adapter `adapter_name`: a transfer session's (`start`), or a reload's (`load`: held
+    on every worker, registered there already unless received in slices)."""
+
+    pauses = False  # an adapter's next version is written beside the served one: nothing pauses
+    packs_first = True
+    strict_two_phase = False
+
+    def __init__(self, registry: LoRARegistry, executor: Executor, adapter_name: str) -> None:
+        self.registry = registry
+        self.executor = executor
+        self.adapter_name = adapter_name
+        self.name = f"{PREFIX}{adapter_name}"
+        self.prepared: Prepared | None = None  # a reload's next version
+        self.open: tuple[Adapter, int] | None = None  # a session's: the adapter, its next version's uid
+        self.on_workers = True  # the workers hold the change open (a session, a sliced reload): they commit it
+
+    def part(self) -> AdapterPart:
+        adapter, uid = self._open()
+        return AdapterPart(adapter.current.uid, uid)
+
+    def start(self, host: ChangeHost) -> None:
+        adapter, uid = self.registry.begin_update(self.adapter_name)
+        self.open = (adapter, uid)
+        try:
+            super().start(host)
+        except BaseException:
+            self.abort(host)
+            raise
+
+    def check_base(self, served: Callable[[VersionArg], None], base_version: VersionArg) -> None:
+        self.registry.check_base(self.registry.get(self.adapter_name), base_version)
+
+    def check_commit(self, weight_version: VersionArg, canary: object) -> None:
+        if weight_version is not None or canary is not None:
+            raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
+
+    def receive(self, host: ChangeHost, update_info: dict[str, Any], sliced: bool) -> None:
+        adapter, _ = self._open()
+        try:
+            if isinstance(update_info, dict):
+                self.registry.check_base(adapter, update_info.get("base_version"))
+            host.executor.send(Receive(update_info))
+        except BaseException as err:
+            self.abort(host)
+            if isinstance(err, ValueError) and "rolled back" not in str(err):
+                raise ValueError(f"{err} (the LoRA update was dropped; {adapter.name!r} is unchanged)") from None
+            raise
+
+    def load(
+        self,
+        host: ChangeHost,
+        weights_path: str | None,
+        weights_iterator: Pairs | None,
+        encoding: str | None,
+        checksums: dict[str, str] | None,
+        sliced: bool = False,
+    ) -> None:
+        """The next version on every worker: registered there at once (the commit only makes it current), or
+        (`sliced`, from tensors) opened for `Advance` (the commit registers it)."""
+        self.prepared = LoRAUpdates(self.registry, self.executor, 1).prepare_reload(
+            self.adapter_name, weights_path, weights_iterator, encoding, None, checksums, sliced=sliced
+        )
+        self.on_workers = sliced
+
+    def reload(
+        self,
+        host: ChangeHost,
+        weights_path: str | None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
+        encoding: str | None,
+        base_version: VersionArg,
+        checksums: dict[str, str] | None,
+        sliced: bool,
+    ) -> bool:
+        """`reload_weights` of the adapter: in one call (False), or (`sliced`, from tensors) only opened on every
+        worker (True): the controller receives it between steps, then commits it."""
+        if sliced and weights_iterator is not None:
+            self.check_base(lambda _: None, base_version)
+            self.load(host, None, list(weights_iterator), encoding, checksums, sliced=True)
+            return True
+        LoRAUpdates(self.registry, self.executor, 1).reload(
+            self.adapter_name, weights_path, weights_iterator, encoding, base_version, checksums
+        )
+        return False
+
+    def commit(self, host: ChangeHost) -> None:
+        """The new version becomes current (the registry's "switch" policy moves requests still on the old one),
+        registered first by every worker that holds it open. A failure drops it everywhere."""
+        if self.on_workers:
+            try:
+                super().commit(host)
+            except BaseException:
+                self.abort(host)
+                raise
+        if self.prepared is not None:
+            self.registry.commit_prepared(self.prepared)
+            return
+        adapter, uid = self._open()
+        superseded = self.registry.commit(adapter, uid)
+        if superseded and self.registry.on_superseded is not None:
+            self.registry.on_superseded(adapter, superseded)
+
+    def abort(self, host: ChangeHost) -> bool:
+        try:
+            if self.on_workers:
+                host.executor.send(Abort())
+        finally:
+            self.dropped()
+        return True
+
+    def drop(self, host: ChangeHost) -> bool:
+        return self.abort(host)
+
+    def dropped(self) -> None:
+        uid = self.prepared.uid if self.prepared is not None else self.open[1] if self.open is not None else None
+        if uid is not None:
+            self.registry.discard(uid)
+
+    def _open(self) -> tuple[Adapter, int]:
+        if self.open is not None:
+            return self.open
+        if self.prepared is not None:
+            return self.registry.get(self.adapter_name), self.prepared.uid
+        raise RuntimeError("no LoRA update session is open; call start_weight_update(target='lora:<name>')")
+
+
 class LoRAUpdates:
+    """The engine's adapter changes: targets for the controller, and reloads prepared on every worker."""
+
     def __init__(self, registry: LoRARegistry, executor: Executor, tp_size: int) -> None:
         self.registry = registry
         self.executor = executor
         self.tp_size = tp_size
-        self.open: tuple[Adapter, int] | None = None  # the open session's adapter and its new version's uid
-        self.prepared = False  # the open session's workers hold the new version, awaiting commit()
+
+    def target(self, name: str) -> AdapterTarget:
+        """The change target of adapter `name`'s next version."""
+        self.registry.get(name)  # raises for an adapter that is not loaded
+        return AdapterTarget(self.registry, self.executor, name)
 
     def reload(
         self,
         name: str,
         weights_path: str | None,
-        weights_iterator: Any,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
         encoding: str | None,
-        base_version: Any,
+        base_version: VersionArg,
         checksums: dict[str, str] | None,
     ) -> None:
         """The next version of adapter `name`: a PEFT folder's (read once, here), or the current one updated by
@@ -54,15 +194,15 @@ class LoRAUpdates:
         self,
         name: str,
         weights_path: str | None,
-        weights_iterator: Any,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
         encoding: str | None,
-        base_version: Any,
+        base_version: VersionArg,
         checksums: dict[str, str] | None,
         sliced: bool = False,
     ) -> Prepared:
         """Phase one of `reload` (a fleet's): the next version is on every worker, served once the registry
         commits it (`commit_prepared`), or dropped (`abort_prepared`). `sliced` (tensors only): the workers only
-        open the load; `advance_weight_update` receives it and `finish_sliced` commits it."""
+        open the load; the controller receives it between steps, then commits it."""
         adapter = self.registry.get(name)
         if weights_path is not None and weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
@@ -75,108 +215,18 @@ class LoRAUpdates:
             raise ValueError("a LoRA reload needs weights_path (a PEFT folder) or weights_iterator")
         check_encoding(encoding)
         _, uid = self.registry.begin_update(name)
-        kwargs = {
-            "weights_iterator": list(weights_iterator),
-            "encoding": encoding,
-            "checksums": checksums,
-            **({"commit": False, "sliced": True} if sliced else {}),
-        }
+        load = Load(
+            AdapterPart(adapter.current.uid, uid),
+            weights_iterator=list(weights_iterator),
+            encoding=encoding,
+            checksums=checksums,
+            commit=not sliced,
+            sliced=sliced,
+        )
         try:
-            self.executor.collective_rpc("reload_lora", (adapter.current.uid, uid), kwargs)
+            self.executor.send(load)
         except BaseException:
             self.registry.discard(uid)
             raise
         # its weights are no longer the folder's
         return Prepared(name, uid, adapter.spec, adapter.int_id, None, adapter.pinned)
-
-    def finish_sliced(self, prepared: Prepared) -> None:
-        """After a sliced `prepare_reload` was received: every worker registers the new version, which becomes
-        current. A failure drops it everywhere."""
-        try:
-            self.executor.collective_rpc("finish_weight_update")
-        except BaseException:
-            self.registry.discard(prepared.uid)
-            raise
-        self.registry.commit_prepared(prepared)
-
-    def start(self, name: str) -> None:
-        """Opens a session whose updates load the next version of adapter `name`."""
-        if self.open is not None:
-            raise RuntimeError(f"a LoRA update of {self.open[0].name!r} is open; finish or abort it first")
-        adapter, uid = self.registry.begin_update(name)
-        try:
-            self.executor.collective_rpc("start_lora_update", (adapter.current.uid, uid))
-        except BaseException:
-            self._abort_everywhere(uid)
-            raise
-        self.open = (adapter, uid)
-        self.registry.updating.add(name)
-
-    def update(self, update_info: dict[str, Any]) -> None:
-        adapter, uid = self._session()
-        try:
-            if isinstance(update_info, dict):
-                self.registry.check_base(adapter, update_info.get("base_version"))
-            self.executor.collective_rpc("update_weights", (update_info,))
-        except BaseException as err:
-            self.open = None
-            self._abort_everywhere(uid)
-            if isinstance(err, ValueError) and "rolled back" not in str(err):
-                raise ValueError(f"{err} (the LoRA update was dropped; {adapter.name!r} is unchanged)") from None
-            raise
-
-    def finish(self) -> None:
-        """Commits the session's version on every worker (two phases with several), then makes it current."""
-        if self.tp_size > 1 or self.prepared:
-            self.prepare()
-        self.commit()
-
-    def prepare(self) -> None:
-        """Phase one of finishing: every worker holds the new version, nothing served changed; a failure drops
-        it everywhere and ends the session."""
-        _, uid = self._session()
-        if self.prepared:
-            return
-        try:
-            self.executor.collective_rpc("finish_weight_update", (), {"commit": False})
-        except BaseException:
-            self.open = None
-            self._abort_everywhere(uid)
-            raise
-        self.prepared = True
-
-    def commit(self) -> None:
-        """Phase two (or the one call on one worker): the new version is current."""
-        adapter, uid = self._session()
-        self.open, self.prepared = None, False
-        try:
-            self.executor.collective_rpc("finish_weight_update")
-        except BaseException:
-            self._abort_everywhere(uid)
-            raise
-        self._commit(adapter, uid)
-
-    def abort(self) -> None:
-        if self.open is None:
-            return
-        _, uid = self.open
-        self.open, self.prepared = None, False
-        self._abort_everywhere(uid)
-
-    def _session(self) -> tuple[Adapter, int]:
-        if self.open is None:
-            raise RuntimeError("no LoRA update session is open; call start_weight_update(target='lora:<name>')")
-        return self.open
-
-    def _abort_everywhere(self, uid: int) -> None:
-        self.registry.updating.clear()  # one session at a time
-        try:
-            self.executor.collective_rpc("abort_weight_update")
-        finally:
-            self.registry.discard(uid)
-
-    def _commit(self, adapter: Adapter, uid: int) -> None:
-        self.registry.updating.clear()
-        superseded = self.registry.commit(adapter, uid)
-        if superseded and self.registry.on_superseded is not None:
-            self.registry.on_superseded(adapter, superseded)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
 from hotswap.engine.llm_engine import LLMEngine
-from hotswap.engine.lora_registry import LoRARegistry, Prepared
+from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
@@ -124,7 +124,6 @@ class LLM:
         self._lock = _HandoverLock()
         self._changed = self._lock.changed
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
-        self._prepared_loras: dict[str, Prepared] = {}  # adapter loads awaiting commit_lora_adapter()
 
     def shutdown(self) -> None:
         """Stops worker processes (tensor parallelism); also happens when the LLM is garbage-collected."""
@@ -357,7 +356,7 @@ class LLM:
         with self._lock:
             registry = self._registry()
             adapter = registry.load(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
-            return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
+            return registry.description(adapter.name)
 
     def prepare_lora_adapter(
         self,
@@ -373,29 +372,21 @@ class LLM:
         on every worker, nothing served changes until `commit_lora_adapter(lora_name)`, or
         `abort_lora_adapter(lora_name)` drops it. Raises ValueError as `load_lora_adapter` does."""
         with self._lock:
-            if lora_name in self._prepared_loras:
-                raise RuntimeError(f"a load of LoRA adapter {lora_name!r} is already prepared; commit or abort it")
-            self._prepared_loras[lora_name] = self._registry().prepare(
-                lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned
+            registry = self._registry()
+            registry.hold(
+                registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
             )
 
     def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""
         with self._lock:
-            prepared = self._prepared_loras.pop(lora_name, None)
-            if prepared is None:
-                raise RuntimeError(f"no load of LoRA adapter {lora_name!r} is prepared")
             registry = self._registry()
-            adapter = registry.commit_prepared(prepared)
-            return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
+            return registry.description(registry.commit_held(lora_name).name)
 
     def abort_lora_adapter(self, lora_name: str) -> bool:
         """Drops a prepared load of `lora_name`; False if none was prepared."""
         with self._lock:
-            prepared = self._prepared_loras.pop(lora_name, None)
-            if prepared is not None:
-                self._registry().abort_prepared(prepared)
-            return prepared is not None
+            return self._registry().abort_held(lora_name)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Forgets adapter `lora_name`; requests running on it finish on their version."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hotswap.config import EngineConfig
+from hotswap.worker.commands import Command
 
 # A Worker method name, or a callable taking the worker as its first argument.
 RpcMethod = str | Callable[..., Any]
@@ -28,6 +29,11 @@ class Executor(ABC):
 
         `method` is a Worker method name or a callable taking the worker as its first argument. Raises
         TimeoutError if a worker does not answer within `timeout` seconds (where the executor can tell)."""
+
+    def send(self, command: Command, timeout: float | None = None) -> list[Any]:
+        """Runs one weight-change command (hotswap/worker/commands.py) on every worker: one result per worker,
+        rank order. Every command goes through the worker's one dispatcher, `Worker.apply`."""
+        return self.collective_rpc("apply", (command,), {}, timeout)
 
     def interrupt_waits(self) -> None:
         """Makes the workers' transport waits (for a trainer that has not sent yet) give up now, without waiting

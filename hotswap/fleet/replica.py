@@ -4,7 +4,9 @@ The actor is an `AsyncLLMEngine` (its event loop steps the engine and runs weigh
 `status()` answers while a step or an update is under way): the fleet calls the engine's own verbs on it
 (pause/resume, sleep/wake, config, the transfer session, prepare/abort of a two-phase change, collective_rpc) and
 the few methods below, which only a replica has. Each weight method is one phase of a fleet-wide change (see
-`hotswap.fleet.fleet`); a LoRA adapter is loaded the same way (prepare on every replica, then commit or abort),
+`hotswap.fleet.changes`; an adapter's reload is a `prepare_reload` with target "lora:<name>", as the model's); a
+LoRA adapter is loaded the same way (prepare on every replica, then commit or abort; the engine's registry holds
+the prepared load),
 and a restarted replica copies a live one's adapters (`export_loras` / `adopt_loras`).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import torch
@@ -21,7 +23,6 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.llm_engine import LLMEngine
-from hotswap.engine.lora_registry import Prepared
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
 from hotswap.lora.request import LoRARequest
@@ -38,7 +39,6 @@ class ReplicaServer(AsyncLLMEngine):
         super().__init__(EngineConfig.from_kwargs(model, **engine_kwargs))
         self.index = index
         self.served = 0
-        self._prepared_loras: dict[str, Prepared] = {}  # adapter loads awaiting commit_lora_adapter()
 
     async def status(self) -> dict[str, Any]:
         """What the fleet routes and reports by; answers at once (no engine lock)."""
@@ -99,9 +99,10 @@ class ReplicaServer(AsyncLLMEngine):
 
     # ---- what only a replica of a fleet does ----------------------------------------------------------------
 
-    async def commit(self, weight_version: int, label: str | None = None) -> tuple[int, int, str]:
-        """Commits the prepared change as `weight_version` (labelled `label`); returns the (model, draft) versions
-        it left (a draft-only session leaves the model's) and the model version's label."""
+    async def commit(self, weight_version: int | None, label: str | None = None) -> tuple[int, int, str]:
+        """Commits the prepared change as `weight_version` (labelled `label`; None: an adapter's change, which
+        takes no version); returns the (model, draft) versions it left (a draft-only session leaves the model's)
+        and the model version's label."""
         await self.commit_weight_update(weight_version, label)
         return self.engine.weight_version, self.engine.draft_weight_version, self.engine.weight_version_label
 
@@ -143,68 +144,25 @@ class ReplicaServer(AsyncLLMEngine):
         every worker, nothing served changes until `commit_lora_adapter` (or `abort_lora_adapter`). Returns the
         adapter's integer id. Raises ValueError as a load does; nothing is held then."""
         registry = self._registry()
-        return cast(
-            int,
-            await self._locked(
-                self._hold_prepared,
-                lora_name,
-                lambda: registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned),
-            ),
-        )
 
-    async def prepare_lora_reload(
-        self,
-        lora_name: str,
-        weights_path: str | None = None,
-        weights_iterator: Any = None,
-        encoding: str | None = None,
-        base_version: Any = None,
-        checksums: dict[str, str] | None = None,
-    ) -> int:
-        """Phase one of a fleet-wide `reload_weights(target="lora:<name>")`: the adapter's next version (a PEFT
-        folder's, or the current one updated by (name, tensor) pairs, a delta with `encoding` refused unless
-        `base_version` is the adapter's version) is on every worker, not served until `commit_lora_adapter`.
-        Returns the adapter's integer id."""
-        self._registry()  # raises without LoRA
+        def prepare() -> int:
+            return registry.hold(
+                registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
+            ).int_id
 
-        def prepare() -> Prepared:
-            updates = self.engine.lora_updates
-            assert updates is not None  # a registry comes with them
-            return updates.prepare_reload(lora_name, weights_path, weights_iterator, encoding, base_version, checksums)
-
-        return cast(int, await self._locked(self._hold_prepared, lora_name, prepare))
-
-    def _hold_prepared(self, lora_name: str, prepare: Callable[[], Prepared]) -> int:
-        if lora_name in self._prepared_loras:
-            raise RuntimeError(f"a load of LoRA adapter {lora_name!r} is already prepared; commit or abort it")
-        prepared = prepare()
-        self._prepared_loras[lora_name] = prepared
-        return prepared.int_id
+        return cast(int, await self._locked(prepare))
 
     async def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""
         registry = self._registry()
-
-        def commit() -> dict[str, Any]:
-            prepared = self._prepared_loras.pop(lora_name, None)
-            if prepared is None:
-                raise RuntimeError(f"no load of LoRA adapter {lora_name!r} is prepared")
-            adapter = registry.commit_prepared(prepared)
-            return next(d for d in registry.describe() if d["lora_name"] == adapter.name)
-
-        return cast("dict[str, Any]", await self._locked(commit))
+        return cast(
+            "dict[str, Any]", await self._locked(lambda: registry.description(registry.commit_held(lora_name).name))
+        )
 
     async def abort_lora_adapter(self, lora_name: str) -> bool:
         """Drops a prepared load of `lora_name` from every worker; False if none was prepared."""
         registry = self._registry()
-
-        def abort() -> bool:
-            prepared = self._prepared_loras.pop(lora_name, None)
-            if prepared is not None:
-                registry.abort_prepared(prepared)
-            return prepared is not None
-
-        return cast(bool, await self._locked(abort))
+        return cast(bool, await self._locked(registry.abort_held, lora_name))
 
     async def export_loras(self) -> list[dict[str, Any]]:
         """Every adapter this replica serves, whole (`lora_exports`)."""

@@ -7,7 +7,6 @@ removing them (out of routing at once, drained, then stopped). `Fleet` (fleet.py
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -17,11 +16,25 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hotswap.config import EngineConfig
-from hotswap.errors import EngineUnavailable
+from hotswap.fleet.catch_up import CatchUp
+from hotswap.fleet.members import (
+    FleetChange,
+    FleetUpdateFailed,
+    ReplicaDown,
+    Verb,
+    _cause,
+    _check_atomic,
+    _first_line,
+    _FolderChanged,
+    _Member,
+    _no_commit,
+    _ray,
+    _stop,
+    _with_replica,
+)
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router
 from hotswap.weights.version import VersionLabels
-from hotswap.worker.session import WeightUpdateFailed
 
 logger = logging.getLogger(__name__)
 
@@ -34,48 +47,23 @@ _FORWARDED_ENV = (
     "ONEDNN_MAX_CPU_ISA",
 )
 
-
-class FleetUpdateFailed(WeightUpdateFailed):
-    """A fleet-wide weight change failed on some replica; every replica was rolled back (HTTP 409)."""
-
-
-class ReplicaDown(EngineUnavailable):
-    """A replica died (or stopped answering) during a call; the fleet restarts it (HTTP 503)."""
-
-
-class _FolderChanged(RuntimeError):
-    """The fleet reloaded from another folder while a restarted replica loaded the previous one: the restart is
-    begun again from the new folder (a version a folder holds is always restored from it)."""
-
-
-@dataclasses.dataclass
-class _Member:
-    index: int
-    actor: Any
-    placement_group: Any
-    state: str = "starting"  # starting (a restart) | joining (add_replicas) | up | down | removed
-    leaving: bool = False  # remove_replicas: out of routing and of new changes, draining until it is stopped
-    version: int = 0
-    status: dict[str, Any] = dataclasses.field(default_factory=dict)
-    restarts: int = 0
-    error: str | None = None
-    restored_from: str | None = None  # after a restart: "folder" or "copy" (of a live replica's weights)
-    ping: Any = None  # the health check in flight, the actor it was sent to, and when
-    ping_actor: Any = None
-    ping_sent: float = 0.0
-    retry_at: float = 0.0  # a failed restart is retried from then on (backing off up to a minute)
-    backoff: float = 0.0
+__all__ = [
+    "FleetChange",
+    "FleetReplicas",
+    "FleetUpdateFailed",
+    "ReplicaDown",
+    "Verb",
+    "_Member",
+    "_cause",
+    "_check_atomic",
+    "_first_line",
+    "_no_commit",
+    "_ray",
+    "_with_replica",
+]
 
 
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as err:  # pragma: no cover - depends on the installation
-        raise ImportError("a fleet runs on Ray: pip install 'hotswap[ray]'") from err
-    return ray
-
-
-class FleetReplicas:
+class FleetReplicas(CatchUp):
     """The replicas of a fleet and the state the fleet's verbs share; constructed by `Fleet` (same arguments)."""
 
     def __init__(
@@ -165,7 +153,7 @@ class FleetReplicas:
         # catch-up at a time; _lock: the members and the fleet's state, held briefly.
         self._lock = threading.RLock()
         self._change = threading.Lock()
-        self._session: dict[str, Any] | None = None  # the open update session: members, token
+        self._session: FleetChange | None = None  # the open update session
         self._group: list[Any] | None = None  # the actors a group transport (torch_dist) joined, in rank order
         self._transport: dict[str, Any] | None = None  # a non-group transport's init_info (shm, tensors, disk)
         self.paused = False  # once every replica paused ('wait': drained)
@@ -268,15 +256,16 @@ class FleetReplicas:
     def _call(
         self,
         members: Sequence[_Member],
-        method: str,
+        verb: Verb,
         *args: Any,
         timeout: float | None = None,
         each: Sequence[tuple[Any, ...]] | None = None,
     ) -> tuple[dict[int, Any], dict[int, BaseException]]:
-        """Calls `method` on every member concurrently (with `args`, or member k with `each[k]`): (results,
+        """Calls `verb` on every member concurrently (with `args`, or member k with `each[k]`): (results,
         errors) by replica index; what the replica's method raised comes back as itself. A replica that died, did
         not answer within `timeout` or failed in Ray itself is marked down and its error is a `ReplicaDown`."""
         ray = _ray()
+        method = verb.__name__
         calls = each if each is not None else [args] * len(members)
         actors = {m.index: m.actor for m in members}
         refs = {m.index: getattr(actors[m.index], method).remote(*a) for m, a in zip(members, calls, strict=True)}
@@ -304,16 +293,16 @@ class FleetReplicas:
         return results, errors
 
     def _all(
-        self, members: Sequence[_Member], method: str, *args: Any, timeout: float | None = None, down_ok: bool = False
+        self, members: Sequence[_Member], verb: Verb, *args: Any, timeout: float | None = None, down_ok: bool = False
     ) -> dict[int, Any]:
         """`_call` that raises the first error (as `_with_replica` names it). `down_ok`: a replica that went down
         is left out instead (its restart re-applies what the fleet state says: pause, config)."""
-        results, errors = self._call(members, method, *args, timeout=timeout)
+        results, errors = self._call(members, verb, *args, timeout=timeout)
         if down_ok:
             errors = {i: e for i, e in errors.items() if not isinstance(e, ReplicaDown)}
         if errors:
             index, err = next(iter(errors.items()))
-            raise _with_replica(err, index, method)
+            raise _with_replica(err, index, verb.__name__)
         return results
 
     # ---- health, restarts ---------------------------------------------------------------------------------
@@ -416,128 +405,6 @@ class FleetReplicas:
                 finally:
                     self._change.acquire()
             yield
-
-    def _bring_up(self, actor: Any, generation: int, verify: bool = False) -> str:
-        """Brings a new actor (started from the folder of `generation`) to the fleet's state, the caller holding
-        the change lock outside any session: it replays the config changes; takes the fleet's version from that
-        folder when it alone holds it, else adopts a copy of a live replica's weights checked against its
-        checksums; gets the fleet's LoRA adapters, its transport (not a group's) and its pause. With `verify`
-        (a replica joining), a folder's weights are checked against a live replica's checksums too, and copied
-        from it where they differ (a trainer rewrote the folder) or where the fleet moved to another folder
-        meanwhile. Returns how its weights were restored: "folder" or "copy"."""
-        ray = _ray()
-        if self.asleep:  # it would hold the memory a sleep released; it comes back once the fleet wakes
-            raise RuntimeError("the fleet fell asleep while this replica started")
-        if self._overrides:
-            ray.get(actor.update_config.remote(self._overrides), timeout=self._rpc_timeout)
-        restored = "copy"
-        if self._folder_current and self._folder_generation == generation:
-            ray.get(
-                actor.set_weight_version.remote(self.version, self.draft_version, self.labels.snapshot()), timeout=60
-            )
-            source = self._source() if verify else None
-            if source is None or self._same_weights(actor, source):
-                restored = "folder"
-            else:
-                logger.warning(
-                    "a joining replica's weights from %s differ from the live replicas': copying theirs", self._folder
-                )
-        elif self._folder_current and not verify:  # a reload from a folder landed while this actor loaded the last
-            raise _FolderChanged("the fleet loaded another folder while this replica started from the last")
-        if restored == "copy":
-            self._copy_weights(actor)
-        self._restore_loras(actor)
-        if self._transport is not None:
-            ray.get(actor.init_weight_transfer_engine.remote(self._transport), timeout=self._rpc_timeout)
-        if self.paused:
-            ray.get(actor.pause_generation.remote(self.pause_mode, True), timeout=self._rpc_timeout)
-        return restored
-
-    def _source(self) -> _Member | None:
-        """A live replica at the fleet's version to copy from (none while the fleet sleeps)."""
-        return (
-            None
-            if self.asleep
-            else next((m for m in self.members if m.state == "up" and m.version == self.version), None)
-        )
-
-    def _same_weights(self, actor: Any, source: _Member) -> bool:
-        """Whether `actor`'s weights (the draft's too) have `source`'s checksums."""
-        ray = _ray()
-        which = "all" if self.config.draft_model_config is not None else "model"
-        theirs, mine = ray.get(
-            [source.actor.weight_checksums.remote(which), actor.weight_checksums.remote(which)],
-            timeout=self._start_timeout,
-        )
-        return bool(theirs == mine)
-
-    def _copy_weights(self, actor: Any) -> None:
-        """Copies a live replica's weights (at the fleet's version) into `actor` and checks their checksums."""
-        ray = _ray()
-        source = self._source()
-        if source is None:
-            raise RuntimeError(
-                f"no live replica holds version {self.version} and no checkpoint folder does; "
-                "reload the fleet from a folder to bring replicas back"
-            )
-        states = source.actor.export_weights.remote()
-        ray.get(
-            actor.adopt_weights.remote(states, self.version, self.draft_version, self.labels.snapshot()),
-            timeout=self._start_timeout,
-        )
-        if not self._same_weights(actor, source):
-            raise RuntimeError("the copied weights' checksums differ from the source replica's")
-
-    def _restore_loras(self, actor: Any) -> None:
-        """Gives a restarted replica the fleet's LoRA adapters, each at its version: copied whole from a live
-        replica (what it serves, however it got there: a load, a reload, a session), checked by their
-        descriptions; with no live replica, loaded from where the fleet loaded each (its folder, or its tensors).
-        An adapter that cannot be had then (a session or a reload from pairs changed it since, or its folder is
-        no longer readable) is dropped from the fleet, logged."""
-        if not self.config.lora_config.enable_lora:
-            return
-        ray = _ray()
-        source = self._source()
-        if source is not None:
-            exports = source.actor.export_loras.remote()
-            ray.get(actor.adopt_loras.remote(exports), timeout=self._start_timeout)
-            theirs, mine = ray.get(
-                [source.actor.list_loras.remote(), actor.list_loras.remote()], timeout=self._start_timeout
-            )
-            if theirs != mine:
-                raise RuntimeError(f"the copied LoRA adapters {mine} differ from the source replica's {theirs}")
-            return
-        entries = []
-        with self._lock:
-            for name, record in list(self._loras.items()):
-                if not record["current"]:
-                    del self._loras[name]
-                    logger.warning(
-                        "LoRA adapter %r is dropped: no live replica holds it and a weight update "
-                        "changed it since it was loaded; load it again",
-                        name,
-                    )
-                    continue
-                entries.append(
-                    {k: record[k] for k in ("lora_int_id", "version", "lora_path", "pinned", "tensors", "peft_config")}
-                    | {"lora_name": name}
-                )
-        for entry in entries:
-            if entry["tensors"] is not None:
-                entry["tensors"] = ray.get(entry["tensors"], timeout=self._start_timeout)
-            try:
-                ray.get(actor.adopt_loras.remote([entry]), timeout=self._start_timeout)
-            except ray.exceptions.RayTaskError as err:
-                if not isinstance(_cause(err), ValueError):
-                    raise
-                with self._lock:  # e.g. its folder is gone: the replica comes back without it
-                    self._loras.pop(entry["lora_name"], None)
-                logger.warning(
-                    "LoRA adapter %r is dropped: no live replica holds it and it cannot be loaded "
-                    "again from where the fleet loaded it (%s)",
-                    entry["lora_name"],
-                    _first_line(_cause(err)),
-                )
 
     # ---- replicas joining and leaving ---------------------------------------------------------------------
 
@@ -711,66 +578,3 @@ class FleetReplicas:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _stop(actor: Any, placement_group: Any) -> None:
-    """Ends a replica: its requests still in flight, its actor, its placement group (errors ignored: it may be
-    gone already)."""
-    ray = _ray()
-    from ray.util.placement_group import remove_placement_group
-
-    with contextlib.suppress(Exception):
-        ray.get(actor.shutdown.remote(), timeout=10)
-    with contextlib.suppress(Exception):
-        ray.kill(actor, no_restart=True)
-    with contextlib.suppress(Exception):
-        remove_placement_group(placement_group)
-
-
-def _no_commit(version: int) -> ReplicaDown:
-    return ReplicaDown(
-        f"every replica failed while committing version {version}; restarted replicas are brought "
-        "to it where a folder or a live replica holds it (else reload the fleet from a folder)"
-    )
-
-
-def _check_atomic(atomic: bool) -> None:
-    if not atomic:
-        raise ValueError(
-            "a fleet needs weight_transfer_config.atomic True: rolling every replica back needs each "
-            "one's rollback copies"
-        )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _cause(err: BaseException) -> BaseException:
-    """The exception a replica's method raised, out of Ray's wrapper (RayTaskError.cause)."""
-    cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
-
-
-def _with_replica(err: BaseException, index: int, method: str) -> BaseException:
-    """`err` as the caller should see it, naming the replica: user errors (ValueError, TypeError, RuntimeError for
-    a wrong order, TimeoutError) and EngineUnavailable (a replica down) keep their type; the original is the
-    cause."""
-    new: BaseException = RuntimeError(f"replica {index} failed in {method}(): {type(err).__name__}: {err}")
-    for kind in (
-        ReplicaDown,
-        FleetUpdateFailed,
-        WeightUpdateFailed,
-        EngineUnavailable,
-        ValueError,
-        TypeError,
-        TimeoutError,
-        RuntimeError,
-    ):
-        if isinstance(err, kind):
-            new = err if str(err).startswith(f"replica {index}") else kind(f"replica {index}: {err}")
-            break
-    if new is not err:
-        new.__cause__ = err
-    return new

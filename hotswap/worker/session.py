@@ -36,6 +36,7 @@ from hotswap.weights.delta import check_encoding, checked, decoded
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.shadow import Shadow
 from hotswap.weights.update import RankSelection, WeightSource, WeightUpdate, renamed_source
+from hotswap.worker.commands import MODEL, AdapterPart, Part
 
 Rename = Callable[[str], str] | None  # how a source's names map to the index's (None: as they are)
 
@@ -70,6 +71,7 @@ class WeightSession:
         self.weights_valid = True
         self._rewritten: set[tuple[str, object]] = set()  # served weights committed since they became invalid
         self._idle = SessionState.NO_ENGINE  # the state an open update returns to
+        self.part: Part = MODEL  # what the open (or else the last) update writes
 
     def is_valid(self) -> bool:
         """Whether the served weights are valid: False after a failed non-atomic update or their release (sleep
@@ -94,21 +96,24 @@ class WeightSession:
         staged: bool = False,
         sliced: bool = False,
         backup_device: str = "cpu",
+        part: Part = MODEL,
     ) -> WeightUpdate:
         """Applies one source and finishes, or fails as a whole (rolled back in atomic mode). With `commit` False
         the update stays open with its rollback copies (see the two-phase commit above). `encoding`: the
         source's delta encoding and checksums ({"encoding", "checksums"}, see hotswap/weights/delta.py). Returns
         the update (its `loaded_names`). `rename`: applied to the source's names (and to the checksums' names).
         `staged`: written into staging copies (hotswap/weights/shadow.py), served from the commit on. `sliced`
-        (staged, not committing): only opens the update; `advance` receives it, slice by slice."""
+        (staged, not committing): only opens the update; `advance` receives it, slice by slice. `part`: what it
+        writes (kept while it is open, and named by a failure's message)."""
         self.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
         update = self._update(index, atomic, check_finite, staged, backup_device)
+        self.part = part
         if sliced:
             # staged, or into weights nothing serves yet (an adapter's next version); committed by finish()
             assert not commit and (staged or not index.validating_keys), "a sliced load writes nothing served"
             info = encoding or {}
             source = renamed_source(source, rename) if rename is not None else source
-            self._open(update)
+            self._open(update, part)
             self.job = (update.steps(encoded(source, info, update, rename), final=False), None)
             return update
         try:
@@ -119,7 +124,7 @@ class WeightSession:
         except BaseException as err:
             self._fail(update, err)
         if not commit:
-            self._open(update)
+            self._open(update, part)
             return update
         self._settle(update)
         return update
@@ -144,14 +149,19 @@ class WeightSession:
             self.shutdown_engine()
             raise
 
-    def start(self, index: WeightIndex, config: WeightTransferConfig) -> None:
+    def start(self, index: WeightIndex, config: WeightTransferConfig, part: Part = MODEL) -> None:
         self.expect(SessionState.READY, call="start_weight_update")
         clear_interrupt()  # an interrupt from now until the session ends ends its next (or current) wait
         self._open(
             self._update(
                 index, config.atomic, config.check_finite, config.update_staging == "shadow", config.backup_device
-            )
+            ),
+            part,
         )
+
+    def open_part(self) -> Part | None:
+        """What the open update writes; None while none is open."""
+        return self.part if self.state is SessionState.ACTIVE else None
 
     def _update(
         self, index: WeightIndex, atomic: bool, check_finite: bool, staged: bool, backup_device: str = "cpu"
@@ -288,8 +298,8 @@ class WeightSession:
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
-    def _open(self, update: WeightUpdate) -> None:
-        self._idle, self.update, self.state = self.state, update, SessionState.ACTIVE
+    def _open(self, update: WeightUpdate, part: Part) -> None:
+        self._idle, self.update, self.state, self.part = self.state, update, SessionState.ACTIVE, part
 
     def _end(self) -> WeightUpdate:
         assert self.update is not None
@@ -324,7 +334,8 @@ class WeightSession:
                     "until a successful reload_weights()"
                 )
             else:
-                outcome = "it failed after writing without rollback copies: reload the draft model"
+                left = _unserved(self.part, "reload the draft model")
+                outcome = f"it failed after writing without rollback copies: {left}"
         elif update.shadow is not None:
             update.rollback()
             outcome = "it was staged: the served weights were never written"
@@ -335,7 +346,7 @@ class WeightSession:
             self.invalidate()
             outcome = "atomic mode is off, so the engine refuses to generate until a successful reload_weights()"
         elif update.loaded_names:
-            outcome = "atomic mode is off: the draft model is left part-updated (outputs are unaffected); reload it"
+            outcome = f"atomic mode is off: {_unserved(self.part, _DRAFT_LEFT)}"
         else:
             outcome = "no weight had been changed"
         if isinstance(err, (ValueError, TimeoutError)):
@@ -343,6 +354,17 @@ class WeightSession:
         if isinstance(err, Exception):
             raise WeightUpdateFailed(f"weight update failed: {err!r} ({outcome})") from err
         raise err
+
+
+_DRAFT_LEFT = "the draft model is left part-updated (outputs are unaffected); reload it"
+
+
+def _unserved(part: Part, draft: str) -> str:
+    """What a failed update that wrote only weights nothing serves leaves behind: `draft` for the speculative
+    draft; an adapter's next version is dropped."""
+    if isinstance(part, AdapterPart):
+        return "the adapter's new version was dropped; the served version is unchanged"
+    return draft
 
 
 def encoded(source: WeightSource, info: dict[str, Any], update: WeightUpdate, rename: Rename = None) -> WeightSource:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,56 +38,27 @@ from hotswap.kernels import ops
 from hotswap.kernels import packed as packing
 from hotswap.kernels import policy as kernel_policy
 from hotswap.lora.manager import LoRAManager
-from hotswap.lora.peft_format import canonical_name
 from hotswap.model.layers.fused_moe import FusedMoE
 from hotswap.model.registry import build_model
 from hotswap.model.settings import LayerSettings
-from hotswap.weights.checksum import tensor_sha256
-from hotswap.weights.delta import is_delta
 from hotswap.weights.index import WeightIndex
 from hotswap.weights.shadow import check_room
-from hotswap.weights.target import check_target
-from hotswap.weights.update import (
-    RankSelection,
-    chunked_copies,
-    folder_source,
-    pairs_source,
-    prefixed_source,
-    prefixer,
-    random_source,
-)
+from hotswap.weights.update import folder_source, prefixed_source, random_source
 from hotswap.wire import ModelInput, ModelOutput
 from hotswap.worker.memory import discard_pages, huge_page_tensors, place_in_huge_pages
 from hotswap.worker.model_runner import ModelRunner
 from hotswap.worker.offload import Offloaded, offload, restore
+from hotswap.worker.scope import in_config_scope
 from hotswap.worker.session import SessionState, WeightSession
 from hotswap.worker.speculative import SpeculativeStep
+from hotswap.worker.weight_changes import DRAFT_PREFIX, WeightChanges, WeightState
 
-DRAFT_PREFIX = "draft."  # the draft model's checkpoint names, where one update carries both models
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightState:
-    """What the engine asks a worker after a weight change."""
-
-    valid: bool  # False after a failed non-atomic update or sleep(2), until a full update or reload
-    updated_parts: list[str]  # "model" / "draft": what the last committed update wrote
+__all__ = ["DRAFT_PREFIX", "WeightState", "Worker", "in_config_scope"]
 
 
-def in_config_scope(method: F) -> F:
-    """Runs a Worker method inside its config context."""
+class Worker(WeightChanges):
+    """One rank's model, KV cache and weight changes (`WeightChanges`)."""
 
-    @functools.wraps(method)
-    def wrapper(self: Worker, *args: Any, **kwargs: Any) -> Any:
-        with use_config(self.config), use_parallel(self.parallel):
-            return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, parallel: ParallelContext = SINGLE) -> None:
         self.config = config
         self.rank = rank
@@ -105,7 +75,6 @@ class Worker:
         self.draft_config: EngineConfig | None = None
         self.draft_parallel = SINGLE
         self.speculative: SpeculativeStep | None = None
-        self._session_target = "model"  # or "lora": the session loads the pending adapter version
         self.loras: LoRAManager | None = None  # with enable_lora
         self.last_update_parts: list[str] = []  # "model" / "draft": what the last finished update wrote
 
@@ -263,14 +232,6 @@ class Worker:
                 self.draft_runner.allocate_kv_cache(num_blocks)
         runner.calibrate_stack()
 
-    def _check_awake(self, call: str) -> None:
-        """Raises RuntimeError while sleep took the weights' device memory (a GPU): nothing may read or write
-        them until wake_up(["weights"])."""
-        if self.offloaded is not None:
-            raise RuntimeError(
-                f"{call}() while asleep: the weights' device memory was released; call wake_up(['weights']) first"
-            )
-
     @in_config_scope
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
         self._check_awake("execute_model")
@@ -316,69 +277,6 @@ class Worker:
     # ---- in-place reload and live config --------------------------------------------------------------------
 
     @in_config_scope
-    def reload_weights(
-        self,
-        weights_path: str | None = None,
-        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
-        commit: bool = True,
-        target: str = "model",
-        encoding: str | None = None,
-        checksums: dict[str, str] | None = None,
-        sliced: bool = False,
-    ) -> int:
-        """Updates the weights in place from a checkpoint folder (`weights_path`, recorded as the model folder on
-        success), from (name, tensor) pairs (`weights_iterator`, may be partial), or with neither from the
-        current folder. Returns the number of tensors loaded. Validates before mutating; see the module doc for
-        failure behaviour. `commit` False keeps the update open with its rollback copies until
-        `finish_weight_update()` or `abort_weight_update()` (how the engine makes worker processes change
-        together), and leaves recording a new folder to the caller. `target` "draft" reloads the speculative draft
-        model instead (its own checkpoint names, in its config scope). `encoding` / `checksums`: the tensors are a
-        delta, and the trainer's digests of the results (hotswap/weights/delta.py). `sliced` (a staged engine,
-        `commit` False): the reload is only opened; `advance_weight_update` receives it."""
-        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        self._check_awake("reload_weights")
-        check_target(target, ("model", "draft"), "reload_weights target")
-        if weights_path is not None and weights_iterator is not None:
-            raise ValueError("give weights_path or weights_iterator, not both")
-        config = self._config_of(target)
-        delta = is_delta(encoding)
-        if weights_iterator is not None:
-            source = pairs_source(weights_iterator)
-        elif delta:  # a folder of delta tensors: no config of its own, never the model's folder
-            if weights_path is None:
-                raise ValueError(f"encoding {encoding!r} needs the delta's tensors (weights_path or weights_iterator)")
-            source = folder_source(str(weights_path), complete=False)
-        else:
-            if weights_path is not None:
-                live_overrides(config, {"model_config": {"model": str(weights_path)}})  # same model shape
-            source = folder_source(str(weights_path or config.model_config.model))
-        wt = self.config.weight_transfer_config
-        update = self.session.load(
-            self._weight_index(target),
-            source,
-            wt.atomic,
-            wt.check_finite,
-            commit=commit,
-            encoding={"encoding": encoding, "checksums": checksums},
-            rename=prefixer(DRAFT_PREFIX) if target == "draft" else None,
-            staged=wt.update_staging == "shadow",
-            sliced=sliced,
-            backup_device=wt.backup_device,
-        )
-        if weights_path is not None and commit and not delta:  # uncommitted: the engine records it once committed
-            self._record_folder(str(weights_path), target)
-        return len(update.loaded_names)
-
-    def _record_folder(self, folder: str, target: str = "model") -> None:
-        """Records `folder` as the checkpoint of the target model or the draft (after a committed reload)."""
-        if target == "draft":
-            assert self.draft_config is not None
-            self.draft_config.model_config.model = folder
-            self.config.speculative_config.model = folder
-        else:
-            self.config.model_config.model = folder
-
-    @in_config_scope
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         """Applies `{section: {field: value}}` to the live config after validating it like construction.
         Raises ValueError for unknown sections or fields, invalid values, or fields that cannot change live
@@ -421,205 +319,6 @@ class Worker:
                 adapter.invalidate_packs()
                 adapter.packs()
         self.session.release_backups()
-
-    # ---- the weight-transfer session --------------------------------------------------------------------------
-
-    @in_config_scope
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Creates the receiving engine of `init_info["backend"]` (tensors, shm, torch_dist, disk). Returns without
-        waiting for a trainer to connect: poll `weight_transfer_ready()`."""
-        self.session.init_engine(init_info, self.config.weight_transfer_config)
-
-    @in_config_scope
-    def weight_transfer_ready(self) -> bool:
-        """Whether the transfer engine has connected to its trainer; raises (and drops the engine) if connecting
-        failed or timed out."""
-        return self.session.engine_ready()
-
-    @in_config_scope
-    def start_weight_update(self, target: str = "model") -> None:
-        """Opens an update session; in atomic mode, everything overwritten until finish is kept for rollback.
-        `target`: "model" (the served model), "draft" (the speculative draft) or "all" (both, committed or rolled
-        back together; draft tensors are named "draft.<name>" or sent in update calls with "target": "draft")."""
-        self._check_awake("start_weight_update")
-        self.session.start(self._weight_index(target), self.config.weight_transfer_config)  # raises for a bad target
-        self._session_target = target
-
-    @in_config_scope
-    def update_weights(self, update_info: dict[str, Any], sliced: bool = False) -> int:
-        """Receives one update of the session: declaration validated first, then data copied in place (staged:
-        into the staging copies). Any failure ends the session (rolled back in atomic mode) and re-raises. Returns
-        tensors loaded. `sliced` (a staged session): only opens the receive; `advance_weight_update` runs it."""
-        selection = RankSelection.from_update_info(update_info, self.parallel.rank, self.parallel.size)
-        part = update_info.get("target") if isinstance(update_info, dict) else None
-        problem = None
-        if self._session_target == "lora":
-            part = None if part in (None, "lora") else part
-            if part is not None:
-                problem = f"update_info target {part!r} in a session started for a LoRA adapter"
-        if part not in (None, "model", "draft"):
-            problem = f"update_info target must be 'model' or 'draft', got {part!r}"
-        elif part is not None and self._session_target not in (part, "all"):
-            problem = (
-                f"this update carries {part!r} weights, but the session was started for "
-                f"{self._session_target!r}; start it with target={part!r} or 'all'"
-            )
-        if problem is not None:
-            self.session.expect(SessionState.ACTIVE, call="update_weights")
-            self.session.abort()  # like any failed update, it ends the session (rolled back)
-            raise ValueError(f"{problem} (the session was rolled back)")
-        draft = part == "draft" or self._session_target == "draft"
-        rename = canonical_name if self._session_target == "lora" else prefixer(DRAFT_PREFIX) if draft else None
-        try:
-            with torch.no_grad():
-                return self.session.receive(update_info, selection, rename, sliced=sliced)
-        finally:
-            self._drop_lora_unless_open()
-
-    @in_config_scope
-    def advance_weight_update(self, budget_s: float | None = None) -> int | None:
-        """Receives the staged update opened with `sliced` for about `budget_s` seconds (None: to its end).
-        Returns the tensors loaded once it ended, None while more remain. A failure ends the session (the served
-        weights were never written) and re-raises."""
-        try:
-            with torch.no_grad():
-                return self.session.advance(budget_s)
-        finally:
-            self._drop_lora_unless_open()  # an adapter's next version that failed is dropped
-
-    @in_config_scope
-    def view_staged(self, on: bool) -> None:
-        """Serves the open staged update's weights (`on`), as a canary's probes must see them, or the committed
-        ones again. No-op without a staged update."""
-        update = self.session.update
-        if update is None or update.shadow is None:
-            return
-        if on and not update.shadow.inside:
-            update.shadow.swap_in()
-        elif not on and update.shadow.inside:
-            update.shadow.swap_out()
-
-    @in_config_scope
-    def finish_weight_update(self, commit: bool = True) -> int:
-        """Completes post-processing of partially updated layers and closes the session; returns the number of
-        tensor names updated in it. `commit` False post-processes but keeps the update open with its rollback
-        copies, for a second call (commit) or `abort_weight_update()`."""
-        lora = self._session_target == "lora"
-        try:
-            update = self.session.finish(commit)
-            if lora and commit:
-                self._loras().commit_pending()
-            elif lora:
-                self._loras().prepare_pending()  # the commit then only registers it
-        finally:
-            self._drop_lora_unless_open()
-        if lora:
-            self.last_update_parts = ["lora"]
-            return len(update.loaded_names)
-        self.last_update_parts = sorted(
-            {"draft" if n.startswith(DRAFT_PREFIX) else "model" for n in update.loaded_names}
-        )
-        return len(update.loaded_names)
-
-    @in_config_scope
-    def abort_weight_update(self) -> bool:
-        """Ends the open update, restoring the weights it changed (atomic mode; otherwise they become invalid).
-        Returns False when no update was open (nothing to do)."""
-        try:
-            return self.session.abort()
-        finally:
-            self._drop_lora_unless_open()
-
-    @in_config_scope
-    def shutdown_weight_transfer_engine(self) -> None:
-        """Aborts an active session, then releases the transfer engine (connections, shared buffers) and the
-        rollback buffers."""
-        try:
-            self.session.shutdown_engine()
-        finally:
-            self._drop_lora_unless_open()
-        self.session.release_backups()
-
-    # ---- LoRA adapters (hotswap/lora) --------------------------------------------------------------------------
-
-    @in_config_scope
-    def add_lora(self, uid: int, spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Loads adapter version `uid` of `spec` (LoRASpec.as_dict) from its full tensors by PEFT name. Raises
-        ValueError naming a missing, unknown, mis-shaped or non-finite tensor (nothing is loaded then)."""
-        source = pairs_source(((canonical_name(n), t) for n, t in tensors.items()), "LoRA adapter")
-        self._loras().add(uid, spec, source, self.config.weight_transfer_config.check_finite)
-
-    @in_config_scope
-    def remove_lora(self, uid: int) -> bool:
-        """Forgets adapter version `uid`; False if it was not loaded."""
-        return self._loras().remove(uid)
-
-    @in_config_scope
-    def start_lora_update(self, old: int, new: int) -> None:
-        """Opens an update session whose tensors (PEFT names) go into version `new` of an adapter, a copy of
-        version `old`; `finish_weight_update()` makes it loadable, a failure or abort discards it. The update is
-        atomic whatever the config says (a failure drops the new version; the served one never changes)."""
-        self.session.expect(SessionState.READY, call="start_weight_update")  # before anything changes here
-        adapter = self._loras().begin(old, new)
-        try:
-            config = dataclasses.replace(self.config.weight_transfer_config, atomic=True)
-            self.session.start(adapter.weight_index(), config)
-        except BaseException:
-            self._drop_lora_unless_open()
-            raise
-        self._session_target = "lora"
-
-    @in_config_scope
-    def reload_lora(
-        self,
-        old: int,
-        new: int,
-        weights_iterator: Iterable[tuple[str, torch.Tensor]],
-        commit: bool = True,
-        encoding: str | None = None,
-        checksums: dict[str, str] | None = None,
-        sliced: bool = False,
-    ) -> int:
-        """Version `new` of an adapter := version `old` updated by (name, tensor) pairs (PEFT names, possibly a
-        subset, possibly a delta `encoding` with the trainer's `checksums` of the results). `commit` False keeps
-        it pending for `finish_weight_update()` / `abort_weight_update()`; `sliced` (with `commit` False) only
-        opens the load, which `advance_weight_update` runs. Returns the tensors loaded. Refused (RuntimeError,
-        nothing changed) while a weight-update session is open."""
-        self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        adapter = self._loras().begin(old, new, fill=not sliced)  # sliced: the copy of `old` is the first slices
-        wt = self.config.weight_transfer_config
-        self._session_target = "lora"
-        try:
-            update = self.session.load(
-                adapter.weight_index(),
-                pairs_source(weights_iterator),
-                True,
-                wt.check_finite,
-                commit=commit,
-                encoding={"encoding": encoding, "checksums": checksums},
-                rename=canonical_name,
-                sliced=sliced,
-            )
-            if sliced:
-                self.session.prefix_job(chunked_copies(self._loras().fill_pairs(old)))
-            if commit:
-                self._loras().commit_pending()
-        finally:
-            self._drop_lora_unless_open()
-        return len(update.loaded_names)
-
-    def _drop_lora_unless_open(self) -> None:
-        """After a LoRA session call: a pending adapter version whose update is no longer open is discarded (a
-        failure, an abort); after a commit it was registered first."""
-        if self._session_target == "lora" and self.session.state is not SessionState.ACTIVE:
-            if self.loras is not None:
-                self.loras.drop_pending()
-            self._session_target = "model"
-
-    def _loras(self) -> LoRAManager:
-        if self.loras is None:
-            raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True")
-        return self.loras
 
     # ---- sleep and wake ---------------------------------------------------------------------------------------
 
@@ -675,31 +374,11 @@ class Worker:
                     self.draft_runner.allocate_kv_cache(runner.num_blocks)
 
     @in_config_scope
-    def weight_checksums(self, target: str = "model") -> dict[str, str]:
-        """SHA-256 per checkpoint tensor name, over the bytes the engine holds for it (a fused layer's slice),
-        so a trainer can compare with `tensor_sha256` of what it sent, cast to the engine's dtype. fp8 layers
-        report their quantized bytes. `target` "draft" / "all": the draft's tensors, named "draft.<name>"."""
-        self._check_awake("weight_checksums")
-        index = self._weight_index(target)
-        return {name: tensor_sha256(index.targets[name].local_view()) for name in sorted(index.required)}
-
-    @in_config_scope
     def shard_plan(self) -> dict[str, list[tuple[int, int, int]]]:
         """Per checkpoint tensor name, the (dim, start, length) narrowings that cut this rank's part out of the
         full tensor (empty: the rank holds it whole). A trainer uses it to send pre-sliced tensors."""
         index = self._index()
         return {name: index.targets[name].narrowings() for name in sorted(index.required)}
-
-    @in_config_scope
-    def record_folder(self, folder: str, target: str = "model") -> None:
-        """Records `folder` as the checkpoint of the model or (target "draft") the draft, once every rank
-        committed a reload from it."""
-        self._record_folder(folder, target)
-
-    @in_config_scope
-    def weight_state(self) -> WeightState:
-        """Whether this rank's weights are valid, and which models the last committed update wrote."""
-        return WeightState(self.session.is_valid(), list(self.last_update_parts))
 
     # ---- copying weights between engines of one config (a fleet's restarted replica) --------------------------
 
@@ -737,34 +416,6 @@ class Worker:
         if self.draft_model is not None:
             state.update({f"{DRAFT_PREFIX}{k}": v for k, v in self.draft_model.state_dict().items()})
         return state
-
-    def _index(self) -> WeightIndex:
-        return WeightIndex.of(self._model())
-
-    def _weight_index(self, target: str) -> WeightIndex:
-        """The index an update of `target` goes through: the model's own, or a union naming the draft's tensors
-        "draft.<name>", whose post-processing runs in the draft's scope."""
-        check_target(target)
-        if target == "model":
-            return self._index()
-        if self.draft_model is None:
-            raise ValueError(f"target {target!r} needs a draft model (speculative_config method 'draft_model')")
-        draft = (WeightIndex.of(self.draft_model), self._draft_scope)
-        if target == "draft":
-            return WeightIndex.union({DRAFT_PREFIX: draft})
-        return WeightIndex.union({"": (self._index(), None), DRAFT_PREFIX: draft})
-
-    def _config_of(self, target: str) -> EngineConfig:
-        if target == "draft":
-            self._weight_index(target)  # raises without a draft
-            assert self.draft_config is not None
-            return self.draft_config
-        return self.config
-
-    def _model(self) -> nn.Module:
-        if self.model is None:
-            raise RuntimeError("the model is not loaded; call load_model() first")
-        return self.model
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:
