@@ -14,6 +14,8 @@ pass.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 from torch import nn
 
@@ -160,26 +162,35 @@ class LoRAAdapter(nn.Module):
         module doc); a fused experts module's {"w13" | "w2": (shrink [experts, rank, in], expand [experts, out,
         rank])} over this rank's experts and intermediate rows. Built on first use after a load, then kept."""
         if self._packs is None:
-            packs: Packs = {}
-            for name, parts in self.targets.items():
-                layer = self.layers[name]
-                # [R, in] and [out, R], used transposed (views): the products read them in place
-                shrink = torch.cat([a.weight for _, _, a, _ in parts]) if len(parts) > 1 else parts[0][2].weight
-                expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype, device=self.device)
-                col = 0
-                for shard, module, _, b in parts:
-                    rows, rank = b.weight.shape
-                    start = layer.shard_specs[shard].local_offset
-                    block = expand[start : start + rows, col : col + rank]
-                    torch.mul(b.weight, self.spec.scaling(module, rank), out=block)
-                    col += rank
-                packs[name] = (shrink.t(), expand.t())
-            for name, factors in self.expert_targets.items():
-                packs[name] = {
-                    which: self._expert_pack(self.expert_layers[name], which, *part) for which, part in factors.items()
-                }
-            self._packs = packs
+            for _ in self.pack_steps():
+                pass
+        assert self._packs is not None
         return self._packs
+
+    def pack_steps(self) -> Generator[None, None, None]:
+        """Builds `packs()` again, one base module per step (a yield after each): a serving engine builds a new
+        version's packs in slices between its steps. They are kept once the last step ran."""
+        packs: Packs = {}
+        for name, parts in self.targets.items():
+            layer = self.layers[name]
+            # [R, in] and [out, R], used transposed (views): the products read them in place
+            shrink = torch.cat([a.weight for _, _, a, _ in parts]) if len(parts) > 1 else parts[0][2].weight
+            expand = torch.zeros(layer.out_local, shrink.shape[0], dtype=self.dtype, device=self.device)
+            col = 0
+            for shard, module, _, b in parts:
+                rows, rank = b.weight.shape
+                start = layer.shard_specs[shard].local_offset
+                block = expand[start : start + rows, col : col + rank]
+                torch.mul(b.weight, self.spec.scaling(module, rank), out=block)
+                col += rank
+            packs[name] = (shrink.t(), expand.t())
+            yield
+        for name, factors in self.expert_targets.items():
+            packs[name] = {
+                which: self._expert_pack(self.expert_layers[name], which, *part) for which, part in factors.items()
+            }
+            yield
+        self._packs = packs
 
     def _expert_pack(
         self, layer: FusedMoE, which: str, lora_a: LoRAFactor, lora_b: LoRAFactor, rank: int, key: str

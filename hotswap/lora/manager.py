@@ -6,6 +6,7 @@ changes."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -82,10 +83,17 @@ class LoRAManager:
             for mine, theirs in zip(self.pending[1].parameters(), self.get(old).parameters(), strict=True)
         ]
 
+    def pack_steps(self) -> Generator[None, None, None]:
+        """Builds the pending version's packs one base module per step (its tensors have all arrived); then
+        `prepare_pending` and `commit_pending` only register it. A sliced reload runs these as its last steps."""
+        assert self.pending is not None, "no pending version"
+        yield from self.pending[1].pack_steps()
+        self.pending_packed = True
+
     def prepare_pending(self) -> None:
-        """Builds the pending version's packs now (its tensors have all arrived), so that `commit_pending` only
-        registers it: a serving engine runs the two between different steps."""
-        if self.pending is not None:
+        """Builds the pending version's packs now (its tensors have all arrived) unless `pack_steps` did, so that
+        `commit_pending` only registers it: a serving engine runs the two between different steps."""
+        if self.pending is not None and not self.pending_packed:
             self.pending[1].invalidate_packs()
             self.pending[1].packs()
             self.pending_packed = True

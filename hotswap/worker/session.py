@@ -200,14 +200,17 @@ class WeightSession:
         except BaseException as err:
             self._receive_failed(engine, update, err)
 
-    def prefix_job(self, first: Generator[None, None, None]) -> None:
-        """Runs `first` (e.g. copies the update's writes depend on) before the rest of the sliced job."""
+    def chain_job(self, first: Generator[None, None, None], last: Generator[None, None, None]) -> None:
+        """Runs `first` (e.g. copies the update's writes depend on) before the sliced job, and `last` (e.g. what
+        is built from everything written) after it, in the same slices."""
         assert self.job is not None, "no sliced job"
         steps, engine = self.job
 
         def chained() -> Generator[None, None, int]:
             yield from first
-            return (yield from steps)
+            count = yield from steps
+            yield from last
+            return count
 
         self.job = (chained(), engine)
 

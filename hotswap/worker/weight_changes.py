@@ -361,9 +361,11 @@ class WeightChanges:
         return self.config
 
     def _opened_sliced(self, part: Part) -> None:
-        """A sliced load of an adapter's next version copies the current one in its first slices."""
+        """A sliced load of an adapter's next version copies the current one in its first slices and builds its
+        packs in its last ones, so that no slice between two steps holds a whole adapter's packs."""
         if isinstance(part, AdapterPart):
-            self.session.prefix_job(chunked_copies(self._loras().fill_pairs(part.old)))
+            loras = self._loras()
+            self.session.chain_job(chunked_copies(loras.fill_pairs(part.old)), loras.pack_steps())
 
     def _committed(self, part: Part, commit: bool) -> None:
         """After `part`'s change committed (or, not `commit`, was prepared): an adapter's next version is
