@@ -36,10 +36,10 @@ def seed_666_fails(monkeypatch):
 
     real = model_runner.sample
 
-    def sample(logits, specs):
+    def sample(logits, specs, *args, **kwargs):
         if any(spec.seed == 666 for spec in specs):
             raise RuntimeError("sampler failure for seed 666")
-        return real(logits, specs)
+        return real(logits, specs, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "sample", sample)
 

@@ -222,8 +222,10 @@ def test_staging_that_does_not_fit_is_refused_before_anything_is_allocated(ckpts
 
 @pytest.mark.cpu_only  # a server process
 def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensors):
-    """`hotswap serve --update-staging shadow`: a trainer pushes over shm with no pause while a completion streams;
-    the stream runs through the update (its version spans cross it), and the engine then holds B's tensors."""
+    """`hotswap serve --update-staging shadow`: a trainer pushes over shm with no pause while completions stream;
+    the stream running at the commit goes on through it (its version spans cross it), and the engine then holds
+    B's tensors. Streams are kept running, each next one started when the previous one is halfway, until the push
+    returned: whatever the push takes on a loaded machine, one of them spans the commit."""
     import threading
 
     import openai
@@ -238,32 +240,56 @@ def test_a_staged_server_takes_a_push_mid_stream_without_a_pause(ckpts, b_tensor
         admin = AdminClient(base, admin_key="k")
         try:
             model = client.models.list().data[0].id
-            # long enough that the push (four HTTP calls, the shm transport's set-up) lands mid-stream under load
-            chunks = client.completions.create(
-                model=model,
-                prompt=PROMPTS[2],
-                max_tokens=900,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True, "return_weight_versions": True},
-            )
-            stream = iter(chunks)
-            first = next(stream)
+            finished: list[tuple[list, str | None]] = []  # (spans, finish reason) of each stream
+
+            def stream(started: threading.Event, halfway: threading.Event) -> None:
+                chunks = client.completions.create(
+                    model=model,
+                    prompt=PROMPTS[2],
+                    max_tokens=900,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "return_weight_versions": True},
+                )
+                spans: list = []
+                reason = None
+                for count, chunk in enumerate(chunks):
+                    started.set()
+                    if count == 450:
+                        halfway.set()
+                    spans = chunk.choices[0].model_extra["weight_versions"]  # the whole output's, so far
+                    reason = chunk.choices[0].finish_reason or reason
+                halfway.set()
+                finished.append((spans, reason))
+
             pushed: list[str] = []
+            push_done = threading.Event()
             pusher = threading.Thread(
-                target=lambda: pushed.append(
-                    admin.push_weights(b_tensors, backend="shm", pause_mode=None, weight_version="s1")
+                target=lambda: (
+                    pushed.append(admin.push_weights(b_tensors, backend="shm", pause_mode=None, weight_version="s1")),
+                    push_done.set(),
                 )
             )
-            pusher.start()
-            rest = list(stream)
+            streams: list[threading.Thread] = []
+            while not push_done.is_set() and len(streams) < 50:
+                started, halfway = threading.Event(), threading.Event()
+                streams.append(threading.Thread(target=stream, args=(started, halfway)))
+                streams[-1].start()
+                assert started.wait(timeout=60), "a stream produced no token"
+                if not pusher.is_alive() and not pushed:
+                    pusher.start()
+                assert halfway.wait(timeout=120)
             pusher.join(timeout=120)
+            for thread in streams:
+                thread.join(timeout=120)
             assert pushed == ["s1"]
             assert not admin.is_paused()
-            spans = rest[-1].choices[0].model_extra["weight_versions"]
-            assert [s["version"] for s in spans] == ["0", "s1"], "the stream ran on through the staged update"
-            assert 0 < spans[0]["end"] < 900
-            assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason == "length"
+            assert len(finished) == len(streams) and all(reason == "length" for _, reason in finished)
+            versions = [[s["version"] for s in spans] for spans, _ in finished]
+            crossed = [spans for (spans, _), v in zip(finished, versions, strict=True) if v == ["0", "s1"]]
+            assert crossed, f"no stream ran on through the staged update: {versions}"
+            assert all(v in (["0"], ["0", "s1"], ["s1"]) for v in versions), versions
+            assert 0 < crossed[0][0]["end"] < 900
             assert admin.checksums() == {n: tensor_sha256(t) for n, t in b_tensors}
         finally:
             admin.close()
