@@ -53,7 +53,7 @@ class NativeDecoderStack:
     would be slow, their dicts being out of cache after a step's weights went by. `deterministic`: the model's
     mode (every product native, the row-parallel ones split as the modules split them)."""
 
-    def __init__(self, model: nn.Module, deterministic: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, deterministic: bool) -> None:
         self.outer = model
         self.deterministic = deterministic
 

@@ -171,7 +171,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         kv_of_q: list[int] | None = None,
-        deterministic: bool = False,
+        *,
+        deterministic: bool,
     ) -> None:
         super().__init__()
         self.deterministic = deterministic
