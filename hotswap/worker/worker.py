@@ -1,7 +1,10 @@
 """The worker owns the model and its KV cache. The engine reaches it only through `collective_rpc`.
 
-Every public method runs inside `use_config(self.config)`, so code deep in a layer can call
-`current_config()`; the previous context is restored on return and on error.
+Every public method runs inside `use_config(self.config)` and `use_parallel(self.parallel)` (`scope.py`), restored
+on return and on error: the contract of every entry point that loads, reloads or updates weights. The model's
+layers do not read that scope: they take their settings when they are built (`hotswap/model/settings.py`) and a
+pass's per-step data in a `StepContext` (`hotswap/model/step.py`). Within it, a transport that is not told its
+device takes the engine's (`current_config_or_none`).
 
 Weight lifecycle (hotswap/weights): every load, reload and transport update is a `WeightSource` applied by one
 `WeightUpdate` through the worker's `WeightSession`.
