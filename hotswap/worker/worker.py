@@ -256,7 +256,7 @@ class Worker(WeightChanges):
         return results
 
     @in_config_scope
-    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def execute_method(self, /, method: str | Callable[..., Any], *args: object, **kwargs: object) -> Any:
         """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable. After a callable,
         the runner's native decoder stack, which keeps what it checked on the modules (e.g. that no forward hook
         is set), is told that user code ran on the model, and its CUDA graphs are dropped (captured again)."""
