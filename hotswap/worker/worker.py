@@ -201,7 +201,7 @@ class Worker(WeightChanges):
         sc, block = self.config.scheduler_config, self.config.cache_config.block_size
         tokens = min(sc.max_num_batched_tokens or 2048, self.config.model_config.max_model_len or 2048)
         blocks = math.ceil(tokens / block)
-        runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
+        runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[object]]]] = [
             (runner, contextlib.nullcontext)
         ]
         if self.draft_runner is not None:
