@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -105,7 +105,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     spec_stats: SpecStats | None = None  # with speculative decoding on
-    routed_experts: Any = None
+    routed_experts: np.ndarray | None = None  # [tokens, sparse layers, top_k] (see SamplingParams)
     sampling_mask: SamplingMask | None = None
     lora_versions: list[tuple[int, int, int]] = field(default_factory=list)
 

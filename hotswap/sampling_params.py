@@ -167,7 +167,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def forced_routes_array(value: Any) -> np.ndarray:
+def forced_routes_array(value: object) -> np.ndarray:
     """`forced_routed_experts` as an int64 array [rows, layers, top_k] (from nested lists or an array). Raises
     ValueError for another shape or non-integers; the engine checks the sizes against the model."""
     try:

@@ -4,8 +4,8 @@ owns these types; the model runner and the sampler consume them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -96,7 +96,7 @@ class Samples:
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     # sequence index in the step -> its query tokens' routed experts, [query tokens, sparse layers, top_k]
     # (numpy, the smallest integer dtype for the expert count), for the sequences in ModelInput.route_seqs
-    routes: dict[int, Any] = field(default_factory=dict)
+    routes: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,7 +121,7 @@ class SpecOutput:
 
     tokens: list[list[SampleResult]]
     num_proposed: list[int]
-    routes: dict[int, Any] = field(default_factory=dict)  # as Samples.routes, over each verified token
+    routes: dict[int, np.ndarray] = field(default_factory=dict)  # as Samples.routes, over each verified token
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ModelInput:
     draft_prefill: bool = False
     prompt_logprobs: list[PromptLogprobsAsk] = field(default_factory=list)
     route_seqs: list[int] = field(default_factory=list)
-    forced_routes: Any = None
+    forced_routes: torch.Tensor | None = None
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 

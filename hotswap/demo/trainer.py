@@ -84,7 +84,7 @@ class _Trainer:
         # element each step, so most tensors still travel whole: the report shows how much a push saved
         self.encoder = DeltaEncoder("sparse", dtype=self.dtype)
 
-    def _tensor(self, data: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _tensor(self, data: object, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _completion_log_softmax(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 MAX_PROBES, MAX_PROBE_TOKENS = 16, 4096
 
@@ -28,7 +27,7 @@ class Canary:
     max_nll: float | None = None
 
     @classmethod
-    def parse(cls, value: Any, vocab: int, max_model_len: int) -> Canary:
+    def parse(cls, value: object, vocab: int, max_model_len: int) -> Canary:
         """From a dict {"token_ids", "logprobs" and/or "max_nll", "atol"?}. Raises ValueError naming the field."""
         if isinstance(value, Canary):
             return value

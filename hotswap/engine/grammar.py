@@ -17,11 +17,14 @@ leaves their outputs exact.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hotswap.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 
 class Grammars:
@@ -31,12 +34,14 @@ class Grammars:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._tokenizer: Any = None  # llguidance's, built on first use (about a second on a large vocabulary)
+        self._tokenizer: LLTokenizer | None = (
+            None  # llguidance's, built on first use (about a second on a large vocabulary)
+        )
         self._compiled: OrderedDict[str, str] = OrderedDict()
         self.cache_size = cache_size
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
             import llguidance.hf
 
@@ -71,13 +76,13 @@ class Grammars:
             self._compiled.popitem(last=False)
         return grammar
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
+    def matcher(self, params: StructuredOutputsParams) -> LLMatcher:
         """A new matcher at the start of `params`'s grammar."""
         import llguidance
 
         return llguidance.LLMatcher(self.tokenizer, self.compile(params), log_level=0)
 
-    def mask(self, matcher: Any) -> torch.Tensor:
+    def mask(self, matcher: LLMatcher) -> torch.Tensor:
         """The tokens `matcher` allows next: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set for an allowed
         token t. A matcher in error (it cannot happen through the sampler) allows only EOS."""
         words = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
@@ -85,7 +90,7 @@ class Grammars:
         return words
 
 
-def advance(matcher: Any, token: int) -> None:
+def advance(matcher: LLMatcher, token: int) -> None:
     """Moves `matcher` past the sampled `token`. The sampler only draws allowed tokens, so a refusal is a broken
     invariant."""
     ok = matcher.consume_token(token)

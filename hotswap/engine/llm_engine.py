@@ -422,18 +422,10 @@ class LLMEngine:
         """The engine state (state.py), moved by the lifecycle's transitions."""
         return self.lifecycle.state
 
-    @state.setter
-    def state(self, state: EngineState) -> None:  # settable, as the weights controller's EngineHooks declares it
-        self.lifecycle.state = state
-
     @property
     def released(self) -> set[str]:
         """While ASLEEP: what sleep() released, "kv_cache" and/or "weights"."""
         return self.lifecycle.released
-
-    @released.setter
-    def released(self, released: set[str]) -> None:
-        self.lifecycle.released = released
 
     @property
     def pause_mode(self) -> str:

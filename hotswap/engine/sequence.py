@@ -5,12 +5,17 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hotswap.engine.routes import RouteLog
 from hotswap.outputs import Logprob
 from hotswap.sampling_params import SamplingParams
 from hotswap.wire import PromptLogprobs
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from hotswap.engine.lora_registry import AdapterVersion
 
 _seq_ids = itertools.count()
 
@@ -55,7 +60,9 @@ class Sequence:
         # recomputed (perhaps on other weights): those rows never go into the prefix cache with the new blocks
         self.route_stale = (0, 0)
         self.sampling_mask: list[list[int] | None] = []  # per output token, with return_sampling_mask
-        self.matcher: Any = None  # its grammar's state (structured outputs): has consumed exactly its outputs
+        self.matcher: LLMatcher | None = (
+            None  # its grammar's state (structured outputs): has consumed exactly its outputs
+        )
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -125,7 +132,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts share no prefix-cache blocks
     record_routes: bool = False  # its sequences keep their routed experts (a mixture-of-experts model)
     session_id: str | None = None  # the conversation it is a turn of (hotswap/engine/sessions.py)
-    lora: Any = None  # the LoRA adapter version it runs on (engine/lora_registry.py AdapterVersion), held for it
+    lora: AdapterVersion | None = None  # the LoRA adapter version it runs on, held for it
     lora_name: str | None = None
 
     @property

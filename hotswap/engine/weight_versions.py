@@ -29,9 +29,13 @@ class EngineHooks(Protocol):
     scheduler: Scheduler
     block_manager: BlockManager
     requests: dict[str, Request]
-    released: set[str]
-    state: EngineState
     lora_updates: LoRAUpdates | None  # the adapters' changes (None without enable_lora)
+
+    @property
+    def released(self) -> set[str]: ...  # while ASLEEP: what sleep() released; read only (the lifecycle moves it)
+
+    @property
+    def state(self) -> EngineState: ...  # read only: moved by enter_state / leave_state
 
     def reset_prefix_cache(self, force: bool = False) -> None: ...
 

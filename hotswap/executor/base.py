@@ -21,8 +21,8 @@ class Executor(ABC):
     def collective_rpc(
         self,
         method: RpcMethod,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
         """Runs `method` on every worker and returns one result per worker, rank order.

@@ -107,8 +107,8 @@ class MultiprocExecutor(Executor):
     def collective_rpc(
         self,
         method: RpcMethod,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
         if self.broken:

@@ -17,8 +17,8 @@ class UniProcExecutor(Executor):
     def collective_rpc(
         self,
         method: RpcMethod,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
         # In process, a call cannot be interrupted safely, so `timeout` is accepted but not enforced here.

@@ -21,13 +21,96 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypedDict, cast
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+class NativeOps(Protocol):
+    """The operators the C++ sources register under `torch.ops.hotswap`, with their schemas' Python types (each
+    `m.def(...)` in the `*.cpp` beside this file). Only the facade (`ops.py`) and the calibration call them."""
+
+    def vector_bits(self) -> int: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def small_batch_linear(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, split: int = 0
+    ) -> torch.Tensor: ...
+    def small_batch_gated_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor: ...
+    def greedy_sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write_kv_cache(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor | None,
+        kv_of_q: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor: ...
+    def rope_paged_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor | None,
+        kv_of_q: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor: ...
+    def decoder_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        layers: Sequence[torch.Tensor | None],
+        k_caches: Sequence[torch.Tensor | None],
+        v_caches: Sequence[torch.Tensor | None],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor | None,
+        kv_of_q: torch.Tensor | None,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        eps: float,
+        final_norm: torch.Tensor,
+        native_linear: bool,
+        native_gated: bool,
+        native_silu: bool,
+        o_split: int,
+        down_split: int,
+        lora: Sequence[torch.Tensor | None],
+        lora_rows: Sequence[int],
+        onednn: Sequence[bool],
+    ) -> torch.Tensor: ...
+    def stream_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def scatter_(self, dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None: ...
+    def max_magnitude_bits(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
@@ -36,7 +119,14 @@ CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # use AVX-512 registers where the CPU has them
 _lock = threading.Lock()
-_state: dict[str, Any] = {}
+
+
+class _State(TypedDict, total=False):
+    ops: NativeOps | None  # the one load's result, once tried
+    vector_bits: int
+
+
+_state: _State = {}
 
 
 def enabled() -> bool:
@@ -76,7 +166,7 @@ def build_name() -> str:
     return f"hotswap_kernels_{target_isa()}_{digest.hexdigest()[:16]}"
 
 
-def ops() -> Any | None:
+def ops() -> NativeOps | None:
     """`torch.ops.hotswap` with the kernels registered, or None (see the module docstring). Thread-safe; builds
     at most once per process and remembers a failure."""
     if not enabled():
@@ -95,10 +185,10 @@ def vector_bits() -> int:
     with _lock:
         if "vector_bits" not in _state:
             _state["vector_bits"] = int(kernels.vector_bits())
-        return int(_state["vector_bits"])
+        return _state["vector_bits"]
 
 
-def _load() -> Any | None:
+def _load() -> NativeOps | None:
     from torch.utils import cpp_extension
 
     name = build_name()
@@ -109,7 +199,7 @@ def _load() -> Any | None:
             if library.is_file():  # the name hashes everything the build depends on: an existing library is it
                 try:
                     torch.ops.load_library(str(library))
-                    return torch.ops.hotswap
+                    return _registered()
                 except OSError:  # e.g. truncated by a killed build: build it again
                     logger.warning("rebuilding unreadable native kernel library %s", library)
             cpp_extension.load(
@@ -129,7 +219,13 @@ def _load() -> Any | None:
         )
         logger.debug("native kernel build output:\n%s", exc)
         return None
-    return torch.ops.hotswap
+    return _registered()
+
+
+def _registered() -> NativeOps:
+    """`torch.ops.hotswap` once the library is loaded: an operator namespace torch types by no schema; its
+    operators are those `NativeOps` lists."""
+    return cast(NativeOps, torch.ops.hotswap)
 
 
 @contextlib.contextmanager

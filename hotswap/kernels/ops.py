@@ -8,16 +8,20 @@ Deterministic mode is an argument (`deterministic=`), never ambient: a layer is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from hotswap.kernels import native
 from hotswap.kernels import packed as packing
+from hotswap.kernels.exact import exact as exact  # re-exported: layers wrap their own kernels in it
+from hotswap.kernels.exact import needs_grad as _needs_grad
+from hotswap.kernels.exact import product as _product
+from hotswap.kernels.native import NativeOps
 from hotswap.kernels.policy import (
+    KernelPolicy,
     _torch_greedy,
     _torch_rms_norm,
     _torch_rotary,
@@ -35,8 +39,17 @@ SMALL_BATCH_MIN_ROWS = 4
 SMALL_BATCH_ROWS = 64
 
 
-def _ops() -> Any:
+def _ops() -> NativeOps | None:
     return native.ops()
+
+
+def _kernels() -> NativeOps:
+    """The native kernels, where the caller's path takes them (the policy chose them, or deterministic mode, whose
+    user checked `require_native()`)."""
+    kernels = _ops()
+    if kernels is None:
+        raise RuntimeError("the native kernels are not available (see `require_native`)")
+    return kernels
 
 
 # ---- deterministic mode -----------------------------------------------------------------------------------
@@ -54,76 +67,6 @@ def require_native() -> None:
         raise RuntimeError(f"deterministic mode runs on hotswap's native kernels, and {why}")
 
 
-class _Exact(torch.autograd.Function):
-    """The kernel's result forward, the reference formula's gradient backward (see `exact`)."""
-
-    @staticmethod
-    def forward(ctx: Any, kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: Any) -> Any:
-        ctx.reference = reference
-        ctx.tensor_at = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
-        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
-        ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_at))
-        return kernel(*inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        args = list(ctx.others)
-        leaves = []
-        with torch.enable_grad():
-            for i, saved in zip(ctx.tensor_at, ctx.saved_tensors, strict=True):
-                args[i] = saved.detach().requires_grad_(saved.requires_grad)
-                leaves.append(args[i])
-            out = ctx.reference(*args)
-            outs = out if isinstance(out, tuple) else (out,)
-            live = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]  # others: no gradient
-            wanted = [t for t in leaves if t.requires_grad]
-            found = iter(torch.autograd.grad([o for o, _ in live], wanted, [g for _, g in live], allow_unused=True))
-        result: list[torch.Tensor | None] = [None] * len(args)
-        for i, leaf in zip(ctx.tensor_at, leaves, strict=True):
-            if leaf.requires_grad:
-                result[i] = next(found)
-        return (None, None, *result)
-
-
-def exact(kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: Any) -> Any:
-    """`kernel(*inputs)`; where autograd is recording, differentiable with the gradient of `reference(*inputs)`
-    (the same function written in torch ops). The trainer's forward (`hotswap.train.token_logprobs`) thus computes
-    the engine's bits and still back-propagates."""
-    if not _needs_grad(*(a for a in inputs if isinstance(a, torch.Tensor))):
-        return kernel(*inputs)
-    return _Exact.apply(kernel, reference, *inputs)  # type: ignore[no-untyped-call]
-
-
-class _Product(torch.autograd.Function):
-    """A product's kernel forward (`x · weightᵀ + bias` in the kernel's bits), F.linear's gradient backward, computed
-    from the saved inputs without running the product again."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return kernel(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[1] else None
-        grad_w = grad.t() @ x if ctx.needs_input_grad[2] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return None, grad_x, grad_w, grad_b
-
-
-def _product(
-    kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`kernel(x, weight, bias)`, a product equal to F.linear up to rounding; differentiable where autograd records."""
-    if not _needs_grad(x, weight, bias):
-        return kernel(x, weight, bias)
-    return cast(torch.Tensor, _Product.apply(kernel, x, weight, bias))  # type: ignore[no-untyped-call]
-
-
 def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the batch-invariant product (the native small-batch kernel at any row count) takes these
     inputs: float32 CPU tensors, x 2-D, rows of x and of the weight contiguous."""
@@ -138,8 +81,8 @@ def _canonical(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def _det_product(
-    kernel: Callable[..., Any],
-    reference: Callable[..., Any],
+    kernel: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -162,16 +105,12 @@ def _det_product(
     if reference is F.linear:  # its gradient needs no second product
         out = _product(kernel, rows, weight, bias)
     else:
-        out = cast(torch.Tensor, exact(kernel, reference, rows, weight, bias))
+        out = exact(kernel, reference, rows, weight, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _torch_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _torch_silu_and_mul(F.linear(x, weight, bias))
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _rows_fit(x: torch.Tensor) -> bool:
@@ -182,9 +121,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, deterministic: b
     """`weight * x / rms(x)`, computed in float32 and cast back to x's dtype."""
     if deterministic and x.device.type == "cpu" and x.dim() >= 2:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # per-head norms (q/k) come as [T, heads, D] views
-        return cast(torch.Tensor, exact(_ops().rms_norm, _torch_rms_norm, rows, weight, eps)).view(x.shape)
+        return exact(_kernels().rms_norm, _torch_rms_norm, rows, weight, eps).view(x.shape)
     if _rows_fit(x) and policy().uses("rms_norm", x.shape[0]):
-        return cast(torch.Tensor, _ops().rms_norm(x, weight, eps))
+        return _kernels().rms_norm(x, weight, eps)
     return _torch_rms_norm(x, weight, eps)
 
 
@@ -195,11 +134,11 @@ def add_rms_norm(
     it and must not need its old value."""
     if deterministic:
         if _rows_fit(x) and residual.is_contiguous() and not _needs_grad(x, residual, weight):
-            return _ops().add_rms_norm(x, residual, weight, eps), residual
+            return _kernels().add_rms_norm(x, residual, weight, eps), residual
         residual = residual + x  # one addition per element in float32, as the kernel's
         return rms_norm(residual, weight, eps, deterministic=True), residual
     if _rows_fit(x) and residual.is_contiguous() and policy().uses("add_rms_norm", x.shape[0]):
-        return _ops().add_rms_norm(x, residual, weight, eps), residual
+        return _kernels().add_rms_norm(x, residual, weight, eps), residual
     residual = residual + x
     return _torch_rms_norm(residual, weight, eps), residual
 
@@ -233,9 +172,9 @@ def linear(
     """`F.linear(x, weight, bias)`; equal up to float32 rounding on the native path. `packed`: the weight's
     oneDNN-packed bf16 copy (`packed.weight_for`), used for bf16 inputs without autograd."""
     if deterministic:
-        return _det_product(_ops().small_batch_linear, F.linear, x, weight, bias)
+        return _det_product(_kernels().small_batch_linear, F.linear, x, weight, bias)
     if small_batch_applies(x, weight, bias):
-        return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias))
+        return _kernels().small_batch_linear(x, weight, bias)
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _needs_grad(x, bias):
         return packing.linear(x, packed, bias)
     if not _needs_grad(x, weight, bias) and packing.dense_applies(x, weight):
@@ -251,7 +190,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     native call."""
 
     def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cast(torch.Tensor, _ops().small_batch_linear(x, weight, bias, split))
+        return _kernels().small_batch_linear(x, weight, bias, split)
 
     return _det_product(kernel, F.linear, x, weight, bias)
 
@@ -266,9 +205,9 @@ def gated_linear(
     """`silu_and_mul(F.linear(x, weight, bias))` for a [gate; up] weight [2I, K]: on the native path the gate is
     applied as the product is written, so the [T, 2I] projection never reaches memory."""
     if deterministic:
-        return _det_product(_ops().small_batch_gated_linear, _torch_gated, x, weight, bias)
+        return _det_product(_kernels().small_batch_gated_linear, _torch_gated, x, weight, bias)
     if small_batch_applies(x, weight, bias, "gated_linear"):
-        return cast(torch.Tensor, _ops().small_batch_gated_linear(x, weight, bias))
+        return _kernels().small_batch_gated_linear(x, weight, bias)
     return silu_and_mul(linear(x, weight, bias, packed))
 
 
@@ -276,7 +215,7 @@ def silu_and_mul(x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]`."""
     if deterministic and x.device.type == "cpu":
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = cast(torch.Tensor, exact(_ops().silu_and_mul, _torch_silu_and_mul, rows))
+        out = exact(_kernels().silu_and_mul, _torch_silu_and_mul, rows)
         return out.view(*x.shape[:-1], out.shape[-1])
     if (
         x.device.type == "cpu"
@@ -286,7 +225,7 @@ def silu_and_mul(x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and not _needs_grad(x)
     ):
-        return cast(torch.Tensor, _ops().silu_and_mul(x))
+        return _kernels().silu_and_mul(x)
     return _torch_silu_and_mul(x)
 
 
@@ -294,7 +233,7 @@ def sigmoid(x: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
     """`torch.sigmoid(x)`; in deterministic mode (float32 on the CPU) the native kernel, whose result for an
     element does not depend on its place in the tensor."""
     if deterministic and x.device.type == "cpu" and x.dtype == torch.float32:
-        return cast(torch.Tensor, exact(_ops().sigmoid, torch.sigmoid, x))
+        return exact(_kernels().sigmoid, torch.sigmoid, x)
     return torch.sigmoid(x)
 
 
@@ -314,9 +253,9 @@ def rotary(
     """Rotates q [T, H, D] and k [T, KVH, D] by the float32 cos/sin tables [P, D] at `positions` [T]; returns
     new contiguous tensors."""
     if deterministic and q.device.type == "cpu" and positions.dtype == torch.long:
-        return cast(tuple[torch.Tensor, torch.Tensor], exact(_ops().rotary, _torch_rotary, q, k, positions, cos, sin))
+        return exact(_kernels().rotary, _torch_rotary, q, k, positions, cos, sin)
     if rotary_applies(positions, q) and policy().uses("rotary", q.shape[0]):
-        return cast(tuple[torch.Tensor, torch.Tensor], _ops().rotary(q, k, positions, cos, sin))
+        return _kernels().rotary(q, k, positions, cos, sin)
     return _torch_rotary(q, k, positions, cos, sin)
 
 
@@ -325,7 +264,7 @@ def write_kv_cache(
 ) -> None:
     """Writes k/v [T, KVH, D] into the paged caches [blocks, block_size, KVH, D] at flat `slot_mapping` slots."""
     if policy().uses("write_kv_cache") and k.device.type == "cpu":
-        _ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        _kernels().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return
     heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
@@ -339,16 +278,54 @@ def paged_attention_available(deterministic: bool = False) -> bool:
     return deterministic or policy().uses("paged_attention")
 
 
-def paged_attention(*args: Any) -> torch.Tensor:
-    """The native `paged_attention` (q, k_cache, v_cache, block_tables, context_lens, query_lens?, kv_of_q?,
-    scale); only where `paged_attention_available()`."""
-    return cast(torch.Tensor, _ops().paged_attention(*args))
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The native `paged_attention`; only where `paged_attention_available()`."""
+    return _kernels().paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, kv_of_q, scale)
 
 
-def rope_paged_attention(*args: Any) -> torch.Tensor:
-    """The native `rope_paged_attention`: rotates q/k, writes the cache and attends, in one call (arguments as
-    the kernel's); only where `paged_attention_available()` and `rotary_applies`."""
-    return cast(torch.Tensor, _ops().rope_paged_attention(*args))
+def rope_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The native `rope_paged_attention`: rotates q/k, writes the cache and attends, in one call; only where
+    `paged_attention_available()` and `rotary_applies`."""
+    return _kernels().rope_paged_attention(
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        query_lens,
+        kv_of_q,
+        scale,
+    )
 
 
 @dataclass(frozen=True)
@@ -407,7 +384,7 @@ def greedy_sample(logits: torch.Tensor, deterministic: bool = False) -> tuple[to
     """(argmax token [R], its log-probability [R]) per row of float32 `logits` [R, V], the first maximum on
     ties, without materialising the log-softmax."""
     if greedy_native(logits, deterministic):
-        tokens, chosen = _ops().greedy_sample(logits)
+        tokens, chosen = _kernels().greedy_sample(logits)
         return tokens, chosen
     return _torch_greedy(logits)
 
@@ -418,8 +395,60 @@ def decoder_stack_available(rows: int, deterministic: bool = False) -> bool:
     return deterministic or policy().uses("decoder_stack", rows)
 
 
-def decoder_layers(*args: Any) -> torch.Tensor:
-    return cast(torch.Tensor, _ops().decoder_layers(*args))
+def decoder_layers(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    layers: Sequence[torch.Tensor | None],
+    k_caches: Sequence[torch.Tensor | None],
+    v_caches: Sequence[torch.Tensor | None],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    kv_of_q: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    eps: float,
+    final_norm: torch.Tensor,
+    native_linear: bool,
+    native_gated: bool,
+    native_silu: bool,
+    o_split: int,
+    down_split: int,
+    lora: Sequence[torch.Tensor | None],
+    lora_rows: Sequence[int],
+    onednn: Sequence[bool],
+) -> torch.Tensor:
+    """The native decoder stack (decoder.cpp; arguments as `NativeOps.decoder_layers`); only where
+    `decoder_stack_available`."""
+    return _kernels().decoder_layers(
+        x,
+        positions,
+        layers,
+        k_caches,
+        v_caches,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        query_lens,
+        kv_of_q,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        eps,
+        final_norm,
+        native_linear,
+        native_gated,
+        native_silu,
+        o_split,
+        down_split,
+        lora,
+        lora_rows,
+        onednn,
+    )
 
 
 # ---- copies of weights into place -------------------------------------------------------------------------
@@ -436,7 +465,7 @@ def stream_copy_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return _stream_kernel(dst, src) is not None
 
 
-def _stream_kernel(dst: torch.Tensor, src: torch.Tensor) -> Any:
+def _stream_kernel(dst: torch.Tensor, src: torch.Tensor) -> NativeOps | None:
     nbytes = dst.nbytes
     if (
         nbytes < STREAM_COPY_MIN_BYTES
@@ -454,10 +483,12 @@ def _stream_kernel(dst: torch.Tensor, src: torch.Tensor) -> Any:
     return _gate("stream_copy", stream_copy_faster)
 
 
-_GATES: dict[tuple[str, Any, int], Any] = {}  # (gate, policy, threads) -> the kernels, or None: each decided once
+_GATES: dict[
+    tuple[str, KernelPolicy, int], NativeOps | None
+] = {}  # (gate, policy, threads) -> the kernels, or None: each decided once
 
 
-def _gate(name: str, faster: Callable[[], bool]) -> Any:
+def _gate(name: str, faster: Callable[[], bool]) -> NativeOps | None:
     """The native kernels if a measured native path is taken under the current policy, else None: never in torch
     mode or without the build, always in native mode, where `faster()` (measured once, cached) says so in auto
     mode."""
@@ -511,4 +542,5 @@ def max_magnitude_bits(tensors: list[torch.Tensor]) -> list[int] | None:
     kernels = _gate("finite_check", finite_check_faster)
     if kernels is None:
         return None
-    return cast(list[int], kernels.max_magnitude_bits(tensors).tolist())
+    bits: list[int] = kernels.max_magnitude_bits(tensors).tolist()
+    return bits

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,8 @@ from torch import nn
 
 from hotswap.kernels.measurements import measured
 
-_ATTR = "_hotswap_packed"  # module attribute: (data_ptr, shape, packed weight)
+_ATTR = "_hotswap_packed"  # module attribute: a PackedEntry
+PackedEntry = tuple[int, torch.Size, torch.Tensor]  # (the weight's data_ptr, its shape, its packed copy)
 PACK_ROWS = 32  # the batch size oneDNN is told to pick its blocked layout for (decode batches)
 
 
@@ -68,7 +70,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _time_ratio(candidate: Any, baseline: Any, reps: int) -> float:
+def _time_ratio(candidate: Callable[[], object], baseline: Callable[[], object], reps: int) -> float:
     """The fastest of `reps` calls of `candidate` over the fastest of `baseline`'s, the two taking turns (after one
     warm-up call each)."""
     calls = (candidate, baseline)
@@ -222,11 +224,11 @@ def weight_for(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
         or not faster(weight.shape[0], weight.shape[1])
     ):
         return None
-    entry: Any = module.__dict__.get(_ATTR)
+    entry: PackedEntry | None = module.__dict__.get(_ATTR)
     if entry is None or entry[0] != weight.data_ptr() or entry[1] != weight.shape:
         entry = (weight.data_ptr(), weight.shape, pack(weight))
         module.__dict__[_ATTR] = entry
-    return entry[2]  # type: ignore[no-any-return]
+    return entry[2]
 
 
 def drop(module: nn.Module) -> None:
@@ -234,12 +236,13 @@ def drop(module: nn.Module) -> None:
     module.__dict__.pop(_ATTR, None)
 
 
-def take(module: nn.Module) -> Any:
+def take(module: nn.Module) -> PackedEntry | None:
     """Removes and returns `module`'s packed copy (None: it has none), to `put` back later (staged weights)."""
-    return module.__dict__.pop(_ATTR, None)
+    entry: PackedEntry | None = module.__dict__.pop(_ATTR, None)
+    return entry
 
 
-def put(module: nn.Module, entry: Any) -> None:
+def put(module: nn.Module, entry: PackedEntry | None) -> None:
     """Gives `module` a packed copy `take` returned (None: none); used only if it was packed from the weight's
     present storage."""
     if entry is None:

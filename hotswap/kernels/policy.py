@@ -44,6 +44,7 @@ from hotswap.kernels.measurements import (
     threads_and_isa,
 )
 from hotswap.kernels.measurements import store as _store
+from hotswap.kernels.native import NativeOps
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ STREAM_COPY_BYTES = 128 << 20  # what the weight-write gates write: more than mo
 SCATTER_FRACTION = 0.02  # the share of the elements the scatter gate writes: an RL step's footprint
 
 
-def _write_gate(op: str, key: str, measure: Callable[[Any], dict[int, float]]) -> bool:
+def _write_gate(op: str, key: str, measure: Callable[[NativeOps], dict[int, float]]) -> bool:
     """A weight-write gate's verdict (`measured`: native over torch below WIN_RATIO, cached with the calibration;
     the facade keeps it per policy and thread count); False without the native build. `measure(kernels)` returns
     {1: native time / torch time}, the fastest of 3 each, in turn."""
@@ -334,7 +335,7 @@ def stream_copy_faster() -> bool:
     for a destination far larger than the caches (STREAM_COPY_BYTES), as a weight update writes. Measured once per
     machine, ISA cap and thread count (about 0.3 s and twice STREAM_COPY_BYTES of memory while it runs)."""
 
-    def measure(kernels: Any) -> dict[int, float]:
+    def measure(kernels: NativeOps) -> dict[int, float]:
         src = torch.ones(STREAM_COPY_BYTES, dtype=torch.uint8)
         dst = torch.zeros_like(src)
         return _ratio(lambda: kernels.stream_copy_(dst, src), lambda: dst.copy_(src))
@@ -347,7 +348,7 @@ def scatter_faster() -> bool:
     SCATTER_FRACTION of a float32 destination of STREAM_COPY_BYTES at sorted random positions (a sparse delta).
     Measured once per machine, ISA cap and thread count."""
 
-    def measure(kernels: Any) -> dict[int, float]:
+    def measure(kernels: NativeOps) -> dict[int, float]:
         gen = torch.Generator().manual_seed(0)
         dst = torch.zeros(STREAM_COPY_BYTES // 4)
         count = int(SCATTER_FRACTION * dst.numel())
@@ -363,7 +364,7 @@ def finite_check_faster() -> bool:
     least 5 % faster than torch's check of each (`isfinite(t.sum())`, what `all_finite` runs) on STREAM_COPY_BYTES of
     float32 in 2 MB tensors (a model's weights). Measured once per machine, ISA cap and thread count."""
 
-    def measure(kernels: Any) -> dict[int, float]:
+    def measure(kernels: NativeOps) -> dict[int, float]:
         count = max(4, STREAM_COPY_BYTES >> 21)
         tensors = [torch.ones(STREAM_COPY_BYTES // count // 4) for _ in range(count)]
         return _ratio(
@@ -373,7 +374,7 @@ def finite_check_faster() -> bool:
     return _write_gate("finite_check", "float32", measure)
 
 
-def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
+def _calibration(kernels: NativeOps, shapes: Shapes) -> dict[str, dict[int, float]]:
     """Ratios per calibrated op and batch for these shapes: from the cache beside the build, else measured and
     cached."""
     path = measurements.cache_file()
@@ -394,7 +395,7 @@ def _calibration(kernels: Any, shapes: Shapes) -> dict[str, dict[int, float]]:
     return ratios
 
 
-def calibrate(kernels: Any, shapes: Shapes, reps: int = 9) -> dict[str, dict[int, float]]:
+def calibrate(kernels: NativeOps, shapes: Shapes, reps: int = 9) -> dict[str, dict[int, float]]:
     """Times every calibrated op, native against its torch path in turn (`paired_seconds`), at each of BATCHES
     rows; returns native / torch per op and batch. The linear weights cycle through as many copies as the model has
     layers (up to 64 MB of them), so that a product finds its weight where a decode step would: in the cache for
@@ -453,7 +454,7 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _pairs(
-    kernels: Any,
+    kernels: NativeOps,
     shapes: Shapes,
     m: int,
     randn: Callable[..., torch.Tensor],

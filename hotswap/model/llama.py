@@ -52,11 +52,13 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         theta, scaling = rope_settings(cfg)
         max_position = cfg.get("max_position_embeddings", 2048)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling, det)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, theta, scaling, deterministic=det)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps, det) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, det) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_proj.kv_of_q, det)
+        self.q_norm = RMSNorm(self.head_dim, eps, deterministic=det) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, deterministic=det) if qk_norm else None
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_proj.kv_of_q, deterministic=det
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         qkv = call(self.qkv_proj, x, ctx.lora)
@@ -75,7 +77,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], settings, bias=bias)
         self.down_proj = Linear(intermediate, hidden, settings, bias=bias, parallel="row")
-        self.act_fn = SiluAndMul(settings.deterministic)
+        self.act_fn = SiluAndMul(deterministic=settings.deterministic)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         """The SwiGLU block on `x`, with the adapters of the pass `ctx` (None: none)."""
@@ -101,8 +103,8 @@ class LlamaDecoderLayer(nn.Module):
         if mlp is None:
             mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], settings, bool(cfg.get("mlp_bias", False)))
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, det)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, det)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, deterministic=det)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, deterministic=det)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
@@ -134,7 +136,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, settings, qkv_bias, qk_norm, mlp_for(i)) for i in range(cfg["num_hidden_layers"])
         )
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), settings.deterministic)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), deterministic=settings.deterministic)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

@@ -116,11 +116,11 @@ def _plain_name(name: str) -> str:
 
 def mirror_of(model: nn.Module) -> _Mirror:
     """`model`'s mirror, built on first use and kept on the model (its layout never changes)."""
-    mirror = model.__dict__.get("_hotswap_mirror")
+    mirror: _Mirror | None = model.__dict__.get("_hotswap_mirror")
     if mirror is None:
         mirror = _build_mirror(model)
         model.__dict__["_hotswap_mirror"] = mirror
-    return cast(_Mirror, mirror)
+    return mirror
 
 
 def _parameters(mirror: _Mirror, model: nn.Module) -> dict[str, torch.Tensor]:

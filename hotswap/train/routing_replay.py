@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -20,13 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a router's (logits, weights, expert ids)
+
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's routers in layer order (transformers 5 `*TopKRouter` modules)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
-def _as_tensor(routed_experts: Any, batch: int, length: int, layers: int, top_k: int) -> torch.Tensor:
+def _as_tensor(routed_experts: object, batch: int, length: int, layers: int, top_k: int) -> torch.Tensor:
     """[batch * length, layers, top_k] int64, -1 rows where the router chooses (beyond the routes given)."""
     items = list(routed_experts) if isinstance(routed_experts, (list, tuple)) else None
     if items is None:
@@ -47,7 +49,7 @@ def _as_tensor(routed_experts: Any, batch: int, length: int, layers: int, top_k:
 
 
 @contextlib.contextmanager
-def replay_routes(model: nn.Module, routed_experts: Any, input_shape: tuple[int, int]) -> Iterator[None]:
+def replay_routes(model: nn.Module, routed_experts: object, input_shape: tuple[int, int]) -> Iterator[None]:
     """Within the block, forward passes of `model` over inputs of `input_shape` (batch, length) route token t of
     sequence b through `routed_experts[b][t]` ([sparse layers, top_k] global expert ids; rows beyond those given,
     or rows of -1, route themselves). `routed_experts`: one array per sequence ([tokens, layers, top_k], tokens <=
@@ -73,8 +75,10 @@ def replay_routes(model: nn.Module, routed_experts: Any, input_shape: tuple[int,
                 router.forward = previous
 
 
-def _replaying(original: Any, forced: torch.Tensor) -> Any:
-    def forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _replaying(
+    original: Callable[[torch.Tensor], _Routed], forced: torch.Tensor
+) -> Callable[[nn.Module, torch.Tensor], _Routed]:
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> _Routed:
         logits, scores, indices = original(hidden_states)
         if logits.shape[0] != forced.shape[0]:
             raise ValueError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -31,7 +31,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any) -> torch.dtype:
+def parse_dtype(name: object) -> torch.dtype:
     """torch dtype from its name ("float32", "torch.bfloat16"). Raises ValueError for anything else."""
     value = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
@@ -126,4 +126,5 @@ def create_engine(init_info: dict[str, Any], config: WeightTransferConfig) -> Tr
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"unknown weight transfer backend {backend!r}; expected one of {sorted(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
-    return cast("TransferEngine", getattr(importlib.import_module(module_name), class_name)(init_info, config))
+    engine: type[TransferEngine] = getattr(importlib.import_module(module_name), class_name)
+    return engine(init_info, config)

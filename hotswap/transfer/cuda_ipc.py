@@ -44,11 +44,12 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, declare, declared_from_info, dtype_name, parse_dtype
 from hotswap.transfer.safe_pickle import (
     CpuHandle,
@@ -78,7 +79,7 @@ def device_key(device: torch.device) -> str:
 # ---- trainer side ---------------------------------------------------------------------------------------------
 
 
-def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, ...]]:
+def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., object], tuple[object, ...]]:
     """A CPU storage as a `file_system` segment handle, whatever the process's sharing strategy (a file descriptor
     handle cannot cross to an unrelated process). The sender holds the storage until `release()`; unlike torch's
     own reduction this takes no extra reference for the receiver to drop, so the segment goes with the last of
@@ -93,7 +94,7 @@ def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, 
     return rebuild_storage_filename, (type(storage), manager, name, size)
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     """`obj` pickled with a ForkingPickler: tensors as torch's `reduce_tensor` exports them (CUDA IPC handles, CPU
     storages as `file_system` segments). The caller keeps the tensors alive while a receiver may open them."""
     from multiprocessing.reduction import ForkingPickler
@@ -291,7 +292,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _select(entries: Any, key: str, what: str) -> Any:
+def _select(entries: object, key: str, what: str) -> object:
     """The entry of `entries` ({device key: handle(s)}) for the engine whose key is `key`, else a "cpu" one."""
     if not isinstance(entries, dict) or not entries:
         raise ValueError(f"{what} must map a GPU UUID (or 'cpu') to handles, got {type(entries).__name__}")
@@ -317,7 +318,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _int_list(value: Any, count: int, what: str) -> list[int]:
+def _int_list(value: object, count: int, what: str) -> list[int]:
     if not isinstance(value, list | tuple) or len(value) != count or not all(type(v) is int and v >= 0 for v in value):
         raise ValueError(f"{what} must list {count} non-negative integers (one per declared tensor)")
     return list(value)
@@ -345,7 +346,7 @@ def _unpack(flat: TensorHandle, declared: Declared, offsets: list[int], device: 
     return pairs
 
 
-def _vllm_handles(update_info: dict[str, Any]) -> Any:
+def _vllm_handles(update_info: dict[str, Any]) -> object:
     """vLLM's handles: `ipc_handles_pickled` read by the restricted unpickler; `ipc_handles` given as Python objects
     are pickled and read the same way (one check for every path)."""
     if update_info.get("ipc_handles_pickled") is not None:
@@ -400,7 +401,7 @@ def open_update(update_info: dict[str, Any], declared: Declared, device: torch.d
 SGLANG_LOAD_FORMATS = (None, "flattened_bucket")
 
 
-def _meta(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
+def _meta(entry: object) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
     """(name, dtype, shape, start, end) of one flattened-bucket metadata entry (SGLang's dataclass, or a dict)."""
     get = entry.field if isinstance(entry, SglangRecord) else entry.get if isinstance(entry, dict) else None
     if get is None:
@@ -419,7 +420,7 @@ def _meta(entry: Any) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
     return name, dtype, dims, start, end
 
 
-def _sglang_tensor(value: Any, rank: int) -> TensorHandle:
+def _sglang_tensor(value: object, rank: int) -> TensorHandle:
     if isinstance(value, LocalSerializedTensor):  # serialized once per rank, each a pickle of its own
         values = value.field("values")
         if not isinstance(values, list | tuple) or not values:
@@ -428,7 +429,7 @@ def _sglang_tensor(value: Any, rank: int) -> TensorHandle:
     return as_handle(value, "a serialized_named_tensors value")
 
 
-def open_sglang(serialized: Any, load_format: Any, device: torch.device, rank: int = 0) -> Pairs:
+def open_sglang(serialized: object, load_format: object, device: torch.device, rank: int = 0) -> Pairs:
     """The tensors of SGLang's `serialized_named_tensors` (this rank's entry, or the only one), opened onto `device`:
     (name, tensor) pairs, or with `load_format` "flattened_bucket" {"flattened_tensor", "metadata"} (byte ranges of
     a uint8 bucket, or element ranges of a bucket of the tensors' one dtype). Raises ValueError for anything
@@ -485,7 +486,7 @@ class CudaIpcEngine(TransferEngine):
     """Worker side (init_info: {"backend": "cuda_ipc" | "ipc"}, optionally "device"). Nothing to connect; each update
     opens its handles, and the engine lets go of them when the update ends (or at the next update, or shutdown)."""
 
-    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         super().__init__(init_info, config)
         self.device = engine_device(init_info)
         self.opened: Pairs = []  # the current update's tensors, over the trainer's memory

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine
 from hotswap.weights.host_staging import HostStaging, stage_to_device, staging_for
 from hotswap.weights.update import WeightSource, folder_source
@@ -21,7 +22,7 @@ class DiskEngine(TransferEngine):
     """Worker side (init_info: {"backend": "disk"}, optionally "device" and "staging_slot_bytes", see
     `staging_for`)."""
 
-    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         super().__init__(init_info, config)
         self.staging: HostStaging | None = staging_for(init_info)
 

@@ -24,7 +24,7 @@ import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -129,25 +129,25 @@ class LocalSerializedTensor(SglangRecord):
 # ---- argument checks ---------------------------------------------------------------------------------------
 
 
-def _int(value: Any, what: str) -> int:
+def _int(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value < _MAX_INT:
         raise BadHandle(f"shared tensor handle: {what} must be a non-negative integer, got {type(value).__name__}")
     return value
 
 
-def _bool(value: Any, what: str) -> bool:
+def _bool(value: object, what: str) -> bool:
     if type(value) is not bool:
         raise BadHandle(f"shared tensor handle: {what} must be a bool, got {type(value).__name__}")
     return value
 
 
-def _dims(value: Any, what: str) -> tuple[int, ...]:
+def _dims(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or len(value) > _MAX_DIMS:
         raise BadHandle(f"shared tensor handle: {what} must be a tuple of at most {_MAX_DIMS} integers")
     return tuple(_int(v, what) for v in value)
 
 
-def _bytes(value: Any, what: str, optional: bool = False) -> bytes | None:
+def _bytes(value: object, what: str, optional: bool = False) -> bytes | None:
     if value is None and optional:
         return None
     if not isinstance(value, bytes) or len(value) > 4096:
@@ -155,13 +155,13 @@ def _bytes(value: Any, what: str, optional: bool = False) -> bytes | None:
     return value
 
 
-def _dtype(value: Any) -> torch.dtype:
+def _dtype(value: object) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise BadHandle(f"shared tensor handle: dtype must be a torch dtype, got {type(value).__name__}")
     return value
 
 
-def _class(value: Any, marker: _Marker) -> None:
+def _class(value: object, marker: _Marker) -> None:
     if value is not marker:
         raise BadHandle(f"shared tensor handle: expected the class {marker.name}, got {value!r}"[:200])
 
@@ -187,11 +187,13 @@ def _fits(size: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: to
 # ---- the builders the allowlisted rebuild functions resolve to ---------------------------------------------
 
 
-def _size(dims: Any) -> tuple[int, ...]:
+def _size(dims: object) -> tuple[int, ...]:
     return _dims(dims, "a torch.Size")
 
 
-def _rebuild_storage_filename(cls: Any, manager: Any, name: Any, size: Any, dtype: Any = None) -> Any:
+def _rebuild_storage_filename(
+    cls: object, manager: object, name: object, size: object, dtype: object = None
+) -> SharedFile | _TypedFile:
     _class(cls, STORAGE_CLASS)
     manager, name = _bytes(manager, "the manager socket"), _bytes(name, "the segment name")
     assert manager is not None and name is not None
@@ -206,18 +208,18 @@ def _rebuild_storage_filename(cls: Any, manager: Any, name: Any, size: Any, dtyp
     return _TypedFile(SharedFile(manager, name, count * dtype.itemsize), dtype)
 
 
-def _rebuild_storage_empty(cls: Any) -> None:
+def _rebuild_storage_empty(cls: object) -> None:
     _class(cls, STORAGE_CLASS)
     return None
 
 
-def _rebuild_typed_storage(storage: Any, dtype: Any) -> _TypedFile:
+def _rebuild_typed_storage(storage: object, dtype: object) -> _TypedFile:
     if storage is not None and not isinstance(storage, SharedFile):
         raise BadHandle(f"shared tensor handle: a typed storage over {type(storage).__name__}, not a shared segment")
     return _TypedFile(storage, _dtype(dtype))
 
 
-def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> CpuHandle:
+def _rebuild_tensor(cls: object, storage: object, metadata: object) -> CpuHandle:
     _class(cls, TENSOR_CLASS)
     if not isinstance(storage, _TypedFile):
         raise BadHandle(f"shared tensor handle: a CPU tensor over {type(storage).__name__}, not a shared storage")
@@ -229,7 +231,7 @@ def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> CpuHandle:
     return CpuHandle(storage.storage, storage.dtype, size, stride, offset)
 
 
-def _cuda_handle(args: tuple[Any, ...], device: int | str) -> CudaHandle:
+def _cuda_handle(args: tuple[object, ...], device: int | str) -> CudaHandle:
     if len(args) != 15:
         raise BadHandle(f"shared tensor handle: rebuild_cuda_tensor takes 15 arguments, got {len(args)}")
     _class(args[0], TENSOR_CLASS)
@@ -255,11 +257,11 @@ def _cuda_handle(args: tuple[Any, ...], device: int | str) -> CudaHandle:
     return handle
 
 
-def _rebuild_cuda_tensor(*args: Any) -> CudaHandle:
+def _rebuild_cuda_tensor(*args: object) -> CudaHandle:
     return _cuda_handle(args, _int(args[6], "the device index") if len(args) > 6 else -1)
 
 
-def _rebuild_cuda_tensor_by_uuid(*args: Any) -> CudaHandle:
+def _rebuild_cuda_tensor_by_uuid(*args: object) -> CudaHandle:
     """SGLang's patched reductions put the GPU's UUID (or still an index) where torch puts the device index."""
     device = args[6] if len(args) > 6 else None
     if not isinstance(device, str | int) or isinstance(device, bool) or (isinstance(device, str) and len(device) > 64):
@@ -279,7 +281,7 @@ _REFUSED_HINTS = {
     "torch's reductions through a ForkingPickler (CudaIpcSender does)",
 }
 
-ALLOWED: dict[tuple[str, str], Any] = {
+ALLOWED: dict[tuple[str, str], object] = {
     (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
     (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
     (_REDUCTIONS, "rebuild_typed_storage"): _rebuild_typed_storage,
@@ -298,7 +300,7 @@ ALLOWED: dict[tuple[str, str], Any] = {
 from any `sglang.*` module `_rebuild_cuda_tensor_modified` (its patched reductions), `FlattenedTensorMetadata` and
 `LocalSerializedTensor`."""
 
-_SGLANG: dict[str, Any] = {
+_SGLANG: dict[str, object] = {
     "_rebuild_cuda_tensor_modified": _rebuild_cuda_tensor_by_uuid,
     "FlattenedTensorMetadata": FlattenedTensorMetadata,
     "LocalSerializedTensor": LocalSerializedTensor,
@@ -306,10 +308,14 @@ _SGLANG: dict[str, Any] = {
 
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}  # no lazy imports
 
-_BUILDERS: tuple[Callable[..., Any], ...] = (_rebuild_tensor, _rebuild_cuda_tensor, _rebuild_cuda_tensor_by_uuid)
+_BUILDERS: tuple[Callable[..., TensorHandle], ...] = (
+    _rebuild_tensor,
+    _rebuild_cuda_tensor,
+    _rebuild_cuda_tensor_by_uuid,
+)
 
 
-def as_handle(value: Any, what: str = "a handle") -> TensorHandle:
+def as_handle(value: object, what: str = "a handle") -> TensorHandle:
     """`value` as a tensor handle: one already built while loading, torch's (rebuild function, arguments) pair as
     `reduce_tensor` returns it (the function an allowlisted one), or `rebuild_cuda_tensor`'s 15 arguments alone
     (vLLM's form). Raises ValueError for anything else."""
@@ -335,7 +341,7 @@ def allowlist() -> str:
     return ", ".join([*names, "torch.<dtype>", *(f"sglang.*.{n}" for n in sorted(_SGLANG))])
 
 
-def resolve(module: str, name: str) -> Any:
+def resolve(module: str, name: str) -> object:
     """What the global `module.name` resolves to in a request pickle. Raises RefusedGlobal outside the allowlist."""
     found = ALLOWED.get((module, name))
     if found is not None:
@@ -354,14 +360,14 @@ def resolve(module: str, name: str) -> Any:
 
 
 class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         return resolve(module, name)
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> NoReturn:
         raise ValueError("request pickles may not carry persistent ids")
 
 
-def decode_base64(payload: Any, what: str = "payload") -> bytes:
+def decode_base64(payload: object, what: str = "payload") -> bytes:
     """The bytes of a base64 string (bytes pass through). Raises ValueError for anything else."""
     if isinstance(payload, bytes):
         return payload
@@ -373,7 +379,7 @@ def decode_base64(payload: Any, what: str = "payload") -> bytes:
         raise ValueError(f"{what} is not valid base64 ({err})") from None
 
 
-def loads(payload: bytes | str, what: str = "payload") -> Any:
+def loads(payload: object, what: str = "payload") -> Any:
     """The object a request pickle (bytes, or their base64) describes, with handles as `CudaHandle` / `CpuHandle`.
     Raises RefusedGlobal for a global outside the allowlist, ValueError for anything malformed; nothing is opened."""
     raw = decode_base64(payload, what)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
+from torch._C._distributed_c10d import ProcessGroup, Store
 
+from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import declared_from_info
 from hotswap.transfer.torch_dist import TorchDistEngine, _root, _tensor_view, _wait
 from hotswap.weights.update import WeightSource
@@ -25,9 +27,9 @@ from hotswap.weights.update import WeightSource
 
 def custom_group(
     address: str, port: int, rank: int, world: int, timeout_s: float, backend: str, group_name: str
-) -> tuple[Any, Any]:
+) -> tuple[Store, ProcessGroup]:
     """(store, group): the trainer's custom process group, joined as `rank` of `world`."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import GroupName, PrefixStore, _new_process_group_helper, _world
     from torch.distributed.rendezvous import rendezvous
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -35,7 +37,7 @@ def custom_group(
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
-        world, rank, [], backend, prefixed, group_name=cast(Any, group_name), backend_options=None, timeout=timeout
+        world, rank, [], backend, prefixed, group_name=GroupName(group_name), backend_options=None, timeout=timeout
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     return store, group
@@ -45,7 +47,7 @@ class SglangDistEngine(TorchDistEngine):
     """Worker side (init_info: master_address, master_port, rank_offset, world_size, group_name, backend "gloo" |
     "nccl"). Joins in the background like torch_dist; an update's tensors arrive as SGLang's trainers send them."""
 
-    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         self.group_name = str(init_info.get("group_name", "weight_update_group"))
         self.dist_backend = str(init_info.get("dist_backend", "gloo"))
         if self.dist_backend not in ("gloo", "nccl"):
@@ -56,7 +58,7 @@ class SglangDistEngine(TorchDistEngine):
 
     def _connect(
         self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Store, ProcessGroup]:
         return custom_group(address, port, rank, world, timeout_s, self.dist_backend, self.group_name)
 
     def source(self, update_info: dict[str, Any]) -> WeightSource:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hotswap.config import WeightTransferConfig
 from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
 from hotswap.weights.host_staging import HostStaging, stage_to_device, staging_for
 from hotswap.weights.update import WeightSource
@@ -184,7 +185,7 @@ class ShmEngine(TransferEngine):
     device through two pinned host slots (hotswap/weights/host_staging.py, `staging_for`); "device": "cpu"
     turns that off."""
 
-    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         super().__init__(init_info, config)
         self.segments: dict[str, _Mapping] = {}
         self.staging: HostStaging | None = staging_for(init_info)

@@ -32,9 +32,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import BroadcastOptions, Store, TCPStore, Work
 from torch.distributed import ProcessGroupGloo
 
+from hotswap.config import WeightTransferConfig
 from hotswap.device import parse_device
 from hotswap.distributed import current_parallel
 from hotswap.transfer.base import TransferEngine, check_interrupt, declare, declared_from_info
@@ -70,7 +71,7 @@ def _tensor_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: t
 DIST_BACKENDS = ("gloo", "nccl")
 
 
-def resolve_group_settings(device: Any, dist_backend: Any) -> tuple[str, str]:
+def resolve_group_settings(device: object, dist_backend: object) -> tuple[str, str]:
     """(device, backend) validated and normalised: `device` "cpu", "cuda" (the current CUDA device) or "cuda:N"
     becomes "cpu" / "cuda:N"; `dist_backend` None picks NCCL for a CUDA device and gloo on the CPU. Raises
     ValueError for a malformed device (or CUDA where none is visible), an unknown backend, NCCL with a CPU device,
@@ -79,7 +80,7 @@ def resolve_group_settings(device: Any, dist_backend: Any) -> tuple[str, str]:
     if name is None:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     backend = ("gloo" if name == "cpu" else "nccl") if dist_backend is None else dist_backend
-    if backend not in DIST_BACKENDS:
+    if not isinstance(backend, str) or backend not in DIST_BACKENDS:
         raise ValueError(f"dist_backend must be one of {list(DIST_BACKENDS)}, got {dist_backend!r}")
     if backend == "nccl" and name == "cpu":
         raise ValueError(
@@ -178,9 +179,7 @@ class TorchDistSender:
         self._buffers = []
 
 
-def _root(rank: int) -> Any:
-    from torch.distributed import BroadcastOptions
-
+def _root(rank: int) -> BroadcastOptions:
     opts = BroadcastOptions()
     opts.rootRank = rank
     opts.rootTensor = 0
@@ -201,7 +200,7 @@ class TorchDistEngine(TransferEngine):
 
     survives_failure = False
 
-    def __init__(self, init_info: dict[str, Any], config: Any) -> None:
+    def __init__(self, init_info: dict[str, Any], config: WeightTransferConfig) -> None:
         super().__init__(init_info, config)
         try:
             address, port = str(init_info["master_address"]), int(init_info["master_port"])
@@ -217,12 +216,12 @@ class TorchDistEngine(TransferEngine):
             raise ValueError(f"rank_offset must be an integer >= 1 (the trainer is rank 0), got {offset!r}")
         self.where = f"{address}:{port}"
         tp = current_parallel()
-        self.store: TCPStore | None = None  # set once joined; None again once shut down
-        self.group: Any = None
+        self.store: Store | None = None  # set once joined; None again once shut down
+        self.group: Any = None  # a process group (torch's stubs give its backends no collectives)
         self._buffers: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._closed = False
-        self._works: list[Any] = []  # the broadcasts of the update being received
+        self._works: list[Work] = []  # the broadcasts of the update being received
         self._lock = threading.Lock()
         key = (address, port, offset + tp.rank)
         world = init_info.get("world_size", offset + tp.size)
@@ -243,14 +242,14 @@ class TorchDistEngine(TransferEngine):
 
     def _connect(
         self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Store, Any]:
         """Joins the trainer's group over `group_backend`: (store, process group)."""
         return _group(address, port, rank, world, timeout_s, device, self.group_backend)
 
-    def _join(self, *args: Any) -> None:
+    def _join(self, address: str, port: int, rank: int, world: int, timeout_s: float, device: str) -> None:
         try:
             bind_device(self.device)  # this thread's: NCCL builds its communicator on the current device
-            store, group = self._connect(*args)
+            store, group = self._connect(address, port, rank, world, timeout_s, device)
         except BaseException as err:  # reported by ready()
             self._error = err
             return
@@ -291,12 +290,13 @@ class TorchDistEngine(TransferEngine):
 
         return WeightSource(declared, tensors, description="torch_dist update")
 
-    def _post(self, slot: int, size: int) -> Any:
+    def _post(self, slot: int, size: int) -> Work:
         while len(self._buffers) <= slot:
             self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if self._buffers[slot].numel() < size:
             self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return self.group.broadcast([self._buffers[slot][:size]], _root(0))
+        work: Work = self.group.broadcast([self._buffers[slot][:size]], _root(0))
+        return work
 
     def shutdown(self) -> None:
         with self._lock:
@@ -312,14 +312,16 @@ class TorchDistEngine(TransferEngine):
         self._buffers = []
 
 
-_abandoned: list[Any] = []  # the last few shut-down groups and their buffers (see TorchDistEngine.shutdown)
+_abandoned: list[
+    tuple[object, Store | None, list[torch.Tensor]]
+] = []  # the last few shut-down groups and their buffers (see TorchDistEngine.shutdown)
 # (address, port, rank) -> the thread joining that group: a second join as the same rank while the first still
 # runs could pair the trainer with the stale one
 _joins: dict[tuple[str, int, int], threading.Thread] = {}
 _joins_lock = threading.Lock()
 
 
-def _wait(work: Any) -> None:
+def _wait(work: Work) -> None:
     """Waits for a collective, checking for `interrupt_waits()` meanwhile; its own timeout still applies."""
     pause = 2e-5
     while not work.is_completed():

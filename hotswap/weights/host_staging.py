@@ -34,12 +34,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import torch
 
 from hotswap.kernels import ops
 from hotswap.weights.update import WeightSource
+
+T = TypeVar("T")  # what a stream's pairs carry: host tensors are staged, anything else passes through
 
 DEFAULT_SLOT_BYTES = 64 * 1024 * 1024
 _ALIGN = 64  # every packed tensor starts on a cache line (and so on its element size)
@@ -60,12 +62,12 @@ class StagingStats:
 
 
 @dataclass
-class _Group:
+class _Group(Generic[T]):
     """Outputs whose bytes were all issued: (name, tensor) pairs, the event their copies end with (None on the
     CPU), and the device allocation(s) backing them."""
 
-    items: list[tuple[str, Any]]
-    ready: Any = None
+    items: list[tuple[str, T | torch.Tensor]]
+    ready: torch.cuda.Event | None = None
     buffers: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -88,8 +90,8 @@ class HostStaging:
         self.pin = self.device.type == "cuda" if pin is None else bool(pin)
         self.stats = StagingStats()
         self._slots: list[torch.Tensor] = []
-        self._events: list[Any] = [None, None]  # per slot: the end of its last host-to-device copy
-        self._stream: Any = None
+        self._events: list[torch.cuda.Event | None] = [None, None]  # per slot: the end of its last host-to-device copy
+        self._stream: torch.cuda.Stream | None = None
         self._active = False
 
     @property
@@ -105,7 +107,9 @@ class HostStaging:
             self.stats.slot_allocations += 2
         return self._slots
 
-    def stage(self, pairs: Iterable[tuple[str, Any]], skip: list[bool] | None = None) -> Iterator[tuple[str, Any]]:
+    def stage(
+        self, pairs: Iterable[tuple[str, T]], skip: list[bool] | None = None
+    ) -> Iterator[tuple[str, T | torch.Tensor]]:
         """`pairs` with every host tensor copied to the device (contracts: the module doc). `skip[i]` True passes
         pair i through unstaged (another rank's slice, dropped by its consumer)."""
         if self._active:
@@ -120,11 +124,11 @@ class HostStaging:
 
     # ---- the pipeline ---------------------------------------------------------------------------------------
 
-    def _stage(self, pairs: Iterable[tuple[str, Any]], skip: list[bool] | None) -> Iterator[tuple[str, Any]]:
+    def _stage(self, pairs: Iterable[tuple[str, T]], skip: list[bool] | None) -> Iterator[tuple[str, T | torch.Tensor]]:
         slots = self.slots()
         if self.on_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        done: deque[_Group] = deque()
+        done: deque[_Group[T]] = deque()
         slot = 0  # the slot being filled
         fill = 0  # bytes packed into it
         packed: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []  # name, dtype, shape, offset, bytes
@@ -135,7 +139,7 @@ class HostStaging:
                 return
             buffer = self._device_empty(fill)
             self._issue(buffer, slots[slot][:fill], slot)
-            items: list[tuple[str, Any]] = []
+            items: list[tuple[str, T | torch.Tensor]] = []
             for name, dtype, shape, offset, nbytes in packed:
                 if nbytes == 0:
                     items.append((name, torch.empty(shape, dtype=dtype, device=self.device)))
@@ -181,7 +185,7 @@ class HostStaging:
         while done:
             yield from self._hand_over(done.popleft())
 
-    def _stageable(self, tensor: Any) -> bool:
+    def _stageable(self, tensor: object) -> TypeGuard[torch.Tensor]:
         """A host tensor with data (what is copied); anything else passes through."""
         return (
             isinstance(tensor, torch.Tensor)
@@ -219,7 +223,7 @@ class HostStaging:
             event.record(self._stream)
         self._events[slot] = event
 
-    def _ready(self) -> Any:
+    def _ready(self) -> torch.cuda.Event | None:
         """An event after every copy issued so far (None on the CPU)."""
         if not self.on_cuda:
             return None
@@ -227,7 +231,7 @@ class HostStaging:
         event.record(self._stream)
         return event
 
-    def _hand_over(self, group: _Group) -> Iterator[tuple[str, Any]]:
+    def _hand_over(self, group: _Group[T]) -> Iterator[tuple[str, T | torch.Tensor]]:
         """Yields a group's pairs, each made safe to read on the stream current when it is yielded."""
         for name, tensor in group.items:
             if group.ready is not None:
@@ -247,7 +251,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def engine_device(device: Any = None) -> str:
+def engine_device(device: object = None) -> str:
     """`device` normalised ("cpu", "cuda:N"), else the device of the engine whose config scope is current (the
     worker creates its transports and sources inside it), else "cpu". Raises ValueError for a malformed device or
     CUDA where none is visible."""
@@ -274,8 +278,8 @@ def staging_for(init_info: dict[str, Any]) -> HostStaging | None:
 
 
 def stage_pairs(
-    pairs: Iterable[tuple[str, Any]], device: str | torch.device, staging: HostStaging | None = None
-) -> Iterable[tuple[str, Any]]:
+    pairs: Iterable[tuple[str, T]], device: str | torch.device, staging: HostStaging | None = None
+) -> Iterable[tuple[str, T | torch.Tensor]]:
     """`pairs` as they are when `device` is the CPU and no `staging` is given; else staged (through `staging`,
     or a new `HostStaging(device)`)."""
     if staging is None:

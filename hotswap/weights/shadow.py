@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -45,9 +44,13 @@ class Shadow:
         self.pool = pool
         # id(parameter) -> (its name, the parameter, the staging tensor); a tied weight is staged once
         self.params: dict[int, tuple[str, nn.Parameter, torch.Tensor]] = {}
-        self.modules: dict[str, Any] = {}  # staged module name -> the staging side's packed copy (None: none)
+        self.modules: dict[
+            str, packing.PackedEntry | None
+        ] = {}  # staged module name -> the staging side's packed copy (None: none)
         self.served: dict[int, torch.Tensor] = {}  # while swapped in: id(parameter) -> the served tensor
-        self.served_packed: dict[str, Any] = {}  # while swapped in: module -> the served side's packed copy
+        self.served_packed: dict[
+            str, packing.PackedEntry | None
+        ] = {}  # while swapped in: module -> the served side's packed copy
         self.inside = False
 
     # ---- staging ----------------------------------------------------------------------------------------------

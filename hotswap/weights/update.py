@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Iterable
-from typing import Any, cast
+from typing import Literal, cast
 
 import torch
 
@@ -42,7 +42,7 @@ from hotswap.weights.checks import (
     non_finite_names,
 )
 from hotswap.weights.chunks import CHUNK_BYTES, chunked_copies, row_chunks
-from hotswap.weights.index import WeightIndex
+from hotswap.weights.index import Target, WeightIndex
 from hotswap.weights.shadow import Shadow, check_room
 from hotswap.weights.source import (
     Declared,
@@ -105,7 +105,9 @@ class WeightUpdate:
         self.saved: dict[str, dict[str, torch.Tensor]] = {}  # module -> its parameters before the first write
         # what rollback undoes, in the order it happened: ("module", name) for a module saved whole, ("patch",
         # flat view, indices, old values) for elements written in place by a sparse delta
-        self.undo: list[tuple[Any, ...]] = []
+        self.undo: list[
+            tuple[Literal["module"], str] | tuple[Literal["patch"], torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []
         self.arrived: dict[str, set[tuple[str, object]]] = {}  # module -> targets loaded since its post-processing
         self.pending: set[str] = set()  # written modules whose post-processing has not run since
         self.loaded_names: set[str] = set()
@@ -319,7 +321,7 @@ class WeightUpdate:
             raise non_finite_error(non_finite)
         return count
 
-    def _loaded(self, name: str, target: Any) -> None:
+    def _loaded(self, name: str, target: Target) -> None:
         """Records that `name` landed in `target`; post-processes its module once all the module's targets did."""
         self.loaded_names.add(name)
         self.loaded_keys.update(target.keys)
@@ -330,7 +332,9 @@ class WeightUpdate:
             self._post_process(target.module_name)
             arrived.clear()
 
-    def _write_staged(self, name: str, target: Any, tensor: torch.Tensor, sliced: bool) -> Generator[None, None, bool]:
+    def _write_staged(
+        self, name: str, target: Target, tensor: torch.Tensor, sliced: bool
+    ) -> Generator[None, None, bool]:
         """Writes `tensor` into its target (the staging copy), checking its values chunk by chunk: what the
         layout's `load_weight` does, by the `ShardedWeights` contract (this rank's part, cut by `narrowings`,
         lands in `local_view`), where that contract alone decides it (no fused name covering several shards, no
@@ -356,7 +360,7 @@ class WeightUpdate:
         target.layout.load_weight(target.param, tensor, target.shard_id, sliced)
         return True
 
-    def _patch(self, target: Any, patch: Patch, backup: bool) -> None:
+    def _patch(self, target: Target, patch: Patch, backup: bool) -> None:
         """Writes a sparse delta's elements in place (only those: a 2 % delta moves 2 % of the bytes), keeping
         their old values for rollback when `backup`."""
         view = target.local_view().view(-1)  # contiguous: `decoded` sends whole tensors otherwise

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hotswap.kernels.ops import PagedKernels
 from hotswap.model.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # torch's graph memory pool handle
 
 Replay = Callable[[], None]
 Capture = Callable[[Callable[[], None]], Replay]
@@ -44,7 +47,7 @@ def size_classes(max_rows: int) -> list[int]:
     return sizes
 
 
-def cuda_capture(fn: Callable[[], None], pool: Any = None) -> Replay:
+def cuda_capture(fn: Callable[[], None], pool: _POOL_HANDLE | None = None) -> Replay:
     """`fn` captured into a CUDA graph (after one warm-up run on a side stream, as torch asks); returns its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -11,9 +11,9 @@ on (`decoder_stack` in `python -m hotswap.kernels --report`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import cast
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,13 +32,28 @@ from hotswap.model.lora_batch import LoRABatch, Packs
 from hotswap.model.step import StepContext
 
 
+class _Layer(NamedTuple):
+    """One decoder layer's modules whose tensors `decoder_layers` takes, in its order; `attention` holds its heads'
+    layout."""
+
+    norm1: RMSNorm
+    qkv: QKVLinear
+    o: Linear
+    norm2: RMSNorm
+    gate_up: MergedLinear
+    down: Linear
+    rotary: RotaryEmbedding
+    attn: Attention
+    attention: LlamaAttention
+
+
 class NativeDecoderStack:
     """Runs `model.model` (a `LlamaModel`) through `decoder_layers` where `applies`. The checks on the modules
     run once, and again after user code ran on the model (`user_code_ran`): walking the modules at every step
     would be slow, their dicts being out of cache after a step's weights went by. `deterministic`: the model's
     mode (every product native, the row-parallel ones split as the modules split them)."""
 
-    def __init__(self, model: nn.Module, deterministic: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, deterministic: bool) -> None:
         self.outer = model
         self.deterministic = deterministic
 
@@ -56,7 +71,8 @@ class NativeDecoderStack:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None  # checked by `applies`
-        return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+        embedded: torch.Tensor = self.model.embed_tokens(input_ids)
+        return embedded
 
     def applies(self, num_tokens: int, positions: torch.Tensor, ctx: StepContext) -> bool:
         """Whether every layer would take the native kernels on this pass of `num_tokens` (float32 or bfloat16
@@ -69,8 +85,8 @@ class NativeDecoderStack:
             return False  # adapters on gathered rows, or on experts: the modules' path
         if not self.modules_fit:
             return False
-        attention = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
-        qkv, cache = attention.qkv_proj, attention.attn.k_cache
+        first = self.layers[0]
+        qkv, cache = first.qkv, first.attn.k_cache
         policy = ops.policy()
         return (
             (
@@ -120,7 +136,8 @@ class NativeDecoderStack:
                 return False
             if any(type(getattr(layer, name)) is not cls for name, cls in expected.items()):
                 return False
-            attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)  # their types were checked above
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, LlamaMLP)  # its type was checked above
             parts = {
                 attn.qkv_proj: QKVLinear,
                 attn.o_proj: Linear,
@@ -145,22 +162,28 @@ class NativeDecoderStack:
         return any(p.requires_grad for p in [*self.model.layers.parameters(), *self.model.norm.parameters()])
 
     @cached_property
-    def layers(self) -> list[tuple[nn.Module, ...]]:
-        """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `run`)."""
+    def layers(self) -> list[_Layer]:
+        """Per layer, the modules whose tensors `decoder_layers` takes, in its order (see `run`). Read only once
+        `modules_fit` checked every module's class."""
         assert self.model is not None  # checked by `applies`
-        return [
-            (
-                layer.input_layernorm,
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.post_attention_layernorm,
-                cast(LlamaMLP, layer.mlp).gate_up_proj,
-                cast(LlamaMLP, layer.mlp).down_proj,
-                layer.self_attn.rotary_emb,
-                layer.self_attn.attn,
+        layers = []
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.mlp, LlamaMLP)  # checked by `modules_fit`
+            attention = layer.self_attn
+            layers.append(
+                _Layer(
+                    layer.input_layernorm,
+                    attention.qkv_proj,
+                    attention.o_proj,
+                    layer.post_attention_layernorm,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                    attention.rotary_emb,
+                    attention.attn,
+                    attention,
+                )
             )
-            for layer in cast(Iterable[LlamaDecoderLayer], self.model.layers)  # checked by `modules_fit`
-        ]
+        return layers
 
     def time_step(
         self,
@@ -202,12 +225,12 @@ class NativeDecoderStack:
         has the config's one epsilon, and every layer the first one's head layout."""
         assert self.model is not None  # checked by `applies`
         meta = ctx.attn
-        first = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn  # checked by `modules_fit`
+        first = self.layers[0].attention
         wide = x.dtype == torch.float32
         splits = (0, 0)
         if self.deterministic:  # every product native, the row-parallel ones split as the modules split them
             products = (True, True, True)
-            splits = (first.o_proj.det_split, cast(LlamaMLP, self.model.layers[0].mlp).down_proj.det_split)
+            splits = (first.o_proj.det_split, self.layers[0].down.det_split)
         linear, gated, silu = products or kernel_policy.products(ops.policy(), x.shape[0])
         onednn: list[bool] = []
         if not self.deterministic:
@@ -219,7 +242,7 @@ class NativeDecoderStack:
         gate_up_weight = _weight if wide or linear or gated else _packed_or_weight
         tensors: list[torch.Tensor | None] = []
         k_caches, v_caches = [], []
-        for norm1, qkv, o, norm2, gate_up, down, rotary, attn in self.layers:
+        for norm1, qkv, o, norm2, gate_up, down, rotary, attn, _ in self.layers:
             tensors += [
                 norm1._parameters["weight"],
                 weight(qkv),
@@ -267,7 +290,7 @@ class NativeDecoderStack:
     def onednn(self) -> list[bool]:
         """Per product (qkv, o, gate_up, down), whether an fp32 product off the native kernels goes to oneDNN, as
         the modules send it (`dense_faster` of its shape; every layer's weights have the first layer's shapes)."""
-        _, qkv, o, _, gate_up, down, _, _ = self.layers[0]
+        _, qkv, o, _, gate_up, down, _, _, _ = self.layers[0]
         return [packing.dense_faster(*_weight(m).shape) for m in (qkv, o, gate_up, down)]
 
     def _lora_tensors(self, lora: LoRABatch | None) -> tuple[list[torch.Tensor | None], list[int]]:
@@ -276,12 +299,15 @@ class NativeDecoderStack:
         if lora is None:
             return [], []
         tensors: list[torch.Tensor | None] = []
-        for _, qkv, o, _, gate_up, down, _, _ in self.layers:
+        for _, qkv, o, _, gate_up, down, _, _, _ in self.layers:
             for group in lora.groups:
-                for linear in cast(tuple[Linear, ...], (qkv, o, gate_up, down)):
+                for linear in (qkv, o, gate_up, down):
                     pack = group.packs.get(linear.lora_key) if linear.lora_key is not None else None
                     tensors += list(pack) if isinstance(pack, tuple) else [None, None]
-        segments = [n for g in lora.groups for n in cast(tuple[int, int], g.span)]
+        segments: list[int] = []
+        for group in lora.groups:
+            assert group.span is not None  # checked by `applies`
+            segments += group.span
         return tensors, segments
 
     @staticmethod

@@ -46,7 +46,7 @@ class ModelRunner:
         self.attention_kernel = ops.paged_kernels(
             config.model_config.attention_backend, self.device, self.deterministic
         )
-        self.stack = NativeDecoderStack(model, self.deterministic)
+        self.stack = NativeDecoderStack(model, deterministic=self.deterministic)
         self.route_shape = route_shape(model)  # (sparse layers, top_k, experts); None for a dense model
         self.loras: LoRAManager | None = None  # with enable_lora (set by the worker)
         # decode steps replayed from CUDA graphs (hotswap/worker/cuda_graphs.py), made with the KV cache

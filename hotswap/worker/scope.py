@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from hotswap.config import EngineConfig, use_config
 from hotswap.distributed import ParallelContext, use_parallel
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Scoped(Protocol):
@@ -19,12 +17,17 @@ class Scoped(Protocol):
     parallel: ParallelContext
 
 
-def in_config_scope(method: F) -> F:
+S = TypeVar("S", bound=Scoped)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def in_config_scope(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Runs a Worker method inside its config context."""
 
     @functools.wraps(method)
-    def wrapper(self: Scoped, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with use_config(self.config), use_parallel(self.parallel):
             return method(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper

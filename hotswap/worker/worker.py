@@ -1,7 +1,10 @@
 """The worker owns the model and its KV cache. The engine reaches it only through `collective_rpc`.
 
-Every public method runs inside `use_config(self.config)`, so code deep in a layer can call
-`current_config()`; the previous context is restored on return and on error.
+Every public method runs inside `use_config(self.config)` and `use_parallel(self.parallel)` (`scope.py`), restored
+on return and on error: the contract of every entry point that loads, reloads or updates weights. The model's
+layers do not read that scope: they take their settings when they are built (`hotswap/model/settings.py`) and a
+pass's per-step data in a `StepContext` (`hotswap/model/step.py`). Within it, a transport that is not told its
+device takes the engine's (`current_config_or_none`).
 
 Weight lifecycle (hotswap/weights): every load, reload and transport update is a `WeightSource` applied by one
 `WeightUpdate` through the worker's `WeightSession`.
@@ -198,7 +201,7 @@ class Worker(WeightChanges):
         sc, block = self.config.scheduler_config, self.config.cache_config.block_size
         tokens = min(sc.max_num_batched_tokens or 2048, self.config.model_config.max_model_len or 2048)
         blocks = math.ceil(tokens / block)
-        runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[Any]]]] = [
+        runners: list[tuple[ModelRunner, Callable[[], contextlib.AbstractContextManager[object]]]] = [
             (runner, contextlib.nullcontext)
         ]
         if self.draft_runner is not None:
@@ -253,7 +256,7 @@ class Worker(WeightChanges):
         return results
 
     @in_config_scope
-    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def execute_method(self, /, method: str | Callable[..., Any], *args: object, **kwargs: object) -> Any:
         """Calls a Worker method by name, or `method(self, *args, **kwargs)` for a callable. After a callable,
         the runner's native decoder stack, which keeps what it checked on the modules (e.g. that no forward hook
         is set), is told that user code ran on the model, and its CUDA graphs are dropped (captured again)."""

@@ -12,7 +12,7 @@ class SiluAndMul(nn.Module):
     """[T, 2I] -> [T, I]: `F.silu(x[:, :I]) * x[:, I:]` (`ops.silu_and_mul`; `deterministic`: the batch-invariant
     kernel)."""
 
-    def __init__(self, deterministic: bool = False) -> None:
+    def __init__(self, *, deterministic: bool) -> None:
         super().__init__()
         self.deterministic = deterministic
 

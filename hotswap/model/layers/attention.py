@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +119,7 @@ class AttentionMetadata:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else upload(t, device)
 
-        parts = None if self.parts is None else [(move(rows), part.to(device)) for rows, part in self.parts]
+        parts = None if self.parts is None else [(upload(rows, device), part.to(device)) for rows, part in self.parts]
         return dataclasses.replace(
             self,
             slot_mapping=upload(self.slot_mapping, device),
@@ -129,7 +128,7 @@ class AttentionMetadata:
             pad_index=move(self.pad_index),
             mask=move(self.mask),
             query_lens=move(self.query_lens),
-            parts=cast(Any, parts),
+            parts=parts,
         )
 
     @classmethod
@@ -172,7 +171,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         kv_of_q: list[int] | None = None,
-        deterministic: bool = False,
+        *,
+        deterministic: bool,
     ) -> None:
         super().__init__()
         self.deterministic = deterministic
@@ -278,7 +278,8 @@ class Attention(nn.Module):
         prompt, a chunk, a cache hit: each query alone over its keys in order). Where autograd records (the
         trainer's forward, `hotswap.train`, whose sequences have no cached prefix), differentiable through the same
         attention written in torch ops."""
-        assert self.k_cache is not None and self.v_cache is not None  # checked by forward
+        k_cache, v_cache = self.k_cache, self.v_cache
+        assert k_cache is not None and v_cache is not None  # checked by forward
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ops.rope_paged_attention(
@@ -288,8 +289,8 @@ class Attention(nn.Module):
                 positions,
                 rotary.cos,
                 rotary.sin,
-                self.k_cache,
-                self.v_cache,
+                k_cache,
+                v_cache,
                 meta.slot_mapping,
                 meta.block_tables,
                 meta.context_lens,
@@ -327,7 +328,7 @@ class Attention(nn.Module):
             flat = out.transpose(1, 2).reshape(len(lens) * width, self.num_heads * self.head_dim)
             return flat.index_select(0, rows)
 
-        return cast(torch.Tensor, ops.exact(kernel, reference, q, k, v))
+        return ops.exact(kernel, reference, q, k, v)
 
 
 def _pad(x: torch.Tensor, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:

@@ -32,7 +32,6 @@ state: the expert map (global expert -> local slot) of this rank's experts, and 
 from __future__ import annotations
 
 import functools
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +217,8 @@ class FusedMoE(nn.Module):
 
     def scale_of(self, param: nn.Parameter) -> nn.Parameter:
         """The scale parameter of an fp8 weight (`w13_weight` -> `w13_weight_scale` or `..._scale_inv`)."""
-        return cast(nn.Parameter, getattr(self, f"{'w13' if param is self.w13_weight else 'w2'}_{self.scale_leaf}"))
+        scale: nn.Parameter = getattr(self, f"{'w13' if param is self.w13_weight else 'w2'}_{self.scale_leaf}")
+        return scale
 
     # ---- checkpoint layout (ShardedWeights) ----------------------------------------------------------------
 

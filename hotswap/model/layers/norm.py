@@ -9,9 +9,9 @@ from hotswap.kernels import ops
 
 
 class RMSNorm(nn.Module):
-    """`deterministic`: the batch-invariant kernels (`LayerSettings.deterministic`)."""
+    """`deterministic`: the batch-invariant kernels (`LayerSettings.deterministic`); named at every construction."""
 
-    def __init__(self, size: int, eps: float, deterministic: bool = False) -> None:
+    def __init__(self, size: int, eps: float, *, deterministic: bool) -> None:
         super().__init__()
         self.eps, self.deterministic = eps, deterministic
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)

@@ -54,7 +54,8 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: dict[str, Any] | None,
-        deterministic: bool = False,
+        *,
+        deterministic: bool,
     ) -> None:
         super().__init__()
         self.deterministic = deterministic
