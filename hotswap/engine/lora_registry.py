@@ -24,7 +24,7 @@ from hotswap.config import LoRAConfig
 from hotswap.executor.base import Executor
 from hotswap.lora.peft_format import LoRASpec, canonical_name, read_folder, spec_of
 from hotswap.lora.request import LoRARequest
-from hotswap.worker.commands import AdapterPart, Load
+from hotswap.worker.commands import AdapterPart, AddAdapter, Load, RemoveAdapter
 
 
 @dataclass
@@ -166,7 +166,7 @@ class LoRARegistry:
                     self.discard(uid)
                     raise
             else:  # another rank or other modules: loaded whole
-                self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
+                self._all_or_none(AddAdapter(uid, spec.as_dict(), tensors))
             return Prepared(name, uid, spec, existing.int_id, folder, pinned)
         if int_id is None:
             int_id = max((a.int_id for a in self.adapters.values()), default=0) + 1
@@ -175,7 +175,7 @@ class LoRARegistry:
         self._check_room()
         uid = next(self._uids)
         self.pending.add(uid)
-        self._rpc_all_or_none("add_lora", (uid, spec.as_dict(), tensors), uid)
+        self._all_or_none(AddAdapter(uid, spec.as_dict(), tensors))
         return Prepared(name, uid, spec, int_id, folder, pinned)
 
     def commit_prepared(self, prepared: Prepared) -> Adapter:
@@ -331,19 +331,17 @@ class LoRARegistry:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
 
-    def _rpc_all_or_none(
-        self, method: str, args: tuple[Any, ...], uid: int, kwargs: dict[str, Any] | None = None
-    ) -> None:
-        """Runs `method` on every worker; if any fails, version `uid` is dropped wherever it was loaded."""
+    def _all_or_none(self, add: AddAdapter) -> None:
+        """Loads `add` on every worker; if any fails, its version is dropped wherever it was loaded."""
         try:
-            self.executor.collective_rpc(method, args, kwargs or {})
+            self.executor.send(add)
         except BaseException:
-            self.discard(uid)
+            self.discard(add.uid)
             raise
 
     def _remove(self, uid: int) -> None:
         try:
-            self.executor.collective_rpc("remove_lora", (uid,))
+            self.executor.send(RemoveAdapter(uid))
         except Exception:  # a dead worker: health_problem reports it; nothing is left to free
             pass
 

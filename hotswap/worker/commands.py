@@ -119,6 +119,23 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class AddAdapter:
+    """Loads adapter version `uid` of `spec` (LoRASpec.as_dict) whole from its tensors by PEFT name (a new adapter,
+    or a version of other shapes); nothing is loaded where a tensor is refused."""
+
+    uid: int
+    spec: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RemoveAdapter:
+    """Forgets adapter version `uid` (False where it was not loaded)."""
+
+    uid: int
+
+
+@dataclass(frozen=True)
 class RecordFolder:
     """Records `folder` as the checkpoint of the model or ("draft") the draft, once every rank committed it."""
 
@@ -142,6 +159,8 @@ Command = (
     | ViewStaged
     | Commit
     | Abort
+    | AddAdapter
+    | RemoveAdapter
     | RecordFolder
     | ReadState
 )

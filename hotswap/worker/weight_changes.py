@@ -33,6 +33,7 @@ from hotswap.weights.update import RankSelection, chunked_copies, folder_source,
 from hotswap.worker.commands import (
     Abort,
     AdapterPart,
+    AddAdapter,
     Advance,
     Command,
     Commit,
@@ -43,6 +44,7 @@ from hotswap.worker.commands import (
     ReadState,
     Receive,
     RecordFolder,
+    RemoveAdapter,
     ShutdownTransport,
     StartUpdate,
     TransportReady,
@@ -106,6 +108,11 @@ class WeightChanges:
                 return self.finish_weight_update(commit=not prepare_only)
             case Abort():
                 return self.abort_weight_update()
+            case AddAdapter(uid, spec, tensors):
+                self.add_lora(uid, spec, tensors)
+                return None
+            case RemoveAdapter(uid):
+                return self.remove_lora(uid)
             case RecordFolder(folder, target):
                 self.record_folder(folder, target)
                 return None
