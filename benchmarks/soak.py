@@ -645,14 +645,15 @@ def main() -> None:
     parser.add_argument("--sample-every", type=float, default=30.0, help="seconds between RSS / fd samples")
     parser.add_argument("--log", type=Path, default=None, help="where the server's output goes")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
-    checkpoints = {
-        "A": make_tiny_model(root / "A", preset=args.preset, seed=0),
-        "B": make_tiny_model(root / "B", preset=args.preset, seed=1),
-    }
-    figures = soak(
-        checkpoints, args.minutes, args.replicas, args.clients, args.update_every, args.sample_every, args.log
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoints = {
+            "A": make_tiny_model(root / "A", preset=args.preset, seed=0),
+            "B": make_tiny_model(root / "B", preset=args.preset, seed=1),
+        }
+        figures = soak(
+            checkpoints, args.minutes, args.replicas, args.clients, args.update_every, args.sample_every, args.log
+        )
     print(
         f"requests {figures['requests']}: served {figures['served']}, disconnected on purpose "
         f"{figures['disconnected_on_purpose']}, aborted by abort pauses {figures['aborted_by_abort_pause']}, "

@@ -129,7 +129,11 @@ async def trial(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="staged-"))
+    with tempfile.TemporaryDirectory(prefix="staged-") as tmp:  # two checkpoints: 4 GB at the 0.5B shape
+        return await run_in(args, Path(tmp))
+
+
+async def run_in(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     a = make_tiny_model(root / "A", preset="125m", seed=0, **SHAPES[args.shape])
     b = make_tiny_model(root / "B", preset="125m", seed=1, **SHAPES[args.shape])
     state_a = load_file(str(a / "model.safetensors"))
