@@ -16,20 +16,24 @@ import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from hotswap.config import EngineConfig
+from hotswap.engine.client import EngineStatus, Pairs, UpdateInfo
+from hotswap.engine.detokenizer import Detokenizer
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.lora_updates import lora_target
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
+from hotswap.inputs import PromptType, Tokenizer
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import VersionArg, parse_version
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -42,10 +46,33 @@ def _between_steps(
     engine lock, between steps (same parameters, result and docstring)."""
 
     async def call(self: AsyncLLMEngine, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return cast(R, await self._locked(method, self.engine.weights, *args, **kwargs))
+        return await self._locked(method, self.engine.weights, *args, **kwargs)
 
     functools.update_wrapper(call, method)
     return call
+
+
+def engine_status(engine: LLMEngine) -> EngineStatus:
+    """`engine`'s state now (versions, pause, sleep, health, load, the open change); answers at once, no worker
+    call: what `AsyncLLMEngine.status` and `LLM.status` answer."""
+    weights = engine.weights
+    return EngineStatus(
+        weight_version=weights.version,
+        weight_version_label=weights.current_label,
+        draft_weight_version=weights.draft_version,
+        draft_weight_version_label=weights.labels.label(weights.draft_version),
+        draft_stale=weights.draft_stale,
+        paused=engine.is_paused(),
+        pause_mode=engine.pause_mode,
+        refusing_new_requests=engine.refusing_new_requests(),
+        asleep=engine.is_asleep(),
+        health_problem=engine.health_problem(),
+        requests=len(engine.requests),
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        stats=engine.stats(),
+        change=weights.change,
+    )
 
 
 class AsyncLLMEngine:
@@ -74,8 +101,25 @@ class AsyncLLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        tokenizer: Tokenizer = self.engine.tokenizer
+        return tokenizer
+
+    @property
+    def detokenizer(self) -> Detokenizer:
+        return self.engine.detokenizer
+
+    def status(self) -> EngineStatus:
+        """The engine's state now (`engine_status`); answers at once, without the engine lock."""
+        return engine_status(self.engine)
+
+    @property
+    def local(self) -> AsyncLLMEngine:
+        return self
+
+    @property
+    def replicas(self) -> None:
+        return None
 
     @property
     def world_size(self) -> int:
@@ -135,20 +179,20 @@ class AsyncLLMEngine:
         if queue is not None:
             queue.put_nowait(err)
 
-    async def between_steps(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    async def between_steps(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Runs `fn(*args, **kwargs)` (a blocking call on the engine) in a thread, between two steps, with the
         engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its weights,
         version and adapters)."""
-        return cast(R, await self._locked(fn, *args, **kwargs))
+        return await self._locked(fn, *args, **kwargs)
 
-    async def _on_engine_thread(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    async def _on_engine_thread(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` on the engine's thread, in the caller's context (as `asyncio.to_thread`)."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         if self._thread_closed:  # after shutdown (a late call): any thread
             return await asyncio.to_thread(call)
         return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
-    async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _locked(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Runs a blocking engine call in a thread, between steps."""
         self._ensure_loop()
         assert self._lock is not None and self._wake is not None
@@ -166,7 +210,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
@@ -235,8 +279,7 @@ class AsyncLLMEngine:
         min_p: float = 0.0,
     ) -> list[TokenScores]:
         """`LLMEngine.score_tokens`, between steps (in a thread, under the engine lock)."""
-        scores = await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p, min_p)
-        return cast("list[TokenScores]", scores)
+        return await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p, min_p)
 
     # ---- sessions (hotswap/engine/sessions.py) --------------------------------------------------------------
 
@@ -275,7 +318,7 @@ class AsyncLLMEngine:
             self._deliver(out)
         return [out.request_id for out in outs]
 
-    def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
@@ -317,22 +360,36 @@ class AsyncLLMEngine:
     # Changes of the weights run in a thread under the engine lock, between steps (see WeightsController).
     start_weight_update = _between_steps(WeightsController.start_weight_update)
 
-    async def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+    async def reload_weights(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Pairs | None = None,
+        target: str = "model",
+        weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
+    ) -> None:
         """`LLM.reload_weights`, between steps; staged (`update_staging="shadow"`), received in slices of
-        `staging_slice_ms` that alternate with the steps of running requests, then committed between two."""
-        await self._in_slices(WeightsController.reload_weights, *args, **kwargs)
-
-    async def update_weights(self, *args: Any, **kwargs: Any) -> None:
-        """`LLM.update_weights`, between steps; staged, received in slices that alternate with steps."""
-        await self._in_slices(WeightsController.update_weights, *args, **kwargs)
-
-    async def _in_slices(self, method: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        `staging_slice_ms` that alternate with the steps of running requests, then committed between two. An
+        adapter's next version is received in slices either way."""
         weights = self.engine.weights
-        adapter = lora_target(kwargs.get("target")) is not None and method is WeightsController.reload_weights
-        if not weights.staged and not adapter:  # an adapter's next version is received in slices either way
-            await self._locked(method, weights, *args, **kwargs)
-            return
-        await self._locked(method, weights, *args, sliced=True, **kwargs)
+        args = (weights_path, weights_iterator, target, weight_version, encoding, base_version, checksums)
+        sliced = weights.staged or lora_target(target) is not None
+        await self._locked(weights.reload_weights, *args, sliced=sliced)
+        if sliced:
+            await self._advance_staged()
+
+    async def update_weights(self, update_info: UpdateInfo, session_token: str | None = None) -> None:
+        """`LLM.update_weights`, between steps; staged, received in slices that alternate with steps."""
+        weights = self.engine.weights
+        await self._locked(weights.update_weights, update_info, session_token, sliced=weights.staged)
+        if weights.staged:
+            await self._advance_staged()
+
+    async def _advance_staged(self) -> None:
+        """Receives the staged change just opened, one slice of `staging_slice_ms` between two steps at a time."""
+        weights = self.engine.weights
         budget = self.config.weight_transfer_config.staging_slice_ms / 1000
         try:
             while not await self._locked(weights.advance_staged, budget):
@@ -398,6 +455,17 @@ class AsyncLLMEngine:
             self.engine.executor.interrupt_waits()
         await self._locked(self.engine.weights.abort_weight_update, session_token)
 
+    async def set_change_version(self, weight_version: VersionArg, session_token: str | None = None) -> None:
+        """Records on the open session the version it is to commit as (`OpenChange.version`, which a later
+        `finish_weight_update` is given: SGLang's sessions name it with an update, not with their end). Raises
+        ValueError for a bad version, RuntimeError without an open session or with another session's token."""
+        parse_version(weight_version)
+        weights = self.engine.weights
+        weights.check_session(session_token)
+        if weights.change is None or weights.change.token is None:
+            raise RuntimeError("no weight-update session is open; call start_weight_update() first")
+        weights.change.version = weight_version
+
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version
 
@@ -453,7 +521,7 @@ class AsyncLLMEngine:
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        return cast("list[Any]", await self._locked(self.engine.executor.collective_rpc, method, args, kwargs))
+        return await self._locked(self.engine.executor.collective_rpc, method, args, kwargs)
 
     async def shutdown(self) -> None:
         """Stops the step loop; requests still in flight are aborted."""

@@ -1,77 +1,109 @@
-"""The typed interface every front end talks to: `EngineClient` names each verb once, with its types.
+"""The typed interfaces every front end talks to, each verb named once with its types.
 
-`AsyncLLMEngine` (one engine) and `AsyncFleet` (replicas on Ray) implement it; the HTTP server takes an
-`EngineClient` and nothing else. `EngineView` is what a front end reads without awaiting (an engine's own state,
-or a fleet's from its last health checks).
+`EngineClient` (async): `AsyncLLMEngine` (one engine) and `AsyncFleet` (replicas on Ray) implement it; the HTTP
+server takes an `EngineClient` and nothing else. `LLMClient` (sync): `LLM` (one engine) and `Fleet` implement it,
+for offline use and trainers in the same process. Both answer `status()` at once, without a lock: one frozen
+`EngineStatus` (an engine's own state, or a fleet's from its last health checks), open weight change included.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Collection
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from hotswap.config import EngineConfig
+from hotswap.engine.canary import Canary
 from hotswap.engine.detokenizer import Detokenizer
+from hotswap.inputs import PromptType, Tokenizer
 from hotswap.lora.request import LoRARequest
-from hotswap.outputs import RequestOutput
+from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionArg, VersionLabels
+from hotswap.weights.version import VersionArg
+
+if TYPE_CHECKING:
+    from hotswap.engine.llm_engine import LLMEngine
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Pairs = Iterable[tuple[str, torch.Tensor]]
+"""A model's weights as (name, tensor) pairs, e.g. a trainer's `model.named_parameters()`."""
+UpdateInfo = dict[str, Any] | list[dict[str, Any]]
+"""An `update_weights` declaration (names, dtypes, shapes, ...; its transport's fields), or one per worker."""
+CanaryArg = Canary | Mapping[str, object] | None
+"""Probes scored before a commit (hotswap/engine/canary.py): a `Canary`, or its fields as a dict."""
 
 
-class EngineView(Protocol):
-    """Answers at once, without a lock: for health checks, metrics and version reports."""
-
-    @property
-    def config(self) -> EngineConfig: ...
-
-    @property
-    def detokenizer(self) -> Detokenizer: ...
-
-    @property
-    def weight_version(self) -> int: ...
-
-    @property
-    def weight_version_label(self) -> str: ...
-
-    @property
-    def version_labels(self) -> VersionLabels: ...
+class ChangeRecord(Protocol):
+    """The open weight change as front ends read it (the engine's `OpenChange`, a fleet's `FleetChange`)."""
 
     @property
-    def draft_weight_version(self) -> int: ...
+    def token(self) -> str | None: ...  # a transfer session's token; None: a reload
 
     @property
-    def draft_stale(self) -> bool: ...
+    def started(self) -> float: ...  # when it opened (time.monotonic())
 
     @property
-    def requests(self) -> Collection[str]: ...
+    def version(self) -> VersionArg: ...  # the version it commits as (None: the next)
 
-    @property
-    def pause_mode(self) -> str: ...
 
-    def health_problem(self) -> str | None: ...
+@dataclass(frozen=True)
+class EngineStatus:
+    """An engine's (or a fleet's) state at one moment, read without a lock: for health checks, metrics, version
+    reports and the routes that depend on the state. A fleet's figures are its own (versions, pause, the change)
+    and its replicas' as of their last health check."""
 
-    def stats(self) -> dict[str, Any]: ...
+    weight_version: int  # the served version (the integer that orders them)
+    weight_version_label: str  # ... as clients see it
+    draft_weight_version: int  # the target version the speculative draft was last updated for
+    draft_weight_version_label: str
+    draft_stale: bool
+    paused: bool
+    pause_mode: str  # the latest pause's mode
+    refusing_new_requests: bool  # a pause in 'abort' or 'wait' mode is under way or in effect
+    asleep: bool
+    health_problem: str | None  # why it cannot serve now (a dead worker, invalid weights), or None
+    requests: int  # requests in flight
+    running: int = 0  # of those, sequences running in the scheduler (one engine)
+    waiting: int = 0  # ... and waiting
+    stats: Mapping[str, float] = field(default_factory=dict)
+    change: ChangeRecord | None = None  # the open weight change
 
-    def refusing_new_requests(self) -> bool: ...
 
-    def is_paused(self) -> bool: ...
+class ReplicaControl(Protocol):
+    """A fleet's replicas joining and leaving (`/fleet/add_replicas`, `/fleet/remove_replicas`) and their
+    report (`/fleet_status`)."""
 
-    def is_asleep(self) -> bool: ...
+    async def add_replicas(self, n: int = 1) -> list[int]: ...
+
+    async def remove_replicas(
+        self, n: int | None = None, indices: Sequence[int] | None = None, drain_timeout_s: float = 120.0
+    ) -> list[int]: ...
+
+    def replica_status(self) -> list[dict[str, Any]]: ...
 
 
 class EngineClient(Protocol):
-    """Requests, the weight lifecycle, pause and resume, sleep and wake, live config, versions, info."""
+    """Requests, the weight lifecycle, pause and resume, sleep and wake, live config, versions, info. `local` and
+    `replicas` are what only one engine, or only a fleet, serves (None where the other is behind the client)."""
 
     @property
-    def engine(self) -> EngineView: ...
+    def local(self) -> LocalEngine | None: ...
+
+    @property
+    def replicas(self) -> ReplicaControl | None: ...
 
     @property
     def config(self) -> EngineConfig: ...
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def detokenizer(self) -> Detokenizer: ...
 
     @property
     def world_size(self) -> int: ...
@@ -79,10 +111,12 @@ class EngineClient(Protocol):
     @property
     def data_parallel_size(self) -> int: ...
 
+    def status(self) -> EngineStatus: ...
+
     # requests
     def generate(
         self,
-        prompt: str | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
@@ -93,9 +127,9 @@ class EngineClient(Protocol):
 
     async def open_session(self, session_id: str) -> None: ...
 
-    async def close_session(self, session_id: str) -> dict[str, Any] | None: ...
+    async def close_session(self, session_id: str) -> dict[str, float] | None: ...
 
-    async def session_stats(self, session_id: str) -> dict[str, Any] | None: ...
+    async def session_stats(self, session_id: str) -> dict[str, float] | None: ...
 
     async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]: ...
 
@@ -118,7 +152,7 @@ class EngineClient(Protocol):
     async def reload_weights(
         self,
         weights_path: str | None = None,
-        weights_iterator: Any = None,
+        weights_iterator: Pairs | None = None,
         target: str = "model",
         weight_version: VersionArg = None,
         encoding: str | None = None,
@@ -132,13 +166,15 @@ class EngineClient(Protocol):
 
     async def start_weight_update(self, target: str = "model") -> str: ...
 
-    async def update_weights(self, update_info: Any, session_token: str | None = None) -> None: ...
+    async def update_weights(self, update_info: UpdateInfo, session_token: str | None = None) -> None: ...
 
     async def finish_weight_update(
-        self, weight_version: VersionArg = None, session_token: str | None = None, canary: Any = None
+        self, weight_version: VersionArg = None, session_token: str | None = None, canary: CanaryArg = None
     ) -> None: ...
 
     async def abort_weight_update(self, session_token: str | None = None) -> None: ...
+
+    async def set_change_version(self, weight_version: VersionArg, session_token: str | None = None) -> None: ...
 
     async def shutdown_weight_transfer_engine(self) -> None: ...
 
@@ -165,7 +201,142 @@ class EngineClient(Protocol):
 
     # workers, lifetime
     async def collective_rpc(
-        self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self, method: str | Callable[..., object], args: tuple[object, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]: ...
 
     async def shutdown(self) -> None: ...
+
+
+class LocalEngine(EngineClient, Protocol):
+    """An `EngineClient` of one engine in this process, and what only it serves: teacher scoring, calls between
+    two steps on the engine itself (a consistent snapshot, `/export_state`), and taking another engine's weights
+    (`--join`)."""
+
+    @property
+    def engine(self) -> LLMEngine: ...
+
+    async def score_tokens(
+        self,
+        sequences: list[list[int]],
+        temperature: float = 1.0,
+        top_logprobs: int = 0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ) -> list[TokenScores]: ...
+
+    async def between_steps(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    async def adopt_weights(
+        self, states: list[dict[str, torch.Tensor]], weight_version: int, draft_weight_version: int | None = None
+    ) -> None: ...
+
+
+class LLMClient(Protocol):
+    """`LLM` and `Fleet`: generate and chat, the weight lifecycle, pause and resume, sleep and wake, LoRA
+    adapters, versions, blocking until each call is done. `hotswap.LLM.create` builds the one a configuration asks
+    for (`data_parallel_size` > 1: a `Fleet`)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    def get_tokenizer(self) -> Tokenizer: ...
+
+    def status(self) -> EngineStatus: ...
+
+    # requests
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = ...,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]: ...
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = ...,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]: ...
+
+    # pause, sleep, maintenance
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None: ...
+
+    def resume_generation(self) -> None: ...
+
+    def is_paused(self) -> bool: ...
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None: ...
+
+    def check_liveness(self, timeout_s: float = 5.0) -> float: ...
+
+    # the weight lifecycle
+    def reload_weights(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Pairs | None = None,
+        target: str = "model",
+        weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
+    ) -> None: ...
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self, target: str = "model") -> str: ...
+
+    def update_weights(self, update_info: UpdateInfo, session_token: str | None = None) -> None: ...
+
+    def finish_weight_update(
+        self, weight_version: VersionArg = None, session_token: str | None = None, canary: CanaryArg = None
+    ) -> None: ...
+
+    def abort_weight_update(self, session_token: str | None = None) -> None: ...
+
+    def shutdown_weight_transfer_engine(self) -> None: ...
+
+    # LoRA adapters
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        load_inplace: bool = False,
+        tensors: dict[str, torch.Tensor] | None = None,
+        peft_config: dict[str, Any] | None = None,
+        lora_int_id: int | None = None,
+        pinned: bool = False,
+    ) -> dict[str, Any]: ...
+
+    def unload_lora_adapter(self, lora_name: str) -> None: ...
+
+    def list_loras(self) -> list[dict[str, Any]]: ...
+
+    # versions
+    def get_weight_version(self, target: str = "model") -> int: ...
+
+    def get_weight_version_label(self) -> str: ...
+
+    def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False) -> str: ...
+
+    def weight_checksums(self, target: str = "model") -> dict[str, str]: ...
+
+    # workers, lifetime
+    def collective_rpc(
+        self,
+        method: str | Callable[..., object],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...

@@ -7,24 +7,29 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
+from hotswap.engine.async_llm_engine import engine_status
+from hotswap.engine.client import EngineStatus, LLMClient
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
-from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
+from hotswap.inputs import PromptType, Tokenizer, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg
+
+if TYPE_CHECKING:
+    from hotswap.fleet import Fleet
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -40,6 +45,14 @@ def _locked(method: Callable[Concatenate[WeightsController, P], R]) -> Callable[
 
     functools.update_wrapper(call, method)
     return call
+
+
+def _wants_fleet(kwargs: dict[str, Any]) -> bool:
+    """Whether `LLM`'s keyword arguments ask for a fleet of replicas. Raises ValueError for an unknown backend."""
+    backend = kwargs.get("distributed_executor_backend")
+    if backend not in (None, "mp", "uni", "ray"):
+        raise ValueError(f"distributed_executor_backend must be 'mp', 'uni' or 'ray', got {backend!r}")
+    return bool(kwargs.get("data_parallel_size", 1) != 1 or backend == "ray")
 
 
 class _HandoverLock:
@@ -93,28 +106,34 @@ class _HandoverLock:
 
 
 class LLM:
-    """Loads a Hugging Face checkpoint folder and generates from it.
+    """Loads a Hugging Face checkpoint folder and generates from it: one engine in this process.
 
     Keyword arguments are the fields of the config sections (dtype, max_model_len, block_size,
     enable_prefix_caching, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, seed, ...); an
-    unknown one raises TypeError and an invalid value ValueError. With `data_parallel_size` > 1 the result is a
-    `hotswap.fleet.Fleet` of that many replicas (see `__new__`).
+    unknown one raises TypeError and an invalid value ValueError. `LLM.create(...)` takes the same arguments and
+    builds a `hotswap.fleet.Fleet` when they ask for replicas (`data_parallel_size` > 1, or
+    `distributed_executor_backend="ray"`); `LLM(...)` refuses those with a ValueError that names `LLM.create`.
     """
 
-    def __new__(cls, model: str, **kwargs: Any) -> Any:
-        """`data_parallel_size` > 1 (or `distributed_executor_backend` "ray") makes a `hotswap.fleet.Fleet`: that
-        many replicas on Ray, with this class's methods."""
-        backend = kwargs.get("distributed_executor_backend")
-        if backend not in (None, "mp", "uni", "ray"):
-            raise ValueError(f"distributed_executor_backend must be 'mp', 'uni' or 'ray', got {backend!r}")
-        if kwargs.get("data_parallel_size", 1) != 1 or backend == "ray":
+    @staticmethod
+    def create(model: str, **kwargs: Any) -> LLMClient:
+        """The `LLMClient` a configuration asks for: an `LLM` (one engine), or with `data_parallel_size` > 1 (or
+        `distributed_executor_backend` "ray") a `hotswap.fleet.Fleet` of that many replicas on Ray, which has
+        `LLM`'s methods; the fleet's own settings (`num_gpus_per_worker`, `ray_init_kwargs`, ...) pass through."""
+        if _wants_fleet(kwargs):
             from hotswap.fleet import Fleet
 
             kwargs.pop("distributed_executor_backend", None)
             return Fleet(model, num_replicas=kwargs.pop("data_parallel_size", 1), **kwargs)
-        return super().__new__(cls)
+        return LLM(model, **kwargs)
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if _wants_fleet(kwargs):
+            raise ValueError(
+                f"LLM(...) runs one engine; data_parallel_size={kwargs.get('data_parallel_size', 1)!r} with "
+                f"distributed_executor_backend={kwargs.get('distributed_executor_backend')!r} asks for a fleet of "
+                "replicas: build it with LLM.create(...) (or hotswap.fleet.Fleet(model, num_replicas=N))"
+            )
         kwargs.pop("distributed_executor_backend", None)  # one replica runs its workers as local processes
         kwargs.pop("data_parallel_size", None)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
@@ -125,12 +144,18 @@ class LLM:
         self._changed = self._lock.changed
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
 
+    def status(self) -> EngineStatus:
+        """The engine's state now (`EngineStatus`: versions, pause, sleep, health, load, the open change); answers
+        at once, without the lock."""
+        return engine_status(self.llm_engine)
+
     def shutdown(self) -> None:
         """Stops worker processes (tensor parallelism); also happens when the LLM is garbage-collected."""
         self.llm_engine.shutdown()
 
-    def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Tokenizer:
+        tokenizer: Tokenizer = self.llm_engine.tokenizer
+        return tokenizer
 
     def generate(
         self,
@@ -491,3 +516,8 @@ class _ApplyModel:
 
     def __call__(self, worker: Any) -> Any:
         return self.func(worker.model)
+
+
+def _implements_llm_client(llm: LLM, fleet: Fleet) -> tuple[LLMClient, LLMClient]:
+    """Never called: mypy checks here that both sync front ends implement `LLMClient`."""
+    return llm, fleet

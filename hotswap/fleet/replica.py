@@ -21,13 +21,48 @@ from typing import Any, cast
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.async_llm_engine import AsyncLLMEngine, engine_status
+from hotswap.engine.client import EngineStatus
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStatus(EngineStatus):
+    """A replica's `EngineStatus` (its open change left out), with what the fleet tracks it by: its index, its
+    process, its engine state, a dead worker process (`workers_problem`; invalid weights are no reason to restart
+    it) and the requests it was given."""
+
+    index: int = 0
+    pid: int = 0
+    state: str = ""
+    workers_problem: str | None = None
+    served: int = 0
+
+    def report(self) -> dict[str, object]:
+        """The replica's last health report as `/fleet_status` answers it."""
+        return {
+            "index": self.index,
+            "pid": self.pid,
+            "weight_version": self.weight_version,
+            "weight_version_label": self.weight_version_label,
+            "draft_weight_version": self.draft_weight_version,
+            "draft_stale": self.draft_stale,
+            "state": self.state,
+            "paused": self.paused,
+            "asleep": self.asleep,
+            "refusing": self.refusing_new_requests,
+            "pause_mode": self.pause_mode,
+            "requests": self.requests,
+            "health_problem": self.health_problem,
+            "workers_problem": self.workers_problem,
+            "stats": dict(self.stats),
+            "served": self.served,
+        }
 
 
 class ReplicaServer(AsyncLLMEngine):
@@ -40,27 +75,19 @@ class ReplicaServer(AsyncLLMEngine):
         self.index = index
         self.served = 0
 
-    async def status(self) -> dict[str, Any]:
-        """What the fleet routes and reports by; answers at once (no engine lock)."""
+    def status(self) -> ReplicaStatus:
+        """What the fleet routes and reports by; answers at once (no engine lock). The open change stays here
+        (the fleet keeps its own)."""
         e = self.engine
-        return {
-            "index": self.index,
-            "pid": os.getpid(),
-            "weight_version": e.weight_version,
-            "weight_version_label": e.weight_version_label,
-            "draft_weight_version": e.draft_weight_version,
-            "draft_stale": e.draft_stale,
-            "state": e.state.value,
-            "paused": e.is_paused(),
-            "asleep": e.is_asleep(),
-            "refusing": e.refusing_new_requests(),
-            "pause_mode": e.pause_mode,
-            "requests": len(e.requests),
-            "health_problem": e.health_problem(),
-            "workers_problem": e.executor.health_problem(),  # a dead worker process
-            "stats": e.stats(),
-            "served": self.served,
-        }
+        now = engine_status(e)
+        return ReplicaStatus(
+            **{f.name: getattr(now, f.name) for f in dataclasses.fields(EngineStatus) if f.name != "change"},
+            index=self.index,
+            pid=os.getpid(),
+            state=e.state.value,
+            workers_problem=e.executor.health_problem(),
+            served=self.served,
+        )
 
     # ---- requests -----------------------------------------------------------------------------------------
 

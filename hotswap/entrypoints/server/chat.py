@@ -122,7 +122,7 @@ class ChatPlan:
         if ids and c.finish_reason == "stop" and not isinstance(c.stop_reason, str):  # ended by EOS or a stop token
             ids = ids[:-1]
         keep = self.parser is not None and self.parser.special_marker
-        return state.engine.engine.detokenizer.decode(ids, self.body.skip_special_tokens and not keep)
+        return state.engine.detokenizer.decode(ids, self.body.skip_special_tokens and not keep)
 
 
 async def plan_of(body: oai.ChatCompletionRequest, state: ServerState) -> tuple[ChatPlan, list[int]]:

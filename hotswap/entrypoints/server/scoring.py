@@ -14,7 +14,6 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.logprobs_wire import scores_json
 from hotswap.entrypoints.server.state import ApiError, StateDep
 
@@ -43,18 +42,16 @@ async def score_tokens(body: ScoreTokensRequest, state: StateDep) -> dict[str, A
     "usage"}."""
     if body.model != state.served_model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist.", "NotFoundError")
-    engine = state.engine
-    if not isinstance(engine, AsyncLLMEngine):
+    engine = state.engine.local
+    if engine is None:
         raise ApiError(501, "/v1/score_tokens is served by one engine, not in front of a fleet", "not_implemented")
-    scores = await state.guarded(
-        engine.score_tokens(
-            [list(ids) for ids in body.input_ids],
-            body.temperature,
-            body.top_logprobs,
-            body.top_k,
-            body.top_p,
-            body.min_p,
-        )
+    scores = await engine.score_tokens(
+        [list(ids) for ids in body.input_ids],
+        body.temperature,
+        body.top_logprobs,
+        body.top_k,
+        body.top_p,
+        body.min_p,
     )
     tokens = sum(len(ids) for ids in body.input_ids)
     return {
