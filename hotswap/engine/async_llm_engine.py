@@ -37,19 +37,30 @@ from hotswap.weights.version import VersionArg, parse_version
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def _between_steps(
-    method: Callable[Concatenate[WeightsController, P], R],
+    method: Callable[Concatenate[S, P], R], of: Callable[[AsyncLLMEngine], S]
 ) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[Any, Any, R]]:
-    """The weights controller's `method` as a coroutine method of `AsyncLLMEngine`: run in a thread under the
-    engine lock, between steps (same parameters, result and docstring)."""
+    """`method` of the object `of(engine)` (the `LLMEngine`, or its weights controller) as a coroutine method of
+    `AsyncLLMEngine`: run in the engine's thread under the engine lock, between steps (same parameters, result and
+    docstring): a "between_steps" verb of `hotswap.engine.client.VERBS`."""
 
     async def call(self: AsyncLLMEngine, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await self._locked(method, self.engine.weights, *args, **kwargs)
+        return await self._locked(method, of(self), *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "between_steps"  # its kind in the verb table
     return call
+
+
+def _weights(engine: AsyncLLMEngine) -> WeightsController:
+    return engine.engine.weights
+
+
+def _engine(engine: AsyncLLMEngine) -> LLMEngine:
+    return engine.engine
 
 
 def engine_status(engine: LLMEngine) -> EngineStatus:
@@ -358,7 +369,7 @@ class AsyncLLMEngine:
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
     # Changes of the weights run in a thread under the engine lock, between steps (see WeightsController).
-    start_weight_update = _between_steps(WeightsController.start_weight_update)
+    start_weight_update = _between_steps(WeightsController.start_weight_update, _weights)
 
     async def reload_weights(
         self,
@@ -399,13 +410,13 @@ class AsyncLLMEngine:
                 asyncio.get_running_loop().create_task(self._locked(weights.abort_weight_update))
             raise
 
-    finish_weight_update = _between_steps(WeightsController.finish_weight_update)
-    prepare_weight_update = _between_steps(WeightsController.prepare_weight_update)
-    prepare_reload = _between_steps(WeightsController.prepare_reload)
-    commit_weight_update = _between_steps(WeightsController.commit_weight_update)
-    export_weights = _between_steps(WeightsController.export_weights)
-    adopt_weights = _between_steps(WeightsController.adopt_weights)
-    shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine)
+    finish_weight_update = _between_steps(WeightsController.finish_weight_update, _weights)
+    prepare_weight_update = _between_steps(WeightsController.prepare_weight_update, _weights)
+    prepare_reload = _between_steps(WeightsController.prepare_reload, _weights)
+    commit_weight_update = _between_steps(WeightsController.commit_weight_update, _weights)
+    export_weights = _between_steps(WeightsController.export_weights, _weights)
+    adopt_weights = _between_steps(WeightsController.adopt_weights, _weights)
+    shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine, _weights)
 
     async def check_liveness(self, timeout_s: float = 5.0) -> float:
         """Waits (up to `timeout_s`) for the engine to come between steps, then makes a no-op round trip through
@@ -437,8 +448,7 @@ class AsyncLLMEngine:
             self._wake.set()
         return time.monotonic() - start
 
-    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        await self._locked(self.engine.update_config, overrides)
+    update_config = _between_steps(LLMEngine.update_config, _engine)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport and waits until its trainer joined; generation goes on
@@ -510,8 +520,7 @@ class AsyncLLMEngine:
             raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
         return self.engine.loras
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._locked(self.engine.sleep, level)
+    sleep = _between_steps(LLMEngine.sleep, _engine)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._locked(self.engine.wake_up, tags)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -340,3 +340,59 @@ class LLMClient(Protocol):
     ) -> list[Any]: ...
 
     def shutdown(self) -> None: ...
+
+
+# ---- the verb table ---------------------------------------------------------------------------------------------
+
+Wrap = Literal["locked", "between_steps", "in_thread", "own", "-"]
+"""How a front end makes a verb: "locked" (`LLM`: the engine's or its weights controller's method under the LLM's
+lock), "between_steps" (`AsyncLLMEngine`: that method in the engine's thread under the engine lock, between two
+steps), "in_thread" (`AsyncFleet`: the `Fleet`'s method in a worker thread), "own" (written by hand: it does more
+than forward), "-" (not served)."""
+
+
+@dataclass(frozen=True)
+class VerbRow:
+    """One verb: where one engine runs it (`source`: "weights" for `WeightsController`, "engine" for `LLMEngine`;
+    "" where no front end forwards it) and how `LLM`, `AsyncLLMEngine` and `AsyncFleet` make it."""
+
+    source: Literal["weights", "engine", ""]
+    llm: Wrap
+    async_engine: Wrap
+    async_fleet: Wrap
+
+
+VERBS: dict[str, VerbRow] = {
+    # the transfer session and the transport
+    "start_weight_update": VerbRow("weights", "locked", "between_steps", "in_thread"),
+    "update_weights": VerbRow("weights", "locked", "own", "in_thread"),  # staged: received in slices
+    "finish_weight_update": VerbRow("weights", "locked", "between_steps", "in_thread"),
+    "abort_weight_update": VerbRow("weights", "locked", "own", "in_thread"),  # interrupts a blocked wait first
+    "shutdown_weight_transfer_engine": VerbRow("weights", "locked", "between_steps", "in_thread"),
+    "set_change_version": VerbRow("", "-", "own", "in_thread"),
+    "init_weight_transfer_engine": VerbRow("", "own", "own", "in_thread"),  # polls, releasing the lock
+    "reload_weights": VerbRow("weights", "own", "own", "in_thread"),  # one engine: staged in slices
+    # one engine's two-phase changes, which a fleet drives replica by replica
+    "prepare_weight_update": VerbRow("weights", "-", "between_steps", "-"),
+    "prepare_reload": VerbRow("weights", "-", "between_steps", "-"),
+    "commit_weight_update": VerbRow("weights", "-", "between_steps", "-"),
+    "export_weights": VerbRow("weights", "-", "between_steps", "-"),
+    "adopt_weights": VerbRow("weights", "-", "between_steps", "-"),
+    # pause, sleep, maintenance
+    "pause_generation": VerbRow("", "own", "own", "in_thread"),  # delivers the aborted outputs
+    "resume_generation": VerbRow("", "own", "own", "in_thread"),
+    "sleep": VerbRow("engine", "locked", "between_steps", "in_thread"),
+    "wake_up": VerbRow("", "own", "own", "in_thread"),  # wakes the step loop
+    "reset_prefix_cache": VerbRow("", "own", "own", "in_thread"),
+    "update_config": VerbRow("engine", "locked", "between_steps", "in_thread"),
+    "check_liveness": VerbRow("", "own", "own", "in_thread"),
+    "update_weight_version": VerbRow("", "own", "own", "in_thread"),  # may abort every request
+    # LoRA adapters, workers, lifetime
+    "load_lora_adapter": VerbRow("", "own", "own", "in_thread"),
+    "unload_lora_adapter": VerbRow("", "own", "own", "in_thread"),
+    "list_loras": VerbRow("", "own", "own", "in_thread"),
+    "collective_rpc": VerbRow("", "own", "own", "in_thread"),
+    "shutdown": VerbRow("", "own", "own", "in_thread"),
+}
+"""Every blocking verb of the front ends and how each front end makes it; the wrappers carry their kind
+(`__verb__`) and source (`__wrapped__`), and tests/test_client_verbs.py checks the classes against this table."""

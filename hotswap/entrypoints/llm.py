@@ -33,18 +33,28 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
-def _locked(method: Callable[Concatenate[WeightsController, P], R]) -> Callable[Concatenate[LLM, P], R]:
-    """The weights controller's `method` as a method of `LLM`, run under its lock (same parameters, result and
-    docstring)."""
+def _locked(method: Callable[Concatenate[S, P], R], of: Callable[[LLM], S]) -> Callable[Concatenate[LLM, P], R]:
+    """`method` of the object `of(llm)` (the engine, or its weights controller) as a method of `LLM`, run under its
+    lock (same parameters, result and docstring): a "locked" verb of `hotswap.engine.client.VERBS`."""
 
     def call(self: LLM, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
-            return method(self.llm_engine.weights, *args, **kwargs)
+            return method(of(self), *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "locked"  # its kind in the verb table
     return call
+
+
+def _weights(llm: LLM) -> WeightsController:
+    return llm.llm_engine.weights
+
+
+def _engine(llm: LLM) -> LLMEngine:
+    return llm.llm_engine
 
 
 def _wants_fleet(kwargs: dict[str, Any]) -> bool:
@@ -304,11 +314,7 @@ class LLM:
     def is_paused(self) -> bool:
         return self.llm_engine.is_paused()
 
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache; level 2 also releases the weights' memory (reload or update after
-        wake_up(["weights"]) to restore them). Generating while asleep raises."""
-        with self._lock:
-            self.llm_engine.sleep(level)
+    sleep = _locked(LLMEngine.sleep, _engine)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         with self._lock:
@@ -457,10 +463,7 @@ class LLM:
             self._lock.raw.release()
         return time.monotonic() - start
 
-    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
-        with self._lock:
-            self.llm_engine.update_config(overrides)
+    update_config = _locked(LLMEngine.update_config, _engine)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}.
@@ -475,11 +478,11 @@ class LLM:
             time.sleep(0.005)
 
     # The transfer session's calls take the lock, so they land between steps of other threads' generate().
-    start_weight_update = _locked(WeightsController.start_weight_update)
-    update_weights = _locked(WeightsController.update_weights)
-    finish_weight_update = _locked(WeightsController.finish_weight_update)
-    abort_weight_update = _locked(WeightsController.abort_weight_update)
-    shutdown_weight_transfer_engine = _locked(WeightsController.shutdown_weight_transfer_engine)
+    start_weight_update = _locked(WeightsController.start_weight_update, _weights)
+    update_weights = _locked(WeightsController.update_weights, _weights)
+    finish_weight_update = _locked(WeightsController.finish_weight_update, _weights)
+    abort_weight_update = _locked(WeightsController.abort_weight_update, _weights)
+    shutdown_weight_transfer_engine = _locked(WeightsController.shutdown_weight_transfer_engine, _weights)
 
     def get_weight_version(self, target: str = "model") -> int:
         """The served weights' version; `target` "draft": the target version the speculative draft was last

@@ -34,12 +34,13 @@ def _in_thread(
     method: Callable[Concatenate[Fleet, P], R],
 ) -> Callable[Concatenate[AsyncFleet, P], Coroutine[Any, Any, R]]:
     """`method` of the fleet as a coroutine method of `AsyncFleet`, run in a worker thread (same parameters, same
-    result, same docstring)."""
+    result, same docstring): an "in_thread" verb of `hotswap.engine.client.VERBS`."""
 
     async def call(self: AsyncFleet, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.to_thread(method, self.fleet, *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "in_thread"  # its kind in the verb table
     return call
 
 
