@@ -24,6 +24,7 @@ from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine, engine_status
 from hotswap.engine.client import EngineStatus
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.inputs import PromptType
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
 from hotswap.lora.request import LoRARequest
@@ -92,7 +93,7 @@ class ReplicaServer(AsyncLLMEngine):
     # ---- requests -----------------------------------------------------------------------------------------
 
     async def stream(
-        self, prompt: Any, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
+        self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs (called with num_returns="streaming"; cancelling the call aborts it)."""
         self.served += 1
@@ -101,7 +102,7 @@ class ReplicaServer(AsyncLLMEngine):
 
     async def generate_batch(
         self,
-        prompts: list[Any],
+        prompts: list[PromptType],
         params: list[SamplingParams],
         request_ids: list[str],
         lora_requests: list[LoRARequest | None] | None = None,
@@ -109,7 +110,9 @@ class ReplicaServer(AsyncLLMEngine):
         """Generates every prompt concurrently (prompt k with adapter `lora_requests[k]`, if given) and returns
         their final outputs, in order."""
 
-        async def one(prompt: Any, sp: SamplingParams, request_id: str, lora: LoRARequest | None) -> RequestOutput:
+        async def one(
+            prompt: PromptType, sp: SamplingParams, request_id: str, lora: LoRARequest | None
+        ) -> RequestOutput:
             last = None
             async for out in self.generate(
                 prompt, dataclasses.replace(sp, output_kind="final_only"), request_id, lora_request=lora
@@ -177,23 +180,21 @@ class ReplicaServer(AsyncLLMEngine):
                 registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
             ).int_id
 
-        return cast(int, await self._locked(prepare))
+        return await self._locked(prepare)
 
     async def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""
         registry = self._registry()
-        return cast(
-            "dict[str, Any]", await self._locked(lambda: registry.description(registry.commit_held(lora_name).name))
-        )
+        return await self._locked(lambda: registry.description(registry.commit_held(lora_name).name))
 
     async def abort_lora_adapter(self, lora_name: str) -> bool:
         """Drops a prepared load of `lora_name` from every worker; False if none was prepared."""
         registry = self._registry()
-        return cast(bool, await self._locked(registry.abort_held, lora_name))
+        return await self._locked(registry.abort_held, lora_name)
 
     async def export_loras(self) -> list[dict[str, Any]]:
         """Every adapter this replica serves, whole (`lora_exports`)."""
-        return cast("list[dict[str, Any]]", await self._locked(lora_exports, self.engine))
+        return await self._locked(lora_exports, self.engine)
 
     async def adopt_loras(self, adapters: list[dict[str, Any]]) -> None:
         """Loads adapters as `export_loras` describes them (`adopt_lora_exports`): a restarted replica takes the

@@ -32,13 +32,13 @@ def _status(state: ServerState) -> dict[str, Any]:
 
 
 @router.get("/fleet_status")
-async def fleet_status(state: StateDep) -> dict[str, Any]:
+async def fleet_status(state: StateDep) -> dict[str, object]:
     """The fleet's version and, per replica, its state, version, routing and last health report."""
     return _status(state)
 
 
 @router.post("/fleet/add_replicas")
-async def add_replicas(state: StateDep, body: AddReplicasBody | None = None) -> dict[str, Any]:
+async def add_replicas(state: StateDep, body: AddReplicasBody | None = None) -> dict[str, object]:
     """Starts `n` replicas and answers once they serve the fleet's version (checksums checked against a live
     replica's): `added` (their indices) and the fleet's status. An update session in flight completes first."""
     added = await _fleet(state).add_replicas((body or AddReplicasBody()).n)
@@ -46,7 +46,7 @@ async def add_replicas(state: StateDep, body: AddReplicasBody | None = None) -> 
 
 
 @router.post("/fleet/remove_replicas")
-async def remove_replicas(body: RemoveReplicasBody, state: StateDep) -> dict[str, Any]:
+async def remove_replicas(body: RemoveReplicasBody, state: StateDep) -> dict[str, object]:
     """Takes `n` replicas (or those `indices` names) out of routing at once, lets their requests finish (up to
     `drain_timeout_s`), then stops them; answers `removed` and the fleet's status. 400 for a removal that would
     leave no replica."""

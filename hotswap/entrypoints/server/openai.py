@@ -59,7 +59,7 @@ def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: di
 
 
 @router.get("/v1/models")
-async def models(state: StateDep) -> dict[str, Any]:
+async def models(state: StateDep) -> dict[str, object]:
     """The served model and, as vLLM lists them, each loaded LoRA adapter: `id` its name (what a request's `model`
     names to run with it), `root` its folder (None for one loaded from tensors), `parent` the served model; with
     hotswap's `lora_int_id` and adapter `version`."""
@@ -95,7 +95,7 @@ async def models(state: StateDep) -> dict[str, Any]:
 
 
 @router.post("/v1/completions")
-async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> Any:
+async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> object:
     lora = await state.model_lora(body.model)
     engine, name = state.engine, body.model
     prompts = body.prompts()
@@ -161,7 +161,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
 
 
 @tokenizer_router.post("/tokenize")
-async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
+async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, object]:
     tok = state.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give 'prompt' or 'messages'")
@@ -179,7 +179,7 @@ async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
 
 
 @tokenizer_router.post("/detokenize")
-async def detokenize(body: DetokenizeBody, state: StateDep) -> dict[str, Any]:
+async def detokenize(body: DetokenizeBody, state: StateDep) -> dict[str, object]:
     vocab_size = int(state.engine.config.model_config.hf_config.get("vocab_size", 0))
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise ApiError(400, f"token ids must be in [0, {vocab_size})")

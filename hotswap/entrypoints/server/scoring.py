@@ -36,7 +36,7 @@ class ScoreTokensRequest(BaseModel):
 
 
 @router.post("/v1/score_tokens")
-async def score_tokens(body: ScoreTokensRequest, state: StateDep) -> dict[str, Any]:
+async def score_tokens(body: ScoreTokensRequest, state: StateDep) -> dict[str, object]:
     """{"object": "list", "model", "weight_version" (the label of the weights that scored), "data": one entry per
     sequence (`logprobs_wire.scores_json`: JSON lists, or with logprobs_format "base64" the compact arrays),
     "usage"}."""

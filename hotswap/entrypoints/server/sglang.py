@@ -77,7 +77,7 @@ def error_response(err: BaseException) -> JSONResponse:
 
 
 @generate_router.api_route("/generate", methods=["POST", "PUT"])
-async def generate(body: GenerateBody, state: StateDep, http: Request) -> Any:
+async def generate(body: GenerateBody, state: StateDep, http: Request) -> object:
     engine = state.engine  # one engine or a fleet (its router picks the replica; X-Session-ID keeps it sticky)
     key = http.headers.get("x-session-id")
     if body.session_params is not None:
@@ -208,7 +208,7 @@ async def request_lora(state: ServerState, name: str) -> LoRARequest:
 
 
 @generate_router.post("/open_session")
-async def open_session_route(state: StateDep, body: OpenSessionBody | None = None) -> Any:
+async def open_session_route(state: StateDep, body: OpenSessionBody | None = None) -> object:
     """SGLang's: opens a session (its id, or a new one) and answers its id. Requests naming it (session_params.id,
     or the X-Session-ID header) keep their cached prefixes with priority (hotswap/engine/sessions.py)."""
     session_id = (body.session_id if body is not None else None) or uuid.uuid4().hex
@@ -217,7 +217,7 @@ async def open_session_route(state: StateDep, body: OpenSessionBody | None = Non
 
 
 @generate_router.post("/close_session")
-async def close_session_route(body: CloseSessionBody, state: StateDep) -> Any:
+async def close_session_route(body: CloseSessionBody, state: StateDep) -> object:
     """SGLang's: closes a session; answers its figures (hotswap's addition), 404 for an unknown one."""
     stats = await state.engine.close_session(body.session_id)
     if stats is None:
@@ -226,7 +226,7 @@ async def close_session_route(body: CloseSessionBody, state: StateDep) -> Any:
 
 
 @generate_router.get("/v1/sessions/{session_id}")
-async def session_stats_route(session_id: str, state: StateDep) -> Any:
+async def session_stats_route(session_id: str, state: StateDep) -> object:
     """An open session's figures: requests, prompt tokens, prefix-cache hits and the hit rate from its second
     request on; 404 for an unknown one."""
     stats = await state.engine.session_stats(session_id)
@@ -236,7 +236,7 @@ async def session_stats_route(session_id: str, state: StateDep) -> Any:
 
 
 @public_router.get("/health_generate")
-async def health_generate(state: StateDep) -> Any:
+async def health_generate(state: StateDep) -> object:
     """Healthy and able to generate one token (while paused, healthy without generating)."""
     engine = state.engine
     now = engine.status()
@@ -252,7 +252,7 @@ async def health_generate(state: StateDep) -> Any:
 
 
 @admin_router.post("/pause_generation")
-async def pause_generation(engine: EngineDep, body: PauseGenerationBody | None = None) -> Any:
+async def pause_generation(engine: EngineDep, body: PauseGenerationBody | None = None) -> object:
     """abort: requests end now; retract: they stop and are recomputed at continue; in_place: they freeze."""
     mode = (body or PauseGenerationBody()).mode
     ours = {"abort": ("abort", True), "retract": ("keep", True), "in_place": ("keep", False)}[mode]
@@ -261,13 +261,13 @@ async def pause_generation(engine: EngineDep, body: PauseGenerationBody | None =
 
 
 @admin_router.post("/continue_generation")
-async def continue_generation(engine: EngineDep) -> Any:
+async def continue_generation(engine: EngineDep) -> object:
     await engine.resume_generation()
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @admin_router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(engine: EngineDep) -> Any:
+async def flush_cache(engine: EngineDep) -> object:
     if engine.status().requests:
         return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
     await engine.reset_prefix_cache()
@@ -275,7 +275,7 @@ async def flush_cache(engine: EngineDep) -> Any:
 
 
 @admin_router.post("/abort_request")
-async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> Any:
+async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> object:
     body = body or AbortBody()
     rid = body.rid
     if body.abort_all:
@@ -290,7 +290,7 @@ async def abort_request(engine: EngineDep, body: AbortBody | None = None) -> Any
 
 
 @admin_router.get("/v1/loads")
-async def loads(engine: EngineDep) -> Any:
+async def loads(engine: EngineDep) -> object:
     now = engine.status()
     running, waiting = now.running, now.waiting
     return {
@@ -310,7 +310,7 @@ async def loads(engine: EngineDep) -> Any:
 
 
 @admin_router.get("/model_info")
-async def model_info(state: StateDep, engine: EngineDep) -> Any:
+async def model_info(state: StateDep, engine: EngineDep) -> object:
     mc = engine.config.model_config
     return {
         "model_path": mc.model,
@@ -324,7 +324,7 @@ async def model_info(state: StateDep, engine: EngineDep) -> Any:
 
 
 @admin_router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-async def release_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> Any:
+async def release_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> object:
     tags = (body or TagsBody()).tags
     level = 2 if tags is None or "weights" in tags else 1
     await engine.sleep(level)
@@ -332,6 +332,6 @@ async def release_memory_occupation(engine: EngineDep, body: TagsBody | None = N
 
 
 @admin_router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-async def resume_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> Any:
+async def resume_memory_occupation(engine: EngineDep, body: TagsBody | None = None) -> object:
     await engine.wake_up((body or TagsBody()).tags)
     return {"success": True}

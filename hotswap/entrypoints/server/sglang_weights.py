@@ -74,7 +74,7 @@ async def paused(engine: EngineClient, abort: bool) -> bool:
 
 
 @weights_router.post("/update_weights_from_disk")
-async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: EngineDep) -> Any:
+async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: EngineDep) -> object:
     if body.load_format not in (None, "auto", "safetensors"):
         return fail(ValueError(f"load_format {body.load_format!r} is not supported (safetensors folders)"))
     try:
@@ -102,7 +102,7 @@ async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: Engi
 
 
 @weights_router.post("/init_weights_update_group")
-async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> Any:
+async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> object:
     info = {
         "backend": "sglang_dist",
         "master_address": body.master_address,
@@ -117,13 +117,13 @@ async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> Any:
 
 
 @weights_router.post("/destroy_weights_update_group")
-async def destroy_weights_update_group(engine: EngineDep) -> Any:
+async def destroy_weights_update_group(engine: EngineDep) -> object:
     _, error = await ok_or_400(engine.shutdown_weight_transfer_engine())
     return error or {"success": True, "message": "Succeeded to destroy the weights update group."}
 
 
 @weights_router.post("/begin_weight_update")
-async def begin_weight_update(state: StateDep, engine: EngineDep, body: SelectorBody | None = None) -> Any:
+async def begin_weight_update(state: StateDep, engine: EngineDep, body: SelectorBody | None = None) -> object:
     selector = (body or SelectorBody()).selector
     has_draft = engine.config.draft_model_config is not None
     target = {"target": "model", "draft": "draft", "all": "all" if has_draft else "model"}[selector]
@@ -135,7 +135,7 @@ async def begin_weight_update(state: StateDep, engine: EngineDep, body: Selector
 
 
 @weights_router.post("/end_weight_update")
-async def end_weight_update(state: StateDep, engine: EngineDep) -> Any:
+async def end_weight_update(state: StateDep, engine: EngineDep) -> object:
     session = state.sglang_session()
     state.sglang_token = None
     if session is None:
@@ -148,7 +148,7 @@ async def end_weight_update(state: StateDep, engine: EngineDep) -> Any:
 
 
 @weights_router.post("/update_weights_from_distributed")
-async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> Any:
+async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> object:
     info = {
         "names": body.names,
         "dtypes": body.dtypes,
@@ -198,7 +198,7 @@ async def update_weights_from_distributed(body: DistributedBody, state: StateDep
 
 
 @weights_router.post("/update_weights_from_tensor")
-async def update_weights_from_tensor(body: TensorUpdateBody, state: StateDep, engine: EngineDep) -> Any:
+async def update_weights_from_tensor(body: TensorUpdateBody, state: StateDep, engine: EngineDep) -> object:
     """SGLang's: tensors that stay in a colocated trainer's memory. `serialized_named_tensors` is read by the restricted
     unpickler (hotswap.transfer.safe_pickle) and its handles opened onto the engine's device, all before anything
     pauses: a refused payload is a 400 naming the problem, the weights untouched. The tensors then load as one

@@ -91,11 +91,11 @@ class ServerState:
         self.metrics.set("hotswap_weight_version", now.weight_version)
         self.metrics.set_only("hotswap_weight_version_info", 1, weight_version=now.weight_version_label)
 
-    def versions(self) -> dict[str, str | bool]:
+    def versions(self) -> dict[str, object]:
         """The served version's label, and with a speculative draft model the label of the version it was last
         updated for (strings, as vLLM's and SGLang's clients compare them)."""
         now = self.engine.status()
-        out: dict[str, str | bool] = {"weight_version": now.weight_version_label}
+        out: dict[str, object] = {"weight_version": now.weight_version_label}
         if self.engine.config.draft_model_config is not None:
             out["draft_weight_version"] = now.draft_weight_version_label
             out["draft_stale"] = now.draft_stale

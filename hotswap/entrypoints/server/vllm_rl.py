@@ -99,7 +99,7 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
 
 
 @router.post("/reload_weights")
-async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dict[str, Any]:
+async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dict[str, object]:
     start = time.perf_counter()
     body = body or ReloadBody()
     await state.engine.reload_weights(
@@ -134,7 +134,7 @@ async def update_weights(body: UpdateBody, state: StateDep) -> dict[str, str]:
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(state: StateDep, body: FinishBody | None = None) -> dict[str, Any]:
+async def finish_weight_update(state: StateDep, body: FinishBody | None = None) -> dict[str, object]:
     body = body or FinishBody()
     try:
         parse_version(body.weight_version)  # before anything moves; the session stays open for a retry
@@ -233,7 +233,7 @@ async def pause(
     body: PauseBody | None = None,
     mode: str | None = Query(None, pattern="^(abort|wait|keep)$"),
     clear_cache: bool | None = Query(None),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Pauses generation; `mode` and `clear_cache` from the query string (vLLM's form) or the JSON body."""
     body = body or PauseBody()
     await state.engine.pause_generation(mode or body.mode, body.clear_cache if clear_cache is None else clear_cache)
@@ -241,7 +241,7 @@ async def pause(
 
 
 @router.post("/resume")
-async def resume(state: StateDep) -> dict[str, Any]:
+async def resume(state: StateDep) -> dict[str, object]:
     await state.engine.resume_generation()
     return {"paused": False, "status": "resumed"}
 
@@ -257,7 +257,7 @@ async def sleep(
     body: SleepBody | None = None,
     level: int | None = Query(None, ge=1, le=2),
     mode: str | None = Query(None, pattern="^(abort|wait)$"),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Releases memory (`level` from the query or the body); with `mode`, generation is paused that way first
     (requests in flight otherwise refuse the sleep)."""
     level = level or (body or SleepBody()).level
@@ -275,7 +275,7 @@ async def sleep(
 @router.post("/wake_up")
 async def wake_up(
     state: StateDep, body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Re-allocates what sleep released: `tags` (repeatable query parameter, or the body; none: all)."""
     chosen = tags if tags is not None else (body or WakeBody()).tags
     await state.engine.wake_up(chosen)
@@ -288,14 +288,14 @@ async def is_sleeping(state: StateDep) -> dict[str, bool]:
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(state: StateDep) -> dict[str, Any]:
+async def reset_prefix_cache(state: StateDep) -> dict[str, object]:
     """Drops the prefix cache (query parameters and a body, as vLLM clients send them, are accepted)."""
     await state.engine.reset_prefix_cache()
     return {"status": "ok", "success": True}
 
 
 @router.post("/abort_requests")
-async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None) -> dict[str, Any]:
+async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None) -> dict[str, object]:
     """Group abort: ends the named requests and those whose id starts with `prefix` (neither: all of them) at
     once, with finish_reason 'abort' and their partial outputs; answers how many, and which."""
     body = body or AbortRequestsBody()
@@ -307,12 +307,12 @@ async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None)
 
 
 @router.get("/weight_info")
-async def weight_info(state: StateDep) -> dict[str, Any]:
+async def weight_info(state: StateDep) -> dict[str, object]:
     return {"weight_version": state.engine.status().weight_version_label}
 
 
 @router.post("/update_weight_version")
-async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, Any]:
+async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, object]:
     """Renames the served version (vLLM's and SGLang's route): weights, the integer version and requests stay
     as they are unless `abort_all_requests`, which ends every request with its partial output."""
     label = await state.engine.update_weight_version(body.new_version, body.abort_all_requests)
@@ -321,7 +321,9 @@ async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, 
 
 
 @router.get("/server_info")
-async def server_info(state: StateDep, config_format: str = Query("json", pattern="^(json|text)$")) -> dict[str, Any]:
+async def server_info(
+    state: StateDep, config_format: str = Query("json", pattern="^(json|text)$")
+) -> dict[str, object]:
     """The engine's configuration in vLLM's shape (`vllm_config`), which RL clients read for the dtype, the
     context length and whether a weight transport is configured."""
     engine = state.engine
@@ -349,7 +351,7 @@ async def server_info(state: StateDep, config_format: str = Query("json", patter
 
 
 @router.get("/get_weight_version")
-async def get_weight_version(state: StateDep) -> dict[str, Any]:
+async def get_weight_version(state: StateDep) -> dict[str, object]:
     return state.versions()
 
 
@@ -360,13 +362,13 @@ async def get_world_size(state: StateDep) -> dict[str, int]:
 
 
 @router.get("/weight_checksums")
-async def weight_checksums(state: StateDep) -> dict[str, Any]:
+async def weight_checksums(state: StateDep) -> dict[str, object]:
     checksums = (await state.engine.collective_rpc("weight_checksums"))[0]  # rank 0 (of replica 0)
     return {"weight_version": state.engine.status().weight_version_label, "checksums": checksums}
 
 
 @router.post("/collective_rpc")
-async def collective_rpc(body: RpcBody, state: StateDep) -> dict[str, Any]:
+async def collective_rpc(body: RpcBody, state: StateDep) -> dict[str, object]:
     if body.method not in RPC_ALLOWLIST:
         raise ApiError(403, f"method {body.method!r} is not allowed; allowed: {sorted(RPC_ALLOWLIST)}", "forbidden")
     try:
