@@ -9,7 +9,7 @@ engine scores). Served for one engine; in front of a fleet the route answers 501
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
