@@ -21,7 +21,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine.client import EngineStatus, Pairs, UpdateInfo
+from hotswap.engine.client import EngineStatus, Pairs, SessionFigures, UpdateInfo
 from hotswap.engine.detokenizer import Detokenizer
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
@@ -42,7 +42,7 @@ S = TypeVar("S")
 
 def _between_steps(
     method: Callable[Concatenate[S, P], R], of: Callable[[AsyncLLMEngine], S]
-) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[Any, Any, R]]:
+) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[object, None, R]]:
     """`method` of the object `of(engine)` (the `LLMEngine`, or its weights controller) as a coroutine method of
     `AsyncLLMEngine`: run in the engine's thread under the engine lock, between steps (same parameters, result and
     docstring): a "between_steps" verb of `hotswap.engine.client.VERBS`."""
@@ -301,7 +301,7 @@ class AsyncLLMEngine:
         async with self._lock:
             self.engine.sessions.open(session_id)
 
-    async def close_session(self, session_id: str) -> dict[str, Any] | None:
+    async def close_session(self, session_id: str) -> SessionFigures | None:
         """Closes a session; returns its figures (None if it was not open)."""
         self._ensure_loop()
         assert self._lock is not None
@@ -309,7 +309,7 @@ class AsyncLLMEngine:
             stats = self.engine.sessions.close(session_id)
         return stats.json() if stats is not None else None
 
-    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
+    async def session_stats(self, session_id: str) -> SessionFigures | None:
         """An open session's figures: requests, prompt tokens, prefix-cache hits (None if it is not open)."""
         stats = self.engine.sessions.stats.get(session_id)
         return stats.json() if stats is not None else None

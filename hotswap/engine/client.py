@@ -33,6 +33,8 @@ Pairs = Iterable[tuple[str, torch.Tensor]]
 """A model's weights as (name, tensor) pairs, e.g. a trainer's `model.named_parameters()`."""
 UpdateInfo = dict[str, Any] | list[dict[str, Any]]
 """An `update_weights` declaration (names, dtypes, shapes, ...; its transport's fields), or one per worker."""
+SessionFigures = dict[str, float | int | None]
+"""A session's figures (`SessionStats.json()`: requests, prompt tokens, prefix-cache hits, the hit rate)."""
 CanaryArg = Canary | Mapping[str, object] | None
 """Probes scored before a commit (hotswap/engine/canary.py): a `Canary`, or its fields as a dict."""
 
@@ -127,9 +129,9 @@ class EngineClient(Protocol):
 
     async def open_session(self, session_id: str) -> None: ...
 
-    async def close_session(self, session_id: str) -> dict[str, float] | None: ...
+    async def close_session(self, session_id: str) -> SessionFigures | None: ...
 
-    async def session_stats(self, session_id: str) -> dict[str, float] | None: ...
+    async def session_stats(self, session_id: str) -> SessionFigures | None: ...
 
     async def abort_requests(self, request_ids: list[str] | None = None, prefix: str | None = None) -> list[str]: ...
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
-from hotswap.engine.client import EngineClient, EngineStatus
+from hotswap.engine.client import EngineClient, EngineStatus, SessionFigures
 from hotswap.engine.detokenizer import Detokenizer
 from hotswap.errors import EngineUnavailable
 from hotswap.fleet.fleet import Fleet
@@ -32,7 +32,7 @@ R = TypeVar("R")
 
 def _in_thread(
     method: Callable[Concatenate[Fleet, P], R],
-) -> Callable[Concatenate[AsyncFleet, P], Coroutine[Any, Any, R]]:
+) -> Callable[Concatenate[AsyncFleet, P], Coroutine[object, None, R]]:
     """`method` of the fleet as a coroutine method of `AsyncFleet`, run in a worker thread (same parameters, same
     result, same docstring): an "in_thread" verb of `hotswap.engine.client.VERBS`."""
 
@@ -133,7 +133,7 @@ class AsyncFleet:
 
     # ---- sessions: answered by the replica the session id routes to ----------------------------------------
 
-    async def _session_call(self, method: str, session_id: str) -> Any:
+    async def _session_call(self, method: str, session_id: str) -> object:
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"a session id must be a non-empty string, got {session_id!r}")
         try:
@@ -146,11 +146,11 @@ class AsyncFleet:
         """Opens the session on the replica its id routes to (where its requests go)."""
         await self._session_call("open_session", session_id)
 
-    async def close_session(self, session_id: str) -> dict[str, Any] | None:
-        return cast("dict[str, Any] | None", await self._session_call("close_session", session_id))
+    async def close_session(self, session_id: str) -> SessionFigures | None:
+        return cast("SessionFigures | None", await self._session_call("close_session", session_id))
 
-    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
-        return cast("dict[str, Any] | None", await self._session_call("session_stats", session_id))
+    async def session_stats(self, session_id: str) -> SessionFigures | None:
+        return cast("SessionFigures | None", await self._session_call("session_stats", session_id))
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
