@@ -69,8 +69,8 @@ class EngineStatus:
     asleep: bool
     health_problem: str | None  # why it cannot serve now (a dead worker, invalid weights), or None
     requests: int  # requests in flight
-    running: int = 0  # of those, sequences running in the scheduler (one engine)
-    waiting: int = 0  # ... and waiting
+    running: int = 0  # sequences running in the scheduler (a fleet: its replicas' together)
+    waiting: int = 0  # ... and waiting there
     stats: Mapping[str, float] = field(default_factory=dict)
     change: ChangeRecord | None = None  # the open weight change
 
