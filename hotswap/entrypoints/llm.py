@@ -331,7 +331,7 @@ class LLM:
         """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
 
-    def apply_model(self, func: Callable[[nn.Module], Any]) -> list[Any]:
+    def apply_model(self, func: Callable[[nn.Module], object]) -> list[Any]:
         """Calls `func(model)` on every worker's `nn.Module`; one result per worker."""
         return self.collective_rpc(_ApplyModel(func))
 
@@ -514,10 +514,10 @@ class LLM:
 
 
 class _ApplyModel:
-    def __init__(self, func: Callable[[nn.Module], Any]) -> None:
+    def __init__(self, func: Callable[[nn.Module], object]) -> None:
         self.func = func
 
-    def __call__(self, worker: Any) -> Any:
+    def __call__(self, worker: Any) -> object:
         return self.func(worker.model)
 
 

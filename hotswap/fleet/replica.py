@@ -149,7 +149,7 @@ class ReplicaServer(AsyncLLMEngine):
 
     async def adopt_weights(
         self,
-        states: list[dict[str, Any]],
+        states: list[dict[str, torch.Tensor]],
         weight_version: int,
         draft_weight_version: int | None = None,
         labels: dict[int, str] | None = None,
