@@ -31,7 +31,7 @@ R = TypeVar("R")
 
 Pairs = Iterable[tuple[str, torch.Tensor]]
 """A model's weights as (name, tensor) pairs, e.g. a trainer's `model.named_parameters()`."""
-UpdateInfo = dict[str, Any] | list[dict[str, Any]]
+UpdateInfo = dict[str, object] | list[dict[str, object]]
 """An `update_weights` declaration (names, dtypes, shapes, ...; its transport's fields), or one per worker."""
 SessionFigures = dict[str, float | int | None]
 """A session's figures (`SessionStats.json()`: requests, prompt tokens, prefix-cache hits, the hit rate)."""
@@ -148,7 +148,7 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
-    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None: ...
+    async def update_config(self, overrides: dict[str, dict[str, object]]) -> None: ...
 
     # the weight lifecycle
     async def reload_weights(
@@ -164,7 +164,7 @@ class EngineClient(Protocol):
 
     async def check_liveness(self, timeout_s: float = 5.0) -> float: ...
 
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    async def init_weight_transfer_engine(self, init_info: dict[str, object]) -> None: ...
 
     async def start_weight_update(self, target: str = "model") -> str: ...
 
@@ -187,7 +187,7 @@ class EngineClient(Protocol):
         lora_path: str | None = None,
         load_inplace: bool = False,
         tensors: dict[str, torch.Tensor] | None = None,
-        peft_config: dict[str, Any] | None = None,
+        peft_config: dict[str, object] | None = None,
         lora_int_id: int | None = None,
         pinned: bool = False,
     ) -> dict[str, Any]: ...
@@ -203,7 +203,7 @@ class EngineClient(Protocol):
 
     # workers, lifetime
     async def collective_rpc(
-        self, method: str | Callable[..., object], args: tuple[object, ...] = (), kwargs: dict[str, Any] | None = None
+        self, method: str | Callable[..., object], args: tuple[object, ...] = (), kwargs: dict[str, object] | None = None
     ) -> list[Any]: ...
 
     async def shutdown(self) -> None: ...
@@ -277,7 +277,7 @@ class LLMClient(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
-    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None: ...
+    def update_config(self, overrides: dict[str, dict[str, object]]) -> None: ...
 
     def check_liveness(self, timeout_s: float = 5.0) -> float: ...
 
@@ -293,7 +293,7 @@ class LLMClient(Protocol):
         checksums: dict[str, str] | None = None,
     ) -> None: ...
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def init_weight_transfer_engine(self, init_info: dict[str, object]) -> None: ...
 
     def start_weight_update(self, target: str = "model") -> str: ...
 
@@ -314,7 +314,7 @@ class LLMClient(Protocol):
         lora_path: str | None = None,
         load_inplace: bool = False,
         tensors: dict[str, torch.Tensor] | None = None,
-        peft_config: dict[str, Any] | None = None,
+        peft_config: dict[str, object] | None = None,
         lora_int_id: int | None = None,
         pinned: bool = False,
     ) -> dict[str, Any]: ...
@@ -337,7 +337,7 @@ class LLMClient(Protocol):
         self,
         method: str | Callable[..., object],
         args: tuple[object, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        kwargs: dict[str, object] | None = None,
         timeout: float | None = None,
     ) -> list[Any]: ...
 

@@ -103,7 +103,7 @@ async def update_weights_from_disk(body: DiskBody, state: StateDep, engine: Engi
 
 @weights_router.post("/init_weights_update_group")
 async def init_weights_update_group(body: GroupBody, engine: EngineDep) -> object:
-    info = {
+    info: dict[str, object] = {
         "backend": "sglang_dist",
         "master_address": body.master_address,
         "master_port": body.master_port,
@@ -149,7 +149,7 @@ async def end_weight_update(state: StateDep, engine: EngineDep) -> object:
 
 @weights_router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(body: DistributedBody, state: StateDep, engine: EngineDep) -> object:
-    info = {
+    info: dict[str, object] = {
         "names": body.names,
         "dtypes": body.dtypes,
         "shapes": body.shapes,
