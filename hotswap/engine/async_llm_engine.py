@@ -190,11 +190,13 @@ class AsyncLLMEngine:
         if queue is not None:
             queue.put_nowait(err)
 
-    async def between_steps(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Runs `fn(*args, **kwargs)` (a blocking call on the engine) in a thread, between two steps, with the
-        engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its weights,
-        version and adapters)."""
-        return await self._locked(fn, *args, **kwargs)
+    async def between_steps(
+        self, fn: Callable[Concatenate[LLMEngine, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Runs `fn(engine, *args, **kwargs)` (a blocking call on the `LLMEngine`) in a thread, between two steps,
+        with the engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its
+        weights, version and adapters)."""
+        return await self._locked(fn, self.engine, *args, **kwargs)
 
     async def _on_engine_thread(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` on the engine's thread, in the caller's context (as `asyncio.to_thread`)."""

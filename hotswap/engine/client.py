@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -203,19 +203,19 @@ class EngineClient(Protocol):
 
     # workers, lifetime
     async def collective_rpc(
-        self, method: str | Callable[..., object], args: tuple[object, ...] = (), kwargs: dict[str, object] | None = None
+        self,
+        method: str | Callable[..., object],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
     ) -> list[Any]: ...
 
     async def shutdown(self) -> None: ...
 
 
 class LocalEngine(EngineClient, Protocol):
-    """An `EngineClient` of one engine in this process, and what only it serves: teacher scoring, calls between
-    two steps on the engine itself (a consistent snapshot, `/export_state`), and taking another engine's weights
+    """An `EngineClient` of one engine in this process, and what only it serves: teacher scoring, calls on its
+    `LLMEngine` between two steps (a consistent snapshot, `/export_state`), and taking another engine's weights
     (`--join`)."""
-
-    @property
-    def engine(self) -> LLMEngine: ...
 
     async def score_tokens(
         self,
@@ -227,7 +227,9 @@ class LocalEngine(EngineClient, Protocol):
         min_p: float = 0.0,
     ) -> list[TokenScores]: ...
 
-    async def between_steps(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    async def between_steps(
+        self, fn: Callable[Concatenate[LLMEngine, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R: ...
 
     async def adopt_weights(
         self, states: list[dict[str, torch.Tensor]], weight_version: int, draft_weight_version: int | None = None

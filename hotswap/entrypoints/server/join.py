@@ -71,7 +71,7 @@ async def export_state(state: StateDep, weights: bool = Query(False)) -> Streami
     engine = state.engine.local
     if engine is None:
         raise ApiError(404, "this server runs a fleet: add replicas with /fleet/add_replicas", "not_found")
-    snapshot = await engine.between_steps(_snapshot, engine.engine, weights)
+    snapshot = await engine.between_steps(_snapshot, weights)
     return StreamingResponse(_frames(snapshot), media_type="application/octet-stream")
 
 
@@ -228,13 +228,12 @@ async def _attempt(engine: LocalEngine, http: httpx.AsyncClient) -> dict[str, An
         await engine.adopt_weights(states, meta["version_id"], meta["draft_version_id"])
         if await engine.collective_rpc("weight_checksums", (_which(config),)) != meta["checksums"]:
             raise RuntimeError("the copied weights' checksums differ from the live server's")
-    engine.engine.weights.set_versions(
-        meta["version_id"], meta["draft_version_id"], {int(k): v for k, v in meta["labels"].items()}
-    )
+    labels = {int(k): v for k, v in meta["labels"].items()}
+    await engine.between_steps(_set_versions, meta["version_id"], meta["draft_version_id"], labels)
     if config.lora_config.enable_lora:
         for adapter in await engine.list_loras():  # the live server's adapters, and only those
             await engine.unload_lora_adapter(adapter["lora_name"])
-        await engine.between_steps(adopt_lora_exports, engine.engine, loras)
+        await engine.between_steps(adopt_lora_exports, loras)
         if await engine.list_loras() != meta["loras"]:
             raise RuntimeError(
                 f"the copied LoRA adapters {await engine.list_loras()} differ from the live server's {meta['loras']}"
@@ -248,6 +247,11 @@ async def _attempt(engine: LocalEngine, http: httpx.AsyncClient) -> dict[str, An
             f"the live server moved on (it serves {live['weight_version']!r}, this copy {meta['weight_version']!r})"
         )
     return {"weight_version": meta["weight_version"], "restored_from": restored, "loras": len(meta["loras"])}
+
+
+def _set_versions(engine: LLMEngine, version: int, draft_version: int, labels: dict[int, str]) -> None:
+    """Numbers the served weights as the live server's, with its labels."""
+    engine.weights.set_versions(version, draft_version, labels)
 
 
 def _live_value(config: EngineConfig, section: str, name: str) -> Any:
