@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+
+class Tokenizer(Protocol):
+    """What hotswap calls on a Hugging Face tokenizer (`AutoTokenizer.from_pretrained`'s result)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(self, conversation: object, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class Staged:
         return out
 
 
-def stage(prompt: PromptType, tokenizer: Any) -> Staged:
+def stage(prompt: PromptType, tokenizer: Tokenizer) -> Staged:
     """Tokenizes a string prompt (special tokens added) and checks the rest. Raises ValueError naming the field."""
     if isinstance(prompt, str):
         return Staged(prompt, list(tokenizer.encode(prompt, add_special_tokens=True)))
@@ -87,7 +97,7 @@ def per_prompt_lora(
 
 
 def chat_prompts(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,

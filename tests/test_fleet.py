@@ -54,12 +54,24 @@ def test_router_keeps_a_key_on_one_replica_and_moves_only_the_keys_of_one_that_l
         router.pick([], "salt-0")
 
 
+@pytest.mark.unit
+def test_llm_runs_one_engine_and_names_the_factory_that_builds_a_fleet(tmp_path):
+    """`LLM(...)` is one engine: arguments that ask for replicas are refused before anything loads, naming
+    `LLM.create`, which builds the fleet (see the fixture below)."""
+    for kwargs in ({"data_parallel_size": 2}, {"distributed_executor_backend": "ray"}):
+        with pytest.raises(ValueError, match=r"LLM\.create"):
+            LLM(str(tmp_path), **kwargs)
+    for build in (LLM, LLM.create):
+        with pytest.raises(ValueError, match="distributed_executor_backend must be"):
+            build(str(tmp_path), distributed_executor_backend="nccl")
+
+
 # ---- a fleet of two replicas ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def fleet(ckpts):
-    f = LLM(  # vLLM's spelling of a fleet; the fleet's own settings pass through
+    f = LLM.create(  # vLLM's spelling of a fleet; the fleet's own settings pass through
         str(ckpts["A"]),
         data_parallel_size=2,
         distributed_executor_backend="ray",
@@ -329,8 +341,8 @@ def test_an_abort_pause_ends_requests_on_every_replica_and_resume_serves_again(f
     worker.start()
     deadline = time.monotonic() + 60
     while (
-        sum(m.status.get("requests", 0) for m in fleet.members) < 4
-        or min(m.status.get("requests", 0) for m in fleet.members) == 0
+        sum(m.status.requests if m.status else 0 for m in fleet.members) < 4
+        or min(m.status.requests if m.status else 0 for m in fleet.members) == 0
     ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -386,7 +398,7 @@ def test_a_replica_that_stops_answering_is_taken_out_of_routing_and_replaced(fle
 
     wait_routable(fleet)
     failures, version = fleet.counters["replica_failures"], fleet.get_weight_version()
-    pid = fleet.members[1].status["pid"]
+    pid = fleet.members[1].status.pid
     os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to the health check
     try:
         deadline = time.monotonic() + 60
@@ -400,7 +412,7 @@ def test_a_replica_that_stops_answering_is_taken_out_of_routing_and_replaced(fle
     finally:
         os.kill(pid, signal.SIGCONT)  # a no-op once the fleet killed it
     wait_routable(fleet)
-    assert fleet.members[1].status["pid"] != pid and fleet.members[1].version == version
+    assert fleet.members[1].status.pid != pid and fleet.members[1].version == version
     same_weights(fleet)
     assert fleet._folder_current and replica_serves(fleet, 1, Path(fleet._folder))  # the folder holds the version
 

@@ -302,7 +302,7 @@ def test_a_fleet_of_staged_replicas_prepares_beside_serving_and_commits_or_rolls
     pytest.importorskip("ray")
     from hotswap.fleet import Fleet
 
-    fleet = LLM(
+    fleet = LLM.create(
         str(ckpts["A"]),
         data_parallel_size=2,
         distributed_executor_backend="ray",

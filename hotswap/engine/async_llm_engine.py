@@ -16,36 +16,74 @@ import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from hotswap.config import EngineConfig
+from hotswap.engine.client import EngineStatus, Pairs, SessionFigures, UpdateInfo
+from hotswap.engine.detokenizer import Detokenizer
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.lora_updates import lora_target
 from hotswap.engine.state import EngineState
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
+from hotswap.inputs import PromptType, Tokenizer
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
+from hotswap.weights.version import VersionArg, parse_version
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def _between_steps(
-    method: Callable[Concatenate[WeightsController, P], R],
-) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[Any, Any, R]]:
-    """The weights controller's `method` as a coroutine method of `AsyncLLMEngine`: run in a thread under the
-    engine lock, between steps (same parameters, result and docstring)."""
+    method: Callable[Concatenate[S, P], R], of: Callable[[AsyncLLMEngine], S]
+) -> Callable[Concatenate[AsyncLLMEngine, P], Coroutine[object, None, R]]:
+    """`method` of the object `of(engine)` (the `LLMEngine`, or its weights controller) as a coroutine method of
+    `AsyncLLMEngine`: run in the engine's thread under the engine lock, between steps (same parameters, result and
+    docstring): a "between_steps" verb of `hotswap.engine.client.VERBS`."""
 
     async def call(self: AsyncLLMEngine, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return cast(R, await self._locked(method, self.engine.weights, *args, **kwargs))
+        return await self._locked(method, of(self), *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "between_steps"  # its kind in the verb table
     return call
+
+
+def _weights(engine: AsyncLLMEngine) -> WeightsController:
+    return engine.engine.weights
+
+
+def _engine(engine: AsyncLLMEngine) -> LLMEngine:
+    return engine.engine
+
+
+def engine_status(engine: LLMEngine) -> EngineStatus:
+    """`engine`'s state now (versions, pause, sleep, health, load, the open change); answers at once, no worker
+    call: what `AsyncLLMEngine.status` and `LLM.status` answer."""
+    weights = engine.weights
+    return EngineStatus(
+        weight_version=weights.version,
+        weight_version_label=weights.current_label,
+        draft_weight_version=weights.draft_version,
+        draft_weight_version_label=weights.labels.label(weights.draft_version),
+        draft_stale=weights.draft_stale,
+        paused=engine.is_paused(),
+        pause_mode=engine.pause_mode,
+        refusing_new_requests=engine.refusing_new_requests(),
+        asleep=engine.is_asleep(),
+        health_problem=engine.health_problem(),
+        requests=len(engine.requests),
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        stats=engine.stats(),
+        change=weights.change,
+    )
 
 
 class AsyncLLMEngine:
@@ -74,8 +112,25 @@ class AsyncLLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        tokenizer: Tokenizer = self.engine.tokenizer
+        return tokenizer
+
+    @property
+    def detokenizer(self) -> Detokenizer:
+        return self.engine.detokenizer
+
+    def status(self) -> EngineStatus:
+        """The engine's state now (`engine_status`); answers at once, without the engine lock."""
+        return engine_status(self.engine)
+
+    @property
+    def local(self) -> AsyncLLMEngine:
+        return self
+
+    @property
+    def replicas(self) -> None:
+        return None
 
     @property
     def world_size(self) -> int:
@@ -135,20 +190,22 @@ class AsyncLLMEngine:
         if queue is not None:
             queue.put_nowait(err)
 
-    async def between_steps(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """Runs `fn(*args, **kwargs)` (a blocking call on the engine) in a thread, between two steps, with the
-        engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its weights,
-        version and adapters)."""
-        return cast(R, await self._locked(fn, *args, **kwargs))
+    async def between_steps(
+        self, fn: Callable[Concatenate[LLMEngine, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Runs `fn(engine, *args, **kwargs)` (a blocking call on the `LLMEngine`) in a thread, between two steps,
+        with the engine lock held: nothing else touches the engine meanwhile (e.g. a consistent snapshot of its
+        weights, version and adapters)."""
+        return await self._locked(fn, self.engine, *args, **kwargs)
 
-    async def _on_engine_thread(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    async def _on_engine_thread(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` on the engine's thread, in the caller's context (as `asyncio.to_thread`)."""
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         if self._thread_closed:  # after shutdown (a late call): any thread
             return await asyncio.to_thread(call)
         return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
-    async def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _locked(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Runs a blocking engine call in a thread, between steps."""
         self._ensure_loop()
         assert self._lock is not None and self._wake is not None
@@ -166,7 +223,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
@@ -235,8 +292,7 @@ class AsyncLLMEngine:
         min_p: float = 0.0,
     ) -> list[TokenScores]:
         """`LLMEngine.score_tokens`, between steps (in a thread, under the engine lock)."""
-        scores = await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p, min_p)
-        return cast("list[TokenScores]", scores)
+        return await self._locked(self.engine.score_tokens, sequences, temperature, top_logprobs, top_k, top_p, min_p)
 
     # ---- sessions (hotswap/engine/sessions.py) --------------------------------------------------------------
 
@@ -247,7 +303,7 @@ class AsyncLLMEngine:
         async with self._lock:
             self.engine.sessions.open(session_id)
 
-    async def close_session(self, session_id: str) -> dict[str, Any] | None:
+    async def close_session(self, session_id: str) -> SessionFigures | None:
         """Closes a session; returns its figures (None if it was not open)."""
         self._ensure_loop()
         assert self._lock is not None
@@ -255,7 +311,7 @@ class AsyncLLMEngine:
             stats = self.engine.sessions.close(session_id)
         return stats.json() if stats is not None else None
 
-    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
+    async def session_stats(self, session_id: str) -> SessionFigures | None:
         """An open session's figures: requests, prompt tokens, prefix-cache hits (None if it is not open)."""
         stats = self.engine.sessions.stats.get(session_id)
         return stats.json() if stats is not None else None
@@ -275,7 +331,7 @@ class AsyncLLMEngine:
             self._deliver(out)
         return [out.request_id for out in outs]
 
-    def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
@@ -315,24 +371,38 @@ class AsyncLLMEngine:
     # ---- weights, memory, workers -----------------------------------------------------------------------------
 
     # Changes of the weights run in a thread under the engine lock, between steps (see WeightsController).
-    start_weight_update = _between_steps(WeightsController.start_weight_update)
+    start_weight_update = _between_steps(WeightsController.start_weight_update, _weights)
 
-    async def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+    async def reload_weights(
+        self,
+        weights_path: str | None = None,
+        weights_iterator: Pairs | None = None,
+        target: str = "model",
+        weight_version: VersionArg = None,
+        encoding: str | None = None,
+        base_version: VersionArg = None,
+        checksums: dict[str, str] | None = None,
+    ) -> None:
         """`LLM.reload_weights`, between steps; staged (`update_staging="shadow"`), received in slices of
-        `staging_slice_ms` that alternate with the steps of running requests, then committed between two."""
-        await self._in_slices(WeightsController.reload_weights, *args, **kwargs)
-
-    async def update_weights(self, *args: Any, **kwargs: Any) -> None:
-        """`LLM.update_weights`, between steps; staged, received in slices that alternate with steps."""
-        await self._in_slices(WeightsController.update_weights, *args, **kwargs)
-
-    async def _in_slices(self, method: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        `staging_slice_ms` that alternate with the steps of running requests, then committed between two. An
+        adapter's next version is received in slices either way."""
         weights = self.engine.weights
-        adapter = lora_target(kwargs.get("target")) is not None and method is WeightsController.reload_weights
-        if not weights.staged and not adapter:  # an adapter's next version is received in slices either way
-            await self._locked(method, weights, *args, **kwargs)
-            return
-        await self._locked(method, weights, *args, sliced=True, **kwargs)
+        args = (weights_path, weights_iterator, target, weight_version, encoding, base_version, checksums)
+        sliced = weights.staged or lora_target(target) is not None
+        await self._locked(weights.reload_weights, *args, sliced=sliced)
+        if sliced:
+            await self._advance_staged()
+
+    async def update_weights(self, update_info: UpdateInfo, session_token: str | None = None) -> None:
+        """`LLM.update_weights`, between steps; staged, received in slices that alternate with steps."""
+        weights = self.engine.weights
+        await self._locked(weights.update_weights, update_info, session_token, sliced=weights.staged)
+        if weights.staged:
+            await self._advance_staged()
+
+    async def _advance_staged(self) -> None:
+        """Receives the staged change just opened, one slice of `staging_slice_ms` between two steps at a time."""
+        weights = self.engine.weights
         budget = self.config.weight_transfer_config.staging_slice_ms / 1000
         try:
             while not await self._locked(weights.advance_staged, budget):
@@ -342,13 +412,13 @@ class AsyncLLMEngine:
                 asyncio.get_running_loop().create_task(self._locked(weights.abort_weight_update))
             raise
 
-    finish_weight_update = _between_steps(WeightsController.finish_weight_update)
-    prepare_weight_update = _between_steps(WeightsController.prepare_weight_update)
-    prepare_reload = _between_steps(WeightsController.prepare_reload)
-    commit_weight_update = _between_steps(WeightsController.commit_weight_update)
-    export_weights = _between_steps(WeightsController.export_weights)
-    adopt_weights = _between_steps(WeightsController.adopt_weights)
-    shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine)
+    finish_weight_update = _between_steps(WeightsController.finish_weight_update, _weights)
+    prepare_weight_update = _between_steps(WeightsController.prepare_weight_update, _weights)
+    prepare_reload = _between_steps(WeightsController.prepare_reload, _weights)
+    commit_weight_update = _between_steps(WeightsController.commit_weight_update, _weights)
+    export_weights = _between_steps(WeightsController.export_weights, _weights)
+    adopt_weights = _between_steps(WeightsController.adopt_weights, _weights)
+    shutdown_weight_transfer_engine = _between_steps(WeightsController.shutdown_weight_transfer_engine, _weights)
 
     async def check_liveness(self, timeout_s: float = 5.0) -> float:
         """Waits (up to `timeout_s`) for the engine to come between steps, then makes a no-op round trip through
@@ -380,8 +450,7 @@ class AsyncLLMEngine:
             self._wake.set()
         return time.monotonic() - start
 
-    async def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        await self._locked(self.engine.update_config, overrides)
+    update_config = _between_steps(LLMEngine.update_config, _engine)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport and waits until its trainer joined; generation goes on
@@ -397,6 +466,17 @@ class AsyncLLMEngine:
         if self.engine.state is EngineState.UPDATING:
             self.engine.executor.interrupt_waits()
         await self._locked(self.engine.weights.abort_weight_update, session_token)
+
+    async def set_change_version(self, weight_version: VersionArg, session_token: str | None = None) -> None:
+        """Records on the open session the version it is to commit as (`OpenChange.version`, which a later
+        `finish_weight_update` is given: SGLang's sessions name it with an update, not with their end). Raises
+        ValueError for a bad version, RuntimeError without an open session or with another session's token."""
+        parse_version(weight_version)
+        weights = self.engine.weights
+        weights.check_session(session_token)
+        if weights.change is None or weights.change.token is None:
+            raise RuntimeError("no weight-update session is open; call start_weight_update() first")
+        weights.change.version = weight_version
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version
@@ -442,8 +522,7 @@ class AsyncLLMEngine:
             raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
         return self.engine.loras
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._locked(self.engine.sleep, level)
+    sleep = _between_steps(LLMEngine.sleep, _engine)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._locked(self.engine.wake_up, tags)
@@ -453,7 +532,7 @@ class AsyncLLMEngine:
     async def collective_rpc(
         self, method: str | Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        return cast("list[Any]", await self._locked(self.engine.executor.collective_rpc, method, args, kwargs))
+        return await self._locked(self.engine.executor.collective_rpc, method, args, kwargs)
 
     async def shutdown(self) -> None:
         """Stops the step loop; requests still in flight are aborted."""

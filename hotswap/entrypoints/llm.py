@@ -7,39 +7,62 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from hotswap.config import EngineConfig
+from hotswap.engine.async_llm_engine import engine_status
+from hotswap.engine.client import EngineStatus, LLMClient
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.lora_registry import LoRARegistry
 from hotswap.engine.weights_controller import WeightsController
 from hotswap.errors import EngineUnavailable, EngineUnresponsive
 from hotswap.executor.base import RpcMethod
-from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
+from hotswap.inputs import PromptType, Tokenizer, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput, TokenScores
 from hotswap.sampling_params import SamplingParams
 from hotswap.weights.target import check_target
 from hotswap.weights.version import VersionArg
 
+if TYPE_CHECKING:
+    from hotswap.fleet import Fleet
+
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
-def _locked(method: Callable[Concatenate[WeightsController, P], R]) -> Callable[Concatenate[LLM, P], R]:
-    """The weights controller's `method` as a method of `LLM`, run under its lock (same parameters, result and
-    docstring)."""
+def _locked(method: Callable[Concatenate[S, P], R], of: Callable[[LLM], S]) -> Callable[Concatenate[LLM, P], R]:
+    """`method` of the object `of(llm)` (the engine, or its weights controller) as a method of `LLM`, run under its
+    lock (same parameters, result and docstring): a "locked" verb of `hotswap.engine.client.VERBS`."""
 
     def call(self: LLM, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
-            return method(self.llm_engine.weights, *args, **kwargs)
+            return method(of(self), *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "locked"  # its kind in the verb table
     return call
+
+
+def _weights(llm: LLM) -> WeightsController:
+    return llm.llm_engine.weights
+
+
+def _engine(llm: LLM) -> LLMEngine:
+    return llm.llm_engine
+
+
+def _wants_fleet(kwargs: dict[str, Any]) -> bool:
+    """Whether `LLM`'s keyword arguments ask for a fleet of replicas. Raises ValueError for an unknown backend."""
+    backend = kwargs.get("distributed_executor_backend")
+    if backend not in (None, "mp", "uni", "ray"):
+        raise ValueError(f"distributed_executor_backend must be 'mp', 'uni' or 'ray', got {backend!r}")
+    return bool(kwargs.get("data_parallel_size", 1) != 1 or backend == "ray")
 
 
 class _HandoverLock:
@@ -93,28 +116,34 @@ class _HandoverLock:
 
 
 class LLM:
-    """Loads a Hugging Face checkpoint folder and generates from it.
+    """Loads a Hugging Face checkpoint folder and generates from it: one engine in this process.
 
     Keyword arguments are the fields of the config sections (dtype, max_model_len, block_size,
     enable_prefix_caching, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, seed, ...); an
-    unknown one raises TypeError and an invalid value ValueError. With `data_parallel_size` > 1 the result is a
-    `hotswap.fleet.Fleet` of that many replicas (see `__new__`).
+    unknown one raises TypeError and an invalid value ValueError. `LLM.create(...)` takes the same arguments and
+    builds a `hotswap.fleet.Fleet` when they ask for replicas (`data_parallel_size` > 1, or
+    `distributed_executor_backend="ray"`); `LLM(...)` refuses those with a ValueError that names `LLM.create`.
     """
 
-    def __new__(cls, model: str, **kwargs: Any) -> Any:
-        """`data_parallel_size` > 1 (or `distributed_executor_backend` "ray") makes a `hotswap.fleet.Fleet`: that
-        many replicas on Ray, with this class's methods."""
-        backend = kwargs.get("distributed_executor_backend")
-        if backend not in (None, "mp", "uni", "ray"):
-            raise ValueError(f"distributed_executor_backend must be 'mp', 'uni' or 'ray', got {backend!r}")
-        if kwargs.get("data_parallel_size", 1) != 1 or backend == "ray":
+    @staticmethod
+    def create(model: str, **kwargs: Any) -> LLMClient:
+        """The `LLMClient` a configuration asks for: an `LLM` (one engine), or with `data_parallel_size` > 1 (or
+        `distributed_executor_backend` "ray") a `hotswap.fleet.Fleet` of that many replicas on Ray, which has
+        `LLM`'s methods; the fleet's own settings (`num_gpus_per_worker`, `ray_init_kwargs`, ...) pass through."""
+        if _wants_fleet(kwargs):
             from hotswap.fleet import Fleet
 
             kwargs.pop("distributed_executor_backend", None)
             return Fleet(model, num_replicas=kwargs.pop("data_parallel_size", 1), **kwargs)
-        return super().__new__(cls)
+        return LLM(model, **kwargs)
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if _wants_fleet(kwargs):
+            raise ValueError(
+                f"LLM(...) runs one engine; data_parallel_size={kwargs.get('data_parallel_size', 1)!r} with "
+                f"distributed_executor_backend={kwargs.get('distributed_executor_backend')!r} asks for a fleet of "
+                "replicas: build it with LLM.create(...) (or hotswap.fleet.Fleet(model, num_replicas=N))"
+            )
         kwargs.pop("distributed_executor_backend", None)  # one replica runs its workers as local processes
         kwargs.pop("data_parallel_size", None)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
@@ -125,12 +154,18 @@ class LLM:
         self._changed = self._lock.changed
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken by their generate() call
 
+    def status(self) -> EngineStatus:
+        """The engine's state now (`EngineStatus`: versions, pause, sleep, health, load, the open change); answers
+        at once, without the lock."""
+        return engine_status(self.llm_engine)
+
     def shutdown(self) -> None:
         """Stops worker processes (tensor parallelism); also happens when the LLM is garbage-collected."""
         self.llm_engine.shutdown()
 
-    def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Tokenizer:
+        tokenizer: Tokenizer = self.llm_engine.tokenizer
+        return tokenizer
 
     def generate(
         self,
@@ -279,11 +314,7 @@ class LLM:
     def is_paused(self) -> bool:
         return self.llm_engine.is_paused()
 
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache; level 2 also releases the weights' memory (reload or update after
-        wake_up(["weights"]) to restore them). Generating while asleep raises."""
-        with self._lock:
-            self.llm_engine.sleep(level)
+    sleep = _locked(LLMEngine.sleep, _engine)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         with self._lock:
@@ -300,7 +331,7 @@ class LLM:
         """Runs a Worker method (by name, or a callable taking the worker first) on every worker."""
         return self.llm_engine.executor.collective_rpc(method, args, kwargs, timeout)
 
-    def apply_model(self, func: Callable[[nn.Module], Any]) -> list[Any]:
+    def apply_model(self, func: Callable[[nn.Module], object]) -> list[Any]:
         """Calls `func(model)` on every worker's `nn.Module`; one result per worker."""
         return self.collective_rpc(_ApplyModel(func))
 
@@ -432,10 +463,7 @@ class LLM:
             self._lock.raw.release()
         return time.monotonic() - start
 
-    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        """Applies live config changes, e.g. {"weight_transfer_config": {"atomic": False}}."""
-        with self._lock:
-            self.llm_engine.update_config(overrides)
+    update_config = _locked(LLMEngine.update_config, _engine)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Creates the receiving side of a transport: {"backend": "tensors" | "shm" | "torch_dist" | "disk", ...}.
@@ -450,11 +478,11 @@ class LLM:
             time.sleep(0.005)
 
     # The transfer session's calls take the lock, so they land between steps of other threads' generate().
-    start_weight_update = _locked(WeightsController.start_weight_update)
-    update_weights = _locked(WeightsController.update_weights)
-    finish_weight_update = _locked(WeightsController.finish_weight_update)
-    abort_weight_update = _locked(WeightsController.abort_weight_update)
-    shutdown_weight_transfer_engine = _locked(WeightsController.shutdown_weight_transfer_engine)
+    start_weight_update = _locked(WeightsController.start_weight_update, _weights)
+    update_weights = _locked(WeightsController.update_weights, _weights)
+    finish_weight_update = _locked(WeightsController.finish_weight_update, _weights)
+    abort_weight_update = _locked(WeightsController.abort_weight_update, _weights)
+    shutdown_weight_transfer_engine = _locked(WeightsController.shutdown_weight_transfer_engine, _weights)
 
     def get_weight_version(self, target: str = "model") -> int:
         """The served weights' version; `target` "draft": the target version the speculative draft was last
@@ -486,8 +514,13 @@ class LLM:
 
 
 class _ApplyModel:
-    def __init__(self, func: Callable[[nn.Module], Any]) -> None:
+    def __init__(self, func: Callable[[nn.Module], object]) -> None:
         self.func = func
 
-    def __call__(self, worker: Any) -> Any:
+    def __call__(self, worker: Any) -> object:
         return self.func(worker.model)
+
+
+def _implements_llm_client(llm: LLM, fleet: Fleet) -> tuple[LLMClient, LLMClient]:
+    """Never called: mypy checks here that both sync front ends implement `LLMClient`."""
+    return llm, fleet

@@ -97,7 +97,7 @@ class _Request(BaseModel):
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def constraint_of(data: dict[str, Any]) -> dict[str, Any] | None:
+def constraint_of(data: dict[str, Any]) -> dict[str, object] | None:
     """The request's output constraint as StructuredOutputsParams fields, from one of `structured_outputs`,
     OpenAI's `response_format` (json_schema, json_object; text is none) and vLLM's `guided_*`. Raises ValueError
     when more than one is given or a response_format is malformed."""
@@ -233,9 +233,9 @@ def sampling_params(
     )
 
 
-def replay_fields(c: CompletionOutput) -> dict[str, Any]:
+def replay_fields(c: CompletionOutput) -> dict[str, object]:
     """A choice's `routed_experts` (once finished) and `sampling_mask`, where the request asked for them."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, object] = {}
     if c.routed_experts is not None:
         fields["routed_experts"] = npy_base64(c.routed_experts)
     if c.sampling_mask is not None:
@@ -243,7 +243,7 @@ def replay_fields(c: CompletionOutput) -> dict[str, Any]:
     return fields
 
 
-def lora_fields(out: RequestOutput, c: CompletionOutput, shape: Shape | None = None) -> dict[str, Any]:
+def lora_fields(out: RequestOutput, c: CompletionOutput, shape: Shape | None = None) -> dict[str, object]:
     """A choice's `lora_versions` when its request ran with a LoRA adapter (none otherwise): the adapter version
     of each output token as spans [[version, start, end]] over the choice's tokens (the `weight_versions` shape),
     or objects {"version", "start", "end"} with return_weight_versions."""
@@ -288,7 +288,7 @@ class Shape:
         )
 
 
-def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]:
+def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[object]:
     """The output's weight-version spans: [[label, start, end]], or vLLM's objects with return_weight_versions
     ({"version": label, "start", "end", "version_id": the integer}). Labels are strings, as vLLM's and SGLang's
     clients compare them; two adjacent spans with one label are two versions that carried the same label."""
@@ -297,7 +297,7 @@ def spans(completion: CompletionOutput, shape: Shape | None = None) -> list[Any]
     return [[s.label, s.start_token, s.end_token] for s in completion.weight_versions]
 
 
-def span_object(span: WeightVersionSpan) -> dict[str, Any]:
+def span_object(span: WeightVersionSpan) -> dict[str, object]:
     """One span in vLLM's and SGLang's object shape, with the version's integer as `version_id`."""
     return {"version": span.label, "start": span.start_token, "end": span.end_token, "version_id": span.version}
 
@@ -312,7 +312,7 @@ def completion_logprobs(
     shape: Shape = Shape(),
     prompt: RequestOutput | None = None,
     first_text: str = "",
-) -> dict[str, Any] | None:
+) -> dict[str, object] | None:
     """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset); with `echo`,
     the prompt's tokens first (the first has no logprob)."""
     if completion.logprobs is None:
@@ -344,7 +344,7 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, object] | None] | None:
     """vLLM's prompt_logprobs: None for the first token, then {"<token id>": {logprob, rank, decoded_token}}."""
     if out.prompt_logprobs is None:
         return None
@@ -359,7 +359,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
     ]
 
 
-def prompt_logprobs_fields(out: RequestOutput, shape: Shape) -> dict[str, Any]:
+def prompt_logprobs_fields(out: RequestOutput, shape: Shape) -> dict[str, object]:
     """A response's prompt logprobs where asked: vLLM's `prompt_logprobs` (JSON), or with logprobs_format "base64"
     `prompt_logprobs_b64`, the compact arrays of prompt tokens 1.. (hotswap/entrypoints/logprobs_wire.py)."""
     if out.prompt_logprobs is None:
@@ -370,7 +370,7 @@ def prompt_logprobs_fields(out: RequestOutput, shape: Shape) -> dict[str, Any]:
     return {"prompt_logprobs": prompt_logprobs_json(out)}
 
 
-def compact_logprobs_fields(completion: CompletionOutput, shape: Shape) -> dict[str, Any]:
+def compact_logprobs_fields(completion: CompletionOutput, shape: Shape) -> dict[str, object]:
     """A choice's `logprobs_b64` (the compact arrays of its output tokens, or of this delta's) where logprobs were
     asked with logprobs_format "base64"; {} otherwise."""
     if not shape.compact or completion.logprobs is None or shape.drop_output:
@@ -378,7 +378,7 @@ def compact_logprobs_fields(completion: CompletionOutput, shape: Shape) -> dict[
     return {"logprobs_b64": entries_compact(list(completion.token_ids), completion.logprobs, shape.top_k)}
 
 
-def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape()) -> dict[str, Any] | None:
+def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape()) -> dict[str, object] | None:
     """The chat choice's `logprobs` (OpenAI's content list); None where not asked, or asked in the compact form."""
     if completion.logprobs is None or shape.compact:
         return None
@@ -404,7 +404,7 @@ def chat_logprobs(completion: CompletionOutput, top_n: int, shape: Shape = Shape
     return {"content": content}
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outs: list[RequestOutput]) -> dict[str, object]:
     prompt = sum(len(out.prompt_token_ids) for out in outs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in outs)
@@ -418,11 +418,11 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
 
 def completion_choice(
     out: RequestOutput, c: CompletionOutput, index: int, shape: Shape, prompt_text: str, first_text: str = ""
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One choice of a completions response (or a stream chunk: `c` a delta; `prompt_text` "" after the first).
     `first_text`: the text of the first prompt token (echoed logprobs)."""
     text = "" if shape.drop_output else c.text
-    choice: dict[str, Any] = {
+    choice: dict[str, object] = {
         "index": index,
         "text": (prompt_text + text) if shape.echo else text,
         "logprobs": None
@@ -449,7 +449,7 @@ def completion_response(
     shape: Shape,
     prompt_texts: list[str],
     first_texts: list[str],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Choices prompt-major: prompt i's sample j has index i * n + j."""
     choices = []
     for i, (out, text, first) in enumerate(zip(outs, prompt_texts, first_texts, strict=True)):
@@ -495,6 +495,6 @@ def chat_response(
     return response
 
 
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, object]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

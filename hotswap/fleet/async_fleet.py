@@ -15,17 +15,16 @@ import functools
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-from hotswap.config import EngineConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
-from hotswap.engine.client import EngineClient
+from hotswap.engine.client import EngineClient, EngineStatus, SessionFigures
 from hotswap.engine.detokenizer import Detokenizer
 from hotswap.errors import EngineUnavailable
 from hotswap.fleet.fleet import Fleet
 from hotswap.fleet.replicas import _cause, _first_line, _ray
+from hotswap.inputs import PromptType, Tokenizer
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionLabels
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,77 +32,16 @@ R = TypeVar("R")
 
 def _in_thread(
     method: Callable[Concatenate[Fleet, P], R],
-) -> Callable[Concatenate[AsyncFleet, P], Coroutine[Any, Any, R]]:
+) -> Callable[Concatenate[AsyncFleet, P], Coroutine[object, None, R]]:
     """`method` of the fleet as a coroutine method of `AsyncFleet`, run in a worker thread (same parameters, same
-    result, same docstring)."""
+    result, same docstring): an "in_thread" verb of `hotswap.engine.client.VERBS`."""
 
     async def call(self: AsyncFleet, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.to_thread(method, self.fleet, *args, **kwargs)
 
     functools.update_wrapper(call, method)
+    call.__dict__["__verb__"] = "in_thread"  # its kind in the verb table
     return call
-
-
-class FleetView:
-    """What the server reads off its engine without awaiting, answered from the fleet's own state (replica
-    figures are those of the last health check)."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.fleet.config
-
-    @property
-    def detokenizer(self) -> Detokenizer:
-        return self.fleet.detokenizer
-
-    @property
-    def weight_version(self) -> int:
-        return self.fleet.version
-
-    @property
-    def weight_version_label(self) -> str:
-        return self.fleet.get_weight_version_label()
-
-    @property
-    def version_labels(self) -> VersionLabels:
-        return self.fleet.labels
-
-    def _statuses(self) -> list[dict[str, Any]]:
-        return [m.status for m in self.fleet.members if m.state == "up" and m.status]
-
-    @property
-    def draft_weight_version(self) -> int:
-        return self.fleet.draft_version
-
-    @property
-    def draft_stale(self) -> bool:
-        return any(s["draft_stale"] for s in self._statuses())
-
-    @property
-    def requests(self) -> list[str]:
-        return self.fleet.router.in_flight()
-
-    @property
-    def pause_mode(self) -> str:
-        return self.fleet.pause_mode
-
-    def health_problem(self) -> str | None:
-        return self.fleet.health_problem()
-
-    def stats(self) -> dict[str, Any]:
-        return self.fleet.stats()
-
-    def refusing_new_requests(self) -> bool:
-        return self.fleet.pausing and self.fleet.pause_mode in ("abort", "wait")
-
-    def is_paused(self) -> bool:
-        return self.fleet.paused
-
-    def is_asleep(self) -> bool:
-        return self.fleet.asleep
 
 
 class AsyncFleet:
@@ -111,9 +49,25 @@ class AsyncFleet:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        self.engine = FleetView(fleet)
         self.config = fleet.config
-        self.tokenizer: Any = fleet.tokenizer
+        self.tokenizer: Tokenizer = fleet.tokenizer
+        self.detokenizer: Detokenizer = fleet.detokenizer
+
+    def status(self) -> EngineStatus:
+        """`Fleet.status`: answers at once (replica figures are those of the last health check)."""
+        return self.fleet.status()
+
+    @property
+    def local(self) -> None:
+        return None
+
+    @property
+    def replicas(self) -> AsyncFleet:
+        return self
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """`Fleet.replica_status`: per replica, its state, version, routing and last health report."""
+        return self.fleet.replica_status()
 
     @property
     def world_size(self) -> int:
@@ -126,7 +80,7 @@ class AsyncFleet:
 
     async def generate(
         self,
-        prompt: str | dict[str, Any],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         routing_key: str | None = None,
@@ -179,7 +133,7 @@ class AsyncFleet:
 
     # ---- sessions: answered by the replica the session id routes to ----------------------------------------
 
-    async def _session_call(self, method: str, session_id: str) -> Any:
+    async def _session_call(self, method: str, session_id: str) -> object:
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"a session id must be a non-empty string, got {session_id!r}")
         try:
@@ -192,11 +146,11 @@ class AsyncFleet:
         """Opens the session on the replica its id routes to (where its requests go)."""
         await self._session_call("open_session", session_id)
 
-    async def close_session(self, session_id: str) -> dict[str, Any] | None:
-        return cast("dict[str, Any] | None", await self._session_call("close_session", session_id))
+    async def close_session(self, session_id: str) -> SessionFigures | None:
+        return cast("SessionFigures | None", await self._session_call("close_session", session_id))
 
-    async def session_stats(self, session_id: str) -> dict[str, Any] | None:
-        return cast("dict[str, Any] | None", await self._session_call("session_stats", session_id))
+    async def session_stats(self, session_id: str) -> SessionFigures | None:
+        return cast("SessionFigures | None", await self._session_call("session_stats", session_id))
 
     async def abort(self, request_id: str) -> None:
         """Ends a request now with finish_reason 'abort'; its stream receives the final output."""
@@ -242,6 +196,7 @@ class AsyncFleet:
     update_weights = _in_thread(Fleet.update_weights)
     finish_weight_update = _in_thread(Fleet.finish_weight_update)
     abort_weight_update = _in_thread(Fleet.abort_weight_update)
+    set_change_version = _in_thread(Fleet.set_change_version)
     shutdown_weight_transfer_engine = _in_thread(Fleet.shutdown_weight_transfer_engine)
     update_weight_version = _in_thread(Fleet.update_weight_version)
     load_lora_adapter = _in_thread(Fleet.load_lora_adapter)

@@ -267,6 +267,18 @@ class FleetChanges(FleetReplicas):
             self._session = None
             self._abort(members)
 
+    def set_change_version(self, weight_version: VersionArg, session_token: str | None = None) -> None:
+        """Records on the open session the version it is to commit as (`FleetChange.version`; see
+        `AsyncLLMEngine.set_change_version`)."""
+        parse_version(weight_version)
+        with self._lock:
+            session = self._session
+            if session is None:
+                raise RuntimeError("no weight-update session is open; call start_weight_update() first")
+            if session_token is not None and session_token != session.token:
+                raise RuntimeError("this weight-update session belongs to another caller (its session_token differs)")
+            session.version = weight_version
+
     def _check_no_session(self, method: str) -> None:
         if self._session is not None:
             raise RuntimeError(f"{method}() while a fleet weight-update session is open; finish or abort it first")

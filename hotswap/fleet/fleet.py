@@ -41,12 +41,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from hotswap.config import apply_overrides, live_overrides
+from hotswap.engine.client import EngineStatus
 from hotswap.errors import EngineBusy, EngineUnavailable, EngineUnresponsive
 from hotswap.fleet.loras import FleetLoRAs
 from hotswap.fleet.replica import ReplicaServer as Replica
 from hotswap.fleet.replicas import ReplicaDown, _cause, _check_atomic, _first_line, _Member, _ray, _with_replica
 from hotswap.fleet.router import request_cost
-from hotswap.inputs import PromptType, chat_prompts, per_prompt, per_prompt_lora, stage
+from hotswap.inputs import PromptType, Tokenizer, chat_prompts, per_prompt, per_prompt_lora, stage
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
@@ -66,8 +67,30 @@ class Fleet(FleetLoRAs):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def status(self) -> EngineStatus:
+        """The fleet's state now: its own versions, pause, sleep and open change, and its up replicas' figures
+        as of their last health check (a draft is stale while any replica's is; requests are those routed)."""
+        statuses = [m.status for m in self.members if m.state == "up" and m.status is not None]
+        return EngineStatus(
+            weight_version=self.version,
+            weight_version_label=self.labels.label(self.version),
+            draft_weight_version=self.draft_version,
+            draft_weight_version_label=self.labels.label(self.draft_version),
+            draft_stale=any(s.draft_stale for s in statuses),
+            paused=self.paused,
+            pause_mode=self.pause_mode,
+            refusing_new_requests=self.pausing and self.pause_mode in ("abort", "wait"),
+            asleep=self.asleep,
+            health_problem=self.health_problem(),
+            requests=len(self.router.in_flight()),
+            running=sum(s.running for s in statuses),
+            waiting=sum(s.waiting for s in statuses),
+            stats=self.stats(),
+            change=self._session,
+        )
 
     def next_request_id(self) -> str:
         return f"fleet-{next(self._ids)}"
@@ -221,7 +244,7 @@ class Fleet(FleetLoRAs):
     def _settle_sleep(self) -> None:
         """`asleep` as the replicas say: while any sleeps (or none answers), the fleet counts as asleep."""
         statuses = self._call(self._up(), Replica.status, timeout=60)[0]
-        self.asleep = any(st["asleep"] for st in statuses.values()) if statuses else self.asleep
+        self.asleep = any(st.asleep for st in statuses.values()) if statuses else self.asleep
 
     def reset_prefix_cache(self) -> None:
         self._all(self._up(), Replica.reset_prefix_cache, down_ok=True)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hotswap.errors import EngineUnavailable
+from hotswap.fleet.replica import ReplicaStatus
+from hotswap.weights.version import VersionArg
 from hotswap.worker.session import WeightUpdateFailed
 
 
@@ -33,6 +35,7 @@ class FleetChange:
     token: str
     target: str
     started: float = dataclasses.field(default_factory=time.monotonic)
+    version: VersionArg = None  # the version it commits as (None: the next; `set_change_version`)
 
 
 class _FolderChanged(RuntimeError):
@@ -48,7 +51,7 @@ class _Member:
     state: str = "starting"  # starting (a restart) | joining (add_replicas) | up | down | removed
     leaving: bool = False  # remove_replicas: out of routing and of new changes, draining until it is stopped
     version: int = 0
-    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    status: ReplicaStatus | None = None  # its last health report (None: none yet)
     restarts: int = 0
     error: str | None = None
     restored_from: str | None = None  # after a restart: "folder" or "copy" (of a live replica's weights)

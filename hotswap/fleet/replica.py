@@ -21,13 +21,49 @@ from typing import Any, cast
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.async_llm_engine import AsyncLLMEngine, engine_status
+from hotswap.engine.client import EngineStatus
 from hotswap.engine.llm_engine import LLMEngine
+from hotswap.inputs import PromptType
 from hotswap.lora.adapter import LoRAFactor
 from hotswap.lora.peft_format import LoRASpec
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStatus(EngineStatus):
+    """A replica's `EngineStatus` (its open change left out), with what the fleet tracks it by: its index, its
+    process, its engine state, a dead worker process (`workers_problem`; invalid weights are no reason to restart
+    it) and the requests it was given."""
+
+    index: int = 0
+    pid: int = 0
+    state: str = ""
+    workers_problem: str | None = None
+    served: int = 0
+
+    def report(self) -> dict[str, object]:
+        """The replica's last health report as `/fleet_status` answers it."""
+        return {
+            "index": self.index,
+            "pid": self.pid,
+            "weight_version": self.weight_version,
+            "weight_version_label": self.weight_version_label,
+            "draft_weight_version": self.draft_weight_version,
+            "draft_stale": self.draft_stale,
+            "state": self.state,
+            "paused": self.paused,
+            "asleep": self.asleep,
+            "refusing": self.refusing_new_requests,
+            "pause_mode": self.pause_mode,
+            "requests": self.requests,
+            "health_problem": self.health_problem,
+            "workers_problem": self.workers_problem,
+            "stats": dict(self.stats),
+            "served": self.served,
+        }
 
 
 class ReplicaServer(AsyncLLMEngine):
@@ -40,32 +76,24 @@ class ReplicaServer(AsyncLLMEngine):
         self.index = index
         self.served = 0
 
-    async def status(self) -> dict[str, Any]:
-        """What the fleet routes and reports by; answers at once (no engine lock)."""
+    def status(self) -> ReplicaStatus:
+        """What the fleet routes and reports by; answers at once (no engine lock). The open change stays here
+        (the fleet keeps its own)."""
         e = self.engine
-        return {
-            "index": self.index,
-            "pid": os.getpid(),
-            "weight_version": e.weight_version,
-            "weight_version_label": e.weight_version_label,
-            "draft_weight_version": e.draft_weight_version,
-            "draft_stale": e.draft_stale,
-            "state": e.state.value,
-            "paused": e.is_paused(),
-            "asleep": e.is_asleep(),
-            "refusing": e.refusing_new_requests(),
-            "pause_mode": e.pause_mode,
-            "requests": len(e.requests),
-            "health_problem": e.health_problem(),
-            "workers_problem": e.executor.health_problem(),  # a dead worker process
-            "stats": e.stats(),
-            "served": self.served,
-        }
+        now = engine_status(e)
+        return ReplicaStatus(
+            **{f.name: getattr(now, f.name) for f in dataclasses.fields(EngineStatus) if f.name != "change"},
+            index=self.index,
+            pid=os.getpid(),
+            state=e.state.value,
+            workers_problem=e.executor.health_problem(),
+            served=self.served,
+        )
 
     # ---- requests -----------------------------------------------------------------------------------------
 
     async def stream(
-        self, prompt: Any, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
+        self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs (called with num_returns="streaming"; cancelling the call aborts it)."""
         self.served += 1
@@ -74,7 +102,7 @@ class ReplicaServer(AsyncLLMEngine):
 
     async def generate_batch(
         self,
-        prompts: list[Any],
+        prompts: list[PromptType],
         params: list[SamplingParams],
         request_ids: list[str],
         lora_requests: list[LoRARequest | None] | None = None,
@@ -82,7 +110,9 @@ class ReplicaServer(AsyncLLMEngine):
         """Generates every prompt concurrently (prompt k with adapter `lora_requests[k]`, if given) and returns
         their final outputs, in order."""
 
-        async def one(prompt: Any, sp: SamplingParams, request_id: str, lora: LoRARequest | None) -> RequestOutput:
+        async def one(
+            prompt: PromptType, sp: SamplingParams, request_id: str, lora: LoRARequest | None
+        ) -> RequestOutput:
             last = None
             async for out in self.generate(
                 prompt, dataclasses.replace(sp, output_kind="final_only"), request_id, lora_request=lora
@@ -119,7 +149,7 @@ class ReplicaServer(AsyncLLMEngine):
 
     async def adopt_weights(
         self,
-        states: list[dict[str, Any]],
+        states: list[dict[str, torch.Tensor]],
         weight_version: int,
         draft_weight_version: int | None = None,
         labels: dict[int, str] | None = None,
@@ -150,23 +180,21 @@ class ReplicaServer(AsyncLLMEngine):
                 registry.prepare(lora_name, lora_path, tensors, peft_config, lora_int_id, load_inplace, pinned)
             ).int_id
 
-        return cast(int, await self._locked(prepare))
+        return await self._locked(prepare)
 
     async def commit_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Phase two: the prepared version of `lora_name` is served from now on; returns its description."""
         registry = self._registry()
-        return cast(
-            "dict[str, Any]", await self._locked(lambda: registry.description(registry.commit_held(lora_name).name))
-        )
+        return await self._locked(lambda: registry.description(registry.commit_held(lora_name).name))
 
     async def abort_lora_adapter(self, lora_name: str) -> bool:
         """Drops a prepared load of `lora_name` from every worker; False if none was prepared."""
         registry = self._registry()
-        return cast(bool, await self._locked(registry.abort_held, lora_name))
+        return await self._locked(registry.abort_held, lora_name)
 
     async def export_loras(self) -> list[dict[str, Any]]:
         """Every adapter this replica serves, whole (`lora_exports`)."""
-        return cast("list[dict[str, Any]]", await self._locked(lora_exports, self.engine))
+        return await self._locked(lora_exports, self.engine)
 
     async def adopt_loras(self, adapters: list[dict[str, Any]]) -> None:
         """Loads adapters as `export_loras` describes them (`adopt_lora_exports`): a restarted replica takes the

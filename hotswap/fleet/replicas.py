@@ -34,6 +34,7 @@ from hotswap.fleet.members import (
 )
 from hotswap.fleet.replica import ReplicaServer
 from hotswap.fleet.router import Router
+from hotswap.inputs import Tokenizer
 from hotswap.weights.version import VersionLabels
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class FleetReplicas(CatchUp):
         from hotswap.engine.tokenizer import load_tokenizer
 
         assert self.config.model_config.tokenizer is not None  # EngineConfig defaults it to the model's folder
-        self.tokenizer: Any = load_tokenizer(self.config.model_config.tokenizer)
+        self.tokenizer: Tokenizer = load_tokenizer(self.config.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.router = Router()
         self.version = 0  # orders versions; labels given by clients are kept beside it
@@ -332,8 +333,8 @@ class FleetReplicas(CatchUp):
                 else:
                     if member.ping_actor is member.actor:
                         member.status = status
-                        if status["workers_problem"]:  # a dead worker process; invalid weights are no reason
-                            self._failed(member, f"unhealthy: {status['workers_problem']}", member.ping_actor)
+                        if status.workers_problem:  # a dead worker process; invalid weights are no reason
+                            self._failed(member, f"unhealthy: {status.workers_problem}", member.ping_actor)
                 member.ping = None
             elif time.monotonic() - member.ping_sent > self._health_timeout:
                 member.ping = None
@@ -539,7 +540,7 @@ class FleetReplicas(CatchUp):
                     "error": m.error,
                     "routed": self.router.routed.get(m.index, 0),
                     "outstanding_tokens": self.router.outstanding(m.index),
-                    **{"status": dict(m.status)},
+                    "status": {} if m.status is None else m.status.report(),
                 }
                 for m in self.members
             ]
@@ -552,7 +553,7 @@ class FleetReplicas(CatchUp):
         for m in members:
             if m.state != "up":
                 continue
-            for key, value in (m.status.get("stats") or {}).items():
+            for key, value in (m.status.stats if m.status is not None else {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith("num_"):
                     totals[key] = totals.get(key, 0) + value
         fleet = {

@@ -41,13 +41,20 @@ import hotswap.entrypoints.server.join as join
 import hotswap.entrypoints.server.openai as openai
 import hotswap.entrypoints.server.scoring as scoring
 import hotswap.entrypoints.server.sglang as sglang
+import hotswap.entrypoints.server.sglang_weights as sglang_weights
 import hotswap.entrypoints.server.vllm_rl as vllm_rl
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.engine.client import EngineClient
 from hotswap.entrypoints import openai_protocol as oai
 from hotswap.entrypoints.metrics import Metrics
-from hotswap.entrypoints.server.state import ApiError, ChatSettings, RequestLimits, ServerState, get_state
-from hotswap.fleet.async_fleet import AsyncFleet
+from hotswap.entrypoints.server.state import (
+    ENGINE_ERRORS,
+    ApiError,
+    ChatSettings,
+    RequestLimits,
+    ServerState,
+    api_error,
+    get_state,
+)
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_LIMITS = RequestLimits()
@@ -140,6 +147,13 @@ def require_ready(request: Request) -> None:
 
 async def _api_error(_: Request, err: ApiError) -> JSONResponse:
     return JSONResponse(oai.error_body(err.message, err.kind, err.status), status_code=err.status, headers=err.headers)
+
+
+async def _engine_error(request: Request, err: Exception) -> JSONResponse:
+    """An engine error a route let through, answered as `api_error` maps it (400, 409, 503, 504)."""
+    mapped = api_error(err)
+    assert mapped is not None  # handlers are registered for ENGINE_ERRORS alone
+    return await _api_error(request, mapped)
 
 
 async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -260,7 +274,7 @@ def create_app(
         )
 
     app = FastAPI(title="hotswap", version="0.1.0", lifespan=_lifespan)
-    metrics = health.server_metrics(isinstance(engine, AsyncFleet), engine.engine.weight_version_label)
+    metrics = health.server_metrics(engine.replicas is not None, engine.status().weight_version_label)
     app.state.server = ServerState(
         engine=engine,
         served_model_name=served_model_name,
@@ -270,7 +284,7 @@ def create_app(
         admin_key=admin_key,
         admin_auth=admin_auth,
         allowed_hosts=allowed_hosts,
-        vocab_size=int(engine.engine.config.model_config.hf_config.get("vocab_size", 0)),
+        vocab_size=int(engine.config.model_config.hf_config.get("vocab_size", 0)),
         chat=chat or ChatSettings(),
     )
     app.state.lora_modules = list(lora_modules)
@@ -278,6 +292,8 @@ def create_app(
     if join_source is not None:
         app.state.server.not_ready = f"catching up with {join_source.url} (--join)"
     app.exception_handler(ApiError)(_api_error)
+    for kind in ENGINE_ERRORS:  # what a route lets an engine call raise
+        app.exception_handler(kind)(_engine_error)
     app.exception_handler(RequestValidationError)(_validation)
     app.exception_handler(StarletteHTTPException)(_http)
     app.add_middleware(Guard, limits=limits, metrics=metrics)
@@ -285,7 +301,7 @@ def create_app(
     # FastAPI takes the first route that matches: the order below is the order routes are tried (and listed)
     ready = Depends(require_ready)
     user, admin = [Depends(user_auth), ready], [Depends(require_admin), ready]
-    one_engine = isinstance(engine, AsyncLLMEngine)  # SGLang's admin routes reach into one engine's scheduler
+    one_engine = engine.local is not None  # SGLang's admin routes and /export_state serve one engine
     app.include_router(health.router)
     app.include_router(openai.router, dependencies=user)
     app.include_router(chat_routes.router, dependencies=user)
@@ -296,10 +312,11 @@ def create_app(
         return app
     if one_engine:
         app.include_router(sglang.admin_router, dependencies=admin)
+        app.include_router(sglang_weights.weights_router, dependencies=admin)
         app.include_router(join.router, dependencies=admin)
     else:
         app.include_router(fleet.router, dependencies=admin)
-    app.include_router(sglang.lora_router, dependencies=admin)
+    app.include_router(sglang_weights.lora_router, dependencies=admin)
     app.include_router(vllm_rl.router, dependencies=admin)
     app.include_router(openai.tokenizer_router, dependencies=user)  # served only with the admin routes on
     return app

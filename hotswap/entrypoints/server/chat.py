@@ -122,7 +122,7 @@ class ChatPlan:
         if ids and c.finish_reason == "stop" and not isinstance(c.stop_reason, str):  # ended by EOS or a stop token
             ids = ids[:-1]
         keep = self.parser is not None and self.parser.special_marker
-        return state.engine.engine.detokenizer.decode(ids, self.body.skip_special_tokens and not keep)
+        return state.engine.detokenizer.decode(ids, self.body.skip_special_tokens and not keep)
 
 
 async def plan_of(body: oai.ChatCompletionRequest, state: ServerState) -> tuple[ChatPlan, list[int]]:
@@ -135,7 +135,7 @@ async def plan_of(body: oai.ChatCompletionRequest, state: ServerState) -> tuple[
 
 
 @router.post("/v1/chat/completions/render")
-async def render(body: oai.ChatCompletionRequest, state: StateDep) -> dict[str, Any]:
+async def render(body: oai.ChatCompletionRequest, state: StateDep) -> dict[str, object]:
     """The prompt token ids (and text) `/v1/chat/completions` would run for this body; nothing is generated."""
     await state.model_lora(body.model)  # the served model or a loaded adapter (the rendering is the same)
     _, ids = await plan_of(body, state)
@@ -143,7 +143,7 @@ async def render(body: oai.ChatCompletionRequest, state: StateDep) -> dict[str, 
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state: StateDep) -> Any:
+async def chat_completions(body: oai.ChatCompletionRequest, http: Request, state: StateDep) -> object:
     lora = await state.model_lora(body.model)
     name, vocab = body.model, state.vocab_size
     top_n = body.top_logprobs or 0

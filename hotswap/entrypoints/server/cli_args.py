@@ -9,6 +9,7 @@ import socket
 
 from hotswap.config import LoRAConfig
 from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.client import EngineClient
 from hotswap.entrypoints.chat_output import REASONING_PARSERS
 from hotswap.entrypoints.server.app import LOOPBACK_NAMES, check_keys, create_app, is_loopback
 from hotswap.entrypoints.server.join import JoinSource
@@ -367,7 +368,7 @@ def serve(args: argparse.Namespace) -> int:
         max_cpu_loras=args.max_cpu_loras,
         lora_version_policy=args.lora_version_policy,
     )
-    engine: AsyncLLMEngine | AsyncFleet
+    engine: EngineClient
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     # the port is bound before the engine starts: a port in use fails at once, and the worker processes (Ray's

@@ -37,10 +37,10 @@ async def start(
     while waiting."""
     started = time.perf_counter()
     engine = state.engine
-    if engine.engine.refusing_new_requests():
+    if engine.status().refusing_new_requests:
         raise ApiError(
             503,
-            f"generation is paused (mode {engine.engine.pause_mode!r}); retry after /resume",
+            f"generation is paused (mode {engine.status().pause_mode!r}); retry after /resume",
             "service_unavailable",
             {"Retry-After": "1"},
         )
@@ -107,7 +107,7 @@ async def next_output(
             if arrived:
                 break
             now = time.monotonic()
-            paused_since = (paused_since or now) if state.engine.engine.is_paused() else None
+            paused_since = (paused_since or now) if state.engine.status().paused else None
             if paused_since is not None and now - paused_since > limits.max_pause_wait_s:
                 raise ApiError(
                     503,
@@ -115,7 +115,7 @@ async def next_output(
                     "service_unavailable",
                     {"Retry-After": "5"},
                 )
-        return await state.guarded(pending)
+        return await pending
     finally:
         if not pending.done():  # ended early (an error above, or this handler cancelled): stop the wait
             pending.cancel()

@@ -16,7 +16,6 @@ from hotswap.entrypoints.metrics import Metrics
 from hotswap.entrypoints.openai_protocol import error_body
 from hotswap.entrypoints.server.state import StateDep
 from hotswap.errors import EngineBusy, EngineUnresponsive
-from hotswap.fleet.async_fleet import AsyncFleet
 
 router = APIRouter()
 
@@ -101,7 +100,7 @@ def server_metrics(fleet: bool, weight_version_label: str) -> Metrics:
 async def health(state: StateDep) -> JSONResponse:
     if state.not_ready is not None:  # --join: catching up with a live server (or it failed to)
         return JSONResponse({"status": "not_ready", "reason": state.not_ready}, status_code=503)
-    problem = state.engine.engine.health_problem()
+    problem = state.engine.status().health_problem
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -130,15 +129,16 @@ async def liveness(state: StateDep, timeout_s: float = 5.0) -> JSONResponse:
 @router.get("/metrics", response_class=PlainTextResponse)
 async def get_metrics(state: StateDep) -> str:
     engine, metrics = state.engine, state.metrics
-    metrics.set("hotswap_requests_running", len(engine.engine.requests))
-    stats = engine.engine.stats()
+    now = engine.status()
+    metrics.set("hotswap_requests_running", now.requests)
+    stats = now.stats
     for key, name in (SPEC_METRICS | SESSION_METRICS).items():
         if key in stats:
             metrics.set(name, float(stats[key]))
-    if isinstance(engine, AsyncFleet):
+    if engine.replicas is not None:
         for key, name in FLEET_METRICS.items():
             metrics.set(name, float(stats[key]))
-        for replica in engine.fleet.replica_status():
+        for replica in engine.replicas.replica_status():
             label = str(replica["index"])
             metrics.set("hotswap_fleet_replica_up", float(replica["routable"]), replica=label)
             metrics.set("hotswap_fleet_replica_weight_version", float(replica["version_id"]), replica=label)

@@ -39,7 +39,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from hotswap.config import LIVE_FIELDS, EngineConfig
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
+from hotswap.engine.client import LocalEngine
 from hotswap.engine.llm_engine import LLMEngine
 from hotswap.engine.state import EngineState
 from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
@@ -68,10 +68,10 @@ class JoinSource:
 async def export_state(state: StateDep, weights: bool = Query(False)) -> StreamingResponse:
     """The committed state a joining server copies (see the module docstring); 409 while a weight update is open
     or the engine sleeps, 404 on a fleet's server (add replicas with /fleet/add_replicas)."""
-    engine = state.engine
-    if not isinstance(engine, AsyncLLMEngine):
+    engine = state.engine.local
+    if engine is None:
         raise ApiError(404, "this server runs a fleet: add replicas with /fleet/add_replicas", "not_found")
-    snapshot = await state.guarded(engine.between_steps(_snapshot, engine.engine, weights))
+    snapshot = await engine.between_steps(_snapshot, weights)
     return StreamingResponse(_frames(snapshot), media_type="application/octet-stream")
 
 
@@ -161,8 +161,8 @@ async def catch_up(state: ServerState, source: JoinSource) -> None:
     """Brings this server's engine to the live server's committed state, then opens its routes
     (`state.not_ready` None). Retries while the live server is busy or moves on, until `source.timeout_s`; a
     failure leaves the routes closed with the reason in `state.not_ready` (what /health answers)."""
-    engine = state.engine
-    assert isinstance(engine, AsyncLLMEngine)  # serve() refuses --join with a fleet
+    engine = state.engine.local
+    assert engine is not None  # serve() refuses --join with a fleet
     started = time.monotonic()
     deadline = started + source.timeout_s
     headers = {"Authorization": f"Bearer {source.admin_key}"} if source.admin_key else {}
@@ -203,10 +203,10 @@ async def catch_up(state: ServerState, source: JoinSource) -> None:
     )
 
 
-async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str, Any]:
+async def _attempt(engine: LocalEngine, http: httpx.AsyncClient) -> dict[str, Any]:
     """One try at the live server's state (see the module docstring); raises _Retry where trying again may do."""
     meta, loras, _ = await _fetch(http, weights=False)
-    config = engine.engine.config
+    config = engine.config
     changes = {
         section: {k: v for k, v in values.items() if _live_value(config, section, k) != v}
         for section, values in meta["config"].items()
@@ -228,13 +228,12 @@ async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str,
         await engine.adopt_weights(states, meta["version_id"], meta["draft_version_id"])
         if await engine.collective_rpc("weight_checksums", (_which(config),)) != meta["checksums"]:
             raise RuntimeError("the copied weights' checksums differ from the live server's")
-    engine.engine.weights.set_versions(
-        meta["version_id"], meta["draft_version_id"], {int(k): v for k, v in meta["labels"].items()}
-    )
+    labels = {int(k): v for k, v in meta["labels"].items()}
+    await engine.between_steps(_set_versions, meta["version_id"], meta["draft_version_id"], labels)
     if config.lora_config.enable_lora:
         for adapter in await engine.list_loras():  # the live server's adapters, and only those
             await engine.unload_lora_adapter(adapter["lora_name"])
-        await engine.between_steps(adopt_lora_exports, engine.engine, loras)
+        await engine.between_steps(adopt_lora_exports, loras)
         if await engine.list_loras() != meta["loras"]:
             raise RuntimeError(
                 f"the copied LoRA adapters {await engine.list_loras()} differ from the live server's {meta['loras']}"
@@ -248,6 +247,11 @@ async def _attempt(engine: AsyncLLMEngine, http: httpx.AsyncClient) -> dict[str,
             f"the live server moved on (it serves {live['weight_version']!r}, this copy {meta['weight_version']!r})"
         )
     return {"weight_version": meta["weight_version"], "restored_from": restored, "loras": len(meta["loras"])}
+
+
+def _set_versions(engine: LLMEngine, version: int, draft_version: int, labels: dict[int, str]) -> None:
+    """Numbers the served weights as the live server's, with its labels."""
+    engine.weights.set_versions(version, draft_version, labels)
 
 
 def _live_value(config: EngineConfig, section: str, name: str) -> Any:

@@ -59,11 +59,11 @@ def usage_chunk(model: str, request_id: str, created: int, kind: str, counts: di
 
 
 @router.get("/v1/models")
-async def models(state: StateDep) -> dict[str, Any]:
+async def models(state: StateDep) -> dict[str, object]:
     """The served model and, as vLLM lists them, each loaded LoRA adapter: `id` its name (what a request's `model`
     names to run with it), `root` its folder (None for one loaded from tensors), `parent` the served model; with
     hotswap's `lora_int_id` and adapter `version`."""
-    max_len = state.engine.engine.config.model_config.max_model_len
+    max_len = state.engine.config.model_config.max_model_len
     created = int(time.time())
     base = state.served_model_name
     cards: list[dict[str, Any]] = [
@@ -72,7 +72,7 @@ async def models(state: StateDep) -> dict[str, Any]:
             "object": "model",
             "created": created,
             "owned_by": "hotswap",
-            "root": state.engine.engine.config.model_config.model,
+            "root": state.engine.config.model_config.model,
             "parent": None,
             "max_model_len": max_len,
         }
@@ -95,7 +95,7 @@ async def models(state: StateDep) -> dict[str, Any]:
 
 
 @router.post("/v1/completions")
-async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> Any:
+async def completions(body: oai.CompletionRequest, http: Request, state: StateDep) -> object:
     lora = await state.model_lora(body.model)
     engine, name = state.engine, body.model
     prompts = body.prompts()
@@ -139,7 +139,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
         except BaseExceptionGroup as group_error:  # the first prompt's error, as one prompt would give it
             raise group_error.exceptions[0] from None
         outs = [task.result() for task in tasks]
-        firsts = [engine.engine.detokenizer.token_text(o.prompt_token_ids[0]) if body.echo else "" for o in outs]
+        firsts = [engine.detokenizer.token_text(o.prompt_token_ids[0]) if body.echo else "" for o in outs]
         return oai.completion_response(outs, name, request_id, shape, texts, firsts)
 
     counts = {"prompt": 0, "completion": 0}
@@ -161,7 +161,7 @@ async def completions(body: oai.CompletionRequest, http: Request, state: StateDe
 
 
 @tokenizer_router.post("/tokenize")
-async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
+async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, object]:
     tok = state.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give 'prompt' or 'messages'")
@@ -171,16 +171,16 @@ async def tokenize(body: TokenizeBody, state: StateDep) -> dict[str, Any]:
                 body.messages, add_generation_prompt=body.add_generation_prompt, tokenize=True, return_dict=False
             )
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
     except Exception as err:
         raise ApiError(400, f"cannot tokenize: {err}") from err
-    max_len = state.engine.engine.config.model_config.max_model_len
+    max_len = state.engine.config.model_config.max_model_len
     return {"tokens": list(ids), "count": len(ids), "max_model_len": max_len}
 
 
 @tokenizer_router.post("/detokenize")
-async def detokenize(body: DetokenizeBody, state: StateDep) -> dict[str, Any]:
-    vocab_size = int(state.engine.engine.config.model_config.hf_config.get("vocab_size", 0))
+async def detokenize(body: DetokenizeBody, state: StateDep) -> dict[str, object]:
+    vocab_size = int(state.engine.config.model_config.hf_config.get("vocab_size", 0))
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise ApiError(400, f"token ids must be in [0, {vocab_size})")
     return {"prompt": state.engine.tokenizer.decode(body.tokens)}

@@ -9,12 +9,11 @@ engine scores). Served for one engine; in front of a fleet the route answers 501
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from hotswap.engine.async_llm_engine import AsyncLLMEngine
 from hotswap.entrypoints.logprobs_wire import scores_json
 from hotswap.entrypoints.server.state import ApiError, StateDep
 
@@ -37,24 +36,22 @@ class ScoreTokensRequest(BaseModel):
 
 
 @router.post("/v1/score_tokens")
-async def score_tokens(body: ScoreTokensRequest, state: StateDep) -> dict[str, Any]:
+async def score_tokens(body: ScoreTokensRequest, state: StateDep) -> dict[str, object]:
     """{"object": "list", "model", "weight_version" (the label of the weights that scored), "data": one entry per
     sequence (`logprobs_wire.scores_json`: JSON lists, or with logprobs_format "base64" the compact arrays),
     "usage"}."""
     if body.model != state.served_model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist.", "NotFoundError")
-    engine = state.engine
-    if not isinstance(engine, AsyncLLMEngine):
+    engine = state.engine.local
+    if engine is None:
         raise ApiError(501, "/v1/score_tokens is served by one engine, not in front of a fleet", "not_implemented")
-    scores = await state.guarded(
-        engine.score_tokens(
-            [list(ids) for ids in body.input_ids],
-            body.temperature,
-            body.top_logprobs,
-            body.top_k,
-            body.top_p,
-            body.min_p,
-        )
+    scores = await engine.score_tokens(
+        [list(ids) for ids in body.input_ids],
+        body.temperature,
+        body.top_logprobs,
+        body.top_k,
+        body.top_p,
+        body.min_p,
     )
     tokens = sum(len(ids) for ids in body.input_ids)
     return {

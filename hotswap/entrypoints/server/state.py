@@ -6,21 +6,17 @@ Also here: `ApiError` (an error a route answers in OpenAI's error shape) and `Re
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from hotswap.engine.client import EngineClient
+from hotswap.engine.client import ChangeRecord, EngineClient
 from hotswap.entrypoints.metrics import Metrics
 from hotswap.errors import EngineUnavailable
 from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import SamplingParams
-from hotswap.weights.version import VersionArg
 from hotswap.worker.session import WeightUpdateFailed
-
-T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -68,15 +64,6 @@ class ChatSettings:
 
 
 @dataclass
-class SGLangSession:
-    """The `/begin_weight_update` session SGLang's routes opened: its token, and the weight_version its updates
-    gave (committed by `/end_weight_update`). None: no such session."""
-
-    token: str | None = None
-    version: VersionArg = None
-
-
-@dataclass
 class ServerState:
     """The server's engine (one `AsyncLLMEngine`, or an `AsyncFleet` of replicas), its settings and its
     request-spanning state. `vocab_size` is read from the model's config when the app is built."""
@@ -90,46 +77,38 @@ class ServerState:
     admin_auth: str  # "key" or "none"
     allowed_hosts: frozenset[str] | None  # Host header names admin routes answer to (None: any)
     vocab_size: int
-    # when the open vLLM-route weight update started (perf_counter), for hotswap_weight_update_seconds
-    update_started: float | None = None
-    sglang_session: SGLangSession = field(default_factory=SGLangSession)
+    # the token of the session SGLang's /begin_weight_update opened (its version and start are the engine's
+    # record, `status().change`); a session opened by another route is not SGLang's to feed or end
+    sglang_token: str | None = None
     chat: ChatSettings = field(default_factory=ChatSettings)
     # why the server does not serve yet (--join: catching up with a live server); None once it does
     not_ready: str | None = None
     # held while /generate loads an adapter named by a folder path (two requests naming it load it once)
 
-    @staticmethod
-    async def guarded(awaitable: Awaitable[T]) -> T:
-        """Awaits an engine call, mapping its errors to client errors: bad values 400, wrong state 409,
-        timeouts 504, an engine that cannot serve 503 (with Retry-After)."""
-        try:
-            return await awaitable
-        except ValueError as err:
-            raise ApiError(400, str(err)) from err
-        except TimeoutError as err:
-            raise ApiError(504, str(err), "timeout_error") from err
-        except WeightUpdateFailed as err:
-            raise ApiError(409, str(err), "weight_update_failed") from err
-        except EngineUnavailable as err:
-            raise ApiError(503, str(err), "service_unavailable", {"Retry-After": "5"}) from err
-        except RuntimeError as err:
-            raise ApiError(409, str(err), "conflict") from err
-
     def version_changed(self) -> None:
         """Brings the weight-version metrics to the engine's served version (after a committed change)."""
-        inner = self.engine.engine
-        self.metrics.set("hotswap_weight_version", inner.weight_version)
-        self.metrics.set_only("hotswap_weight_version_info", 1, weight_version=inner.weight_version_label)
+        now = self.engine.status()
+        self.metrics.set("hotswap_weight_version", now.weight_version)
+        self.metrics.set_only("hotswap_weight_version_info", 1, weight_version=now.weight_version_label)
 
-    def versions(self) -> dict[str, Any]:
+    def versions(self) -> dict[str, object]:
         """The served version's label, and with a speculative draft model the label of the version it was last
         updated for (strings, as vLLM's and SGLang's clients compare them)."""
-        inner = self.engine.engine
-        out: dict[str, Any] = {"weight_version": inner.weight_version_label}
-        if inner.config.draft_model_config is not None:
-            out["draft_weight_version"] = inner.version_labels.label(inner.draft_weight_version)
-            out["draft_stale"] = inner.draft_stale
+        now = self.engine.status()
+        out: dict[str, object] = {"weight_version": now.weight_version_label}
+        if self.engine.config.draft_model_config is not None:
+            out["draft_weight_version"] = now.draft_weight_version_label
+            out["draft_stale"] = now.draft_stale
         return out
+
+    def sglang_session(self) -> ChangeRecord | None:
+        """The open change while it is the session SGLang's /begin_weight_update opened (one that ended another
+        way, by abort, destroy or a vLLM-route finish, is forgotten)."""
+        change = self.engine.status().change
+        if self.sglang_token is None or change is None or change.token != self.sglang_token:
+            self.sglang_token = None
+            return None
+        return change
 
     def check_limits(self, stop: str | list[str] | None, params: SamplingParams) -> None:
         """Raises ValueError naming the limit a request exceeds: `n`, `max_tokens`, and the stop strings (searched
@@ -148,7 +127,7 @@ class ServerState:
 
     def check_lora_enabled(self) -> None:
         """Raises ValueError unless the engine serves LoRA adapters (the server was started with --enable-lora)."""
-        if not self.engine.engine.config.lora_config.enable_lora:
+        if not self.engine.config.lora_config.enable_lora:
             raise ValueError(
                 "LoRA is not enabled: start the server with --enable-lora (and --max-lora-rank, "
                 "--max-loras as the adapters need)"
@@ -156,7 +135,7 @@ class ServerState:
 
     async def loras(self) -> dict[str, dict[str, Any]]:
         """The loaded adapters by name (`EngineClient.list_loras`' entries); {} without LoRA."""
-        if not self.engine.engine.config.lora_config.enable_lora:
+        if not self.engine.config.lora_config.enable_lora:
             return {}
         return {d["lora_name"]: d for d in await self.engine.list_loras()}
 
@@ -170,6 +149,35 @@ class ServerState:
         if adapter is None:
             raise ApiError(404, f"The model `{name}` does not exist.", "NotFoundError")
         return LoRARequest(name, int(adapter["lora_int_id"]))
+
+
+def api_error(err: BaseException) -> ApiError | None:
+    """The client error an engine error is answered as (the app's exception handlers answer these): bad values
+    400, wrong state 409, timeouts 504, a failed weight change 409, an engine that cannot serve 503 (with
+    Retry-After). None for any other error (a 500)."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, ValueError):
+        return ApiError(400, str(err))
+    if isinstance(err, TimeoutError):
+        return ApiError(504, str(err), "timeout_error")
+    if isinstance(err, WeightUpdateFailed):
+        return ApiError(409, str(err), "weight_update_failed")
+    if isinstance(err, EngineUnavailable):
+        return ApiError(503, str(err), "service_unavailable", {"Retry-After": "5"})
+    if isinstance(err, RuntimeError):
+        return ApiError(409, str(err), "conflict")
+    return None
+
+
+ENGINE_ERRORS: tuple[type[Exception], ...] = (
+    ValueError,
+    TimeoutError,
+    WeightUpdateFailed,
+    EngineUnavailable,
+    RuntimeError,
+)
+"""The errors `api_error` maps: each has an exception handler in the app."""
 
 
 def get_state(request: Request) -> ServerState:

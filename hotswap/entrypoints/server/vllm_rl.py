@@ -3,8 +3,8 @@ transfer session), LoRA adapters (`/v1/load_lora_adapter`, `/v1/unload_lora_adap
 resume, sleep / wake_up, the prefix cache, aborting requests), the served weight version (read, rename), and
 inspection (`/server_info` in vLLM's `vllm_config` shape, world size, checksums, the allow-listed `/collective_rpc`).
 
-`create_app` includes `router` behind the admin key. Engine errors map to client errors as in
-`ServerState.guarded` (bad values 400, wrong state 409, timeouts 504); a committed weight change updates the
+`create_app` includes `router` behind the admin key. Engine errors map to client errors through the app's exception
+handlers (`state.api_error`: bad values 400, wrong state 409, timeouts 504); a committed weight change updates the
 weight-version metrics and answers the served version(s)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hotswap.entrypoints.server.bodies import (
     UpdateBody,
     WakeBody,
 )
-from hotswap.entrypoints.server.state import ApiError, ServerState, StateDep
+from hotswap.entrypoints.server.state import ENGINE_ERRORS, ApiError, ServerState, StateDep, api_error
 from hotswap.weights.version import parse_version
 
 T = TypeVar("T")
@@ -99,18 +99,16 @@ def vllm_config(config: Any, served_name: str, data_parallel_size: int = 1) -> d
 
 
 @router.post("/reload_weights")
-async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dict[str, Any]:
+async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dict[str, object]:
     start = time.perf_counter()
     body = body or ReloadBody()
-    await state.guarded(
-        state.engine.reload_weights(
-            weights_path=body.weights_path,
-            target=body.target,
-            weight_version=body.weight_version,
-            encoding=body.encoding,
-            base_version=body.base_version,
-            checksums=body.checksums,
-        )
+    await state.engine.reload_weights(
+        weights_path=body.weights_path,
+        target=body.target,
+        weight_version=body.weight_version,
+        encoding=body.encoding,
+        base_version=body.base_version,
+        checksums=body.checksums,
     )
     state.metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - start)
     state.version_changed()
@@ -119,49 +117,46 @@ async def reload_weights(state: StateDep, body: ReloadBody | None = None) -> dic
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: InitBody, state: StateDep) -> dict[str, str]:
-    await state.guarded(state.engine.init_weight_transfer_engine(body.init_info))
+    await state.engine.init_weight_transfer_engine(body.init_info)
     return {"status": "ok"}
 
 
 @router.post("/start_weight_update")
 async def start_weight_update(state: StateDep, body: StartBody | None = None) -> dict[str, str]:
-    token = await state.guarded(state.engine.start_weight_update((body or StartBody()).target))
-    state.update_started = time.perf_counter()
+    token = await state.engine.start_weight_update((body or StartBody()).target)
     return {"status": "ok", "session_token": token}
 
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateBody, state: StateDep) -> dict[str, str]:
-    await state.guarded(state.engine.update_weights(body.update_info, body.session_token))
+    await state.engine.update_weights(body.update_info, body.session_token)
     return {"status": "ok"}
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(state: StateDep, body: FinishBody | None = None) -> dict[str, Any]:
+async def finish_weight_update(state: StateDep, body: FinishBody | None = None) -> dict[str, object]:
     body = body or FinishBody()
     try:
         parse_version(body.weight_version)  # before anything moves; the session stays open for a retry
     except ValueError as err:
         raise ApiError(400, str(err)) from None
-    await state.guarded(state.engine.finish_weight_update(body.weight_version, body.session_token, body.canary))
-    if state.update_started is not None:
-        state.metrics.observe("hotswap_weight_update_seconds", time.perf_counter() - state.update_started)
-        state.update_started = None
+    change = state.engine.status().change  # the session's record: when it started
+    await state.engine.finish_weight_update(body.weight_version, body.session_token, body.canary)
+    if change is not None and change.token is not None:
+        state.metrics.observe("hotswap_weight_update_seconds", time.monotonic() - change.started)
     state.version_changed()
     return state.versions()
 
 
 @router.post("/abort_weight_update")
 async def abort_weight_update(state: StateDep, body: AbortBody | None = None) -> dict[str, str]:
-    await state.guarded(state.engine.abort_weight_update((body or AbortBody()).session_token))
-    state.update_started = None
+    await state.engine.abort_weight_update((body or AbortBody()).session_token)
     return {"status": "ok"}
 
 
 @router.post("/shutdown_weight_transfer_engine")
 async def shutdown_weight_transfer_engine(state: StateDep) -> dict[str, str]:
-    await state.guarded(state.engine.shutdown_weight_transfer_engine())
-    state.update_started = None
+    await state.engine.shutdown_weight_transfer_engine()
     return {"status": "ok"}
 
 
@@ -170,14 +165,16 @@ async def shutdown_weight_transfer_engine(state: StateDep) -> dict[str, str]:
 
 async def _lora_call(state: ServerState, awaitable: Awaitable[T]) -> T:
     """An engine LoRA call: its refusals as vLLM's 400 BadRequestError, as is any other error of reading the
-    adapter (a corrupt safetensors file); the engine's state errors as `guarded` maps them (409, 503, 504)."""
+    adapter (a corrupt safetensors file); the engine's state errors as `api_error` maps them (409, 503, 504)."""
     try:
-        return await state.guarded(awaitable)
-    except ApiError as err:
-        if err.status == 400:
-            raise ApiError(400, err.message, "BadRequestError") from err
-        raise
-    except Exception as err:  # nothing was loaded: the adapter could not be read
+        return await awaitable
+    except Exception as err:
+        mapped = api_error(err)
+        if mapped is not None and mapped.status == 400:
+            raise ApiError(400, mapped.message, "BadRequestError") from err
+        if mapped is not None:
+            raise mapped from err
+        # nothing was loaded: the adapter could not be read
         raise ApiError(400, f"cannot load the LoRA adapter: {type(err).__name__}: {err}", "BadRequestError") from err
 
 
@@ -236,18 +233,16 @@ async def pause(
     body: PauseBody | None = None,
     mode: str | None = Query(None, pattern="^(abort|wait|keep)$"),
     clear_cache: bool | None = Query(None),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Pauses generation; `mode` and `clear_cache` from the query string (vLLM's form) or the JSON body."""
     body = body or PauseBody()
-    await state.guarded(
-        state.engine.pause_generation(mode or body.mode, body.clear_cache if clear_cache is None else clear_cache)
-    )
+    await state.engine.pause_generation(mode or body.mode, body.clear_cache if clear_cache is None else clear_cache)
     return {"paused": True, "status": "paused"}
 
 
 @router.post("/resume")
-async def resume(state: StateDep) -> dict[str, Any]:
-    await state.guarded(state.engine.resume_generation())
+async def resume(state: StateDep) -> dict[str, object]:
+    await state.engine.resume_generation()
     return {"paused": False, "status": "resumed"}
 
 
@@ -262,15 +257,15 @@ async def sleep(
     body: SleepBody | None = None,
     level: int | None = Query(None, ge=1, le=2),
     mode: str | None = Query(None, pattern="^(abort|wait)$"),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Releases memory (`level` from the query or the body); with `mode`, generation is paused that way first
     (requests in flight otherwise refuse the sleep)."""
     level = level or (body or SleepBody()).level
     if mode is not None:
-        await state.guarded(state.engine.pause_generation(mode))
+        await state.engine.pause_generation(mode)
     try:
-        await state.guarded(state.engine.sleep(level))
-    except ApiError:
+        await state.engine.sleep(level)
+    except ENGINE_ERRORS:
         if mode is not None:
             await state.engine.resume_generation()  # the pause was only for the sleep
         raise
@@ -280,27 +275,27 @@ async def sleep(
 @router.post("/wake_up")
 async def wake_up(
     state: StateDep, body: WakeBody | None = None, tags: Annotated[list[str] | None, Query()] = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Re-allocates what sleep released: `tags` (repeatable query parameter, or the body; none: all)."""
     chosen = tags if tags is not None else (body or WakeBody()).tags
-    await state.guarded(state.engine.wake_up(chosen))
-    return {"status": "sleeping" if state.engine.engine.is_asleep() else "awake", "tags": chosen}
+    await state.engine.wake_up(chosen)
+    return {"status": "sleeping" if state.engine.status().asleep else "awake", "tags": chosen}
 
 
 @router.get("/is_sleeping")
 async def is_sleeping(state: StateDep) -> dict[str, bool]:
-    return {"is_sleeping": state.engine.engine.is_asleep()}
+    return {"is_sleeping": state.engine.status().asleep}
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(state: StateDep) -> dict[str, Any]:
+async def reset_prefix_cache(state: StateDep) -> dict[str, object]:
     """Drops the prefix cache (query parameters and a body, as vLLM clients send them, are accepted)."""
-    await state.guarded(state.engine.reset_prefix_cache())
+    await state.engine.reset_prefix_cache()
     return {"status": "ok", "success": True}
 
 
 @router.post("/abort_requests")
-async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None) -> dict[str, Any]:
+async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None) -> dict[str, object]:
     """Group abort: ends the named requests and those whose id starts with `prefix` (neither: all of them) at
     once, with finish_reason 'abort' and their partial outputs; answers how many, and which."""
     body = body or AbortRequestsBody()
@@ -312,26 +307,28 @@ async def abort_requests(state: StateDep, body: AbortRequestsBody | None = None)
 
 
 @router.get("/weight_info")
-async def weight_info(state: StateDep) -> dict[str, Any]:
-    return {"weight_version": state.engine.engine.weight_version_label}
+async def weight_info(state: StateDep) -> dict[str, object]:
+    return {"weight_version": state.engine.status().weight_version_label}
 
 
 @router.post("/update_weight_version")
-async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, Any]:
+async def update_weight_version(body: RenameBody, state: StateDep) -> dict[str, object]:
     """Renames the served version (vLLM's and SGLang's route): weights, the integer version and requests stay
     as they are unless `abort_all_requests`, which ends every request with its partial output."""
-    label = await state.guarded(state.engine.update_weight_version(body.new_version, body.abort_all_requests))
+    label = await state.engine.update_weight_version(body.new_version, body.abort_all_requests)
     state.version_changed()
     return {"success": True, "message": "Weight version updated.", "new_version": label}
 
 
 @router.get("/server_info")
-async def server_info(state: StateDep, config_format: str = Query("json", pattern="^(json|text)$")) -> dict[str, Any]:
+async def server_info(
+    state: StateDep, config_format: str = Query("json", pattern="^(json|text)$")
+) -> dict[str, object]:
     """The engine's configuration in vLLM's shape (`vllm_config`), which RL clients read for the dtype, the
     context length and whether a weight transport is configured."""
     engine = state.engine
-    config = vllm_config(engine.engine.config, state.served_model_name, engine.data_parallel_size)
-    tp = engine.engine.config.parallel_config.tensor_parallel_size
+    config = vllm_config(engine.config, state.served_model_name, engine.data_parallel_size)
+    tp = engine.config.parallel_config.tensor_parallel_size
     sglang = {
         "tp_size": tp,
         "tensor_parallel_size": tp,
@@ -342,8 +339,8 @@ async def server_info(state: StateDep, config_format: str = Query("json", patter
         "num_gpus": 0,
         "disaggregation_mode": "null",
         "encoder_only": False,
-        "model_path": engine.engine.config.model_config.model,
-        "weight_version": engine.engine.weight_version_label,
+        "model_path": engine.config.model_config.model,
+        "weight_version": engine.status().weight_version_label,
     }
     return {
         "vllm_config": config if config_format == "json" else json.dumps(config),
@@ -354,7 +351,7 @@ async def server_info(state: StateDep, config_format: str = Query("json", patter
 
 
 @router.get("/get_weight_version")
-async def get_weight_version(state: StateDep) -> dict[str, Any]:
+async def get_weight_version(state: StateDep) -> dict[str, object]:
     return state.versions()
 
 
@@ -365,17 +362,17 @@ async def get_world_size(state: StateDep) -> dict[str, int]:
 
 
 @router.get("/weight_checksums")
-async def weight_checksums(state: StateDep) -> dict[str, Any]:
-    checksums = (await state.guarded(state.engine.collective_rpc("weight_checksums")))[0]  # rank 0 (of replica 0)
-    return {"weight_version": state.engine.engine.weight_version_label, "checksums": checksums}
+async def weight_checksums(state: StateDep) -> dict[str, object]:
+    checksums = (await state.engine.collective_rpc("weight_checksums"))[0]  # rank 0 (of replica 0)
+    return {"weight_version": state.engine.status().weight_version_label, "checksums": checksums}
 
 
 @router.post("/collective_rpc")
-async def collective_rpc(body: RpcBody, state: StateDep) -> dict[str, Any]:
+async def collective_rpc(body: RpcBody, state: StateDep) -> dict[str, object]:
     if body.method not in RPC_ALLOWLIST:
         raise ApiError(403, f"method {body.method!r} is not allowed; allowed: {sorted(RPC_ALLOWLIST)}", "forbidden")
     try:
-        results = await state.guarded(state.engine.collective_rpc(body.method, tuple(body.args), body.kwargs))
+        results = await state.engine.collective_rpc(body.method, tuple(body.args), body.kwargs)
     except TypeError as err:  # arguments the method does not take
         raise ApiError(400, f"{body.method}(): {err}") from err
     return {"results": results}
