@@ -18,7 +18,7 @@ tensor (there and back), and a LoRA adapter's new version (streams running throu
 mode). Modes and kinds are interleaved, `--reps` times.
 
     python -m benchmarks.staged_updates [--shape 125m|0.5b] [--kinds full,delta,lora] [--streams 4] [--reps 3]
-        [--slice-ms 4]
+        [--slice-ms 3]
 
 Prints a table and ends with one JSON line of figures.
 """
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="full,delta,lora", help="updates to time: full, delta, lora")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--slice-ms", type=float, default=4.0)
+    parser.add_argument("--slice-ms", type=float, default=3.0)
     args = parser.parse_args()
     print(
         f"CPU: {cpu_description()}, {torch.get_num_threads()} threads; shape {args.shape}, fp32, "

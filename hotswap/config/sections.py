@@ -192,7 +192,7 @@ class WeightTransferConfig:
     timeout_s: float = 60.0
     bucket_size_bytes: int = 256 * 1024 * 1024
     update_staging: str = "in_place"
-    staging_slice_ms: float = 4.0
+    staging_slice_ms: float = 3.0
     backup_device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -473,10 +473,14 @@ class AsyncLLMEngine:
         ValueError for a bad version, RuntimeError without an open session or with another session's token."""
         parse_version(weight_version)
         weights = self.engine.weights
-        weights.check_session(session_token)
-        if weights.change is None or weights.change.token is None:
-            raise RuntimeError("no weight-update session is open; call start_weight_update() first")
-        weights.change.version = weight_version
+
+        def record() -> None:  # between steps, as every other change of the open session
+            weights.check_session(session_token)
+            if weights.change is None or weights.change.token is None:
+                raise RuntimeError("no weight-update session is open; call start_weight_update() first")
+            weights.change.version = weight_version
+
+        await self._locked(record)
 
     async def get_weight_version(self, target: str = "model") -> int:
         return self.engine.draft_weight_version if target == "draft" else self.engine.weight_version

@@ -138,7 +138,8 @@ class LoRARegistry:
     ) -> Prepared:
         """Phase one of `load`: the new version is loaded on every worker under a fresh uid, but nothing served
         changes until `commit_prepared` (or `abort_prepared` drops it): how a fleet loads an adapter on every
-        replica or on none."""
+        replica or on none. Raises RuntimeError while another change of the adapter is open or prepared (one at a
+        time), ValueError for a bad name, id or adapter."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
         self._check_idle(name)
@@ -293,10 +294,9 @@ class LoRARegistry:
     # ---- loads prepared on every worker, committed or dropped later (a fleet's, on each replica) --------------
 
     def hold(self, prepared: Prepared) -> Prepared:
-        """Keeps `prepared` (from `prepare`) until `commit_held` or `abort_held` of its name."""
-        if prepared.name in self.prepared_loads:
-            self.abort_prepared(prepared)
-            raise RuntimeError(f"a load of LoRA adapter {prepared.name!r} is already prepared; commit or abort it")
+        """Keeps `prepared` (from `prepare`, which refuses a second change of one adapter) until `commit_held` or
+        `abort_held` of its name."""
+        assert prepared.name not in self.prepared_loads, "prepare() refuses a second change of one adapter"
         self.prepared_loads[prepared.name] = prepared
         return prepared
 

@@ -81,9 +81,10 @@ class Sessions:
 
     def totals(self) -> dict[str, int]:
         """Figures summed over the open sessions (for metrics)."""
+        stats = list(self.stats.values())  # one copy (atomic): read off the engine thread, which changes the dict
         return {
-            "session_later_prompt_tokens": sum(s.later_prompt_tokens for s in self.stats.values()),
-            "session_later_cached_tokens": sum(s.later_cached_tokens for s in self.stats.values()),
-            "open_sessions": len(self.stats),
+            "session_later_prompt_tokens": sum(s.later_prompt_tokens for s in stats),
+            "session_later_cached_tokens": sum(s.later_cached_tokens for s in stats),
+            "open_sessions": len(stats),
             "session_cached_blocks": len(self.block_manager.session_evictable) if self.block_manager else 0,
         }

@@ -239,7 +239,7 @@ class FleetChanges(FleetReplicas):
                 raise ValueError("weight_version and canary apply to the model; a LoRA update takes neither")
             self._session = None
             confirmed = self._two_phase(
-                members, Replica.prepare_weight_update, None, canary, version=weight_version, versioned=lora is None
+                members, Replica.prepare_weight_update, None, canary, version=weight_version, adapter=lora
             )
             if lora is None:
                 self._folder_current = False
@@ -309,38 +309,53 @@ class FleetChanges(FleetReplicas):
         for index, err in errors.items():
             self._failed(self.members[index], f"its rollback failed ({type(err).__name__}: {_first_line(err)})")
 
-    def _roll_back(self, members: list[_Member], errors: dict[int, BaseException], verb: Verb) -> None:
-        """After `verb` failed on some replicas: every other one aborts (restoring its weights); raises."""
+    def _roll_back(
+        self, members: list[_Member], errors: dict[int, BaseException], verb: Verb, adapter: str | None = None
+    ) -> None:
+        """After `verb` failed on some replicas: every other one aborts (restoring its weights); raises. `adapter`
+        (the name of the LoRA adapter whose next version failed): a user error is raised before a replica that
+        went down, and the message says the adapter is unchanged."""
         method = verb.__name__
         self._session = None
         self._abort([m for m in members if m.index not in errors])
         with self._lock:
             self.counters["updates_failed"] += 1
-        index, err = next(iter(errors.items()))
+        if adapter is None:
+            index, err = next(iter(errors.items()))
+        else:
+            index, err = min(errors.items(), key=lambda e: (isinstance(e[1], ReplicaDown), e[0]))
         if isinstance(err, (ValueError, TypeError)):
             raise _with_replica(err, index, method)
-        message = (
-            f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica "
+        outcome = (
             f"was rolled back and the fleet serves version {self.version}"
+            if adapter is None
+            else f"dropped the new version: LoRA adapter {adapter!r} is unchanged"
         )
-        if all(isinstance(e, TimeoutError) and not isinstance(e, ReplicaDown) for e in errors.values()):
+        message = (
+            f"replica {index} failed in {method}() ({type(err).__name__}: {_first_line(err)}); every replica {outcome}"
+        )
+        if adapter is None and all(
+            isinstance(e, TimeoutError) and not isinstance(e, ReplicaDown) for e in errors.values()
+        ):
             raise TimeoutError(message) from err  # e.g. a trainer that stopped sending
         raise FleetUpdateFailed(message) from err
 
     def _two_phase(
-        self, members: list[_Member], prepare: Verb, *args: Any, version: VersionArg = None, versioned: bool = True
+        self, members: list[_Member], prepare: Verb, *args: Any, version: VersionArg = None, adapter: str | None = None
     ) -> bool:
-        """Prepares on every member, then commits all with one version (not `versioned`: an adapter's change,
-        which numbers its own), or rolls all back (and raises). Returns
-        whether any replica confirmed its commit (if none did, the fleet is at the new version with no replica
-        holding it: the caller records where it came from, then raises `_no_commit`)."""
+        """Prepares on every member, then commits all with one version (with `adapter`, the name of the LoRA
+        adapter whose next version this is: no model version, the adapter numbers its own), or rolls all back (and
+        raises). Returns whether any replica confirmed its commit (if none did, a model change leaves the fleet at
+        the new version with no replica holding it: the caller records where it came from, then raises
+        `_no_commit`; an adapter's leaves the fleet's versions as they were)."""
+        versioned = adapter is None
         try:
             _, errors = self._call(members, prepare, *args, timeout=self._rpc_timeout)
         except BaseException:
             self._abort(members)
             raise
         if errors:
-            self._roll_back(members, errors, prepare)
+            self._roll_back(members, errors, prepare, adapter)
         number, label = parse_version(version)
         proposed = self.version + 1 if number is None else number
         results, errors = self._call(
@@ -351,6 +366,8 @@ class FleetChanges(FleetReplicas):
         # (model version, draft version, the model version's label) as the commits left them: the fleet takes the
         # replicas' own (a draft-only session leaves the model's version and label as they were)
         states = [tuple(r) for r in results.values()]
+        if not states and not versioned:
+            return False
         unconfirmed = (proposed, self.draft_version, label if label is not None else str(proposed))
         agreed = max(set(states), key=states.count) if states else unconfirmed
         odd = []

@@ -270,7 +270,7 @@ class FleetLoRAs(FleetChanges):
                 base_version,
                 checksums,
                 f"lora:{lora_name}",
-                versioned=False,
+                adapter=lora_name,
             )
             if not confirmed:
                 raise ReplicaDown(

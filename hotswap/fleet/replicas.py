@@ -267,6 +267,8 @@ class FleetReplicas(CatchUp):
         not answer within `timeout` or failed in Ray itself is marked down and its error is a `ReplicaDown`."""
         ray = _ray()
         method = verb.__name__
+        # the actor's method of that name must be `verb` itself (a generated verb carries its source's name)
+        assert getattr(ReplicaServer, method, None) is verb, f"{verb!r} is not ReplicaServer.{method}"
         calls = each if each is not None else [args] * len(members)
         actors = {m.index: m.actor for m in members}
         refs = {m.index: getattr(actors[m.index], method).remote(*a) for m, a in zip(members, calls, strict=True)}

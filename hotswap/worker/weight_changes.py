@@ -149,8 +149,9 @@ class WeightChanges:
     def _load(self, load: Load) -> int:
         """A reload of `load.part` (see `reload_weights`; an adapter's next version from pairs)."""
         self.session.expect(SessionState.NO_ENGINE, SessionState.READY, call="reload_weights")
-        self._check_awake("reload_weights")
         part = load.part
+        if isinstance(part, ModelPart):  # an adapter stays on the device while the model sleeps
+            self._check_awake("reload_weights")
         if load.weights_path is not None and load.weights_iterator is not None:
             raise ValueError("give weights_path or weights_iterator, not both")
         delta = is_delta(load.encoding)
@@ -179,7 +180,7 @@ class WeightChanges:
                 rename=self._rename_of(part),
                 staged=wt.update_staging == "shadow" and isinstance(part, ModelPart),
                 sliced=load.sliced,
-                backup_device=wt.backup_device,
+                backup_device=wt.backup_device if isinstance(part, ModelPart) else "cpu",
                 part=part,
             )
             if load.sliced:
@@ -230,7 +231,8 @@ class WeightChanges:
         self._start(ModelPart(check_target(target)))
 
     def _start(self, part: Part) -> None:
-        self._check_awake("start_weight_update")
+        if isinstance(part, ModelPart):  # an adapter stays on the device while the model sleeps
+            self._check_awake("start_weight_update")
         self.session.expect(SessionState.READY, call="start_weight_update")  # before anything changes here
         try:
             self.session.start(self._index_of(part), self._transfer_config(part), part)

@@ -160,7 +160,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--staging-slice-ms",
         type=float,
-        default=4.0,
+        default=3.0,
         help="with --update-staging shadow: how long an update is received between two steps",
     )
     parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes)

@@ -33,14 +33,15 @@ async def start(
     lora: LoRARequest | None = None,
 ) -> Generation:
     """Submits `prompt` (run with LoRA adapter `lora` if given) and waits for its first output. Raises ApiError 503
-    while generation is paused for new requests, and the errors of `ServerState.guarded` (and 499/503 as above)
-    while waiting."""
+    while generation is paused for new requests, and (499/503 as above, the app's exception handlers mapping the
+    engine's errors) while waiting."""
     started = time.perf_counter()
     engine = state.engine
-    if engine.status().refusing_new_requests:
+    now = engine.status()
+    if now.refusing_new_requests:
         raise ApiError(
             503,
-            f"generation is paused (mode {engine.status().pause_mode!r}); retry after /resume",
+            f"generation is paused (mode {now.pause_mode!r}); retry after /resume",
             "service_unavailable",
             {"Retry-After": "1"},
         )

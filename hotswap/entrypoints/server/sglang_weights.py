@@ -176,7 +176,7 @@ async def update_weights_from_distributed(body: DistributedBody, state: StateDep
         if error is not None:
             state.sglang_token = None  # the failed update ended (and rolled back) the session
         elif body.weight_version is not None:  # the version /end_weight_update commits
-            await engine.set_change_version(body.weight_version, session.token)
+            _, error = await ok_or_400(engine.set_change_version(body.weight_version, session.token))
         return error or {"success": True, "message": "Succeeded to update parameter online."}
     resume = await paused(engine, body.abort_all_requests)
     try:

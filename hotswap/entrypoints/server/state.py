@@ -83,7 +83,6 @@ class ServerState:
     chat: ChatSettings = field(default_factory=ChatSettings)
     # why the server does not serve yet (--join: catching up with a live server); None once it does
     not_ready: str | None = None
-    # held while /generate loads an adapter named by a folder path (two requests naming it load it once)
 
     def version_changed(self) -> None:
         """Brings the weight-version metrics to the engine's served version (after a committed change)."""
