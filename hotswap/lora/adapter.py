@@ -105,6 +105,7 @@ class LoRAAdapter(nn.Module):
             self.targets.setdefault(target.module_name, []).append((target.shard_id, module, lora_a, lora_b))
             self.layers[target.module_name] = layer
         self._packs: Packs | None = None
+        self._factors: list[torch.Tensor] | None = None
 
     def _add_experts(self, base: nn.Module, wrapper: str, rows: int, features: tuple[int, int], max_rank: int) -> None:
         """A targeted expert parameter (PEFT's `target_parameters`): which one follows from its factors' (in, out)
@@ -150,10 +151,17 @@ class LoRAAdapter(nn.Module):
         index.validating_keys = frozenset()
         return index
 
+    def factors(self) -> list[torch.Tensor]:
+        """Every factor's values, in the order of `parameters()` (listed once: walking the module tree costs
+        milliseconds, and the factors are fixed at construction)."""
+        if self._factors is None:
+            self._factors = [p.data for p in self.parameters()]
+        return self._factors
+
     def copy_from(self, other: LoRAAdapter) -> None:
         """This adapter's factors := `other`'s (same spec)."""
         with torch.no_grad():
-            for mine, theirs in zip(self.parameters(), other.parameters(), strict=True):
+            for mine, theirs in zip(self.factors(), other.factors(), strict=True):
                 mine.copy_(theirs)
         self._packs = None
 

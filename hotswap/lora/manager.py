@@ -78,10 +78,7 @@ class LoRAManager:
     def fill_pairs(self, old: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(the pending version's factor, version `old`'s) pairs: what `begin(..., fill=False)` left to copy."""
         assert self.pending is not None, "no pending version"
-        return [
-            (mine.data, theirs.data)
-            for mine, theirs in zip(self.pending[1].parameters(), self.get(old).parameters(), strict=True)
-        ]
+        return list(zip(self.pending[1].factors(), self.get(old).factors(), strict=True))
 
     def pack_steps(self) -> Generator[None, None, None]:
         """Builds the pending version's packs one base module per step (its tensors have all arrived); then
