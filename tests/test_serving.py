@@ -9,6 +9,7 @@ import itertools
 import operator
 import os
 import random
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -100,19 +101,26 @@ def test_async_abort_and_cancellation(ckpts):
     assert 5 <= len(outs[-1].outputs[0].token_ids) < 200
 
 
-async def wait_tokens(engine: AsyncLLMEngine, count: int) -> None:
-    """Waits until every running request has produced at least `count` tokens."""
+async def wait_tokens(engine: AsyncLLMEngine, count: int, timeout_s: float = 60.0) -> None:
+    """Waits until every running request has produced at least `count` tokens. Fails (instead of waiting for ever)
+    when the requests it saw all finished first: the test's requests must outlast the time the test takes to look."""
+    seen = False
+    deadline = time.monotonic() + timeout_s
     while True:
         seqs = [s for r in engine.engine.requests.values() for s in r.seqs]
         if seqs and all(s.num_output_tokens >= count for s in seqs):
             return
+        seen = seen or bool(seqs)
+        assert not (seen and not seqs), f"the requests finished before each had {count} tokens"
+        assert time.monotonic() < deadline, f"the requests did not reach {count} tokens in {timeout_s:g} s"
         await asyncio.sleep(0.001)
 
 
 def test_pause_abort_keeps_partial_output(ckpts):
     async def main():
         engine = make_engine(ckpts["A"])
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        # long enough (about 0.5 s on an idle machine) that the pause lands mid-request even on a loaded one
+        params = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
         tasks = [asyncio.create_task(collect(engine, p, params)) for p in PROMPTS[:4]]
         await wait_tokens(engine, 3)
         await engine.pause_generation("abort")
@@ -129,7 +137,7 @@ def test_pause_abort_keeps_partial_output(ckpts):
     results, late_out = asyncio.run(main())
     for outs in results:
         final = outs[-1].outputs[0]
-        assert final.finish_reason == "abort" and 3 <= len(final.token_ids) < 200
+        assert final.finish_reason == "abort" and 3 <= len(final.token_ids) < 800
     assert late_out[-1].outputs[0].finish_reason == "length"
 
 

@@ -4,8 +4,10 @@
 - `peft_format.py`: an adapter's PEFT config and tensor names.
 - `adapter.py`: one adapter version as a module whose parameters carry PEFT's names, so the weight session's
   validation, transports, deltas, checksums and rollback apply to it unchanged.
-- `batch.py`: a forward pass's adapters, applied inside each targeted linear layer.
-- `manager.py`: the worker's adapters; `registry.py`: the engine's names, versions and users.
+- `manager.py`: the worker's adapters.
+- Elsewhere, by layer: a forward pass's adapters (`hotswap/model/lora_batch.py`, carried in the pass's
+  `StepContext`), and the engine's names, versions, users and changes (`hotswap/engine/lora_registry.py`,
+  `lora_updates.py`).
 """
 
 from hotswap.lora.request import LoRARequest

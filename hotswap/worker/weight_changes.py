@@ -3,7 +3,8 @@
 The engine sends them as commands (hotswap/worker/commands.py) that `apply` dispatches; the same verbs stay
 Worker methods for `collective_rpc` by name. What a change writes is its `Part` (the model, the draft, both, or
 an adapter's next version), kept by the session while the change is open: the verbs below never ask which kind
-of part it is; `_index_of`, `_rename_of`, `_config_of_part` and `_ended` do, once each.
+of part it is; the helpers beside them (`_index_of`, `_rename_of`, `_config_of`, `_transfer_config`,
+`_opened_sliced`, `_committed`, `_ended`) do.
 - `reload_weights(...)` and the transfer session update parameters in place (storage never rebound), validate
   before they mutate, and in atomic mode roll back bit for bit on any failure. With atomic off, a failed update
   leaves the worker refusing to execute until a successful full reload.
