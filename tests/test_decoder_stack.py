@@ -244,89 +244,45 @@ def test_native_stack_is_skipped_for_a_patched_module(ops, model_dirs):
     assert len(calls) == PARAMS.max_tokens  # the prefill and every decode step called the patched forward
 
 
+def call_stack(ops, x, layers: list, loras: list, lora_rows: list, onednn: list) -> None:
+    """`ops.decoder_layers` on four rows of `x` with one-layer settings, `layers`, the adapters' factors, their
+    row segments and the oneDNN handles as given."""
+    ops.decoder_layers(
+        x,
+        torch.zeros(4, dtype=torch.long),
+        layers,
+        [],
+        [],
+        torch.zeros(4, dtype=torch.long),
+        torch.zeros(4, 1, dtype=torch.long),
+        torch.ones(4, dtype=torch.long),
+        None,
+        None,
+        1,
+        1,
+        8,
+        1.0,
+        1e-6,
+        torch.ones(8),
+        True,
+        True,
+        True,
+        0,
+        0,
+        loras,
+        lora_rows,
+        onednn,
+    )
+
+
 def test_decoder_layers_rejects_bad_input(ops):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="entries per layer"):
-        ops.decoder_layers(
-            x,
-            torch.zeros(4, dtype=torch.long),
-            [None] * 5,
-            [],
-            [],
-            torch.zeros(4, dtype=torch.long),
-            torch.zeros(4, 1, dtype=torch.long),
-            torch.ones(4, dtype=torch.long),
-            None,
-            None,
-            1,
-            1,
-            8,
-            1.0,
-            1e-6,
-            torch.ones(8),
-            True,
-            True,
-            True,
-            0,
-            0,
-            [],
-            [],
-            [],
-        )
+        call_stack(ops, x, [None] * 5, [], [], [])
     with pytest.raises(RuntimeError, match="segment of lora_rows"):
-        ops.decoder_layers(
-            x,
-            torch.zeros(4, dtype=torch.long),
-            [],
-            [],
-            [],
-            torch.zeros(4, dtype=torch.long),
-            torch.zeros(4, 1, dtype=torch.long),
-            torch.ones(4, dtype=torch.long),
-            None,
-            None,
-            1,
-            1,
-            8,
-            1.0,
-            1e-6,
-            torch.ones(8),
-            True,
-            True,
-            True,
-            0,
-            0,
-            [None] * 3,
-            [0, 4],
-            [],
-        )
+        call_stack(ops, x, [], [None] * 3, [0, 4], [])
     with pytest.raises(RuntimeError, match="onednn must be empty or hold 4"):
-        ops.decoder_layers(
-            x,
-            torch.zeros(4, dtype=torch.long),
-            [],
-            [],
-            [],
-            torch.zeros(4, dtype=torch.long),
-            torch.zeros(4, 1, dtype=torch.long),
-            torch.ones(4, dtype=torch.long),
-            None,
-            None,
-            1,
-            1,
-            8,
-            1.0,
-            1e-6,
-            torch.ones(8),
-            True,
-            True,
-            True,
-            0,
-            0,
-            [],
-            [],
-            [True],
-        )
+        call_stack(ops, x, [], [], [], [True])
 
 
 def test_the_stack_runs_each_product_as_the_policy_chose(ops, model_dirs, monkeypatch, tmp_path):
